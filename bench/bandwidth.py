@@ -1,0 +1,350 @@
+"""bench/bandwidth.py: tiermem's data paths against the link's ceilings and plain Unified Memory.
+
+In one run, side by side, on 1 GiB (default) of data:
+  ceilings     pinned H2D, pinned D2H, both at once (cudaMalloc <-> pinned host, torch copies)
+  plain UM     prefetch to the host (UM's write-back), fault-in (a kernel touches host pages),
+               one-call prefetch in
+  tiermem      prefetch-in of a group of evicted tensors of various sizes, the same as separate
+               tensors, dirty eviction, clean eviction (read-mostly and shadow), prefetch-in
+               from the pinned shadow, zero-copy reads, prefetch-in and eviction at once
+and whether evicted device memory really goes back to other allocators.
+
+Times are CUDA-event medians after a warm-up, on random data. Total managed memory stays at
+3 GiB or less (shared/FACTS.md). Writes bench/results/bandwidth-<device>-<date>.json and .png.
+
+    python bench/bandwidth.py [--size-gib 1] [--reps 5] [--no-reclaim]
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import time
+
+from _common import cuda_times, gbps, median, plot_path, progress, table, write_results
+
+GiB = 1 << 30
+MiB = 1 << 20
+
+
+def piece_sizes(total: int) -> list[int]:
+    """A layer's worth of tensors of various sizes (MiB), scaled to ``total`` bytes."""
+    mib = [256, 128, 128, 96, 96, 64, 64, 48, 40, 32, 24, 16, 12, 8, 4, 4, 2, 1, 0.5, 0.25, 0.125, 0.125]
+    scale = total / (sum(mib) * MiB)
+    sizes = [max(4096, int(m * MiB * scale) // 4096 * 4096) for m in mib]
+    sizes[0] += total - sum(sizes)
+    return sizes
+
+
+def pcie_bytes():
+    """(tx, rx) byte counters of the PCIe link from NVML, or None where the driver has none."""
+    try:
+        import pynvml
+        pynvml.nvmlInit()
+        h = pynvml.nvmlDeviceGetHandleByIndex(0)
+        ids = [pynvml.NVML_FI_DEV_PCIE_COUNT_TX_BYTES, pynvml.NVML_FI_DEV_PCIE_COUNT_RX_BYTES]
+        vals = pynvml.nvmlDeviceGetFieldValues(h, ids)
+        if any(v.nvmlReturn != 0 for v in vals):
+            return None
+        return tuple(int(v.value.ullVal) for v in vals)
+    except Exception:
+        return None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--size-gib", type=float, default=1.0)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--no-reclaim", action="store_true")
+    args = ap.parse_args()
+
+    import torch
+    import tiermem
+    from tiermem import Location, _cuda
+    from tiermem._backend import _ArrayInterface
+
+    N = int(args.size_gib * GiB)
+    reps = args.reps
+    metrics: dict[str, float] = {}
+    checks: dict[str, bool] = {}
+    raw: dict = {"size_bytes": N, "reps": reps}
+    cur = lambda: torch.cuda.current_stream().cuda_stream  # noqa: E731
+
+    # ---- 1. ceilings ----------------------------------------------------------------------
+    progress("pinned ceilings")
+    d = torch.randint(0, 256, (N,), dtype=torch.uint8, device="cuda")
+    d2 = torch.empty_like(d)
+    h = torch.empty(N, dtype=torch.uint8, pin_memory=True)
+    h2 = torch.empty(N, dtype=torch.uint8, pin_memory=True)
+    h.copy_(d)
+    h2.copy_(d)
+    metrics["pinned_h2d_GBps"] = gbps(N, median(cuda_times(lambda: d2.copy_(h, non_blocking=True), reps)))
+    metrics["pinned_d2h_GBps"] = gbps(N, median(cuda_times(lambda: h.copy_(d, non_blocking=True), reps)))
+    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+
+    def both():
+        c = torch.cuda.current_stream()
+        s1.wait_stream(c)
+        s2.wait_stream(c)
+        with torch.cuda.stream(s1):
+            d2.copy_(h, non_blocking=True)
+        with torch.cuda.stream(s2):
+            h2.copy_(d, non_blocking=True)
+        c.wait_stream(s1)
+        c.wait_stream(s2)
+
+    metrics["pinned_bidir_total_GBps"] = gbps(2 * N, median(cuda_times(both, reps)))
+    del d2, h2
+
+    # ---- 2. plain Unified Memory ---------------------------------------------------------------
+    progress("plain Unified Memory baselines")
+    m = _cuda.managed_alloc(N, 0)
+    mv = torch.as_tensor(_ArrayInterface(m.ptr, N, None), device="cuda")
+    _cuda.prefetch(m.ptr, N, Location.DEVICE, 0, cur())
+    mv.copy_(d)
+    to_dev = lambda: (_cuda.prefetch(m.ptr, N, Location.DEVICE, 0, cur()), torch.cuda.synchronize())  # noqa: E731
+    to_host = lambda: (_cuda.prefetch(m.ptr, N, Location.HOST, 0, cur()), torch.cuda.synchronize())  # noqa: E731
+    metrics["um_prefetch_d2h_GBps"] = gbps(N, median(cuda_times(lambda: _cuda.prefetch(m.ptr, N, Location.HOST, 0, cur()), reps, setup=to_dev)))
+    metrics["um_prefetch_h2d_GBps"] = gbps(N, median(cuda_times(lambda: _cuda.prefetch(m.ptr, N, Location.DEVICE, 0, cur()), reps, setup=to_host)))
+    metrics["um_fault_in_GBps"] = gbps(N, median(cuda_times(lambda: mv.sum(dtype=torch.int64), reps, setup=to_host)))
+    checks["um_baseline_intact"] = bool(torch.equal(mv, d))
+    del mv, m
+    gc.collect()
+
+    tier = tiermem.Tier(0, cap="3GiB")
+    sizes = piece_sizes(N)
+    raw["piece_sizes"] = sizes
+    specs = [((n // 2,), "float16") for n in sizes]
+
+    def fill(group):
+        refs = []
+        for t in group:
+            v = t.torch()
+            v.copy_(torch.randn(v.shape, device="cuda", dtype=torch.float16))
+            refs.append(v.clone())
+        return refs
+
+    def intact(group, refs) -> bool:
+        return all(torch.equal(t.torch(writable=False), r) for t, r in zip(group, refs))
+
+    # ---- 3. separate tensors: one range each --------------------------------------------------
+    progress("prefetch-in of separate tensors (one range each)")
+    sep = [tier.empty(sh, dt, role="activation") for sh, dt in specs]
+    sep_refs = fill(sep)
+    gc.collect()
+    evict_um = lambda g: (tier.evict(g, _path="um"), torch.cuda.synchronize())  # noqa: E731
+    metrics["prefetch_in_separate_GBps"] = gbps(N, median(cuda_times(lambda: tier.prefetch(sep), reps, setup=lambda: evict_um(sep))))
+    checks["separate_intact"] = intact(sep, sep_refs)
+    del sep, sep_refs
+    gc.collect()
+
+    # ---- 4. a group of frozen weights: prefetch-in and clean (read-mostly) eviction -----------
+    progress("group prefetch-in and clean eviction (frozen_weight: read-mostly, host-preferred)")
+    W = tier.empty_group(specs, role="frozen_weight")
+    tier.prefetch(W)
+    w_refs = fill(W)
+    gc.collect()
+    evict_um(W)                                    # its host pages hold the data from now on
+    clean = lambda: (tier.evict(W), torch.cuda.synchronize())  # noqa: E731
+    metrics["prefetch_in_GBps"] = gbps(N, median(cuda_times(lambda: tier.prefetch(W), reps, setup=clean)))
+    moved_before = tier.stats()["moved_bytes.frozen_weight.d2h"]
+    pcie0 = pcie_bytes()
+    t_clean = cuda_times(lambda: tier.evict(W), reps, setup=lambda: (tier.prefetch(W), torch.cuda.synchronize()))
+    pcie1 = pcie_bytes()
+    moved = tier.stats()["moved_bytes.frozen_weight.d2h"] - moved_before
+    metrics["evict_clean_bytes_moved_fraction"] = moved / ((reps + 1) * N)
+    metrics["evict_clean_ms"] = round(median(t_clean) * 1e3, 3)
+    if pcie0 and pcie1:
+        raw["evict_clean_pcie_tx_rx_bytes_per_rep"] = [(b - a) / (reps + 1) for a, b in zip(pcie0, pcie1)]
+    tier.prefetch(W)
+    checks["group_intact"] = intact(W, w_refs)
+    gc.collect()
+    tier.evict(W)
+    checks["read_in_place_after_clean_evict"] = intact(W, w_refs)
+    gc.collect()
+
+    # ---- 5. a group of activations: dirty eviction and prefetch-in from the shadow ------------
+    progress("dirty eviction through the pinned shadow (activation group)")
+    A = tier.empty_group(specs, role="activation")
+    a_refs = fill(A)
+    gc.collect()
+    state = {"refs": a_refs}
+
+    def dirty_setup():
+        tier.prefetch(A)
+        views = [t.torch() for t in A]
+        for v in views:
+            v.mul_(-1)                             # new data every rep, never zeros, never inf
+        state["refs"] = [v.clone() for v in views]
+        del views
+        gc.collect()
+        torch.cuda.synchronize()
+
+    transfers = []
+    pcie0 = pcie_bytes()
+    t_dirty = cuda_times(lambda: transfers.append(tier.evict(A)), reps, setup=dirty_setup)
+    pcie1 = pcie_bytes()
+    metrics["evict_dirty_GBps"] = gbps(N, median(t_dirty))
+    raw["evict_dirty_transfer_GBps"] = [gbps(N, t.seconds) for t in transfers]
+    raw["evict_dirty_path_counts"] = {k: tier.stats()[f"ops.activation.{k}"] for k in ("evict", "evict_um", "evict_clean")}
+    if pcie0 and pcie1:
+        raw["evict_dirty_pcie_tx_rx_bytes_per_rep"] = [(b - a) / (reps + 1) for a, b in zip(pcie0, pcie1)]
+    checks["dirty_evict_took_shadow_path"] = all(t.in_shadow for t in A if t.nbytes >= 2 * MiB)
+
+    def shadowed():
+        dirty_setup()
+        tier.evict(A)
+        torch.cuda.synchronize()
+
+    metrics["prefetch_in_shadow_GBps"] = gbps(N, median(cuda_times(lambda: tier.prefetch(A), reps, setup=shadowed)))
+    checks["dirty_round_trip_intact"] = intact(A, state["refs"])
+    gc.collect()
+    # The same group marked read-only: its shadow stays valid, so eviction is a discard only.
+    for t in A:
+        t.advise(read_only=True)
+    tier.evict(A)
+    torch.cuda.synchronize()
+    moved_before = tier.stats()["moved_bytes.activation.d2h"]
+    t_sclean = cuda_times(lambda: tier.evict(A), reps, setup=lambda: (tier.prefetch(A), torch.cuda.synchronize()))
+    metrics["evict_clean_shadow_ms"] = round(median(t_sclean) * 1e3, 3)
+    metrics["evict_clean_shadow_bytes_moved_fraction"] = (tier.stats()["moved_bytes.activation.d2h"] - moved_before) / ((reps + 1) * N)
+    tier.prefetch(A)
+    checks["shadow_clean_round_trip_intact"] = intact(A, state["refs"])
+    for t in A:
+        t.advise(read_only=False)
+    gc.collect()
+
+    # ---- 6. overlap: A goes out while W comes in ----------------------------------------------
+    progress("prefetch-in and eviction at once")
+
+    def overlap_setup():
+        dirty_setup()
+        tier.evict(W)
+        torch.cuda.synchronize()
+
+    def overlap():
+        out = tier.evict(A, non_blocking=True)
+        inn = tier.prefetch(W, non_blocking=True)
+        out.wait()
+        inn.wait()
+
+    metrics["overlap_total_GBps"] = gbps(2 * N, median(cuda_times(overlap, reps, setup=overlap_setup)))
+    tier.prefetch(A)
+    checks["overlap_intact"] = intact(A, state["refs"]) and intact(W, w_refs)
+    del W, w_refs
+    gc.collect()
+
+    # ---- 7. zero-copy reads ---------------------------------------------------------------------
+    progress("zero-copy reads of host-resident data (optimizer_state: host-preferred, accessed-by GPU)")
+    (Z,) = tier.empty_group([((N,), "uint8")], role="optimizer_state")
+    tier.prefetch(Z)
+    Z.torch().copy_(d)
+    gc.collect()
+    tier.evict(Z, _path="um")
+    zv = Z.torch()
+    ref_sum = int(d.sum(dtype=torch.int64))
+    metrics["zero_copy_read_GBps"] = gbps(N, median(cuda_times(lambda: zv.sum(dtype=torch.int64), reps)))
+    checks["zero_copy_read_correct"] = int(zv.sum(dtype=torch.int64)) == ref_sum
+    # Still on the host after the reads: a second timing matches the first (no migration).
+    metrics["zero_copy_read_again_GBps"] = gbps(N, median(cuda_times(lambda: zv.sum(dtype=torch.int64), reps)))
+    raw["stats"] = tier.stats()
+    del zv, Z, A
+    gc.collect()
+
+    # ---- ratios and checks ----------------------------------------------------------------------
+    h2d, d2h = metrics["pinned_h2d_GBps"], metrics["pinned_d2h_GBps"]
+    metrics["prefetch_in_vs_pinned_h2d"] = round(metrics["prefetch_in_GBps"] / h2d, 3)
+    metrics["prefetch_in_separate_vs_pinned_h2d"] = round(metrics["prefetch_in_separate_GBps"] / h2d, 3)
+    metrics["prefetch_in_shadow_vs_pinned_h2d"] = round(metrics["prefetch_in_shadow_GBps"] / h2d, 3)
+    metrics["evict_dirty_vs_pinned_d2h"] = round(metrics["evict_dirty_GBps"] / d2h, 3)
+    metrics["um_prefetch_d2h_vs_pinned_d2h"] = round(metrics["um_prefetch_d2h_GBps"] / d2h, 3)
+    metrics["zero_copy_read_vs_pinned_h2d"] = round(metrics["zero_copy_read_GBps"] / h2d, 3)
+    metrics["overlap_vs_pinned_bidir"] = round(metrics["overlap_total_GBps"] / metrics["pinned_bidir_total_GBps"], 3)
+    checks["data_intact"] = all(v for k, v in checks.items() if "intact" in k or "correct" in k)
+    checks["prefetch_in_goal"] = metrics["prefetch_in_vs_pinned_h2d"] >= 0.90
+    checks["evict_dirty_goal"] = metrics["evict_dirty_vs_pinned_d2h"] >= 0.80
+    checks["evict_clean_goal"] = metrics["evict_clean_bytes_moved_fraction"] <= 0.01
+    checks["zero_copy_goal"] = metrics["zero_copy_read_vs_pinned_h2d"] >= 0.90
+
+    # ---- 8. does evicted device memory go back to other allocators? -------------------------------
+    if not args.no_reclaim:
+        raw["reclaim"] = reclaim(tier, torch)
+        checks["evicted_memory_reusable_by_cudaMalloc"] = all(r["cudaMalloc_ok"] for r in raw["reclaim"].values())
+    tier.close()
+
+    rows = [[k, v] for k, v in metrics.items()]
+    print()
+    print(table(rows, ["metric", "value"]))
+    print()
+    print(table([[k, v] for k, v in checks.items()], ["check", "ok"]))
+    png = plot(metrics)
+    write_results("bandwidth", metrics, checks, raw, extra_files=[png] if png else [])
+
+
+def reclaim(tier, torch) -> dict:
+    """Fill the GPU with cudaMalloc until 3 GiB are free, make 2 GiB of managed memory resident,
+    evict it, then ask cudaMalloc for 2 GiB: more than is free unless the evicted pages came back.
+    cudaMemGetInfo cannot tell (free memory does not rise after eviction, shared/FACTS.md), but a
+    cudaMalloc that succeeds, quickly and with the evicted data intact, can."""
+    out = {}
+    for path in ("copy", "um"):
+        gc.collect()
+        torch.cuda.empty_cache()
+        ref = torch.randint(0, 256, (2 * GiB,), dtype=torch.uint8, device="cuda")
+        free, _ = torch.cuda.mem_get_info()
+        filler = torch.empty(free - 3 * GiB, dtype=torch.uint8, device="cuda")
+        (R,) = tier.empty_group([((2 * GiB,), "uint8")], role="activation")
+        R.torch().copy_(ref)
+        gc.collect()
+        free_resident = torch.cuda.mem_get_info()[0]
+        tier.evict(R, _path=path).synchronize()
+        free_evicted = torch.cuda.mem_get_info()[0]
+        t0 = time.perf_counter()
+        try:
+            probe = torch.empty(2 * GiB, dtype=torch.uint8, device="cuda")
+            probe.fill_(7)
+            torch.cuda.synchronize()
+            ok, secs = True, time.perf_counter() - t0
+            del probe
+        except RuntimeError as e:
+            ok, secs = False, repr(e)[:200]
+        del filler
+        torch.cuda.empty_cache()
+        tier.prefetch(R).synchronize()
+        out[path] = {"free_GiB_resident": round(free_resident / GiB, 3), "free_GiB_after_evict": round(free_evicted / GiB, 3),
+                     "cudaMalloc_ok": ok, "cudaMalloc_s": secs, "intact": bool(torch.equal(R.torch(), ref))}
+        progress(f"reclaim after {path} eviction: {out[path]}")
+        del R, ref
+    return out
+
+
+def plot(metrics: dict) -> str | None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    names = [("pinned_h2d_GBps", "ceiling: pinned H2D"), ("pinned_d2h_GBps", "ceiling: pinned D2H"),
+             ("um_prefetch_h2d_GBps", "UM: prefetch in (1 call)"), ("um_fault_in_GBps", "UM: fault in"),
+             ("um_prefetch_d2h_GBps", "UM: write back (prefetch to host)"),
+             ("prefetch_in_GBps", "tiermem: group prefetch in"), ("prefetch_in_separate_GBps", "tiermem: separate tensors in"),
+             ("prefetch_in_shadow_GBps", "tiermem: in from pinned shadow"), ("evict_dirty_GBps", "tiermem: dirty eviction"),
+             ("zero_copy_read_GBps", "tiermem: zero-copy read"), ("overlap_total_GBps", "tiermem: in + out at once (total)"),
+             ("pinned_bidir_total_GBps", "ceiling: both ways at once (total)")]
+    labels = [n for k, n in names if k in metrics]
+    vals = [metrics[k] for k, _ in names if k in metrics]
+    colors = ["#888" if lab.startswith("ceiling") else "#c66" if lab.startswith("UM") else "#369" for lab in labels]
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    ax.barh(labels[::-1], vals[::-1], color=colors[::-1])
+    for i, v in enumerate(vals[::-1]):
+        ax.text(v + 0.5, i, f"{v:.1f}", va="center", fontsize=8)
+    ax.set_xlabel("GB/s (1 GiB, CUDA-event medians)")
+    ax.set_title("tiermem data paths vs pinned copies and plain Unified Memory")
+    fig.tight_layout()
+    path = plot_path("bandwidth")
+    fig.savefig(path, dpi=110)
+    return path
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,70 @@
+"""Shared test set-up: the gpu marker's skip, the fake-backend Tier, and a reset of global state.
+
+The gpu check runs when a gpu test is about to run, never at collection, so collecting the suite
+starts no CUDA context.
+"""
+from __future__ import annotations
+
+import functools
+import gc
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+# Deterministic cuBLAS, for the bitwise checks in the GPU tests; must be set before CUDA starts.
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+
+@functools.cache
+def gpu_reason() -> str | None:
+    """None when a GPU test can run here, else why not."""
+    try:
+        from tiermem import _cuda
+        ok, why = _cuda.available()
+    except Exception as e:  # cuda-bindings missing or broken
+        return f"no CUDA: {e}"
+    if not ok:
+        return f"no GPU: {why}"
+    for mod in ("cupy", "torch"):
+        try:
+            __import__(mod)
+        except ImportError:
+            return f"{mod} is not installed"
+    import torch
+    if not torch.cuda.is_available():
+        return "torch has no CUDA"
+    return None
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if item.get_closest_marker("gpu") is not None:
+        why = gpu_reason()
+        if why is not None:
+            pytest.skip(why)
+
+
+@pytest.fixture(autouse=True)
+def _reset_global_state():
+    """Each test starts with no default Tier and no role scope, and leaves none behind."""
+    import tiermem._api as api
+    import tiermem._cupy as cp
+    api._default = None
+    cp._scope.role = None
+    yield
+    api._default = None
+    cp._scope.role = None
+    gc.collect()
+
+
+@pytest.fixture
+def fake():
+    from fakes import FakeBackend
+    return FakeBackend(total=1 << 30)
+
+
+@pytest.fixture
+def tier(fake):
+    import tiermem
+    return tiermem.Tier(backend=fake)

@@ -1,0 +1,234 @@
+"""A backend that keeps "device" memory in host RAM, for the CPU tests.
+
+It implements tiermem's Backend interface with NumPy buffers and records every call. It is a test
+double for the CUDA layer only: the engine under test (budget, policies, eviction paths, views,
+accounting) is the real one. To catch reads of discarded memory, a discard overwrites the range
+with a poison byte, as the driver is free to (its contents become indeterminate).
+"""
+from __future__ import annotations
+
+import ctypes
+import itertools
+import threading
+from typing import Any
+
+import numpy as np
+
+from tiermem._backend import Block, HostBlock
+from tiermem._cuda import Capabilities, RangeInfo
+from tiermem._errors import ViewError
+from tiermem._limits import CapGuard, resolve_cap
+from tiermem.roles import Advice, Location
+
+POISON = 0xDB
+
+
+class _Held(np.ndarray):
+    """An ndarray that can carry the view token (torch keeps the array alive with its storage)."""
+
+
+class _State:
+    def __init__(self) -> None:
+        self.preferred: Location | None = None
+        self.read_mostly = False
+        self.accessed_by: set[Location] = set()
+        self.last_prefetch: Location | None = None
+
+
+class FakeBackend:
+    kind = "fake"
+
+    def __init__(self, *, total: int = 8 << 30, free: int | None = None, cap: Any = None,
+                 allow_oversubscribe: bool | None = None, concurrent: bool = True, batch: bool = True):
+        self.device = 0
+        self._caps = Capabilities(
+            device=0, name="FakeGPU", total_memory=total, compute_capability=(9, 0), managed_memory=True,
+            concurrent_managed_access=concurrent, pageable_memory_access=False,
+            direct_managed_mem_access_from_host=False, host_native_atomic_supported=False,
+            driver_version=13000 if batch else 12080, runtime_version=13000, batch_memory_ops=batch)
+        limit, allow = resolve_cap(cap, allow_oversubscribe, free=total if free is None else free, total=total)
+        self.guard = CapGuard(limit, allow)
+        self.calls: list[tuple] = []
+        self._lock = threading.Lock()
+        self._arrays: dict[int, np.ndarray] = {}    # base ptr -> backing array (managed and pinned)
+        self._kind: dict[int, str] = {}
+        self.state: dict[int, _State] = {}
+        self._streams = itertools.count(1)
+        self.live_blocks = 0
+
+    # -- memory ---------------------------------------------------------------------------------
+    def capabilities(self) -> Capabilities:
+        return self._caps
+
+    def mem_info(self) -> tuple[int, int]:
+        return self.guard.limit - self.guard.reserved, self._caps.total_memory
+
+    def _new(self, nbytes: int, kind: str) -> tuple[int, np.ndarray]:
+        arr = np.random.randint(0, 256, size=max(nbytes, 1), dtype=np.uint8)  # uninitialised memory is not zero
+        ptr = arr.ctypes.data
+        with self._lock:
+            self._arrays[ptr] = arr
+            self._kind[ptr] = kind
+            if kind == "managed":
+                self.state[ptr] = _State()
+        return ptr, arr
+
+    def allocate(self, nbytes: int, pool_key: str) -> Block:
+        self.guard.reserve(nbytes)
+        ptr, arr = self._new(nbytes, "managed")
+        self.calls.append(("allocate", nbytes, pool_key))
+        with self._lock:
+            self.live_blocks += 1
+        return _FakeBlock(self, ptr, nbytes, pool_key, arr)
+
+    def _free(self, ptr: int, nbytes: int, managed: bool) -> None:
+        with self._lock:
+            self._arrays.pop(ptr, None)
+            self._kind.pop(ptr, None)
+            self.state.pop(ptr, None)
+            if managed:
+                self.live_blocks -= 1
+        if managed:
+            self.guard.release(nbytes)
+
+    def release_cached(self) -> int:
+        return 0
+
+    def pool_bytes(self) -> dict[str, int]:
+        return {"used": self.guard.reserved, "cached": 0, "reserved": self.guard.reserved}
+
+    def host_alloc(self, nbytes: int) -> HostBlock:
+        ptr, arr = self._new(nbytes, "pinned")
+        self.calls.append(("host_alloc", nbytes))
+        return _FakeHostBlock(self, ptr, nbytes, arr)
+
+    def _find(self, ptr: int) -> tuple[int, np.ndarray]:
+        with self._lock:
+            for base, arr in self._arrays.items():
+                if base <= ptr < base + arr.nbytes:
+                    return base, arr
+        raise AssertionError(f"fake backend: address {ptr:#x} is not allocated")
+
+    def _blocks_in(self, ptr: int, nbytes: int) -> list[_State]:
+        with self._lock:
+            return [st for base, st in self.state.items()
+                    if base < ptr + max(nbytes, 1) and ptr < base + self._arrays[base].nbytes]
+
+    # -- advice and moves -----------------------------------------------------------------------
+    def advise(self, ptr: int, nbytes: int, advice: Advice) -> None:
+        self.calls.append(("advise", ptr, nbytes, advice.kind, advice.set, advice.location))
+        for st in self._blocks_in(ptr, nbytes):
+            if advice.kind == "preferred_location":
+                st.preferred = advice.location if advice.set else None
+            elif advice.kind == "read_mostly":
+                st.read_mostly = advice.set
+            elif advice.set:
+                st.accessed_by.add(advice.location)
+            else:
+                st.accessed_by.discard(advice.location)
+
+    def prefetch(self, ranges, location: Location, stream: int) -> None:
+        self.calls.append(("prefetch", tuple(ranges), location, stream))
+        for p, n in ranges:
+            for st in self._blocks_in(p, n):
+                st.last_prefetch = location
+
+    def discard(self, ranges, stream: int) -> None:
+        self.calls.append(("discard", tuple(ranges), stream))
+        for p, n in ranges:
+            ctypes.memset(p, POISON, n)
+
+    def discard_and_prefetch(self, ranges, location: Location, stream: int) -> None:
+        self.calls.append(("discard_and_prefetch", tuple(ranges), location, stream))
+        for p, n in ranges:
+            ctypes.memset(p, POISON, n)
+            for st in self._blocks_in(p, n):
+                st.last_prefetch = location
+
+    def copy(self, dst: int, src: int, nbytes: int, stream: int) -> None:
+        self.calls.append(("copy", dst, src, nbytes, stream))
+        self._find(dst)
+        self._find(src)
+        ctypes.memmove(dst, src, nbytes)
+
+    def range_info(self, ptr: int, nbytes: int) -> RangeInfo:
+        sts = self._blocks_in(ptr, nbytes)
+        st = sts[0]
+        return RangeInfo(read_mostly=st.read_mostly, preferred_location=st.preferred,
+                         preferred_device=0 if st.preferred is Location.DEVICE else None,
+                         accessed_by=tuple(sorted(st.accessed_by, key=lambda x: x.value)),
+                         last_prefetch=st.last_prefetch)
+
+    def pointer_kind(self, ptr: int) -> str:
+        try:
+            base, _ = self._find(ptr)
+        except AssertionError:
+            return "unregistered"
+        return {"managed": "managed", "pinned": "host"}[self._kind[base]]
+
+    # -- streams and events (all work is done at once, so every event is complete) --------------
+    def current_stream(self) -> int:
+        return 0
+
+    def new_stream(self) -> int:
+        return next(self._streams)
+
+    def new_event(self, timing: bool = False) -> Any:
+        return object()
+
+    def record(self, event: Any, stream: int) -> None:
+        pass
+
+    def wait(self, stream: int, event: Any) -> None:
+        self.calls.append(("wait", stream))
+
+    def query(self, event: Any) -> bool:
+        return True
+
+    def synchronize(self, event: Any) -> None:
+        pass
+
+    def elapsed_ms(self, start: Any, end: Any) -> float:
+        return 1.0
+
+    # -- views ----------------------------------------------------------------------------------
+    def torch_view(self, ptr: int, nbytes: int, token: Any) -> Any:
+        import torch
+        base, arr = self._find(ptr)
+        held = arr[ptr - base: ptr - base + nbytes].view(_Held)
+        held.token = token
+        return torch.from_numpy(held)
+
+    def cupy_view(self, ptr: int, nbytes: int, token: Any) -> Any:
+        raise ViewError("the fake backend has no CuPy")
+
+    def dlpack_device(self) -> tuple[int, int]:
+        return (1, 0)   # kDLCPU: the fake's memory is host memory
+
+
+class _FakeBlock(Block):
+    __slots__ = ("_fake", "_released")
+
+    def __init__(self, fake: FakeBackend, ptr: int, nbytes: int, key: str, arr: np.ndarray):
+        super().__init__(ptr, nbytes, key, arr)
+        self._fake, self._released = fake, False
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self._fake._free(self.ptr, self.nbytes, managed=True)
+        self._handle = None
+
+
+class _FakeHostBlock(HostBlock):
+    __slots__ = ("_fake", "_released")
+
+    def __init__(self, fake: FakeBackend, ptr: int, nbytes: int, arr: np.ndarray):
+        super().__init__(ptr, nbytes, "pinned", arr)
+        self._fake, self._released = fake, False
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self._fake._free(self.ptr, self.nbytes, managed=False)
+        self._handle = None

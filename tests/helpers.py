@@ -1,0 +1,56 @@
+"""Small helpers shared by the CPU tests: stats slices, call filters and random fills."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+MiB = 1 << 20
+
+# The per-role keys documented in tiermem/_stats.py, with the role part taken out.
+ROLE_KEYS = (
+    "allocated_bytes.current", "allocated_bytes.peak", "allocated_bytes.total", "allocated_bytes.freed",
+    "allocation_count.current", "allocation_count.peak", "allocation_count.total", "allocation_count.freed",
+    "resident_bytes.current", "resident_bytes.peak",
+    "moved_bytes.h2d", "moved_bytes.d2h", "moved_seconds.h2d", "moved_seconds.d2h",
+    "ops.prefetch", "ops.evict", "ops.evict_clean", "ops.evict_um", "ops.evict_budget",
+    "advice.applied", "advice.skipped", "prefetch.skipped",
+)
+
+
+def role_stats(stats: dict[str, Any], role: str) -> dict[str, Any]:
+    """The slice of a flat stats dict for one role (or "all"), keyed without the role part."""
+    return {k.replace(f".{role}.", ".", 1): v for k, v in stats.items() if k.split(".")[1:2] == [role]}
+
+
+def expected_stats(**nonzero: Any) -> dict[str, Any]:
+    """A whole role slice: every documented key 0 except ``nonzero`` (``ops__evict=1`` names
+    ``ops.evict``: a double underscore stands for the dot)."""
+    out = dict.fromkeys(ROLE_KEYS, 0)
+    for k, v in nonzero.items():
+        key = k.replace("__", ".")
+        if key not in out:
+            raise KeyError(f"not a documented stats key: {key}")
+        out[key] = v
+    return out
+
+
+def calls(fake: Any, kind: str) -> list[tuple]:
+    return [c for c in fake.calls if c[0] == kind]
+
+
+def fill_random(tt: Any) -> torch.Tensor:
+    """Write random data into ``tt`` through a short-lived view; returns a copy of what was written."""
+    view = tt.torch()
+    if view.dtype.is_floating_point:
+        data = torch.randn(view.shape, dtype=view.dtype)
+    else:
+        nbytes = view.numel() * view.element_size()
+        data = torch.randint(0, 256, (nbytes,), dtype=torch.uint8).view(view.dtype).view(view.shape)
+    view.copy_(data)
+    return data
+
+
+def read(tt: Any) -> torch.Tensor:
+    """A copy of ``tt``'s current contents (the view is dropped before returning)."""
+    return tt.torch().clone()

@@ -1,0 +1,106 @@
+"""GPU stress test: 10,000 random operations on tiered tensors of several roles under a budget,
+with a checksum on every read and the accounting checked all along. Managed use stays < 1 GiB."""
+from __future__ import annotations
+
+import collections
+import gc
+import random
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+KiB, MiB = 1 << 10, 1 << 20
+SIZES = [4 * KiB, 64 * KiB, 1 * MiB, 2 * MiB, 3 * MiB + 8, 8 * MiB]
+ROLES = ["weight", "activation", "gradient", "input", "workspace", "frozen_weight"]
+BUDGET = 48 * MiB
+
+
+def test_ten_thousand_random_operations_under_a_budget():
+    import torch
+    import tiermem
+    t = tiermem.Tier(0, cap="1GiB", budget=BUDGET)
+    rng = random.Random(20261122)
+    weights = torch.randint(-(2**62), 2**62, (SIZES[-1] // 8,), dtype=torch.int64, device="cuda")
+
+    def checksum(x) -> int:
+        w = x.view(torch.int64)
+        return int((w * weights[: w.numel()]).sum())
+
+    live: list[list] = []      # [TieredTensor, checksum or None, held view or None]
+    ops = collections.Counter()
+    mismatches = 0
+
+    def check_accounting() -> None:
+        resident = sum(e[0]._b.span for e in live if e[0].is_resident)
+        assert t.resident_bytes == resident <= BUDGET
+        assert t.stats()["allocated_bytes.all.current"] == sum(e[0].nbytes for e in live)
+
+    step = 0
+    while sum(ops.values()) < 10_000:
+        step += 1
+        op = rng.choices(["alloc", "group", "free", "write", "evict", "prefetch", "read", "hold", "drop"],
+                         weights=[10, 2, 8, 16, 14, 14, 24, 3, 3])[0]
+        if op in ("alloc", "group") and len(live) < 40:
+            role = rng.choice(ROLES)
+            if op == "alloc":
+                try:
+                    live.append([t.empty(rng.choice(SIZES), "uint8", role=role), None, None])
+                except tiermem.OutOfBudgetError:
+                    ops["alloc_refused"] += 1
+            else:
+                members = [((rng.choice(SIZES[:4]),), "uint8") for _ in range(rng.randint(2, 4))]
+                live.extend([x, None, None] for x in t.empty_group(members, role=role))
+        elif not live:
+            op = "alloc"
+            live.append([t.empty(rng.choice(SIZES), "uint8", role=rng.choice(ROLES)), None, None])
+        else:
+            e = rng.choice(live)
+            x = e[0]
+            if op == "free":
+                live.remove(e)
+                e[2] = None               # a held view would keep the memory (and its bytes) alive
+                x.free()
+            elif op == "write":
+                v = x.torch()
+                v.random_(0, 256)
+                e[1] = checksum(v)
+                del v
+            elif op == "evict":
+                x.evict(non_blocking=rng.random() < 0.3)
+            elif op == "prefetch":
+                try:
+                    x.prefetch(non_blocking=rng.random() < 0.3)
+                except tiermem.OutOfBudgetError:
+                    ops["prefetch_refused"] += 1
+            elif op == "read" and e[1] is not None:
+                v = x.torch(writable=False)
+                if checksum(v) != e[1]:
+                    mismatches += 1
+                del v
+            elif op == "hold":
+                e[2] = x.torch()          # a foreign view: forces the Unified Memory path
+            elif op == "drop":
+                e[2] = None
+        ops[op] += 1
+        if step % 100 == 0:
+            check_accounting()
+    check_accounting()
+    for e in live:
+        if e[1] is not None:
+            mismatches += checksum(e[0].torch(writable=False)) != e[1]
+    s = t.stats()
+    print(dict(ops), {k: v for k, v in s.items() if k.startswith("ops.all") or k.startswith("moved_bytes.all")})
+    assert mismatches == 0
+    assert sum(ops.values()) >= 10_000 and ops["read"] > 1000
+    assert s["ops.all.evict"] > 500 and s["ops.all.evict_um"] > 0 and s["ops.all.evict_clean"] > 0
+    assert s["ops.all.evict_budget"] > 0
+    assert s["resident_bytes.all.peak"] <= BUDGET
+    live.clear()
+    e = x = None
+    gc.collect()
+    torch.cuda.synchronize()
+    s = t.stats()
+    assert s["allocated_bytes.all.current"] == 0 and s["resident_bytes.all.current"] == 0
+    assert s["allocated_bytes.all.total"] == s["allocated_bytes.all.freed"]
+    t.close()

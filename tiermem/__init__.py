@@ -1,0 +1,33 @@
+"""tiermem: tiered GPU/host tensors on CUDA Unified Memory, placed by role, within a device budget.
+
+    import tiermem as tier
+    tier.configure(budget="8GiB")
+    for p in model.parameters():
+        tier.wrap(p, role="weight")
+
+See README.md. A GPU is needed for everything that touches memory; ``python -m tiermem info``
+says what this machine has.
+"""
+from ._api import (allocator, configure, default_tier, empty, evict, memory_summary, policy_override, prefetch,
+                   stats, synchronize, unwrap, wrap)
+from ._cuda import Capabilities, RangeInfo
+from ._cupy import current_role, using_role
+from ._errors import (CapExceededError, CUDAError, CUDAUnavailableError, OutOfBudgetError, RoleError, TierMemError,
+                      ViewError, WrapError)
+from ._limits import parse_bytes
+from ._tensor import TieredTensor
+from ._tier import Tier
+from ._torch import tiered_of
+from ._transfer import Transfer
+from .roles import DEFAULT_POLICIES, Evict, Location, Policy, PolicyTable, Prefetch, Role
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Tier", "TieredTensor", "Transfer", "Role", "Location", "Policy", "PolicyTable", "Prefetch", "Evict",
+    "DEFAULT_POLICIES", "Capabilities", "RangeInfo",
+    "configure", "default_tier", "empty", "wrap", "unwrap", "tiered_of", "prefetch", "evict", "allocator",
+    "using_role", "current_role", "policy_override", "stats", "memory_summary", "synchronize", "parse_bytes",
+    "TierMemError", "CUDAError", "CUDAUnavailableError", "OutOfBudgetError", "CapExceededError", "RoleError",
+    "WrapError", "ViewError", "__version__",
+]

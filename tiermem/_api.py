@@ -1,0 +1,120 @@
+"""Module-level functions over a default :class:`Tier`, so ``import tiermem as tier`` reads well:
+
+    tier.wrap(param, role="weight")
+    tier.stats()
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from ._tensor import TieredTensor
+from ._tier import Tier
+from ._transfer import Transfer
+from .roles import Location, Policy, Role, as_role
+
+__all__ = ["default_tier", "configure", "empty", "wrap", "unwrap", "prefetch", "evict", "allocator",
+           "stats", "memory_summary", "policy_override", "synchronize"]
+
+_default: Tier | None = None
+_lock = threading.Lock()
+
+
+def default_tier() -> Tier:
+    """The process-wide Tier, made on first use on the current CUDA device with settings from the
+    environment (TIERMEM_BUDGET, TIERMEM_MANAGED_CAP, TIERMEM_ALLOW_OVERSUBSCRIBE)."""
+    global _default
+    with _lock:
+        if _default is None:
+            _default = Tier()
+        return _default
+
+
+def configure(device: int | None = None, **settings: Any) -> Tier:
+    """Replace the default Tier with one built from ``settings`` (the arguments of :class:`Tier`).
+    Tensors of the old Tier keep working; new ones come from the new Tier."""
+    global _default
+    t = Tier(device, **settings)
+    with _lock:
+        _default = t
+    return t
+
+
+def empty(shape: int | Iterable[int], dtype: Any = "float32", *, role: Role | str, **kwargs: Any) -> TieredTensor:
+    """A new uninitialised tiered tensor (see :meth:`Tier.empty`)."""
+    return default_tier().empty(shape, dtype, role=role, **kwargs)
+
+
+def wrap(tensor: Any, role: Role | str = Role.WEIGHT, **kwargs: Any) -> TieredTensor:
+    """Move a torch tensor's or parameter's data into tiered memory, in place; returns its TieredTensor.
+
+    The tensor object stays the same: modules, optimizers and autograd keep working, parameters
+    keep ``requires_grad`` and get gradients. The data is filled from the device side (no
+    host-side first touch). A weight that does not require grad is tiered as ``frozen_weight``.
+    Raises :class:`WrapError`, changing nothing, for a tensor already wrapped, an unknown role
+    (:class:`RoleError`), or a sparse, meta or non-contiguous tensor. Keyword arguments: ``name``,
+    ``policy`` (replaces the role's policy), and policy fields to change (``read_mostly=True``).
+    """
+    return _tier_of(tensor).wrap(tensor, role, **kwargs)
+
+
+def unwrap(tensor: Any) -> Any:
+    """Restore a wrapped tensor to plain memory on its original device (see tiermem._torch.unwrap)."""
+    return _tier_of(tensor).unwrap(tensor)
+
+
+def _tier_of(x: Any) -> Tier:
+    from ._torch import tiered_of
+    if isinstance(x, TieredTensor):
+        return x.tier
+    tt = tiered_of(x)
+    return tt.tier if tt is not None else default_tier()
+
+
+def prefetch(tensors: TieredTensor | Iterable[TieredTensor], to: Location | str = Location.DEVICE, **kwargs: Any) -> Transfer:
+    """Move tensors to the device (or host) in one transfer (see :meth:`Tier.prefetch`)."""
+    ts = [tensors] if isinstance(tensors, TieredTensor) else list(tensors)
+    return (ts[0].tier if ts else default_tier()).prefetch(ts, to, **kwargs)
+
+
+def evict(tensors: TieredTensor | Iterable[TieredTensor], **kwargs: Any) -> Transfer:
+    """Take tensors off the device by the fastest safe path (see :meth:`Tier.evict`)."""
+    ts = [tensors] if isinstance(tensors, TieredTensor) else list(tensors)
+    return (ts[0].tier if ts else default_tier()).evict(ts, **kwargs)
+
+
+def allocator(role: Role | str | None = None, tier: Tier | None = None) -> Any:
+    """A CuPy allocator on tiered managed memory, for ``cupy.cuda.set_allocator`` or
+    ``cupy.cuda.using_allocator``. With no ``role``, arrays take the role of the innermost
+    :func:`using_role` in the allocating thread, else ``workspace``."""
+    return (tier or default_tier()).allocator(role)
+
+
+def stats(tier: Tier | None = None) -> dict[str, Any]:
+    """The flat stats dict (keys documented in tiermem/_stats.py)."""
+    return (tier or default_tier()).stats()
+
+
+def memory_summary(tier: Tier | None = None) -> str:
+    return (tier or default_tier()).memory_summary()
+
+
+def synchronize(tier: Tier | None = None) -> None:
+    (tier or default_tier()).synchronize()
+
+
+@contextlib.contextmanager
+def policy_override(role: Role | str, policy: Policy | None = None, *, tier: Tier | None = None,
+                    **changes: Any) -> Iterator[Policy]:
+    """Within the block, tensors of ``role`` allocated by ``tier`` (default tier) get ``policy``,
+    or the role's policy with ``changes``. Process-wide for that Tier (not thread-local): all
+    threads allocating in the block see it. Nested overrides restore in order."""
+    t = tier or default_tier()
+    r = as_role(role)
+    previous = t.policies.set(r, policy, **changes)
+    try:
+        yield t.policies[r]
+    finally:
+        t.policies.set(r, previous)

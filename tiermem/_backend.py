@@ -1,0 +1,292 @@
+"""The backend: the one object the engine uses to allocate, advise, move and view memory.
+
+:class:`Backend` is the interface. :class:`CudaBackend` implements it on real CUDA: per-role CuPy
+memory pools over managed memory (cap-checked), cuda-bindings for advice and moves (``_cuda``),
+and zero-copy views for torch and CuPy. Tests pass a fake backend with the same interface, so
+policy, budget, accounting and error logic run on a CPU.
+
+NOTE [size classes]
+    The driver packs small managed allocations together (a 4 KiB cudaMallocManaged came back at
+    an offset of 512 bytes into a page), while allocations of 2 MiB multiples come back 2 MiB
+    aligned (bench/results/probe_paths.json). Advice and migration work on whole pages, so a
+    buffer that shares a page with another one is advised and moved with it. Requests of 2 MiB
+    and more are therefore rounded up to 2 MiB multiples and served from a per-role pool that
+    holds nothing else; they own their pages. Smaller requests share pages within a per-role
+    small pool: their accounting is exact, their advice and residency follow their neighbours'.
+"""
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from . import _cuda
+from ._cuda import Capabilities, RangeInfo
+from ._errors import CapExceededError, CUDAUnavailableError, ViewError
+from ._limits import CapGuard, resolve_cap
+from .roles import Advice, Location
+
+__all__ = ["Backend", "Block", "HostBlock", "CudaBackend", "LARGE", "round_request"]
+
+LARGE = 2 << 20      # see NOTE [size classes]
+SMALL_ALIGN = 512    # CuPy's own rounding
+PAGE = 4096
+
+
+def round_request(nbytes: int) -> tuple[int, str]:
+    """(bytes to ask the pool for, size class) for a request of ``nbytes``."""
+    n = max(int(nbytes), 1)
+    if n >= LARGE:
+        return -(-n // LARGE) * LARGE, "large"
+    return -(-n // SMALL_ALIGN) * SMALL_ALIGN, "small"
+
+
+class Block:
+    """A managed allocation from a backend pool, or a slice of one (a group's member).
+    ``release()`` returns it to the pool; idempotent. ``alloc`` names the underlying allocation:
+    one CUDA call may span adjacent slices of one allocation, never two allocations."""
+
+    __slots__ = ("ptr", "nbytes", "pool_key", "_handle", "alloc")
+
+    def __init__(self, ptr: int, nbytes: int, pool_key: str, handle: Any, alloc: int | None = None):
+        self.ptr, self.nbytes, self.pool_key, self._handle = ptr, nbytes, pool_key, handle
+        self.alloc = ptr if alloc is None else alloc
+
+    def release(self) -> None:
+        self._handle = None
+
+
+class HostBlock(Block):
+    """Page-locked host memory (a pinned shadow copy). ``release()`` returns it to the pool."""
+
+    __slots__ = ()
+
+
+class Backend(Protocol):
+    """What the engine needs from a device. Streams are ints; events are opaque."""
+
+    device: int
+    guard: CapGuard
+    kind: str                                  # "cuda", or a test backend's name
+
+    def capabilities(self) -> Capabilities: ...
+    def mem_info(self) -> tuple[int, int]: ...
+    def allocate(self, nbytes: int, pool_key: str) -> Block: ...
+    def release_cached(self) -> int: ...
+    def pool_bytes(self) -> dict[str, int]: ...
+    def host_alloc(self, nbytes: int) -> HostBlock: ...
+    def advise(self, ptr: int, nbytes: int, advice: Advice) -> None: ...
+    def prefetch(self, ranges: Sequence[tuple[int, int]], location: Location, stream: int) -> None: ...
+    def discard(self, ranges: Sequence[tuple[int, int]], stream: int) -> None: ...
+    def discard_and_prefetch(self, ranges: Sequence[tuple[int, int]], location: Location, stream: int) -> None: ...
+    def copy(self, dst: int, src: int, nbytes: int, stream: int) -> None: ...
+    def range_info(self, ptr: int, nbytes: int) -> RangeInfo: ...
+    def pointer_kind(self, ptr: int) -> str: ...
+    def current_stream(self) -> int: ...
+    def new_stream(self) -> int: ...
+    def new_event(self, timing: bool = False) -> Any: ...
+    def record(self, event: Any, stream: int) -> None: ...
+    def wait(self, stream: int, event: Any) -> None: ...
+    def query(self, event: Any) -> bool: ...
+    def synchronize(self, event: Any) -> None: ...
+    def elapsed_ms(self, start: Any, end: Any) -> float: ...
+    def torch_view(self, ptr: int, nbytes: int, token: Any) -> Any: ...
+    def cupy_view(self, ptr: int, nbytes: int, token: Any) -> Any: ...
+    def dlpack_device(self) -> tuple[int, int]: ...
+
+
+class _RawLease:
+    """Owns one raw managed allocation for a CuPy pool; gives its bytes back to the cap when the
+    pool drops it. Runs inside CuPy's deallocation path, so it must never raise."""
+
+    __slots__ = ("mem", "nbytes", "guard")
+
+    def __init__(self, mem: Any, nbytes: int, guard: CapGuard):
+        self.mem, self.nbytes, self.guard = mem, nbytes, guard
+
+    def __del__(self) -> None:
+        try:
+            self.guard.release(self.nbytes)
+        except Exception:  # pragma: no cover - nothing may escape a destructor
+            pass
+
+
+class _ArrayInterface:
+    """What torch.as_tensor reads to view device memory zero-copy. torch keeps this object (and
+    so ``token``) alive for as long as the storage lives; that is how tiermem sees live views."""
+
+    def __init__(self, ptr: int, nbytes: int, token: Any):
+        self.token = token
+        # No "stream" key: the consumer must not synchronise on our behalf (CAI v3).
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False),
+                                         "strides": None, "version": 3}
+
+
+class CudaBackend:
+    """The real backend: managed memory through per-role CuPy pools, moves through cuda-bindings.
+
+    Thread-safe: CuPy pools lock internally and the pool table is guarded by a lock.
+    """
+
+    kind = "cuda"
+
+    def __init__(self, device: int | None = None, *, cap: int | str | None = None, allow_oversubscribe: bool | None = None):
+        ok, why = _cuda.available()
+        if not ok:
+            raise CUDAUnavailableError(f"tiermem needs a CUDA GPU: {why}")
+        try:
+            import cupy
+        except ImportError as e:
+            raise CUDAUnavailableError("CuPy is not installed; pip install 'tiermem[cu13]'") from e
+        self._cupy = cupy
+        self.device = _cuda.current_device() if device is None else int(device)
+        self._caps = _cuda.capabilities(self.device)
+        free, total = _cuda.mem_get_info(self.device)
+        limit, allow = resolve_cap(cap, allow_oversubscribe, free=free, total=total)
+        self.guard = CapGuard(limit, allow)
+        self._pools: dict[str, Any] = {}
+        self._lock = threading.Lock()
+        self._pinned = cupy.cuda.PinnedMemoryPool()
+
+    # -- memory ---------------------------------------------------------------------------------
+    def capabilities(self) -> Capabilities:
+        return self._caps
+
+    def mem_info(self) -> tuple[int, int]:
+        return _cuda.mem_get_info(self.device)
+
+    def _upstream(self, size: int) -> Any:
+        cupy = self._cupy
+        try:
+            self.guard.reserve(size)
+        except CapExceededError as e:
+            # CuPy's pool answers OutOfMemoryError by freeing its cached blocks and trying again.
+            raise cupy.cuda.memory.OutOfMemoryError(size, self.guard.reserved, self.guard.limit) from e
+        try:
+            raw = _cuda.managed_alloc(size, self.device)
+        except BaseException:
+            self.guard.release(size)
+            raise
+        lease = _RawLease(raw, size, self.guard)
+        return cupy.cuda.MemoryPointer(cupy.cuda.UnownedMemory(raw.ptr, size, lease, self.device), 0)
+
+    def _pool(self, key: str) -> Any:
+        with self._lock:
+            pool = self._pools.get(key)
+            if pool is None:
+                pool = self._pools[key] = self._cupy.cuda.MemoryPool(self._upstream)
+            return pool
+
+    def allocate(self, nbytes: int, pool_key: str) -> Block:
+        cupy = self._cupy
+        pool = self._pool(pool_key)
+        with cupy.cuda.Device(self.device):
+            try:
+                mp = pool.malloc(nbytes)
+            except cupy.cuda.memory.OutOfMemoryError:
+                # The cap is shared by all pools: other roles' caches may hold the bytes we need.
+                self.release_cached()
+                try:
+                    mp = pool.malloc(nbytes)
+                except cupy.cuda.memory.OutOfMemoryError:
+                    if not self.guard.fits(nbytes):
+                        raise self.guard.error(nbytes) from None
+                    raise  # the driver itself is out of memory: CuPy's error says so
+        return Block(mp.ptr, nbytes, pool_key, mp)
+
+    def release_cached(self) -> int:
+        """Free every pool's cached blocks; returns the bytes given back to the driver."""
+        before = self.guard.reserved
+        with self._lock:
+            pools = list(self._pools.values())
+        for p in pools:
+            p.free_all_blocks()
+        return before - self.guard.reserved
+
+    def pool_bytes(self) -> dict[str, int]:
+        with self._lock:
+            pools = dict(self._pools)
+        used = sum(p.used_bytes() for p in pools.values())
+        total = sum(p.total_bytes() for p in pools.values())
+        return {"used": used, "cached": total - used, "reserved": total}
+
+    def host_alloc(self, nbytes: int) -> HostBlock:
+        mp = self._pinned.malloc(nbytes)
+        return HostBlock(mp.ptr, nbytes, "pinned", mp)
+
+    # -- advice and moves -----------------------------------------------------------------------
+    def advise(self, ptr: int, nbytes: int, advice: Advice) -> None:
+        _cuda.advise(ptr, nbytes, advice.kind, advice.set, advice.location, self.device)
+
+    def prefetch(self, ranges: Sequence[tuple[int, int]], location: Location, stream: int) -> None:
+        # The batched call refuses ranges that are not whole pages (cudaErrorInvalidValue, seen on
+        # the H100 with small buffers); those go one call each, as does a batch of one.
+        whole = [(p, n) for p, n in ranges if p % PAGE == 0 and n % PAGE == 0]
+        single = [(p, n) for p, n in ranges if p % PAGE or n % PAGE]
+        if len(whole) > 1 and self._caps.supports("batch_prefetch"):
+            _cuda.prefetch_batch([p for p, _ in whole], [n for _, n in whole], location, self.device, stream)
+        else:
+            single += whole
+        for ptr, n in single:
+            _cuda.prefetch(ptr, n, location, self.device, stream)
+
+    def discard(self, ranges: Sequence[tuple[int, int]], stream: int) -> None:
+        _cuda.discard_batch([p for p, _ in ranges], [n for _, n in ranges], stream)
+
+    def discard_and_prefetch(self, ranges: Sequence[tuple[int, int]], location: Location, stream: int) -> None:
+        _cuda.discard_and_prefetch_batch([p for p, _ in ranges], [n for _, n in ranges], location, self.device, stream)
+
+    def copy(self, dst: int, src: int, nbytes: int, stream: int) -> None:
+        _cuda.memcpy_async(dst, src, nbytes, stream)
+
+    def range_info(self, ptr: int, nbytes: int) -> RangeInfo:
+        return _cuda.range_info(ptr, nbytes)
+
+    def pointer_kind(self, ptr: int) -> str:
+        return _cuda.pointer_kind(ptr)
+
+    # -- streams and events ---------------------------------------------------------------------
+    def current_stream(self) -> int:
+        """torch's current stream once torch has started CUDA, else CuPy's current stream."""
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.cuda.is_initialized():
+            return int(torch.cuda.current_stream(self.device).cuda_stream)
+        return int(self._cupy.cuda.get_current_stream(self.device).ptr)
+
+    def new_stream(self) -> int:
+        return _cuda.stream_create(self.device)
+
+    def new_event(self, timing: bool = False) -> Any:
+        return _cuda.event_create(timing)
+
+    def record(self, event: Any, stream: int) -> None:
+        _cuda.event_record(event, stream)
+
+    def wait(self, stream: int, event: Any) -> None:
+        _cuda.stream_wait_event(stream, event)
+
+    def query(self, event: Any) -> bool:
+        return _cuda.event_query(event)
+
+    def synchronize(self, event: Any) -> None:
+        _cuda.event_synchronize(event)
+
+    def elapsed_ms(self, start: Any, end: Any) -> float:
+        return _cuda.event_elapsed_ms(start, end)
+
+    # -- views ------------------------------------------------------------------------------------
+    def torch_view(self, ptr: int, nbytes: int, token: Any) -> Any:
+        try:
+            import torch
+        except ImportError as e:
+            raise ViewError("torch is not installed; pip install 'tiermem[torch]'") from e
+        return torch.as_tensor(_ArrayInterface(ptr, nbytes, token), device=f"cuda:{self.device}")
+
+    def cupy_view(self, ptr: int, nbytes: int, token: Any) -> Any:
+        cupy = self._cupy
+        mem = cupy.cuda.UnownedMemory(ptr, nbytes, token, self.device)
+        return cupy.ndarray((nbytes,), cupy.uint8, cupy.cuda.MemoryPointer(mem, 0))
+
+    def dlpack_device(self) -> tuple[int, int]:
+        return (2, self.device)  # kDLCUDA: what torch accepts (NOTE [dlpack] in _tensor.py)

@@ -1,0 +1,73 @@
+"""tiermem's one exception hierarchy.
+
+Every error tiermem raises derives from :class:`TierMemError`. Errors that are also a standard
+kind (a bad value, running out of memory) derive from that kind as well, so ``except MemoryError``
+and ``except ValueError`` keep working in code that does not know tiermem.
+"""
+from __future__ import annotations
+
+__all__ = [
+    "TierMemError",
+    "CUDAError",
+    "CUDAUnavailableError",
+    "OutOfBudgetError",
+    "CapExceededError",
+    "RoleError",
+    "WrapError",
+    "ViewError",
+]
+
+
+def _fmt(n: int) -> str:
+    return f"{n:,} bytes ({n / 2**30:.2f} GiB)"
+
+
+class TierMemError(Exception):
+    """Base class of every error tiermem raises."""
+
+
+class CUDAError(TierMemError):
+    """A CUDA runtime call failed. ``status`` is the numeric cudaError_t, ``name`` its enum name."""
+
+    def __init__(self, call: str, status: int, name: str):
+        self.call = call
+        self.status = int(status)
+        self.name = name
+        super().__init__(f"{call} failed: {name} ({self.status})")
+
+
+class CUDAUnavailableError(TierMemError):
+    """No usable CUDA: the driver, the GPU or a CUDA package is missing. The message says which."""
+
+
+class OutOfBudgetError(TierMemError, MemoryError):
+    """A request would take more bytes than a limit allows.
+
+    ``asked`` is the request, ``used`` what was already taken, ``limit`` the limit, all in bytes.
+    """
+
+    what = "device budget"
+
+    def __init__(self, asked: int, used: int, limit: int, hint: str = ""):
+        self.asked, self.used, self.limit = int(asked), int(used), int(limit)
+        msg = (f"{self.what}: asked for {_fmt(self.asked)} with {_fmt(self.used)} in use; "
+               f"the limit is {_fmt(self.limit)}")
+        super().__init__(msg + (f". {hint}" if hint else ""))
+
+
+class CapExceededError(OutOfBudgetError):
+    """A managed allocation would pass the cap on total managed memory (see NOTE [managed cap])."""
+
+    what = "managed-memory cap"
+
+
+class RoleError(TierMemError, ValueError):
+    """An unknown role, or a policy setting that does not exist."""
+
+
+class WrapError(TierMemError, ValueError):
+    """A tensor cannot be wrapped or unwrapped as asked (already wrapped, sparse, meta, ...)."""
+
+
+class ViewError(TierMemError, TypeError):
+    """A view cannot be made (no torch, a dtype the consumer lacks, a tensor already freed)."""

@@ -1,0 +1,126 @@
+"""The two limits: the cap on managed memory and the device budget.
+
+NOTE [managed cap]
+    Managed memory can be allocated beyond what the GPU holds; the driver then pages it in and
+    out. On shared, virtualised GPU machines a process that oversubscribes managed memory can hang
+    the GPU for everyone (shared/FACTS.md). So tiermem refuses any managed allocation that would
+    take its total past a cap. By default the cap is the device memory that was free when tiermem
+    started on that device, so all managed memory can be resident at once. A larger cap is an
+    explicit opt-in: ``allow_oversubscribe=True`` (or TIERMEM_ALLOW_OVERSUBSCRIBE=1) together
+    with ``cap=`` (or TIERMEM_MANAGED_CAP). The cap counts raw managed bytes from the driver,
+    including blocks that a pool caches for reuse; a pool releases its cache before giving up.
+
+NOTE [device budget]
+    The budget is how many bytes of tiered tensors tiermem keeps resident on the device. It
+    emulates a smaller GPU, and it is what tiermem's prefetch and eviction work within. It is
+    tiermem's own accounting of where it placed each tensor, cross-checked in the tests with CUDA
+    range attributes and transfer counters; cudaMemGetInfo cannot serve, since it does not rise
+    when managed pages leave the device.
+"""
+from __future__ import annotations
+
+import os
+import re
+import threading
+
+from ._errors import CapExceededError, TierMemError
+
+__all__ = ["parse_bytes", "CapGuard", "resolve_cap", "resolve_budget", "ENV_CAP", "ENV_OVERSUBSCRIBE", "ENV_BUDGET"]
+
+ENV_CAP = "TIERMEM_MANAGED_CAP"
+ENV_OVERSUBSCRIBE = "TIERMEM_ALLOW_OVERSUBSCRIBE"
+ENV_BUDGET = "TIERMEM_BUDGET"
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(value: int | float | str, *, total: int | None = None, what: str = "size") -> int:
+    """Bytes from an int, ``"4GiB"``, ``"1.5 GB"``, or ``"25%"`` of ``total``.
+
+    Raises :class:`TierMemError` naming ``what`` and the bad value.
+    """
+    if isinstance(value, bool):
+        raise TierMemError(f"{what} must be a byte count, got {value!r}")
+    if isinstance(value, (int, float)):
+        n = int(value)
+    else:
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*(%|[a-zA-Z]*)\s*", str(value))
+        if not m or (m.group(2).lower() not in _UNITS and m.group(2) != "%"):
+            raise TierMemError(f"{what}={value!r} is not a size: use bytes, '4GiB', '1.5GB' or '25%'")
+        num, unit = float(m.group(1)), m.group(2).lower()
+        if unit == "%":
+            if total is None:
+                raise TierMemError(f"{what}={value!r} is a percentage, but the device size is unknown")
+            n = int(total * num / 100)
+        else:
+            n = int(num * _UNITS[unit])
+    if n < 0:
+        raise TierMemError(f"{what} must not be negative, got {value!r}")
+    return n
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in {"1", "true", "yes", "on"}
+
+
+def resolve_cap(cap: int | str | None, allow_oversubscribe: bool | None, *, free: int, total: int) -> tuple[int, bool]:
+    """The managed cap in bytes, and whether oversubscription is allowed (NOTE [managed cap]).
+
+    Arguments win over the environment. Raises :class:`TierMemError` for a cap above ``free``
+    without the opt-in.
+    """
+    allow = _env_flag(ENV_OVERSUBSCRIBE) if allow_oversubscribe is None else bool(allow_oversubscribe)
+    if cap is None:
+        cap = os.environ.get(ENV_CAP) or None
+    limit = free if cap is None else parse_bytes(cap, total=total, what="managed cap")
+    if limit > free and not allow:
+        raise TierMemError(
+            f"managed cap {limit:,} bytes is more than the {free:,} bytes free on the device. "
+            f"Oversubscribed managed memory can hang a shared GPU, so it is off by default; to opt in, "
+            f"pass allow_oversubscribe=True or set {ENV_OVERSUBSCRIBE}=1")
+    return limit, allow
+
+
+def resolve_budget(budget: int | str | None, *, total: int) -> int | None:
+    """The device budget in bytes, or None for none (NOTE [device budget])."""
+    if budget is None:
+        budget = os.environ.get(ENV_BUDGET) or None
+    return None if budget is None else parse_bytes(budget, total=total, what="device budget")
+
+
+class CapGuard:
+    """Counts raw managed bytes and refuses any that would pass the cap. Thread-safe."""
+
+    def __init__(self, limit: int, allow_oversubscribe: bool = False):
+        self.limit = int(limit)
+        self.allow_oversubscribe = allow_oversubscribe
+        self._lock = threading.Lock()
+        self.reserved = 0
+        self.peak = 0
+        self.refused = 0
+
+    def reserve(self, nbytes: int) -> None:
+        """Count ``nbytes`` more, or raise :class:`CapExceededError` and count nothing."""
+        with self._lock:
+            if self.reserved + nbytes <= self.limit:
+                self.reserved += nbytes
+                self.peak = max(self.peak, self.reserved)
+                return
+            self.refused += 1
+        raise self.error(nbytes)
+
+    def error(self, nbytes: int) -> CapExceededError:
+        """The error that refuses ``nbytes`` more, saying how to opt in and why it is off."""
+        hint = (f"Raise the cap with cap= or {ENV_CAP}" if self.allow_oversubscribe else
+                f"The cap keeps managed memory within the device's free memory, because oversubscribed "
+                f"managed memory can hang a shared GPU. Free tiered tensors, or opt in with "
+                f"allow_oversubscribe=True and a larger cap= (or {ENV_OVERSUBSCRIBE}=1 and {ENV_CAP})")
+        return CapExceededError(nbytes, self.reserved, self.limit, hint)
+
+    def fits(self, nbytes: int) -> bool:
+        return self.reserved + nbytes <= self.limit
+
+    def release(self, nbytes: int) -> None:
+        with self._lock:
+            self.reserved -= nbytes

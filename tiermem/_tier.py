@@ -1,0 +1,619 @@
+"""The engine: allocation, advice, the device budget, prefetch and eviction.
+
+A :class:`Tier` owns one device's tiered memory. It talks to CUDA only through its backend
+(``_backend.CudaBackend`` on a GPU, a fake one in the CPU tests), so all of its policy, budget
+and accounting logic runs without a GPU.
+
+NOTE [eviction paths]
+    Measured on the H100 machine (bench/results/probe_paths*.json), for 1 GiB:
+      - Unified Memory's own write-back (prefetch to the host): ~10 GB/s.
+      - copy to a pinned shadow + discard of the managed range, in 64 MiB chunks: ~52 GB/s. In one
+        1 GiB discard after the copy it fell to 17 GB/s, so the discard goes chunk by chunk.
+      - a clean buffer whose shadow is still valid: discard only, nothing over the link.
+      - a read-mostly duplicate with the host as preferred location: unset read-mostly collapses
+        the copies onto the host, ~1 ms/GiB and nothing over the link.
+    Which path a buffer takes is decided per buffer in :meth:`Tier._evict_path`; the shadow paths
+    need NOTE [views and the fast paths] (in _tensor.py) to hold and a buffer that owns its pages.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import threading
+import weakref
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from . import _dtypes
+from ._backend import Backend, Block, round_request
+from ._errors import OutOfBudgetError, TierMemError
+from ._limits import resolve_budget, parse_bytes
+from ._stats import Accounting
+from ._tensor import TieredTensor, _Buffer
+from ._transfer import Transfer
+from .roles import (DEFAULT_POLICIES, Advice, Evict, Location, Policy, PolicyTable, Prefetch, Role,
+                    advice_plan, as_role)
+
+__all__ = ["Tier", "CHUNK"]
+
+log = logging.getLogger("tiermem")
+
+CHUNK = 64 << 20   # eviction copy/discard granularity, see NOTE [eviction paths]
+
+
+def _as_location(to: Location | str) -> Location:
+    try:
+        return Location(to)
+    except ValueError:
+        raise TierMemError(f"location must be 'device' or 'host', got {to!r}") from None
+
+
+GROUP_ALIGN = 64 << 10   # members of a group start on 64 KiB boundaries: no page is shared
+
+
+def coalesce(ranges: Iterable[tuple[int, int, int]]) -> list[tuple[int, int]]:
+    """(alloc, ptr, nbytes) ranges, sorted, with ranges that touch inside one allocation merged.
+    A group's members are adjacent slices of one allocation, so a whole group moves in one call
+    (large calls run at link rate); a range spanning two allocations is refused by CUDA."""
+    out: list[list[int]] = []
+    for a, p, n in sorted(ranges, key=lambda r: (r[1], r[0])):
+        if out and out[-1][0] == a and p == out[-1][1] + out[-1][2]:
+            out[-1][2] += n
+        else:
+            out.append([a, p, n])
+    return [(p, n) for _, p, n in out]
+
+
+class _Group:
+    """Owns the one allocation a group's buffers are slices of; gives it back when the last goes."""
+
+    __slots__ = ("block",)
+
+    def __init__(self, block: Any):
+        self.block = block
+
+    def __del__(self) -> None:
+        try:
+            self.block.release()
+        except Exception:  # pragma: no cover - destructors log, never raise
+            log.exception("tiermem: error while freeing a group")
+
+
+class Tier:
+    """Tiered memory on one device: managed buffers, their roles' policies, and a device budget.
+
+    ``budget`` caps the bytes tiermem keeps resident on the device (bytes, "8GiB" or "25%" of the
+    device; None: no budget; default from TIERMEM_BUDGET). ``cap`` and ``allow_oversubscribe`` set
+    the cap on managed memory (NOTE [managed cap] in _limits.py). ``backend`` replaces the CUDA
+    backend (tests). All methods are thread-safe.
+    """
+
+    def __init__(self, device: int | None = None, *, budget: int | str | None = None,
+                 cap: int | str | None = None, allow_oversubscribe: bool | None = None,
+                 policies: Mapping[Role, Policy] | None = None, backend: Backend | None = None):
+        if backend is None:
+            from ._backend import CudaBackend
+            backend = CudaBackend(device, cap=cap, allow_oversubscribe=allow_oversubscribe)
+        elif cap is not None or allow_oversubscribe is not None:
+            raise TierMemError("cap and allow_oversubscribe belong to the backend; pass them when you build it")
+        self.backend = backend
+        self.device = backend.device
+        self.policies = PolicyTable(policies if policies is not None else DEFAULT_POLICIES)
+        self._budget = resolve_budget(budget, total=backend.capabilities().total_memory)
+        self.accounting = Accounting()
+        self._lock = threading.RLock()
+        self._buffers: weakref.WeakSet[_Buffer] = weakref.WeakSet()
+        self._resident = 0
+        self._shadow_bytes = 0
+        self._tick = itertools.count(1)
+        self._inflight: list[Transfer] = []
+        self._streams: dict[str, int] = {}
+
+    # -- settings -------------------------------------------------------------------------------
+    @property
+    def budget(self) -> int | None:
+        """Bytes tiermem may keep resident on the device (NOTE [device budget]); None: no limit."""
+        return self._budget
+
+    def set_budget(self, budget: int | str | None) -> int | None:
+        """Change the budget, evicting at once what no longer fits. Returns the old budget."""
+        total = self.backend.capabilities().total_memory
+        new = None if budget is None else parse_bytes(budget, total=total, what="device budget")
+        with self._lock:
+            old, self._budget = self._budget, new
+            if new is not None and self._resident > new:
+                self._make_room(0, exclude=set())
+        return old
+
+    @property
+    def resident_bytes(self) -> int:
+        """Bytes tiermem has placed on the device (whole pages), what the budget limits."""
+        return self._resident
+
+    # -- allocation -----------------------------------------------------------------------------
+    def empty(self, shape: int | Iterable[int], dtype: Any = "float32", *, role: Role | str,
+              policy: Policy | None = None, name: str | None = None, **policy_changes: Any) -> TieredTensor:
+        """A new tiered tensor, uninitialised, placed by its role's policy.
+
+        ``policy`` replaces the role's policy for this tensor; ``policy_changes`` change fields of
+        it (e.g. ``read_mostly=True``). Raises :class:`CapExceededError` past the managed cap.
+        """
+        shape_t = (int(shape),) if isinstance(shape, int) else tuple(int(s) for s in shape)
+        if any(s < 0 for s in shape_t):
+            raise TierMemError(f"shape must not be negative, got {shape_t}")
+        dt = _dtypes.canonical(dtype)
+        buf = self._new_buffer(math.prod(shape_t) * _dtypes.itemsize(dt), role, policy, policy_changes, name)
+        self._apply_advice(buf)
+        self._place_new(buf)
+        return TieredTensor(buf, shape_t, dt)
+
+    def empty_group(self, specs: Iterable[tuple[Any, Any]], *, role: Role | str, names: Iterable[str] | None = None,
+                    policy: Policy | None = None, **policy_changes: Any) -> list[TieredTensor]:
+        """Tensors of one role as adjacent slices of a single allocation, each given by
+        ``(shape, dtype)``. A group moves in one CUDA call, at link rate, where separate tensors
+        need one call each; each member can still be prefetched, evicted or advised on its own
+        (members start on 64 KiB boundaries, so they share no page)."""
+        specs = [((int(sh),) if isinstance(sh, int) else tuple(int(x) for x in sh), _dtypes.canonical(dt))
+                 for sh, dt in specs]
+        names_l = list(names) if names is not None else [None] * len(specs)
+        if len(names_l) != len(specs):
+            raise TierMemError(f"{len(names_l)} names for {len(specs)} tensors")
+        r = as_role(role)
+        pol = self._resolve_policy(r, policy, policy_changes)
+        sizes = [math.prod(sh) * _dtypes.itemsize(dt) for sh, dt in specs]
+        spans = [-(-max(n, 1) // GROUP_ALIGN) * GROUP_ALIGN for n in sizes]
+        request, size_class = round_request(sum(spans))
+        block = self.backend.allocate(request, f"{r.value}/{size_class}")
+        group = _Group(block)
+        bufs, off = [], 0
+        for n, span, name in zip(sizes, spans, names_l):
+            sub = Block(block.ptr + off, span, block.pool_key, group, alloc=block.alloc)
+            buf = _Buffer(self, sub, n, r, pol, name)
+            buf.last_use = next(self._tick)
+            self.accounting.on_alloc(r, n)
+            bufs.append(buf)
+            off += span
+        with self._lock:
+            for b in bufs:
+                self._buffers.add(b)
+        for b in bufs:
+            self._apply_advice(b)
+        self._place_new_group(bufs)
+        return [TieredTensor(b, sh, dt) for b, (sh, dt) in zip(bufs, specs)]
+
+    def _resolve_policy(self, role: Role, policy: Policy | None, changes: Mapping[str, Any]) -> Policy:
+        base = policy if policy is not None else self.policies[role]
+        if not isinstance(base, Policy):
+            raise TierMemError(f"policy must be a tiermem.Policy, got {type(base).__name__}")
+        return base.replace(**changes) if changes else base
+
+    def _new_buffer(self, nbytes: int, role: Role | str, policy: Policy | None,
+                    changes: Mapping[str, Any], name: str | None) -> _Buffer:
+        r = as_role(role)
+        pol = self._resolve_policy(r, policy, changes)
+        request, size_class = round_request(nbytes)
+        block = self.backend.allocate(request, f"{r.value}/{size_class}")
+        buf = _Buffer(self, block, nbytes, r, pol, name)
+        buf.last_use = next(self._tick)
+        self.accounting.on_alloc(r, nbytes)
+        with self._lock:
+            self._buffers.add(buf)
+        return buf
+
+    def _range(self, buf: _Buffer) -> tuple[int, int]:
+        return (buf.ptr, buf.span if buf.owns_pages else buf.nbytes)
+
+    def _apply_advice(self, buf: _Buffer, policy: Policy | None = None) -> None:
+        plan = advice_plan(policy or buf.policy)
+        if not self.backend.capabilities().supports("advise"):
+            self.accounting.count(buf.role, "advice_skipped", len(plan))
+            return
+        ptr, n = self._range(buf)
+        for advice in plan:
+            self.backend.advise(ptr, n, advice)
+        self.accounting.count(buf.role, "advice_applied", len(plan))
+
+    def _set_policy(self, buf: _Buffer, policy: Policy | None, changes: Mapping[str, Any]) -> Policy:
+        with self._lock:
+            buf.policy = (policy if policy is not None else buf.policy).replace(**changes)
+            if not buf.policy.read_mostly:
+                buf.host_valid = False
+            self._apply_advice(buf)
+            return buf.policy
+
+    def _place_new(self, buf: _Buffer) -> None:
+        self._place_new_group([buf])
+
+    def _place_new_group(self, bufs: list[_Buffer]) -> None:
+        """Give new buffers their first place, so the budget counts them before anything writes them.
+
+        Host-preferred buffers stay unplaced: the preferred-location rule puts their pages on the
+        host at first touch, so nothing is moved and nothing is resident. Others get device pages
+        now, within the budget; buffers that cannot fit are made host-preferred and read in place
+        (zero-copy), since a device write would otherwise take pages the budget never counted.
+        """
+        pol = bufs[0].policy
+        if pol.preferred_location is Location.HOST or pol.prefetch is Prefetch.NEVER:
+            return
+        try:
+            with self._lock:
+                self._make_room(sum(b.span for b in bufs), exclude=set(bufs))
+                big = [b for b in bufs if b.owns_pages]
+                if big:
+                    self._move_in(big, None, non_blocking=False)
+                for b in bufs:
+                    if not b.owns_pages:
+                        # Shared pages (NOTE [size classes]): the first device touch places them
+                        # by the preferred-location rule; a prefetch per small array costs more.
+                        b.where = Location.DEVICE
+                        self._resident += b.span
+                        self.accounting.on_resident(b.role, b.span)
+        except OutOfBudgetError:
+            log.debug("tiermem: %s bytes do not fit the budget; reading them in place", sum(b.nbytes for b in bufs))
+            for b in bufs:
+                self._set_policy(b, None, {"preferred_location": Location.HOST, "accessed_by_device": True,
+                                           "read_mostly": False})
+
+    def _owner_of(self, ptr: int) -> _Buffer | None:
+        """The live buffer whose managed range or shadow holds address ``ptr``, if any."""
+        with self._lock:
+            for b in list(self._buffers):
+                if b.ptr <= ptr < b.ptr + max(b.nbytes, 1):
+                    return b
+                if b.shadow is not None and b.shadow.ptr <= ptr < b.shadow.ptr + max(b.nbytes, 1):
+                    return b
+        return None
+
+    def _release(self, buf: _Buffer) -> None:
+        """A TieredTensor let go of its buffer; the buffer lives on while views hold it."""
+        buf.freed = True
+
+    def _buffer_gone(self, buf: _Buffer) -> None:
+        """The last owner of ``buf`` went: give its memory back. Called from __del__."""
+        with self._lock:
+            if buf.where is Location.DEVICE:
+                self._resident -= buf.span
+                self.accounting.on_resident(buf.role, -buf.span)
+            if buf.shadow is not None:
+                self._shadow_bytes -= buf.shadow.nbytes
+                buf.shadow.release()
+        self.accounting.on_free(buf.role, buf.nbytes)
+        buf.block.release()
+
+    # -- streams --------------------------------------------------------------------------------
+    def _stream(self, stream: Any) -> int:
+        """A stream handle from None (the current stream), an int, a torch or a CuPy stream."""
+        if stream is None:
+            return self.backend.current_stream()
+        if isinstance(stream, int):
+            return stream
+        for attr in ("cuda_stream", "ptr"):
+            if hasattr(stream, attr):
+                return int(getattr(stream, attr))
+        raise TierMemError(f"not a stream: {stream!r}")
+
+    def _side(self, direction: str) -> int:
+        s = self._streams.get(direction)
+        if s is None:
+            s = self._streams[direction] = self.backend.new_stream()
+        return s
+
+    def _begin(self, bufs: list[_Buffer], cur: int, side: int) -> Any:
+        """Order ``side`` after the caller's stream and after earlier moves of ``bufs``; returns the
+        timing event that starts the transfer."""
+        be = self.backend
+        dep = be.new_event()
+        be.record(dep, cur)
+        be.wait(side, dep)
+        for b in bufs:
+            if b.pending is not None and not b.pending.done() and b.pending.stream != side:
+                be.wait(side, b.pending.event)
+        start = be.new_event(timing=True)
+        be.record(start, side)
+        return start
+
+    def _finish(self, direction: str, bufs: list[_Buffer], cur: int, side: int, start: Any,
+                moved: dict[Role, int], non_blocking: bool) -> Transfer:
+        be = self.backend
+        end = be.new_event(timing=True)
+        be.record(end, side)
+        tr = Transfer(self, direction, side, start, end, list(bufs), sum(moved.values()), moved)
+        for b in bufs:
+            b.pending = tr
+        self._inflight.append(tr)
+        if not non_blocking:
+            be.wait(cur, end)
+        return tr
+
+    def _reap(self) -> None:
+        self._inflight = [t for t in self._inflight if not t.done()]
+
+    def synchronize(self) -> None:
+        """Block until every move tiermem has enqueued is done."""
+        with self._lock:
+            for t in self._inflight:
+                t.synchronize()
+            self._inflight = []
+
+    # -- placement ------------------------------------------------------------------------------
+    def _bufs(self, tensors: Any) -> list[_Buffer]:
+        if isinstance(tensors, (TieredTensor, _Buffer)):
+            tensors = [tensors]
+        out, seen = [], set()
+        for t in tensors:
+            b = t if isinstance(t, _Buffer) else t._b
+            if b.tier is not self:
+                raise TierMemError(f"{t!r} belongs to another Tier")
+            if id(b) not in seen:
+                seen.add(id(b))
+                out.append(b)
+        return out
+
+    def prefetch(self, tensors: TieredTensor | Iterable[TieredTensor], to: Location | str = Location.DEVICE, *,
+                 stream: Any = None, non_blocking: bool = False) -> Transfer:
+        """Bring ``tensors`` to ``to`` ("device" or "host") in one transfer on a tiermem stream.
+
+        Moves to the device first make room in the budget, evicting the coldest evictable tensors
+        (raises :class:`OutOfBudgetError` if they cannot all fit). The moves wait for work already
+        queued on ``stream`` (default: the current stream). Unless ``non_blocking``, ``stream``
+        then waits for the moves on the device (the host never blocks); with ``non_blocking`` the
+        caller waits on the returned :class:`Transfer` before using the data.
+        """
+        loc = _as_location(to)
+        if loc is Location.HOST:
+            return self.evict(tensors, stream=stream, non_blocking=non_blocking)
+        bufs = self._bufs(tensors)
+        with self._lock:
+            self._reap()
+            for b in bufs:
+                b.last_use = next(self._tick)
+            todo = [b for b in bufs if b.where is not Location.DEVICE or b.in_shadow]
+            if not todo:
+                return Transfer.done_now("h2d")
+            self._make_room(sum(b.span for b in todo if b.where is not Location.DEVICE), exclude=set(bufs))
+            return self._move_in(todo, stream, non_blocking)
+
+    def _move_in(self, todo: list[_Buffer], stream: Any, non_blocking: bool) -> Transfer:
+        be = self.backend
+        caps = be.capabilities()
+        cur, side = self._stream(stream), self._side("h2d")
+        start = self._begin(todo, cur, side)
+        moved: dict[Role, int] = {}
+        um = [b for b in todo if not b.in_shadow]
+        shadowed = [b for b in todo if b.in_shadow]
+        if um:
+            if caps.supports("prefetch"):
+                be.prefetch(coalesce((b.block.alloc, *self._range(b)) for b in um), Location.DEVICE, side)
+            else:
+                for b in um:
+                    self.accounting.count(b.role, "prefetch_skipped")
+            for b in um:
+                if b.where is Location.HOST:  # unplaced buffers only get pages: nothing crosses the link
+                    moved[b.role] = moved.get(b.role, 0) + b.nbytes
+        if shadowed:
+            # Fresh device pages without migrating the discarded contents, then the shadow's bytes.
+            be.discard_and_prefetch(coalesce((b.block.alloc, b.ptr, b.span) for b in shadowed), Location.DEVICE, side)
+            for b in shadowed:
+                be.copy(b.ptr, b.shadow.ptr, b.nbytes, side)
+                moved[b.role] = moved.get(b.role, 0) + b.nbytes
+        for b in todo:
+            was_host = b.where is Location.HOST and not b.in_shadow and b.host_valid
+            if b.in_shadow:
+                b.in_shadow = False
+                self._rebind(b, shadow=False)
+            # A device write would invalidate host copies; only read-only buffers keep theirs.
+            b.shadow_valid = b.shadow_valid and b.policy.read_only
+            b.host_valid = b.policy.read_only and b.policy.read_mostly and (was_host or b.host_valid)
+            if b.where is not Location.DEVICE:
+                self._resident += b.span
+                self.accounting.on_resident(b.role, b.span)
+            b.where = Location.DEVICE
+            self.accounting.count(b.role, "prefetch_ops")
+        for r, n in moved.items():
+            self.accounting.on_move(r, "h2d", n)
+        return self._finish("h2d", todo, cur, side, start, moved, non_blocking)
+
+    def evict(self, tensors: TieredTensor | Iterable[TieredTensor], *, stream: Any = None,
+              non_blocking: bool = False, _path: str | None = None) -> Transfer:
+        """Take ``tensors`` off the device, each by the fastest safe path (NOTE [eviction paths]).
+
+        Ordering is as for :meth:`prefetch`. With ``non_blocking`` the caller must not touch the
+        tensors until the returned transfer is done (or they are prefetched again).
+        """
+        bufs = self._bufs(tensors)
+        with self._lock:
+            self._reap()
+            for b in bufs:
+                if b.where is None:  # never placed: no pages anywhere, nothing to move
+                    b.where = Location.HOST
+            todo = [b for b in bufs if b.where is Location.DEVICE]
+            if not todo:
+                return Transfer.done_now("d2h")
+            return self._move_out(todo, stream, non_blocking, _path)
+
+    def _evict_path(self, b: _Buffer) -> str:
+        caps = self.backend.capabilities()
+        if not caps.supports("prefetch"):
+            return "skip"
+        pol = b.policy
+        if pol.read_mostly and b.host_valid and pol.preferred_location is Location.HOST:
+            return "collapse"
+        if caps.supports("discard") and b.owns_pages:
+            return "discard" if b.shadow_valid else "copy"
+        return "um"
+
+    def _move_out(self, todo: list[_Buffer], stream: Any, non_blocking: bool, force: str | None = None) -> Transfer:
+        be = self.backend
+        cur, side = self._stream(stream), self._side("d2h")
+        start = self._begin(todo, cur, side)
+        moved: dict[Role, int] = {}
+        clean_discards: list[_Buffer] = []
+        for b in todo:
+            path = force or self._evict_path(b)
+            if path in ("discard", "copy"):
+                if path == "copy" and b.shadow is None:
+                    b.shadow = be.host_alloc(b.nbytes)
+                    self._shadow_bytes += b.shadow.nbytes
+                if not self._detach_for_discard(b):
+                    path = "um"
+            if path == "skip":
+                self.accounting.count(b.role, "prefetch_skipped")
+            elif path == "collapse":
+                ptr, n = self._range(b)
+                be.advise(ptr, n, Advice("read_mostly", False, Location.DEVICE))
+                # Normally a no-op: the pages are on the host after the collapse. If a device write
+                # broke the read-only promise, this moves them, so the budget stays true.
+                be.prefetch([(ptr, n)], Location.HOST, side)
+                be.advise(ptr, n, Advice("read_mostly", True, Location.DEVICE))
+                self.accounting.count(b.role, "evict_clean_ops")
+            elif path == "discard":
+                clean_discards.append(b)   # one batched discard for all of them, below
+                b.in_shadow = True
+                self.accounting.count(b.role, "evict_clean_ops")
+            elif path == "copy":
+                for off in range(0, b.span, CHUNK):
+                    n_copy = min(CHUNK, b.nbytes - off)
+                    if n_copy > 0:
+                        be.copy(b.shadow.ptr + off, b.ptr + off, n_copy, side)
+                    be.discard([(b.ptr + off, min(CHUNK, b.span - off))], side)
+                b.in_shadow = True
+                b.shadow_valid = True
+                moved[b.role] = moved.get(b.role, 0) + b.nbytes
+            else:  # "um": Unified Memory's own write-back; every pointer stays valid
+                be.prefetch([self._range(b)], Location.HOST, side)
+                b.host_valid = True
+                moved[b.role] = moved.get(b.role, 0) + b.nbytes
+                self.accounting.count(b.role, "evict_um_ops")
+            self._resident -= b.span
+            self.accounting.on_resident(b.role, -b.span)
+            b.where = Location.HOST
+            self.accounting.count(b.role, "evict_ops")
+        if clean_discards:
+            be.discard(coalesce((b.block.alloc, b.ptr, b.span) for b in clean_discards), side)
+        for r, n in moved.items():
+            self.accounting.on_move(r, "d2h", n)
+        return self._finish("d2h", todo, cur, side, start, moved, non_blocking)
+
+    def _make_room(self, need: int, exclude: set[_Buffer]) -> None:
+        """Evict the coldest evictable resident buffers until ``need`` more bytes fit the budget."""
+        if self._budget is None:
+            return
+        over = self._resident + need - self._budget
+        if over <= 0:
+            return
+        cands = [b for b in list(self._buffers)
+                 if b.where is Location.DEVICE and b not in exclude and b.policy.evict is not Evict.NEVER]
+        cands.sort(key=lambda b: (b.policy.evict_priority, b.last_use))
+        chosen, freed = [], 0
+        for b in cands:
+            if freed >= over:
+                break
+            chosen.append(b)
+            freed += b.span
+        if freed < over:
+            raise OutOfBudgetError(
+                need, self._resident, self._budget,
+                "Everything else resident is in use or never evicted (Evict.NEVER); raise the "
+                "budget or free tensors")
+        for b in chosen:
+            self.accounting.count(b.role, "evict_budget_ops")
+        self.evict(chosen, non_blocking=True)
+
+    # -- views and bindings -----------------------------------------------------------------------
+    def _rebind(self, b: _Buffer, shadow: bool) -> None:
+        """Point every tensor tiermem bound to ``b`` at the managed range or at the shadow."""
+        live = [t for t in (r() for r in b.bindings) if t is not None]
+        b.bindings = [weakref.ref(t) for t in live]
+        if not live:
+            return
+        ptr = b.shadow.ptr if shadow else b.ptr
+        raw = self.backend.torch_view(ptr, b.nbytes, b.token(internal=True, shadow=shadow))
+        base = raw.view(live[0].dtype).view(live[0].shape)
+        for t in live:
+            t.data = base
+
+    def _detach_for_discard(self, b: _Buffer) -> bool:
+        """Re-point ``b``'s bindings at its shadow; True if nothing else still refers to the
+        managed range, so it may be discarded (NOTE [views and the fast paths])."""
+        if b.foreign_views():
+            return False
+        old = [weakref.ref(t) for t in list(b.tokens) if not t.shadow]
+        self._rebind(b, shadow=True)
+        if any(r() is not None for r in old):
+            self._rebind(b, shadow=False)
+            return False
+        return True
+
+    def _materialize(self, b: _Buffer, writable: bool = True) -> None:
+        """Get ``b`` ready for a foreign view: bring data that lives only in the shadow back into
+        the managed range (onto the device if the budget allows, else into host pages), and, for a
+        view that may write, stop trusting the host copies that make eviction free."""
+        with self._lock:
+            self._bring_back(b)
+            if writable:
+                b.shadow_valid = False
+                b.host_valid = False
+
+    def _bring_back(self, b: _Buffer) -> None:
+        if not b.in_shadow:
+            b.last_use = next(self._tick)
+            return
+        with self._lock:
+            try:
+                self.prefetch([b]).synchronize()
+                return
+            except OutOfBudgetError:
+                pass
+            side = self._side("h2d")
+            self.backend.discard_and_prefetch([(b.ptr, b.span)], Location.HOST, side)
+            self.backend.copy(b.ptr, b.shadow.ptr, b.nbytes, side)
+            ev = self.backend.new_event()
+            self.backend.record(ev, side)
+            self.backend.synchronize(ev)
+            b.in_shadow = False
+            self._rebind(b, shadow=False)
+
+    # -- integrations ---------------------------------------------------------------------------
+    def wrap(self, tensor: Any, role: Role | str = Role.WEIGHT, **kwargs: Any) -> TieredTensor:
+        """Move a torch tensor or parameter into tiered memory in place (see tiermem.wrap)."""
+        from ._torch import wrap
+        return wrap(self, tensor, role, **kwargs)
+
+    def unwrap(self, tensor: Any) -> Any:
+        """Give a wrapped tensor plain memory again (see tiermem.unwrap)."""
+        from ._torch import unwrap
+        return unwrap(self, tensor)
+
+    def allocator(self, role: Role | str | None = None) -> Any:
+        """A CuPy allocator (size -> MemoryPointer) serving tiered managed memory (see
+        tiermem.allocator)."""
+        from ._cupy import make_allocator
+        return make_allocator(self, role)
+
+    # -- telemetry ------------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        """The flat stats dict; keys are documented in tiermem/_stats.py."""
+        with self._lock:
+            self._reap()
+        out = self.accounting.flat()
+        g = self.backend.guard
+        pools = self.backend.pool_bytes()
+        out.update({
+            "managed.reserved_bytes.current": g.reserved, "managed.reserved_bytes.peak": g.peak,
+            "managed.cap_bytes": g.limit, "managed.refused_count": g.refused,
+            "managed.pool_cached_bytes": pools["cached"],
+            "budget_bytes": -1 if self._budget is None else self._budget,
+            "shadow_bytes.current": self._shadow_bytes,
+        })
+        return out
+
+    def memory_summary(self) -> str:
+        """A readable report of the stats, one row per role that has been used."""
+        from ._report import summary
+        return summary(self)
+
+    def close(self) -> None:
+        """Wait for outstanding moves and release tiermem's streams and cached pool blocks."""
+        self.synchronize()
+        self.backend.release_cached()

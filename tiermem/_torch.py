@@ -1,0 +1,133 @@
+"""PyTorch adoption: wrap a tensor or parameter in place, and unwrap it again.
+
+``wrap`` moves a tensor's data into a tiered buffer and rebinds the tensor's ``.data`` to a
+zero-copy view of it. The Python object stays the same, so a module that holds the parameter,
+an optimizer that holds it, and autograd all keep working; ``requires_grad`` is untouched and
+gradients arrive as usual.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING, Any
+
+from . import _dtypes
+from ._errors import OutOfBudgetError, WrapError
+from ._tensor import TieredTensor
+from .roles import Location, Policy, Role, as_role
+
+if TYPE_CHECKING:
+    from ._tier import Tier
+
+__all__ = ["wrap", "unwrap", "tiered_of"]
+
+_ATTR = "_tiermem"   # the TieredTensor a wrapped tensor belongs to; keeps it alive with the tensor
+
+
+def _torch() -> Any:
+    try:
+        import torch
+    except ImportError as e:
+        raise WrapError("tiermem.wrap needs torch; pip install 'tiermem[torch]'") from e
+    return torch
+
+
+def tiered_of(tensor: Any) -> TieredTensor | None:
+    """The TieredTensor a wrapped tensor or parameter belongs to, or None."""
+    tt = getattr(tensor, _ATTR, None)
+    return tt if isinstance(tt, TieredTensor) and not tt.freed else None
+
+
+def _check(tier: Tier, tensor: Any) -> None:
+    torch = _torch()
+    if not isinstance(tensor, torch.Tensor):
+        raise WrapError(f"wrap takes a torch.Tensor or nn.Parameter, got {type(tensor).__name__}")
+    if tiered_of(tensor) is not None:
+        raise WrapError(f"this tensor is already wrapped ({tiered_of(tensor)!r}); unwrap it first")
+    if tensor.layout != torch.strided:
+        raise WrapError(f"cannot wrap a {tensor.layout} tensor: tiermem holds dense (strided) tensors only")
+    if tensor.is_meta:
+        raise WrapError("cannot wrap a meta tensor: it has no data. Materialise it first "
+                        "(e.g. module.to_empty(device='cuda') and load its weights)")
+    if not tensor.is_contiguous():
+        raise WrapError(f"cannot wrap a non-contiguous tensor (strides {tuple(tensor.stride())}); "
+                        "wrap the tensor it is a view of, or pass tensor.contiguous()")
+    if tensor.device.type not in ("cpu", "cuda"):
+        raise WrapError(f"cannot wrap a tensor on {tensor.device}; tiermem takes CPU or CUDA tensors")
+    if tensor.device.type == "cuda" and tensor.device.index != tier.device:
+        raise WrapError(f"tensor is on {tensor.device} but this Tier manages cuda:{tier.device}")
+    if tensor.numel() and tier._owner_of(tensor.data_ptr()) is not None:
+        raise WrapError("this tensor is a view of tiered memory already; wrap the original instead")
+
+
+def wrap(tier: Tier, tensor: Any, role: Role | str = Role.WEIGHT, *, name: str | None = None,
+         policy: Policy | None = None, **policy_changes: Any) -> TieredTensor:
+    """Move ``tensor``'s data into tiered memory and rebind it there; see tiermem.wrap."""
+    torch = _torch()
+    r = as_role(role)            # an unknown role raises before anything changes
+    _check(tier, tensor)
+    if r is Role.WEIGHT and not tensor.requires_grad:
+        r = Role.FROZEN_WEIGHT   # a weight nothing trains: read-mostly, and its eviction is free
+    pol = tier._resolve_policy(r, policy, policy_changes)
+    nbytes = tensor.numel() * tensor.element_size()
+    buf = tier._new_buffer(nbytes, r, pol, {}, name)
+    tt = TieredTensor(buf, tuple(tensor.shape), _dtypes.canonical(tensor.dtype))
+    tt._origin_device = tensor.device
+
+    # Fill from the device side: a host-side first touch of managed memory runs at ~2 GB/s.
+    # No read-mostly while filling: a write to a read-mostly range collapses its duplicates.
+    tier._apply_advice(buf, Policy(preferred_location=Location.DEVICE))
+    with tier._lock:
+        try:
+            tier._make_room(buf.span, exclude={buf})
+            tier._move_in([buf], None, non_blocking=False)
+        except OutOfBudgetError:
+            # Larger than the budget: fill it in host pages instead (slow, but within budget).
+            tier._apply_advice(buf, Policy(preferred_location=Location.HOST, accessed_by_device=True))
+            buf.where = Location.HOST
+    view = tier.backend.torch_view(buf.ptr, nbytes, buf.token(internal=True))
+    view = view.view(tensor.dtype).view(tensor.shape)
+    with torch.no_grad():
+        view.copy_(tensor)
+    tier._apply_advice(buf)
+    if buf.where is Location.HOST:
+        buf.host_valid = True
+    elif pol.preferred_location is Location.HOST or pol.prefetch.value == "never":
+        # Host-preferred data leaves the device through Unified Memory so that its host pages hold
+        # it: prefetches of it then run at link rate and read-mostly eviction moves nothing.
+        tier.evict([buf], _path="um")
+    tensor.data = view
+    buf.bindings.append(weakref.ref(tensor))
+    setattr(tensor, _ATTR, tt)
+    return tt
+
+
+def unwrap(tier: Tier, x: Any) -> Any:
+    """Copy a wrapped tensor's data back to plain memory on its original device and rebind it
+    there; returns the tensor. A TieredTensor that nothing is bound to comes back as a new plain
+    tensor. The tiered buffer is freed."""
+    torch = _torch()
+    if isinstance(x, TieredTensor):
+        tt = x
+    else:
+        tt = tiered_of(x)
+        if tt is None:
+            raise WrapError("this tensor is not wrapped by tiermem")
+    if tt.tier is not tier:
+        raise WrapError("this tensor belongs to another Tier")
+    buf = tt._b
+    device = getattr(tt, "_origin_device", None) or torch.device("cuda", tier.device)
+    bound = [t for t in (r() for r in buf.bindings) if t is not None]
+    if bound:
+        for t in bound:
+            plain = torch.empty(t.shape, dtype=t.dtype, device=device)
+            with torch.no_grad():
+                plain.copy_(t.data)
+            t.data = plain
+            if getattr(t, _ATTR, None) is tt:
+                delattr(t, _ATTR)
+        buf.bindings = []
+        out = bound[0]
+    else:
+        out = tt.torch().to(device, copy=True)
+    tt.free()
+    return out

@@ -14,11 +14,11 @@ import pytest
 
 import tiermem
 from fakes import FakeBackend, _State
-from helpers import MiB, calls, expected_stats, fill_random, read, role_stats
+from helpers import MiB, calls, expected_stats, role_stats
 from tiermem import CapExceededError, Location, OutOfBudgetError, RangeInfo, Role, TierMemError
 from tiermem._backend import round_request
 from tiermem._tier import coalesce
-from tiermem.roles import Advice, advice_plan
+from tiermem.roles import advice_plan
 
 
 def advise_calls(fake, ptr):

@@ -330,8 +330,6 @@ def test_set_budget_lowering_evicts():
     assert t.stats()["budget_bytes"] == -1
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: Tier.set_budget keeps the new budget when it cannot evict "
-                                       "enough, leaving resident_bytes above the budget")
 def test_set_budget_that_cannot_be_met_changes_nothing():
     t, _ = budget_tier(None)
     ws = t.empty(4 * MiB, "uint8", role="workspace")
@@ -507,8 +505,6 @@ def test_concurrent_empty_and_free(fake):
 
 # -- destructors ----------------------------------------------------------------------------
 
-@pytest.mark.xfail(strict=True, reason="BUG: _Buffer.__del__ -> Accounting.on_free takes Accounting's "
-                                       "non-reentrant lock; a cyclic-GC pass inside Accounting.snapshot deadlocks")
 def test_a_buffer_collected_by_the_cycle_collector_does_not_deadlock_stats():
     # Runs in a child process, since the failure is a hang.
     code = textwrap.dedent("""

@@ -52,8 +52,6 @@ def test_parse_bytes_error_names_what():
         parse_bytes("lots", what="device budget")
 
 
-@pytest.mark.xfail(strict=True, raises=ValueError,
-                   reason="BUG: parse_bytes(float('nan')) raises a bare ValueError from int(), not TierMemError")
 def test_parse_bytes_rejects_nan_with_tiermem_error():
     with pytest.raises(TierMemError, match="nan"):
         parse_bytes(float("nan"))

@@ -168,8 +168,6 @@ def test_tensor_bigger_than_the_budget_fills_host_pages(fake):
     assert x.data_ptr() == tt.data_ptr
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: _torch.wrap re-applies the role's advice after filling host pages, "
-                                       "so a weight bigger than the budget stays device-preferred")
 def test_tensor_bigger_than_the_budget_is_read_in_place(fake):
     # As Tier.empty does for a tensor that cannot fit: host-preferred and mapped for the device,
     # or the first device touch migrates pages that the budget never counted.

@@ -19,6 +19,7 @@ NOTE [device budget]
 """
 from __future__ import annotations
 
+import math
 import os
 import re
 import threading
@@ -43,6 +44,8 @@ def parse_bytes(value: int | float | str, *, total: int | None = None, what: str
     if isinstance(value, bool):
         raise TierMemError(f"{what} must be a byte count, got {value!r}")
     if isinstance(value, (int, float)):
+        if not math.isfinite(value):
+            raise TierMemError(f"{what} must be a finite byte count, got {value!r}")
         n = int(value)
     else:
         m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*(%|[a-zA-Z]*)\s*", str(value))
@@ -95,7 +98,7 @@ class CapGuard:
     def __init__(self, limit: int, allow_oversubscribe: bool = False):
         self.limit = int(limit)
         self.allow_oversubscribe = allow_oversubscribe
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()   # released from destructors too (see Accounting)
         self.reserved = 0
         self.peak = 0
         self.refused = 0

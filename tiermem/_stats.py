@@ -96,7 +96,9 @@ class Accounting:
     """Thread-safe counters per role, plus the sum over roles with its own peaks."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        # Re-entrant: a buffer's destructor updates these counters, and the garbage collector can
+        # run it in the middle of a locked section of this same thread.
+        self._lock = threading.RLock()
         self.by_role: dict[Role, RoleStats] = {r: RoleStats() for r in Role}
         self.all = RoleStats()
 

@@ -123,7 +123,11 @@ class Tier:
         with self._lock:
             old, self._budget = self._budget, new
             if new is not None and self._resident > new:
-                self._make_room(0, exclude=set())
+                try:
+                    self._make_room(0, exclude=set())
+                except OutOfBudgetError:
+                    self._budget = old   # a budget that cannot be met changes nothing
+                    raise
         return old
 
     @property
@@ -151,9 +155,10 @@ class Tier:
     def empty_group(self, specs: Iterable[tuple[Any, Any]], *, role: Role | str, names: Iterable[str] | None = None,
                     policy: Policy | None = None, **policy_changes: Any) -> list[TieredTensor]:
         """Tensors of one role as adjacent slices of a single allocation, each given by
-        ``(shape, dtype)``. A group moves in one CUDA call, at link rate, where separate tensors
-        need one call each; each member can still be prefetched, evicted or advised on its own
-        (members start on 64 KiB boundaries, so they share no page)."""
+        ``(shape, dtype)``. A group of 2 MiB or more moves in one CUDA call, at link rate, where
+        separate tensors need one call each, and its members (which start on 64 KiB boundaries)
+        share no page, so each can still be prefetched, evicted or advised on its own. A smaller
+        group shares pages like any small buffer (NOTE [size classes] in _backend.py)."""
         specs = [((int(sh),) if isinstance(sh, int) else tuple(int(x) for x in sh), _dtypes.canonical(dt))
                  for sh, dt in specs]
         names_l = list(names) if names is not None else [None] * len(specs)
@@ -219,6 +224,8 @@ class Tier:
             buf.policy = (policy if policy is not None else buf.policy).replace(**changes)
             if not buf.policy.read_mostly:
                 buf.host_valid = False
+            if not buf.policy.read_only:
+                buf.shadow_valid = False   # the device may write it from now on
             self._apply_advice(buf)
             return buf.policy
 
@@ -366,12 +373,13 @@ class Tier:
         bufs = self._bufs(tensors)
         with self._lock:
             self._reap()
+            todo = [b for b in bufs if b.where is not Location.DEVICE or b.in_shadow]
+            if todo:
+                self._make_room(sum(b.span for b in todo if b.where is not Location.DEVICE), exclude=set(bufs))
             for b in bufs:
                 b.last_use = next(self._tick)
-            todo = [b for b in bufs if b.where is not Location.DEVICE or b.in_shadow]
             if not todo:
                 return Transfer.done_now("h2d")
-            self._make_room(sum(b.span for b in todo if b.where is not Location.DEVICE), exclude=set(bufs))
             return self._move_in(todo, stream, non_blocking)
 
     def _move_in(self, todo: list[_Buffer], stream: Any, non_blocking: bool) -> Transfer:
@@ -452,11 +460,14 @@ class Tier:
         for b in todo:
             path = force or self._evict_path(b)
             if path in ("discard", "copy"):
-                if path == "copy" and b.shadow is None:
-                    b.shadow = be.host_alloc(b.nbytes)
-                    self._shadow_bytes += b.shadow.nbytes
-                if not self._detach_for_discard(b):
+                if b.foreign_views():
                     path = "um"
+                else:
+                    if path == "copy" and b.shadow is None:
+                        b.shadow = be.host_alloc(b.nbytes)
+                        self._shadow_bytes += b.shadow.nbytes
+                    if not self._detach_for_discard(b):
+                        path = "um"
             if path == "skip":
                 self.accounting.count(b.role, "prefetch_skipped")
             elif path == "collapse":
@@ -466,6 +477,7 @@ class Tier:
                 # broke the read-only promise, this moves them, so the budget stays true.
                 be.prefetch([(ptr, n)], Location.HOST, side)
                 be.advise(ptr, n, Advice("read_mostly", True, Location.DEVICE))
+                self.accounting.count(b.role, "advice_applied", 2)
                 self.accounting.count(b.role, "evict_clean_ops")
             elif path == "discard":
                 clean_discards.append(b)   # one batched discard for all of them, below
@@ -551,6 +563,8 @@ class Tier:
         view that may write, stop trusting the host copies that make eviction free."""
         with self._lock:
             self._bring_back(b)
+            if b.where is None:
+                b.where = Location.HOST   # a view may fill it: its pages appear on the host
             if writable:
                 b.shadow_valid = False
                 b.host_valid = False

@@ -81,8 +81,10 @@ def wrap(tier: Tier, tensor: Any, role: Role | str = Role.WEIGHT, *, name: str |
             tier._make_room(buf.span, exclude={buf})
             tier._move_in([buf], None, non_blocking=False)
         except OutOfBudgetError:
-            # Larger than the budget: fill it in host pages instead (slow, but within budget).
-            tier._apply_advice(buf, Policy(preferred_location=Location.HOST, accessed_by_device=True))
+            # Larger than the budget: fill it in host pages and read it in place from there
+            # (zero-copy), as Tier does for any new buffer that cannot fit.
+            buf.policy = pol = pol.replace(preferred_location=Location.HOST, accessed_by_device=True, read_mostly=False)
+            tier._apply_advice(buf)
             buf.where = Location.HOST
     view = tier.backend.torch_view(buf.ptr, nbytes, buf.token(internal=True))
     view = view.view(tensor.dtype).view(tensor.shape)

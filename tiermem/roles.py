@@ -72,7 +72,8 @@ class Prefetch(str, enum.Enum):
 
     AHEAD = "ahead"      # before its use, on a side stream, when a plan or caller asks
     ON_USE = "on_use"    # only when asked for it directly
-    NEVER = "never"      # read in place from the host (zero-copy); never takes device budget
+    NEVER = "never"      # read in place from the host (zero-copy): planners never bring it in (an
+                         # explicit prefetch() call still does, and counts it against the budget)
 
 
 class Evict(str, enum.Enum):
@@ -168,7 +169,8 @@ class PolicyTable(Mapping[Role, Policy]):
     """
 
     def __init__(self, base: Mapping[Role, Policy] = DEFAULT_POLICIES):
-        self._table: Mapping[Role, Policy] = MappingProxyType(dict(base))
+        self._base: Mapping[Role, Policy] = MappingProxyType(dict(base))
+        self._table: Mapping[Role, Policy] = self._base
 
     def __getitem__(self, role: Role | str) -> Policy:
         return self._table[as_role(role)]
@@ -192,7 +194,8 @@ class PolicyTable(Mapping[Role, Policy]):
         return old
 
     def reset(self) -> None:
-        self._table = MappingProxyType(dict(DEFAULT_POLICIES))
+        """Back to the policies the table was made with."""
+        self._table = self._base
 
 
 @dataclasses.dataclass(frozen=True)

@@ -198,7 +198,6 @@ def test_frozen_weight_evicts_by_collapsing_read_mostly(tier, fake):
     ptr = tt.data_ptr
     assert moves(fake, n) == [
         ("advise", ptr, 2 * MiB, "read_mostly", False, Location.DEVICE),
-        ("prefetch", ((ptr, 2 * MiB),), Location.HOST, tr.stream),
         ("advise", ptr, 2 * MiB, "read_mostly", True, Location.DEVICE),
     ]
     assert tr.nbytes == 0

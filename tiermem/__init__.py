@@ -9,7 +9,8 @@ See README.md. A GPU is needed for everything that touches memory; ``python -m t
 says what this machine has.
 """
 from ._api import (allocator, configure, default_tier, empty, evict, memory_summary, policy_override, prefetch,
-                   stats, synchronize, unwrap, wrap)
+                   stats, synchronize, unwrap, wrap, wrap_module)
+from ._module import Plan, TieredModule, plan_residency
 from ._cuda import Capabilities, RangeInfo
 from ._cupy import current_role, using_role
 from ._errors import (CapExceededError, CUDAError, CUDAUnavailableError, OutOfBudgetError, RoleError, TierMemError,
@@ -26,7 +27,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Tier", "TieredTensor", "Transfer", "Role", "Location", "Policy", "PolicyTable", "Prefetch", "Evict",
     "DEFAULT_POLICIES", "Capabilities", "RangeInfo",
-    "configure", "default_tier", "empty", "wrap", "unwrap", "tiered_of", "prefetch", "evict", "allocator",
+    "configure", "default_tier", "empty", "wrap", "wrap_module", "unwrap", "TieredModule", "Plan", "plan_residency", "tiered_of", "prefetch", "evict", "allocator",
     "using_role", "current_role", "policy_override", "stats", "memory_summary", "synchronize", "parse_bytes",
     "TierMemError", "CUDAError", "CUDAUnavailableError", "OutOfBudgetError", "CapExceededError", "RoleError",
     "WrapError", "ViewError", "__version__",

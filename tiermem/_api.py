@@ -15,7 +15,7 @@ from ._tier import Tier
 from ._transfer import Transfer
 from .roles import Location, Policy, Role, as_role
 
-__all__ = ["default_tier", "configure", "empty", "wrap", "unwrap", "prefetch", "evict", "allocator",
+__all__ = ["default_tier", "configure", "empty", "wrap", "wrap_module", "unwrap", "prefetch", "evict", "allocator",
            "stats", "memory_summary", "policy_override", "synchronize"]
 
 _default: Tier | None = None
@@ -58,6 +58,17 @@ def wrap(tensor: Any, role: Role | str = Role.WEIGHT, **kwargs: Any) -> TieredTe
     ``policy`` (replaces the role's policy), and policy fields to change (``read_mostly=True``).
     """
     return _tier_of(tensor).wrap(tensor, role, **kwargs)
+
+
+def wrap_module(module: Any, budget: int | str | None = None, **kwargs: Any) -> Any:
+    """Adopt every parameter and buffer of ``module`` and run it within ``budget`` (bytes, or a
+    share of its weights like "25%"): the largest groups stay resident, the rest stream in ahead
+    of use and out behind it, or are read in place for single-token forwards. Returns a
+    :class:`TieredModule` (its ``plan``; ``unwrap()`` restores the module). Keyword arguments:
+    ``mode`` ("auto", "stream", "zero_copy"), ``lookahead`` (groups in flight),
+    ``zero_copy_max_tokens``, ``tier``."""
+    tier = kwargs.pop("tier", None) or default_tier()
+    return tier.wrap_module(module, budget, **kwargs)
 
 
 def unwrap(tensor: Any) -> Any:

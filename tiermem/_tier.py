@@ -222,8 +222,6 @@ class Tier:
     def _set_policy(self, buf: _Buffer, policy: Policy | None, changes: Mapping[str, Any]) -> Policy:
         with self._lock:
             buf.policy = (policy if policy is not None else buf.policy).replace(**changes)
-            if not buf.policy.read_mostly:
-                buf.host_valid = False
             if not buf.policy.read_only:
                 buf.shadow_valid = False   # the device may write it from now on
             self._apply_advice(buf)
@@ -438,7 +436,14 @@ class Tier:
             todo = [b for b in bufs if b.where is Location.DEVICE]
             if not todo:
                 return Transfer.done_now("d2h")
-            return self._move_out(todo, stream, non_blocking, _path)
+            tr, collapse = self._move_out(todo, stream, non_blocking, _path)
+        # Collapsing read-mostly copies is a host-side driver call that takes ~25 ms per GiB
+        # (bench/results/probe_refill-*.json); it runs outside the lock so that other threads can
+        # keep enqueuing moves meanwhile. It moves no data.
+        for ptr, n in collapse:
+            self.backend.advise(ptr, n, Advice("read_mostly", False, Location.DEVICE))
+            self.backend.advise(ptr, n, Advice("read_mostly", True, Location.DEVICE))
+        return tr
 
     def _evict_path(self, b: _Buffer) -> str:
         caps = self.backend.capabilities()
@@ -451,12 +456,16 @@ class Tier:
             return "discard" if b.shadow_valid else "copy"
         return "um"
 
-    def _move_out(self, todo: list[_Buffer], stream: Any, non_blocking: bool, force: str | None = None) -> Transfer:
+    def _move_out(self, todo: list[_Buffer], stream: Any, non_blocking: bool,
+                  force: str | None = None) -> tuple[Transfer, list[tuple[int, int]]]:
+        """Enqueue the evictions of ``todo``; returns the transfer and the ranges whose read-mostly
+        copies the caller must collapse (after releasing the lock)."""
         be = self.backend
         cur, side = self._stream(stream), self._side("d2h")
         start = self._begin(todo, cur, side)
         moved: dict[Role, int] = {}
         clean_discards: list[_Buffer] = []
+        collapse: list[_Buffer] = []
         for b in todo:
             path = force or self._evict_path(b)
             if path in ("discard", "copy"):
@@ -471,12 +480,10 @@ class Tier:
             if path == "skip":
                 self.accounting.count(b.role, "prefetch_skipped")
             elif path == "collapse":
-                ptr, n = self._range(b)
-                be.advise(ptr, n, Advice("read_mostly", False, Location.DEVICE))
-                # Normally a no-op: the pages are on the host after the collapse. If a device write
-                # broke the read-only promise, this moves them, so the budget stays true.
-                be.prefetch([(ptr, n)], Location.HOST, side)
-                be.advise(ptr, n, Advice("read_mostly", True, Location.DEVICE))
+                # Unset read-mostly: the copies collapse onto the preferred location, the host,
+                # whose copy is current, so nothing moves; then read-mostly is set again. (A
+                # device write to a read-only buffer breaks that promise; see Policy.read_only.)
+                collapse.append(b)
                 self.accounting.count(b.role, "advice_applied", 2)
                 self.accounting.count(b.role, "evict_clean_ops")
             elif path == "discard":
@@ -505,7 +512,8 @@ class Tier:
             be.discard(coalesce((b.block.alloc, b.ptr, b.span) for b in clean_discards), side)
         for r, n in moved.items():
             self.accounting.on_move(r, "d2h", n)
-        return self._finish("d2h", todo, cur, side, start, moved, non_blocking)
+        tr = self._finish("d2h", todo, cur, side, start, moved, non_blocking)
+        return tr, coalesce((b.block.alloc, *self._range(b)) for b in collapse)
 
     def _make_room(self, need: int, exclude: set[_Buffer]) -> None:
         """Evict the coldest evictable resident buffers until ``need`` more bytes fit the budget."""
@@ -598,6 +606,11 @@ class Tier:
         """Give a wrapped tensor plain memory again (see tiermem.unwrap)."""
         from ._torch import unwrap
         return unwrap(self, tensor)
+
+    def wrap_module(self, module: Any, budget: int | str | None = None, **kwargs: Any) -> Any:
+        """Adopt a whole nn.Module within a budget (see tiermem.wrap_module)."""
+        from ._module import wrap_module
+        return wrap_module(self, module, budget, **kwargs)
 
     def allocator(self, role: Role | str | None = None) -> Any:
         """A CuPy allocator (size -> MemoryPointer) serving tiered managed memory (see

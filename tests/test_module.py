@@ -1,0 +1,104 @@
+"""Module adoption on a CPU: the residency plan, grouping, and the streaming controller over the
+fake backend (the controller's hooks, window and modes are the real ones)."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+import tiermem
+from tiermem import plan_residency
+from tiermem._module import module_groups
+
+MiB = 1 << 20
+
+
+def test_everything_fits():
+    p = plan_residency([("a", 10), ("b", 20)], 30)
+    assert p.pinned == {"a", "b"} and p.window == 0 and p.streamed_bytes == 0 and not p.zero_copy_only
+
+
+def test_largest_groups_are_pinned_and_the_window_holds_the_largest_streamed():
+    sizes = [("emb", 100), ("l0", 40), ("l1", 40), ("l2", 40), ("l3", 40), ("head", 100)]
+    p = plan_residency(sizes, 300, lookahead=2)
+    # Pinning l0 too would need 240 + a window of 80 > 300.
+    assert p.pinned == {"emb", "head"} and p.window == 80
+    assert p.pinned_bytes + p.window <= 300 and p.streamed_bytes == 160
+    assert p.predicted_seconds(1e-9) == pytest.approx(160)
+    assert plan_residency(sizes, 320, lookahead=2).pinned == {"emb", "head", "l0"}
+
+
+def test_budget_below_one_group_reads_in_place():
+    p = plan_residency([("a", 100), ("b", 100)], 50)
+    assert p.zero_copy_only and p.pinned == frozenset() and p.window == 0
+
+
+def test_lookahead_must_be_positive():
+    with pytest.raises(tiermem.TierMemError):
+        plan_residency([("a", 1)], 1, lookahead=0)
+
+
+def test_groups_follow_subtrees_and_tied_weights_belong_to_the_first():
+    emb = nn.Embedding(1000, 64)
+    head = nn.Linear(64, 1000, bias=False)
+    head.weight = emb.weight
+    m = nn.Sequential(emb, nn.Sequential(nn.Linear(64, 64), nn.ReLU()), head)
+    g = module_groups(m, max_group_bytes=1 << 30)
+    assert [name for name, _, _ in g] == ["<root>"]
+    g = module_groups(m, max_group_bytes=300_000)
+    assert [name for name, _, _ in g] == ["0", "1"]          # the head owns nothing of its own
+    assert [n for n, _ in g[0][2]] == ["0.weight"]
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 256)) for _ in range(6)],
+                         nn.LayerNorm(256)).requires_grad_(False)
+
+
+@pytest.mark.parametrize("async_evict", [True, False])
+def test_streamed_module_is_bitwise_equal_and_within_budget(tier, async_evict):
+    m = _model()
+    ref = copy.deepcopy(m)
+    h = tier.wrap_module(m, budget="40%", max_group_bytes=1 * MiB, mode="stream", async_evict=async_evict)
+    assert 0 < len(h.plan.pinned) < len(h.plan.sizes)
+    x = torch.randn(8, 256)
+    for _ in range(4):
+        assert torch.equal(m(x), ref(x))
+        assert tier.resident_bytes <= h.budget
+    h.drain()
+    s = tier.stats()
+    assert s["resident_bytes.all.peak"] <= h.budget
+    assert s["ops.frozen_weight.evict_clean"] > 0 and s["moved_bytes.frozen_weight.d2h"] == 0
+    assert len(h._trace) == len(h._units)       # every unit ran once per forward, in order
+    assert h._trace == sorted(h._trace)
+    h.unwrap()
+    assert torch.equal(m(x), ref(x)) and tiermem.tiered_of(m[0][0].weight) is None
+
+
+def test_auto_mode_reads_single_token_forwards_in_place(tier):
+    m = _model()
+    ref = copy.deepcopy(m)
+    h = tier.wrap_module(m, budget="40%", max_group_bytes=1 * MiB, zero_copy_max_tokens=1)
+    big, one = torch.randn(8, 256), torch.randn(1, 256)
+    assert torch.equal(m(big), ref(big)) and h._fwd_mode == "stream"
+    before = tier.stats()["moved_bytes.all.h2d"]
+    assert torch.equal(m(one), ref(one)) and h._fwd_mode == "zero_copy"
+    assert tier.stats()["moved_bytes.all.h2d"] == before
+    streamed = [t for g in h._groups.values() if not g.pinned for t in g.tensors]
+    assert all(not t.policy.read_mostly and not t.is_resident for t in streamed)
+    assert torch.equal(m(big), ref(big)) and h._fwd_mode == "stream"
+    assert all(t.policy.read_mostly for t in streamed)
+    h.unwrap()
+
+
+def test_adopting_twice_or_an_empty_module_is_refused(tier):
+    m = _model()
+    h = tier.wrap_module(m, budget=None)
+    with pytest.raises(tiermem.TierMemError, match="already adopted"):
+        tier.wrap_module(m)
+    with pytest.raises(tiermem.TierMemError, match="no parameters"):
+        tier.wrap_module(nn.ReLU())
+    h.unwrap()

@@ -102,6 +102,11 @@ class FakeBackend:
         self.calls.append(("host_alloc", nbytes))
         return _FakeHostBlock(self, ptr, nbytes, arr)
 
+    def device_alloc(self, nbytes: int) -> Block:
+        ptr, arr = self._new(nbytes, "device")
+        self.calls.append(("device_alloc", nbytes))
+        return _FakeHostBlock(self, ptr, nbytes, arr)
+
     def _find(self, ptr: int) -> tuple[int, np.ndarray]:
         with self._lock:
             for base, arr in self._arrays.items():
@@ -164,7 +169,7 @@ class FakeBackend:
             base, _ = self._find(ptr)
         except AssertionError:
             return "unregistered"
-        return {"managed": "managed", "pinned": "host"}[self._kind[base]]
+        return {"managed": "managed", "pinned": "host", "device": "device"}[self._kind[base]]
 
     # -- streams and events (all work is done at once, so every event is complete) --------------
     def current_stream(self) -> int:

@@ -21,14 +21,15 @@ def _llama():
     return model, cfg
 
 
-def test_transformers_model_streams_within_budget_bitwise_equal():
+@pytest.mark.parametrize("transport", ["pinned", "um"])
+def test_transformers_model_streams_within_budget_bitwise_equal(transport):
     import torch
     import tiermem
     from tiermem import _cuda
     model, cfg = _llama()
     ref = copy.deepcopy(model)
     t = tiermem.Tier(0, cap="1GiB")
-    h = t.wrap_module(model, budget="30%", max_group_bytes=2 * MiB, mode="stream")
+    h = t.wrap_module(model, budget="30%", max_group_bytes=2 * MiB, mode="stream", transport=transport)
     assert 0 < len(h.plan.pinned) < len(h.plan.sizes) and not h.plan.zero_copy_only
     ids = torch.randint(0, cfg.vocab_size, (1, 64), device="cuda")
     with torch.no_grad():
@@ -40,21 +41,22 @@ def test_transformers_model_streams_within_budget_bitwise_equal():
     assert s["resident_bytes.all.peak"] <= h.budget
     assert s["moved_bytes.frozen_weight.h2d"] >= 2 * h.plan.streamed_bytes * 0.9
     assert s["ops.frozen_weight.evict_clean"] > 0 and s["moved_bytes.frozen_weight.d2h"] == 0
-    p = next(model.parameters())
-    assert _cuda.pointer_kind(p.data_ptr()) == "managed"
+    kinds = {_cuda.pointer_kind(p.data_ptr()) for p in model.parameters()}
+    assert kinds == ({"managed", "host"} if transport == "pinned" else {"managed"})   # host: the pinned home
     h.unwrap()
     assert _cuda.pointer_kind(next(model.parameters()).data_ptr()) == "device"
     with torch.no_grad():
         assert torch.equal(model(ids).logits, want)
 
 
-def test_decode_reads_streamed_weights_in_place():
+@pytest.mark.parametrize("transport", ["pinned", "um"])
+def test_decode_reads_streamed_weights_in_place(transport):
     import torch
     import tiermem
     model, cfg = _llama()
     ref = copy.deepcopy(model)
     t = tiermem.Tier(0, cap="1GiB")
-    h = t.wrap_module(model, budget="30%", max_group_bytes=2 * MiB)   # mode auto
+    h = t.wrap_module(model, budget="30%", max_group_bytes=2 * MiB, transport=transport)   # mode auto
     ids = torch.randint(0, cfg.vocab_size, (1, 32), device="cuda")
     with torch.no_grad():
         out, out_ref = model(ids, use_cache=True), ref(ids, use_cache=True)
@@ -94,9 +96,9 @@ def test_sequential_and_custom_module_and_single_layer():
     cus = Custom().cuda().requires_grad_(False)
     t = tiermem.Tier(0, cap="512MiB")
     x = torch.randn(16, 512, device="cuda")
-    for model, inp in ((seq, x), (cus, x[:, :256])):
+    for model, inp, transport in ((seq, x, "pinned"), (cus, x[:, :256], "um")):
         want = model(inp)
-        h = t.wrap_module(model, budget="40%", max_group_bytes=1 * MiB, mode="stream")
+        h = t.wrap_module(model, budget="40%", max_group_bytes=1 * MiB, mode="stream", transport=transport)
         for _ in range(3):
             assert torch.equal(model(inp), want)
         h.drain()

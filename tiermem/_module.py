@@ -29,6 +29,7 @@ NOTE [streaming plan]
 from __future__ import annotations
 
 import dataclasses
+import logging
 import queue
 import threading
 import weakref
@@ -44,6 +45,8 @@ if TYPE_CHECKING:
     from ._tier import Tier
 
 __all__ = ["Plan", "plan_residency", "TieredModule", "wrap_module", "module_groups"]
+
+log = logging.getLogger("tiermem")
 
 LINK_GBPS = 55.0  # pinned H2D on the H100 machine (shared/FACTS.md); plans quote time at this rate
 
@@ -91,7 +94,12 @@ class Plan:
 
 
 def plan_residency(sizes: Iterable[tuple[str, int]], budget: int, lookahead: int = 2) -> Plan:
-    """Choose the resident groups for ``budget`` bytes (NOTE [streaming plan]). Pure; no GPU."""
+    """Choose the resident groups for ``budget`` bytes (NOTE [streaming plan]). Pure; no GPU.
+
+    The window holds ``lookahead`` slots the size of the largest streamed group. For each k, the
+    k largest groups are pinned, the window is sized for the rest, and smaller groups fill what
+    budget is left; the k that pins the most bytes wins.
+    """
     sizes = tuple((str(g), int(n)) for g, n in sizes)
     if lookahead < 1:
         raise TierMemError(f"lookahead must be at least 1, got {lookahead}")
@@ -99,24 +107,26 @@ def plan_residency(sizes: Iterable[tuple[str, int]], budget: int, lookahead: int
     if budget >= total:
         return Plan(budget, total, sizes, frozenset(g for g, _ in sizes), 0, False)
     order = sorted(sizes, key=lambda x: -x[1])
-    pinned: list[str] = []
-    pinned_bytes = 0
-    rest = list(order)
-    while rest:
-        g, n = rest[0]
-        window_after = sum(m for _, m in rest[1:1 + lookahead])
-        if pinned_bytes + n + window_after > budget:
-            break
-        pinned.append(g)
-        pinned_bytes += n
-        rest.pop(0)
-    window = sum(m for _, m in rest[:lookahead])
-    if pinned_bytes + window > budget:
-        # Not even the window fits: stream nothing; read every non-resident group in place.
-        window = 0
-        if not pinned and rest and rest[0][1] > budget:
-            return Plan(budget, total, sizes, frozenset(), 0, True)
-    return Plan(budget, total, sizes, frozenset(pinned), window, window == 0)
+    best: tuple[int, list[str], int] | None = None
+    for k in range(len(order)):
+        head, rest = order[:k], order[k:]
+        window = lookahead * rest[0][1]
+        room = budget - window - sum(n for _, n in head)
+        if room < 0:
+            continue
+        pinned = [g for g, _ in head]
+        got = sum(n for _, n in head)
+        for g, n in rest[1:]:          # the largest streamed group sets the window: it stays out
+            if n <= room:
+                pinned.append(g)
+                room -= n
+                got += n
+        if best is None or got > best[0]:
+            best = (got, pinned, window)
+    if best is None:
+        # Not even one slot of the window fits: nothing streams; every group is read in place.
+        return Plan(budget, total, sizes, frozenset(), 0, True)
+    return Plan(budget, total, sizes, frozenset(best[1]), best[2], False)
 
 
 MAX_GROUP = 512 << 20   # a decoder layer of a 7B model (~400 MB) moves as one group
@@ -163,209 +173,79 @@ def module_groups(module: Any, max_group_bytes: int = MAX_GROUP) -> list[tuple[s
 @dataclasses.dataclass(eq=False)
 class _Group:
     name: str
-    tensors: list[TieredTensor]
+    tensors: list[Any]            # the module's torch tensors (parameters and buffers)
     nbytes: int
     pinned: bool = False
-    transfer: Any = None          # a prefetch in flight
-    evicting: bool = False        # an eviction queued on the worker
+    tiered: list[Any] = dataclasses.field(default_factory=list)   # TieredTensors (pinned, and UM transport)
+    offset: int = 0               # pinned transport: where it starts in the pinned home
+    member_offsets: list[int] = dataclasses.field(default_factory=list)
+    transfer: Any = None          # UM transport: a prefetch in flight
+    evicting: bool = False        # UM transport: an eviction queued on the worker
 
 
-class TieredModule:
-    """Handle of a module adopted by :func:`wrap_module`: its plan, its mode, and unwrap()."""
+class _UMTransport:
+    """Streamed groups as read-mostly managed memory: prefetched ahead through Unified Memory,
+    evicted by collapsing the read-mostly copies (free over the link, ~25 ms/GiB of driver time,
+    which the driver serialises with the prefetches), read in place with read-mostly off."""
 
-    def __init__(self, tier: Tier, module: Any, budget: int | str | None, *, mode: str = "auto",
-                 lookahead: int = 2, zero_copy_max_tokens: int = 16, async_evict: bool = True,
-                 max_group_bytes: int = MAX_GROUP):
-        import torch
-        if mode not in ("auto", "stream", "zero_copy"):
-            raise TierMemError(f"mode must be 'auto', 'stream' or 'zero_copy', got {mode!r}")
-        if getattr(module, "_tiermem_handle", None) is not None:
-            raise TierMemError("this module is already adopted by tiermem; unwrap it first")
-        self.tier = tier
-        self.module = module
-        self.mode = mode
-        self.lookahead = lookahead
-        self.zero_copy_max_tokens = zero_copy_max_tokens
-        found = module_groups(module, max_group_bytes)
-        if not found:
-            raise TierMemError("this module has no parameters or buffers to tier")
-        sizes = []
-        for mname, _, own in found:
-            sizes.append((mname, sum(_span(t) for _, t in own)))
-        total = sum(n for _, n in sizes)
-        self.budget = total if budget is None else parse_bytes(budget, total=total, what="module budget")
-        self.plan = plan_residency(sizes, self.budget, lookahead)
-        self._old_budget = tier.budget
-        tier.set_budget(self.budget)       # before any fill: adoption itself stays within budget
-        self._groups: dict[str, _Group] = {}
-        self._unit_groups: dict[int, list[_Group]] = {}
-        # Streamed groups share one allocation, in module order (which is execution order for
-        # most models), so consecutive groups move in one coalesced call; pinned ones share another.
-        role = Role.WEIGHT
-        for pinned in (True, False):
-            part = [(mname, m, own) for mname, m, own in found if (mname in self.plan.pinned) == pinned]
-            if not part:
-                continue
-            flat = [t for _, _, own in part for _, t in own]
-            pol = None
-            if pinned:
-                base = tier.policies[Role.FROZEN_WEIGHT if not any(t.requires_grad for t in flat) else role]
-                pol = base.replace(evict=Evict.NEVER)
-            tts = _wrap_group(tier, flat, [n for _, _, own in part for n, _ in own], on_host=not pinned, policy=pol)
-            k = 0
-            for mname, m, own in part:
-                mine = tts[k:k + len(own)]
-                k += len(own)
-                g = _Group(mname, mine, sum(tt._b.span for tt in mine), pinned=pinned)
-                self._groups[mname] = g
-                self._unit_groups[id(m)] = [g]
-        # A module that uses a tensor of a group outside its own subtree (tied weights) needs that
-        # group too: it gets hooks of its own.
-        owner = {id(t._b): g for g in self._groups.values() for t in g.tensors}
-        inside: dict[int, _Group] = {}
-        for mname, m, _ in found:
-            for sub in m.modules():
-                inside.setdefault(id(sub), self._groups[mname])
-        for m in module.modules():
-            for t in list(m._parameters.values()) + list(m._buffers.values()):
-                tt = getattr(t, "_tiermem", None) if t is not None else None
-                g = owner.get(id(tt._b)) if tt is not None else None
-                if g is not None and inside.get(id(m)) is not g:
-                    gs = self._unit_groups.setdefault(id(m), [])
-                    if g not in gs:
-                        gs.append(g)
-        pinned = [t for g in self._groups.values() if g.pinned for t in g.tensors]
-        if pinned:
-            tier.prefetch(pinned).synchronize()
-        self._trace: list[int] = []
-        self._recording = True
-        self._pos = -1
-        self._fwd_mode = "stream"
-        self._read_mostly = True
+    def __init__(self, owner: TieredModule, groups: list[_Group], async_evict: bool):
+        self.o = owner
+        self.tier = owner.tier
+        flat = [t for g in groups for t in g.tensors]
+        tts = _wrap_group(self.tier, flat, [f"{g.name}.{i}" for g in groups for i in range(len(g.tensors))],
+                          on_host=True, policy=None)
+        k = 0
+        for g in groups:
+            g.tiered = tts[k:k + len(g.tensors)]
+            k += len(g.tensors)
+        self.groups = groups
         self._cv = threading.Condition()
         self._in_window = 0
-        self._async = async_evict
+        self._read_mostly = True
         self._q: queue.Queue = queue.Queue()
         self._worker = threading.Thread(target=self._evict_worker, name="tiermem-evict", daemon=True) if async_evict else None
         if self._worker is not None:
             self._worker.start()
-        self._units = [m for m in module.modules() if id(m) in self._unit_groups]
-        self._hooks = [module.register_forward_pre_hook(self._root_pre, with_kwargs=True),
-                       module.register_forward_hook(self._root_post)]
-        for i, m in enumerate(self._units):
-            self._hooks.append(m.register_forward_pre_hook(lambda mod, args, i=i: self._pre(i)))
-            self._hooks.append(m.register_forward_hook(lambda mod, args, out, i=i: self._post(i)))
-        module._tiermem_handle = weakref.ref(self)
-        self._torch = torch
 
-    # -- forward hooks ------------------------------------------------------------------------------
-    def _tokens(self, args: tuple, kwargs: dict) -> int | None:
-        for a in list(args) + list(kwargs.values()):
-            if hasattr(a, "dtype") and hasattr(a, "shape") and not a.dtype.is_floating_point and a.dim() >= 1:
-                return int(a.numel())
-        for a in list(args) + list(kwargs.values()):
-            if hasattr(a, "shape") and a.dim() >= 2:
-                return int(a.shape[:-1].numel())
-        return None
-
-    def _root_pre(self, module: Any, args: tuple, kwargs: dict) -> None:
-        mode = self.mode
-        if mode == "auto":
-            n = self._tokens(args, kwargs)
-            mode = "zero_copy" if n is not None and n <= self.zero_copy_max_tokens else "stream"
-        if self.plan.zero_copy_only:
-            mode = "zero_copy"
-        self._set_forward_mode(mode)
-        self._pos = -1
-
-    def _root_post(self, module: Any, args: tuple, out: Any) -> None:
-        if self._recording and self._trace:
-            self._recording = False
-        if self._fwd_mode == "stream" and not self._recording:
-            self._pos = -1
-            self._ahead()       # the first streamed groups of the next forward
-
-    def _pre(self, i: int) -> None:
-        if self._recording:
-            self._trace.append(i)
-        else:
-            self._pos += 1
-            if self._pos >= len(self._trace) or self._trace[self._pos] != i:
-                # Another order than the one learned: learn it again on the next forward.
-                self._recording, self._trace = True, []
-        for g in self._unit_groups[id(self._units[i])]:
-            self._ensure(g)
-        if self._fwd_mode == "stream" and not self._recording:
-            self._ahead()
-
-    def _post(self, i: int) -> None:
-        if self._fwd_mode != "stream":
-            return
-        for g in self._unit_groups[id(self._units[i])]:
-            if not g.pinned and not g.evicting:
-                self._evict(g)
-
-    # -- moves ----------------------------------------------------------------------------------------
     def _resident(self, g: _Group) -> bool:
-        return all(t.is_resident for t in g.tensors)
+        return all(t.is_resident for t in g.tiered)
 
-    def _ensure(self, g: _Group) -> None:
-        if g.pinned:
-            if not self._resident(g):
-                self.tier.prefetch(g.tensors)
-            return
-        if self._fwd_mode == "zero_copy":
-            return
+    def ensure(self, g: _Group) -> None:
         if g.transfer is not None:
             g.transfer.wait()       # the current stream waits on the device; the host goes on
             g.transfer = None
             return
         if self._resident(g) and not g.evicting:
             return
-        self._wait_for(g)
         with self._cv:
-            self._in_window += g.nbytes
-        self.tier.prefetch(g.tensors)
-
-    def _wait_for(self, g: _Group) -> None:
-        """Block until ``g`` is not being evicted and the window has room for it."""
-        with self._cv:
-            while g.evicting or (self._in_window > 0 and self._in_window + g.nbytes > self.plan.window):
+            while g.evicting or (self._in_window > 0 and self._in_window + g.nbytes > self.o.plan.window):
                 self._cv.wait()
+            self._in_window += g.nbytes
+        self.tier.prefetch(g.tiered)
 
-    def _ahead(self) -> None:
-        """Prefetch the next streamed groups in execution order that fit in the window, in one call
-        (they are adjacent in one allocation, so the moves coalesce into few large ranges)."""
-        batch: list[_Group] = []
-        seen = 0
-        for j in range(self._pos + 1, len(self._trace)):
-            for g in self._unit_groups[id(self._units[self._trace[j]])]:
-                if g.pinned or g in batch:
-                    continue
-                seen += 1
-                if seen > self.lookahead:
-                    break
-                if g.transfer is not None or g.evicting or self._resident(g):
-                    continue
-                with self._cv:
-                    if self._in_window + g.nbytes > self.plan.window:
-                        break
-                    self._in_window += g.nbytes
-                batch.append(g)
-            else:
+    def ahead(self, upcoming: list[_Group]) -> None:
+        batch = []
+        for g in upcoming:
+            if g.transfer is not None or g.evicting or self._resident(g):
                 continue
-            break
-        if batch:
-            tr = self.tier.prefetch([t for g in batch for t in g.tensors], non_blocking=True)
+            with self._cv:
+                if self._in_window + g.nbytes > self.o.plan.window:
+                    break
+                self._in_window += g.nbytes
+            batch.append(g)
+        if batch:   # adjacent in one allocation: the moves coalesce into few large calls
+            tr = self.tier.prefetch([t for g in batch for t in g.tiered], non_blocking=True)
             for g in batch:
                 g.transfer = tr
 
-    def _evict(self, g: _Group) -> None:
+    def release(self, g: _Group) -> None:
+        if g.evicting:
+            return
         be = self.tier.backend
         done = be.new_event()
         be.record(done, be.current_stream())   # after the module's kernels
         g.evicting = True
-        if self._async:
+        if self._worker is not None:
             self._q.put((g, done))
         else:
             self._evict_now(g, done)
@@ -373,7 +253,7 @@ class TieredModule:
     def _evict_now(self, g: _Group, done: Any) -> None:
         try:
             self.tier.backend.synchronize(done)
-            self.tier.evict(g.tensors)
+            self.tier.evict(g.tiered)
         finally:
             with self._cv:
                 g.evicting = False
@@ -387,29 +267,24 @@ class TieredModule:
                 return
             try:
                 self._evict_now(*item)
-            except Exception:  # a worker must not die silently: log, keep serving
-                import logging
-                logging.getLogger("tiermem").exception("tiermem: eviction failed")
+            except Exception:  # a worker must not die silently: log and keep serving
+                log.exception("tiermem: eviction failed")
 
     def drain(self) -> None:
-        """Wait until every queued eviction and prefetch is done."""
         with self._cv:
-            while any(g.evicting for g in self._groups.values()):
+            while any(g.evicting for g in self.groups):
                 self._cv.wait()
-        for g in self._groups.values():
+        for g in self.groups:
             if g.transfer is not None:
                 g.transfer.synchronize()
                 g.transfer = None
 
-    # -- modes ----------------------------------------------------------------------------------------
-    def _set_forward_mode(self, mode: str) -> None:
-        """Switch between streaming and zero-copy reads (NOTE [streaming plan])."""
-        self._fwd_mode = mode
+    def set_mode(self, mode: str) -> None:
         want_rm = mode == "stream"
         if want_rm == self._read_mostly:
             return
         self.drain()
-        streamed = [t for g in self._groups.values() if not g.pinned for t in g.tensors]
+        streamed = [t for g in self.groups for t in g.tiered]
         self.tier.evict(streamed)
         with self._cv:
             self._in_window = 0
@@ -418,32 +293,325 @@ class TieredModule:
                 t.advise(read_mostly=want_rm)
         self._read_mostly = want_rm
 
+    def close(self) -> None:
+        if self._worker is not None:
+            self._q.put(None)
+            self._worker.join()
+            self._worker = None
+        self.drain()
+        for g in self.groups:
+            for t in g.tiered:
+                self.tier.unwrap(t)
+
+
+class _PinnedTransport:
+    """Streamed read-only groups in one pinned host buffer (their home, in execution order) and
+    ``lookahead`` device slots the size of the largest: the next groups are copied into free slots
+    on tiermem's H2D stream while the current one runs, at the full link rate, with no driver page
+    work (NOTE [streaming plan]). Outside a slot, a group's tensors point at their home, which the
+    GPU reads in place (zero-copy), so decode and unplanned reads need no move at all."""
+
+    ALIGN = 256
+
+    def __init__(self, owner: TieredModule, groups: list[_Group], lookahead: int):
+        self.o = owner
+        self.tier = tier = owner.tier
+        be = tier.backend
+        off = 0
+        for g in groups:
+            g.offset = off
+            g.member_offsets = []
+            n = 0
+            for t in g.tensors:
+                g.member_offsets.append(n)
+                n += -(-max(t.numel() * t.element_size(), 1) // self.ALIGN) * self.ALIGN
+            g.nbytes = n
+            off += n
+        self.groups = groups
+        self.home = be.host_alloc(max(off, 1))
+        self.slot_bytes = max(g.nbytes for g in groups)
+        self.nslots = lookahead
+        self.window = be.device_alloc(self.slot_bytes * self.nslots)
+        tier._reserve(self.slot_bytes * self.nslots, Role.FROZEN_WEIGHT)
+        self.origin: dict[int, Any] = {}
+        import torch
+        with torch.no_grad():
+            for g in groups:
+                for t in g.tensors:
+                    self.origin[id(t)] = t.device
+                home = self._views(g, None)
+                for t, v in zip(g.tensors, home):
+                    v.copy_(t)            # the GPU writes pinned pages straight over the link
+                for t, v in zip(g.tensors, home):
+                    t.data = v
+        self.occupant: list[_Group | None] = [None] * self.nslots
+        self.ready: list[Any] = [None] * self.nslots
+        self.freed: list[Any] = [None] * self.nslots
+        self.slot_of: dict[int, int] = {}
+        self.count = 0                 # streamed group uses so far: use c runs in slot c % nslots
+
+    def _views(self, g: _Group, slot: int | None) -> list[Any]:
+        be = self.tier.backend
+        base = self.home.ptr + g.offset if slot is None else self.window.ptr + slot * self.slot_bytes
+        out = []
+        for t, o in zip(g.tensors, g.member_offsets):
+            n = t.numel() * t.element_size()
+            raw = be.torch_view(base + o, n, self.home if slot is None else self.window)
+            out.append(raw.view(t.dtype).view(t.shape))
+        return out
+
+    def _load(self, g: _Group, slot: int) -> None:
+        from ._transfer import Transfer
+        tier, be = self.tier, self.tier.backend
+        side = tier._side("h2d")
+        if self.freed[slot] is not None:
+            be.wait(side, self.freed[slot])          # the slot's last user has finished with it
+        else:
+            dep = be.new_event()
+            be.record(dep, be.current_stream())
+            be.wait(side, dep)
+        start, end = be.new_event(timing=True), be.new_event(timing=True)
+        be.record(start, side)
+        be.copy(self.window.ptr + slot * self.slot_bytes, self.home.ptr + g.offset, g.nbytes, side)
+        be.record(end, side)
+        with tier._lock:
+            tier._inflight.append(Transfer(tier, "h2d", side, start, end, [], g.nbytes, {Role.FROZEN_WEIGHT: g.nbytes}))
+        tier.accounting.on_move(Role.FROZEN_WEIGHT, "h2d", g.nbytes)
+        tier.accounting.count(Role.FROZEN_WEIGHT, "prefetch_ops")
+        self.ready[slot] = end
+        if self.occupant[slot] is not None:
+            self.slot_of.pop(id(self.occupant[slot]), None)
+        self.occupant[slot] = g
+        self.slot_of[id(g)] = slot
+
+    def ensure(self, g: _Group) -> None:
+        slot = self.count % self.nslots
+        self.count += 1
+        if self.slot_of.get(id(g)) != slot:
+            self._load(g, slot)                      # not brought in ahead: bring it in now
+        be = self.tier.backend
+        be.wait(be.current_stream(), self.ready[slot])
+        for t, v in zip(g.tensors, self._views(g, slot)):
+            t.data = v
+
+    def ahead(self, upcoming: list[_Group]) -> None:
+        for d, g in enumerate(upcoming[: self.nslots - 1], start=0):
+            slot = (self.count + d) % self.nslots
+            if self.occupant[slot] is g and self.slot_of.get(id(g)) == slot:
+                continue
+            self._load(g, slot)
+
+    def release(self, g: _Group) -> None:
+        slot = self.slot_of.get(id(g))
+        if slot is None:
+            return
+        be = self.tier.backend
+        ev = be.new_event()
+        be.record(ev, be.current_stream())
+        self.freed[slot] = ev
+        for t, v in zip(g.tensors, self._views(g, None)):
+            t.data = v                               # back to its home: correct to read, zero-copy
+        self.tier.accounting.count(Role.FROZEN_WEIGHT, "evict_ops")
+        self.tier.accounting.count(Role.FROZEN_WEIGHT, "evict_clean_ops")
+
+    def drain(self) -> None:
+        self.tier.synchronize()
+
+    def set_mode(self, mode: str) -> None:
+        pass   # the tensors point at their pinned home between uses: zero-copy needs no change
+
+    def close(self) -> None:
+        import torch
+        self.tier.synchronize()
+        with torch.no_grad():
+            for g in self.groups:
+                for t, v in zip(g.tensors, self._views(g, None)):
+                    plain = torch.empty(t.shape, dtype=t.dtype, device=self.origin[id(t)])
+                    plain.copy_(v)
+                    t.data = plain
+        torch.cuda.synchronize() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+        self.tier._unreserve(self.slot_bytes * self.nslots, Role.FROZEN_WEIGHT)
+        self.window.release()
+        self.home.release()
+
+
+class TieredModule:
+    """Handle of a module adopted by :func:`wrap_module`: its plan, its mode, and unwrap()."""
+
+    def __init__(self, tier: Tier, module: Any, budget: int | str | None, *, mode: str = "auto",
+                 transport: str = "auto", lookahead: int = 2, zero_copy_max_tokens: int = 16,
+                 async_evict: bool = True, max_group_bytes: int = MAX_GROUP):
+        if mode not in ("auto", "stream", "zero_copy"):
+            raise TierMemError(f"mode must be 'auto', 'stream' or 'zero_copy', got {mode!r}")
+        if transport not in ("auto", "pinned", "um"):
+            raise TierMemError(f"transport must be 'auto', 'pinned' or 'um', got {transport!r}")
+        if getattr(module, "_tiermem_handle", None) is not None:
+            raise TierMemError("this module is already adopted by tiermem; unwrap it first")
+        self.tier = tier
+        self.module = module
+        self.mode = mode
+        self.lookahead = lookahead
+        self.zero_copy_max_tokens = zero_copy_max_tokens
+        found = module_groups(module, max_group_bytes)
+        if not found:
+            raise TierMemError("this module has no parameters or buffers to tier")
+        for _, _, own in found:
+            for _, t in own:
+                from ._torch import _check
+                _check(tier, t)
+        sizes = [(mname, sum(_span(t) for _, t in own)) for mname, _, own in found]
+        total = sum(n for _, n in sizes)
+        self.budget = total if budget is None else parse_bytes(budget, total=total, what="module budget")
+        self.plan = plan_residency(sizes, self.budget, lookahead)
+        self._old_budget = tier.budget
+        tier.set_budget(self.budget)       # before any fill: adoption itself stays within budget
+        self._groups = {mname: _Group(mname, [t for _, t in own], n, pinned=mname in self.plan.pinned)
+                        for (mname, _, own), (_, n) in zip(found, sizes)}
+        self._unit_groups: dict[int, list[_Group]] = {id(m): [self._groups[mname]] for mname, m, _ in found}
+        pinned = [g for g in self._groups.values() if g.pinned]
+        streamed = [g for g in self._groups.values() if not g.pinned]
+        if pinned:
+            flat = [t for g in pinned for t in g.tensors]
+            role = Role.WEIGHT if any(t.requires_grad for t in flat) else Role.FROZEN_WEIGHT
+            tts = _wrap_group(tier, flat, [f"{g.name}.{i}" for g in pinned for i in range(len(g.tensors))],
+                              on_host=False, policy=tier.policies[role].replace(evict=Evict.NEVER))
+            k = 0
+            for g in pinned:
+                g.tiered = tts[k:k + len(g.tensors)]
+                k += len(g.tensors)
+        frozen = not any(t.requires_grad for g in streamed for t in g.tensors)
+        self.transport = ("pinned" if frozen else "um") if transport == "auto" else transport
+        if self.transport == "pinned" and not frozen:
+            raise TierMemError("the pinned transport streams read-only weights; some require grad (use transport='um')")
+        self._stream: Any = None
+        if streamed:
+            self._stream = (_PinnedTransport(self, streamed, lookahead) if self.transport == "pinned"
+                            else _UMTransport(self, streamed, async_evict))
+        # A module that uses a tensor of a group outside its own subtree (tied weights) needs that
+        # group too: it gets hooks of its own.
+        owner = {id(t): g for g in self._groups.values() for t in g.tensors}
+        inside: dict[int, _Group] = {}
+        for mname, m, _ in found:
+            for sub in m.modules():
+                inside.setdefault(id(sub), self._groups[mname])
+        for m in module.modules():
+            for t in list(m._parameters.values()) + list(m._buffers.values()):
+                g = owner.get(id(t)) if t is not None else None
+                if g is not None and inside.get(id(m)) is not g:
+                    gs = self._unit_groups.setdefault(id(m), [])
+                    if g not in gs:
+                        gs.append(g)
+        pinned_tts = [t for g in pinned for t in g.tiered]
+        if pinned_tts:
+            tier.prefetch(pinned_tts).synchronize()
+        self._trace: list[int] = []
+        self._recording = True
+        self._pos = -1
+        self._fwd_mode = "stream"
+        self._units = [m for m in module.modules() if id(m) in self._unit_groups]
+        self._hooks = [module.register_forward_pre_hook(self._root_pre, with_kwargs=True),
+                       module.register_forward_hook(self._root_post)]
+        for i, m in enumerate(self._units):
+            self._hooks.append(m.register_forward_pre_hook(lambda mod, args, i=i: self._pre(i)))
+            self._hooks.append(m.register_forward_hook(lambda mod, args, out, i=i: self._post(i)))
+        module._tiermem_handle = weakref.ref(self)
+
+    # -- forward hooks ------------------------------------------------------------------------------
+    def _tokens(self, args: tuple, kwargs: dict) -> int | None:
+        vals = list(args) + list(kwargs.values())
+        for a in vals:
+            if hasattr(a, "dtype") and hasattr(a, "shape") and not a.dtype.is_floating_point and a.dim() >= 1:
+                return int(a.numel())
+        for a in vals:
+            if hasattr(a, "shape") and a.dim() >= 2:
+                return int(a.shape[:-1].numel())
+        return None
+
+    def _root_pre(self, module: Any, args: tuple, kwargs: dict) -> None:
+        mode = self.mode
+        if mode == "auto":
+            n = self._tokens(args, kwargs)
+            mode = "zero_copy" if n is not None and n <= self.zero_copy_max_tokens else "stream"
+        if self.plan.zero_copy_only:
+            mode = "zero_copy"
+        if self._stream is not None and mode != self._fwd_mode:
+            self._stream.set_mode(mode)
+        self._fwd_mode = mode
+        self._pos = -1
+
+    def _root_post(self, module: Any, args: tuple, out: Any) -> None:
+        if self._recording and self._trace:
+            self._recording = False
+        if self._fwd_mode == "stream" and not self._recording and self._stream is not None:
+            self._pos = -1
+            self._stream.ahead(self._upcoming())   # the first streamed groups of the next forward
+
+    def _upcoming(self) -> list[_Group]:
+        out: list[_Group] = []
+        for j in range(self._pos + 1, len(self._trace)):
+            for g in self._unit_groups[id(self._units[self._trace[j]])]:
+                if not g.pinned:
+                    out.append(g)
+            if len(out) >= self.lookahead:
+                break
+        return out[: self.lookahead]
+
+    def _pre(self, i: int) -> None:
+        if self._recording:
+            self._trace.append(i)
+        else:
+            self._pos += 1
+            if self._pos >= len(self._trace) or self._trace[self._pos] != i:
+                # Another order than the one learned: learn it again on the next forward.
+                self._recording, self._trace = True, []
+        for g in self._unit_groups[id(self._units[i])]:
+            if g.pinned:
+                if not all(t.is_resident for t in g.tiered):
+                    self.tier.prefetch(g.tiered)
+            elif self._fwd_mode == "stream":
+                self._stream.ensure(g)
+        if self._fwd_mode == "stream" and not self._recording and self._stream is not None:
+            self._stream.ahead(self._upcoming())
+
+    def _post(self, i: int) -> None:
+        if self._fwd_mode != "stream":
+            return
+        for g in self._unit_groups[id(self._units[i])]:
+            if not g.pinned:
+                self._stream.release(g)
+
     # -- lifecycle ------------------------------------------------------------------------------------
+    def drain(self) -> None:
+        """Wait until every move this module queued is done."""
+        if self._stream is not None:
+            self._stream.drain()
+        self.tier.synchronize()
+
     @property
-    def groups(self) -> dict[str, list[TieredTensor]]:
-        return {g.name: list(g.tensors) for g in self._groups.values()}
+    def groups(self) -> dict[str, list[Any]]:
+        """Group name -> its tensors (TieredTensors where tiermem holds them in managed memory)."""
+        return {g.name: list(g.tiered or g.tensors) for g in self._groups.values()}
 
     def unwrap(self) -> Any:
         """Remove the hooks and give every tensor plain memory on its original device again."""
         for h in self._hooks:
             h.remove()
         self._hooks = []
-        if self._worker is not None:
-            self._q.put(None)
-            self._worker.join()
-            self._worker = None
-        self.drain()
+        if self._stream is not None:
+            self._stream.close()
+            self._stream = None
         self.tier.synchronize()
         for g in self._groups.values():
-            for t in g.tensors:
-                self.tier.unwrap(t)
+            if g.pinned:
+                for t in g.tiered:
+                    self.tier.unwrap(t)
         self._groups.clear()
         self.tier.set_budget(self._old_budget)
         self.module._tiermem_handle = None
         return self.module
 
     def __repr__(self) -> str:
-        return f"<TieredModule {type(self.module).__name__}: {self.plan.table(limit=0)}>"
+        return f"<TieredModule {type(self.module).__name__} ({self.transport}): {self.plan.table(limit=0)}>"
 
 
 def _span_bytes(nbytes: int) -> int:

@@ -260,6 +260,19 @@ class Tier:
                 self._set_policy(b, None, {"preferred_location": Location.HOST, "accessed_by_device": True,
                                            "read_mostly": False})
 
+    def _reserve(self, nbytes: int, role: Role) -> None:
+        """Count device memory tiermem uses outside managed buffers (a streaming window) against
+        the budget, making room first; raises OutOfBudgetError if it cannot fit."""
+        with self._lock:
+            self._make_room(nbytes, exclude=set())
+            self._resident += nbytes
+            self.accounting.on_resident(role, nbytes)
+
+    def _unreserve(self, nbytes: int, role: Role) -> None:
+        with self._lock:
+            self._resident -= nbytes
+            self.accounting.on_resident(role, -nbytes)
+
     def _owner_of(self, ptr: int) -> _Buffer | None:
         """The live buffer whose managed range or shadow holds address ``ptr``, if any."""
         with self._lock:
@@ -578,6 +591,8 @@ class Tier:
                 b.host_valid = False
 
     def _bring_back(self, b: _Buffer) -> None:
+        if b.pending is not None and not b.pending.done():
+            b.pending.wait()   # a view must not see a move still in flight (the device waits, not the host)
         if not b.in_shadow:
             b.last_use = next(self._tick)
             return

@@ -64,7 +64,11 @@ class FakeBackend:
         return self.guard.limit - self.guard.reserved, self._caps.total_memory
 
     def _new(self, nbytes: int, kind: str) -> tuple[int, np.ndarray]:
-        arr = np.random.randint(0, 256, size=max(nbytes, 1), dtype=np.uint8)  # uninitialised memory is not zero
+        # Large allocations come back 2 MiB-aligned, as the driver's do (probe_paths.json).
+        align = 2 << 20 if nbytes >= 2 << 20 else 512
+        raw = np.random.randint(0, 256, size=max(nbytes, 1) + align, dtype=np.uint8)  # uninitialised is not zero
+        off = (-raw.ctypes.data) % align
+        arr = raw[off:off + max(nbytes, 1)]
         ptr = arr.ctypes.data
         with self._lock:
             self._arrays[ptr] = arr

@@ -104,3 +104,25 @@ def test_ten_thousand_random_operations_under_a_budget():
     assert s["allocated_bytes.all.current"] == 0 and s["resident_bytes.all.current"] == 0
     assert s["allocated_bytes.all.total"] == s["allocated_bytes.all.freed"]
     t.close()
+
+
+def test_evicting_one_group_member_leaves_its_neighbours_intact():
+    """Members of one allocation, evicted and brought back one at a time, in every order."""
+    import itertools
+    import torch
+    import tiermem
+    t = tiermem.Tier(0, cap="256MiB")
+    sizes = [2 * MiB, 64 * KiB, 3 * MiB, 4 * KiB, 2 * MiB + 8]
+    g = t.empty_group([((n,), "uint8") for n in sizes], role="activation")
+    refs = []
+    for x in g:
+        v = x.torch()
+        v.random_(1, 256)
+        refs.append(v.clone())
+        del v
+    for order in itertools.islice(itertools.permutations(range(len(g))), 12):
+        for i in order:
+            g[i].evict()
+            assert all(torch.equal(y.torch(writable=False), r) for y, r in zip(g, refs)), order
+            g[i].prefetch()
+    assert t.stats()["ops.activation.evict"] >= 60

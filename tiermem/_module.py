@@ -615,9 +615,9 @@ class TieredModule:
 
 
 def _span_bytes(nbytes: int) -> int:
-    """Device bytes a tensor of ``nbytes`` takes as a group member (64 KiB-aligned, Tier.empty_group)."""
-    from ._tier import GROUP_ALIGN
-    return -(-max(int(nbytes), 1) // GROUP_ALIGN) * GROUP_ALIGN
+    """Device bytes a tensor of ``nbytes`` takes as a group member (see member_span)."""
+    from ._tier import member_span
+    return member_span(nbytes)[0]
 
 
 def _span(t: Any) -> int:

@@ -78,8 +78,11 @@ class _Buffer:
 
     @property
     def owns_pages(self) -> bool:
-        """True when no other buffer shares its pages (NOTE [size classes] in _backend.py)."""
-        return self.block.pool_key.endswith("/large")
+        """True when the buffer covers whole 2 MiB pages that nothing else uses, so its pages may
+        be discarded (NOTE [size classes] in _backend.py). The driver maps device memory in 2 MiB
+        pages; a discard of part of one could take a neighbour's data with it."""
+        from ._backend import LARGE
+        return self.block.pool_key.endswith("/large") and self.ptr % LARGE == 0 and self.span % LARGE == 0
 
     def token(self, internal: bool, shadow: bool = False) -> _ViewToken:
         t = _ViewToken(self, internal, shadow)

@@ -26,7 +26,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from . import _dtypes
-from ._backend import Backend, Block, round_request
+from ._backend import PAGE, Backend, Block, round_request
 from ._errors import OutOfBudgetError, TierMemError
 from ._limits import resolve_budget, parse_bytes
 from ._stats import Accounting
@@ -50,6 +50,14 @@ def _as_location(to: Location | str) -> Location:
 
 
 GROUP_ALIGN = 64 << 10   # members of a group start on 64 KiB boundaries: no page is shared
+
+
+def member_span(nbytes: int) -> tuple[int, int]:
+    """(span, alignment) of a group member: members of 2 MiB or more take whole 2 MiB pages, so
+    each can be discarded on its own (``_Buffer.owns_pages``); smaller ones take 64 KiB."""
+    from ._backend import LARGE
+    step = LARGE if nbytes >= LARGE else GROUP_ALIGN
+    return -(-max(int(nbytes), 1) // step) * step, step
 
 
 def coalesce(ranges: Iterable[tuple[int, int, int]]) -> list[tuple[int, int]]:
@@ -156,9 +164,10 @@ class Tier:
                     policy: Policy | None = None, **policy_changes: Any) -> list[TieredTensor]:
         """Tensors of one role as adjacent slices of a single allocation, each given by
         ``(shape, dtype)``. A group of 2 MiB or more moves in one CUDA call, at link rate, where
-        separate tensors need one call each, and its members (which start on 64 KiB boundaries)
-        share no page, so each can still be prefetched, evicted or advised on its own. A smaller
-        group shares pages like any small buffer (NOTE [size classes] in _backend.py)."""
+        separate tensors need one call each, and its members share no page (members of 2 MiB or
+        more take whole 2 MiB pages, smaller ones 64 KiB), so each can still be prefetched,
+        evicted or advised on its own. A smaller group shares pages like any small buffer
+        (NOTE [size classes] in _backend.py)."""
         specs = [((int(sh),) if isinstance(sh, int) else tuple(int(x) for x in sh), _dtypes.canonical(dt))
                  for sh, dt in specs]
         names_l = list(names) if names is not None else [None] * len(specs)
@@ -167,18 +176,23 @@ class Tier:
         r = as_role(role)
         pol = self._resolve_policy(r, policy, policy_changes)
         sizes = [math.prod(sh) * _dtypes.itemsize(dt) for sh, dt in specs]
-        spans = [-(-max(n, 1) // GROUP_ALIGN) * GROUP_ALIGN for n in sizes]
-        request, size_class = round_request(sum(spans))
+        offsets, spans, off = [], [], 0
+        for n in sizes:
+            span, align = member_span(n)
+            off = -(-off // align) * align
+            offsets.append(off)
+            spans.append(span)
+            off += span
+        request, size_class = round_request(off)
         block = self.backend.allocate(request, f"{r.value}/{size_class}")
         group = _Group(block)
-        bufs, off = [], 0
-        for n, span, name in zip(sizes, spans, names_l):
+        bufs = []
+        for n, span, name, off in zip(sizes, spans, names_l, offsets):
             sub = Block(block.ptr + off, span, block.pool_key, group, alloc=block.alloc)
             buf = _Buffer(self, sub, n, r, pol, name)
             buf.last_use = next(self._tick)
             self.accounting.on_alloc(r, n)
             bufs.append(buf)
-            off += span
         with self._lock:
             for b in bufs:
                 self._buffers.add(b)
@@ -207,7 +221,11 @@ class Tier:
         return buf
 
     def _range(self, buf: _Buffer) -> tuple[int, int]:
-        return (buf.ptr, buf.span if buf.owns_pages else buf.nbytes)
+        """The range to advise and prefetch: whole pages when the buffer has them to itself (a
+        group member, a large buffer), else just its bytes (its pages are shared)."""
+        whole = buf.ptr % PAGE == 0 and buf.span % PAGE == 0 and (buf.owns_pages or buf.block.alloc != buf.ptr
+                                                                   or buf.block.pool_key.endswith("/large"))
+        return (buf.ptr, buf.span if whole else buf.nbytes)
 
     def _apply_advice(self, buf: _Buffer, policy: Policy | None = None) -> None:
         plan = advice_plan(policy or buf.policy)

@@ -114,3 +114,15 @@ def test_adopting_twice_or_an_empty_module_is_refused(tier):
     with pytest.raises(tiermem.TierMemError, match="no parameters"):
         tier.wrap_module(nn.ReLU())
     h.unwrap()
+
+
+@pytest.mark.parametrize("transport", ["pinned", "um"])
+def test_a_budget_of_zero_reads_everything_in_place(tier, transport):
+    m = _model()
+    ref = copy.deepcopy(m)
+    h = tier.wrap_module(m, budget=0, transport=transport)
+    assert h.plan.zero_copy_only and h.plan.pinned == frozenset()
+    x = torch.randn(8, 256)
+    assert torch.equal(m(x), ref(x)) and h._fwd_mode == "zero_copy"
+    assert tier.stats()["resident_bytes.all.peak"] == 0 and tier.stats()["moved_bytes.all.h2d"] == 0
+    h.unwrap()

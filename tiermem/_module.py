@@ -330,9 +330,11 @@ class _PinnedTransport:
         self.groups = groups
         self.home = be.host_alloc(max(off, 1))
         self.slot_bytes = max(g.nbytes for g in groups)
-        self.nslots = lookahead
-        self.window = be.device_alloc(self.slot_bytes * self.nslots)
-        tier._reserve(self.slot_bytes * self.nslots, Role.FROZEN_WEIGHT)
+        # A plan with no room for the window never streams: everything is read in place.
+        self.nslots = 0 if owner.plan.zero_copy_only else lookahead
+        self.window = be.device_alloc(self.slot_bytes * self.nslots) if self.nslots else None
+        if self.nslots:
+            tier._reserve(self.slot_bytes * self.nslots, Role.FROZEN_WEIGHT)
         self.origin: dict[int, Any] = {}
         import torch
         with torch.no_grad():
@@ -430,8 +432,9 @@ class _PinnedTransport:
                     plain.copy_(v)
                     t.data = plain
         torch.cuda.synchronize() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-        self.tier._unreserve(self.slot_bytes * self.nslots, Role.FROZEN_WEIGHT)
-        self.window.release()
+        if self.window is not None:
+            self.tier._unreserve(self.slot_bytes * self.nslots, Role.FROZEN_WEIGHT)
+            self.window.release()
         self.home.release()
 
 

@@ -82,7 +82,7 @@ def test_streamed_module_is_bitwise_equal_and_within_budget(tier, fake, transpor
     assert torch.equal(m(x), ref(x)) and tiermem.tiered_of(m[0][0].weight) is None
 
 
-@pytest.mark.parametrize("transport", ["pinned", "um"])
+@pytest.mark.parametrize("transport", ["pinned"])
 def test_auto_mode_reads_single_token_forwards_in_place(tier, fake, transport):
     m = _model()
     ref = copy.deepcopy(m)
@@ -116,7 +116,17 @@ def test_adopting_twice_or_an_empty_module_is_refused(tier):
     h.unwrap()
 
 
-@pytest.mark.parametrize("transport", ["pinned", "um"])
+def test_um_transport_refuses_zero_copy(tier):
+    with pytest.raises(tiermem.TierMemError, match="transport='pinned'"):
+        tier.wrap_module(_model(), budget=0, transport="um")
+    m = _model()
+    h = tier.wrap_module(m, budget="40%", max_group_bytes=1 * MiB, transport="um")   # auto mode: always streams
+    m(torch.randn(1, 256))
+    assert h._fwd_mode == "stream"
+    h.unwrap()
+
+
+@pytest.mark.parametrize("transport", ["pinned"])
 def test_a_budget_of_zero_reads_everything_in_place(tier, transport):
     m = _model()
     ref = copy.deepcopy(m)

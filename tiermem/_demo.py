@@ -120,7 +120,7 @@ def demo(weights_gb: float | None = None, budget: str = "25%", dry_run: bool = F
         resident_ms = _median_ms(lambda: model(ids))
         ref = model(ids).logits
     tier = tiermem.Tier(cap=f"{int(total * 1.2) + (256 << 20)}")
-    handle = tier.wrap_module(model, budget=budget, mode="stream")
+    handle = tier.wrap_module(model, budget=budget, mode="stream")   # prefill: stream (auto would too)
     torch.cuda.empty_cache()
     with torch.no_grad():
         model(ids)                       # learns the execution order

@@ -129,7 +129,10 @@ def plan_residency(sizes: Iterable[tuple[str, int]], budget: int, lookahead: int
     return Plan(budget, total, sizes, frozenset(best[1]), best[2], False)
 
 
-MAX_GROUP = 512 << 20   # a decoder layer of a 7B model (~400 MB) moves as one group
+# Groups of up to 160 MiB with 3 in flight beat whole decoder layers with 2 on the H100: the window
+# (3 x 134 MB against 2 x 405 MB) leaves more of the budget for resident weights, and 90-134 MB
+# copies still run at the link rate (bench/results/offload_infer-*.json).
+MAX_GROUP = 160 << 20
 
 
 def module_groups(module: Any, max_group_bytes: int = MAX_GROUP) -> list[tuple[str, Any, list[tuple[str, Any]]]]:
@@ -442,7 +445,7 @@ class TieredModule:
     """Handle of a module adopted by :func:`wrap_module`: its plan, its mode, and unwrap()."""
 
     def __init__(self, tier: Tier, module: Any, budget: int | str | None, *, mode: str = "auto",
-                 transport: str = "auto", lookahead: int = 2, zero_copy_max_tokens: int = 16,
+                 transport: str = "auto", lookahead: int = 3, zero_copy_max_tokens: int = 16,
                  async_evict: bool = True, max_group_bytes: int = MAX_GROUP):
         if mode not in ("auto", "stream", "zero_copy"):
             raise TierMemError(f"mode must be 'auto', 'stream' or 'zero_copy', got {mode!r}")
@@ -486,6 +489,12 @@ class TieredModule:
         self.transport = ("pinned" if frozen else "um") if transport == "auto" else transport
         if self.transport == "pinned" and not frozen:
             raise TierMemError("the pinned transport streams read-only weights; some require grad (use transport='um')")
+        if self.transport == "um" and (mode == "zero_copy" or self.plan.zero_copy_only):
+            # Measured on the H100: kernels reading host-preferred, accessed-by managed pages got
+            # them migrated to the device (a later read ran at 446 GB/s), so the budget would not
+            # hold. Pinned host memory cannot migrate.
+            raise TierMemError("zero-copy reads need transport='pinned': the driver migrates managed pages "
+                               "that kernels read in place, so the budget would not hold")
         self._stream: Any = None
         if streamed:
             self._stream = (_PinnedTransport(self, streamed, lookahead) if self.transport == "pinned"
@@ -534,7 +543,8 @@ class TieredModule:
         mode = self.mode
         if mode == "auto":
             n = self._tokens(args, kwargs)
-            mode = "zero_copy" if n is not None and n <= self.zero_copy_max_tokens else "stream"
+            few = n is not None and n <= self.zero_copy_max_tokens
+            mode = "zero_copy" if few and self.transport == "pinned" else "stream"
         if self.plan.zero_copy_only:
             mode = "zero_copy"
         if self._stream is not None and mode != self._fwd_mode:

@@ -29,7 +29,7 @@ def test_transformers_model_streams_within_budget_bitwise_equal(transport):
     model, cfg = _llama()
     ref = copy.deepcopy(model)
     t = tiermem.Tier(0, cap="1GiB")
-    h = t.wrap_module(model, budget="30%", max_group_bytes=2 * MiB, mode="stream", transport=transport)
+    h = t.wrap_module(model, budget="30%", max_group_bytes=2 * MiB, mode="stream", transport=transport, lookahead=2)
     assert 0 < len(h.plan.pinned) < len(h.plan.sizes) and not h.plan.zero_copy_only
     ids = torch.randint(0, cfg.vocab_size, (1, 64), device="cuda")
     with torch.no_grad():
@@ -56,7 +56,7 @@ def test_decode_reads_streamed_weights_in_place(transport):
     model, cfg = _llama()
     ref = copy.deepcopy(model)
     t = tiermem.Tier(0, cap="1GiB")
-    h = t.wrap_module(model, budget="30%", max_group_bytes=2 * MiB, transport=transport)   # mode auto
+    h = t.wrap_module(model, budget="30%", max_group_bytes=2 * MiB, transport=transport, lookahead=2)   # mode auto
     ids = torch.randint(0, cfg.vocab_size, (1, 32), device="cuda")
     with torch.no_grad():
         out, out_ref = model(ids, use_cache=True), ref(ids, use_cache=True)
@@ -104,7 +104,7 @@ def test_sequential_and_custom_module_and_single_layer():
     x = torch.randn(16, 512, device="cuda")
     for model, inp, transport in ((seq, x, "pinned"), (cus, x[:, :256], "um")):
         want = model(inp)
-        h = t.wrap_module(model, budget="40%", max_group_bytes=1 * MiB, mode="stream", transport=transport)
+        h = t.wrap_module(model, budget="40%", max_group_bytes=1 * MiB, mode="stream", transport=transport, lookahead=2)
         for _ in range(3):
             assert torch.equal(model(inp), want)
         h.drain()

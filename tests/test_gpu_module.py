@@ -102,7 +102,7 @@ def test_sequential_and_custom_module_and_single_layer():
     cus = Custom().cuda().requires_grad_(False)
     t = tiermem.Tier(0, cap="512MiB")
     x = torch.randn(16, 512, device="cuda")
-    for model, inp, transport in ((seq, x, "pinned"), (cus, x[:, :256], "um")):
+    for model, inp, transport in ((seq, x, "um"), (cus, x[:, :256], "pinned")):
         want = model(inp)
         h = t.wrap_module(model, budget="40%", max_group_bytes=1 * MiB, mode="stream", transport=transport, lookahead=2)
         for _ in range(3):

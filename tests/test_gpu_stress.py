@@ -16,11 +16,12 @@ ROLES = ["weight", "activation", "gradient", "input", "workspace", "frozen_weigh
 BUDGET = 48 * MiB
 
 
-def test_ten_thousand_random_operations_under_a_budget():
+@pytest.mark.parametrize("seed", [20261122, 7, 8])
+def test_ten_thousand_random_operations_under_a_budget(seed):
     import torch
     import tiermem
     t = tiermem.Tier(0, cap="1GiB", budget=BUDGET)
-    rng = random.Random(20261122)
+    rng = random.Random(seed)
     weights = torch.randint(-(2**62), 2**62, (SIZES[-1] // 8,), dtype=torch.int64, device="cuda")
 
     def checksum(x) -> int:
@@ -30,6 +31,12 @@ def test_ten_thousand_random_operations_under_a_budget():
     live: list[list] = []      # [TieredTensor, checksum or None, held view or None]
     ops = collections.Counter()
     mismatches = 0
+    history: dict[int, list] = collections.defaultdict(list)   # per tensor: what happened, to report a mismatch
+
+    def state(x) -> str:
+        b = x._b
+        return (f"{b.where} shadow={b.in_shadow} sv={b.shadow_valid} hv={b.host_valid} owns={b.owns_pages} "
+                f"foreign={b.foreign_views()} pending={'done' if b.pending is None or b.pending.done() else 'busy'}")
 
     def check_accounting() -> None:
         resident = sum(e[0]._b.span for e in live if e[0].is_resident)
@@ -57,6 +64,7 @@ def test_ten_thousand_random_operations_under_a_budget():
         else:
             e = rng.choice(live)
             x = e[0]
+            history[id(x)].append((step, op, state(x)))
             if op == "free":
                 live.remove(e)
                 e[2] = None               # a held view would keep the memory (and its bytes) alive
@@ -67,7 +75,8 @@ def test_ten_thousand_random_operations_under_a_budget():
                 e[1] = checksum(v)
                 del v
             elif op == "evict":
-                x.evict(non_blocking=rng.random() < 0.3)
+                tr = x.evict(non_blocking=rng.random() < 0.3)
+                history[id(x)][-1] += (f"-> {tr!r}",)
             elif op == "prefetch":
                 try:
                     x.prefetch(non_blocking=rng.random() < 0.3)
@@ -77,6 +86,9 @@ def test_ten_thousand_random_operations_under_a_budget():
                 v = x.torch(writable=False)
                 if checksum(v) != e[1]:
                     mismatches += 1
+                    print(f"MISMATCH at step {step}: {x!r} nbytes={x.nbytes} ptr%2MiB={x.data_ptr % (2 * MiB)}")
+                    for h in history[id(x)][-10:]:
+                        print("   ", h)
                 del v
             elif op == "hold":
                 e[2] = x.torch()          # a foreign view: forces the Unified Memory path

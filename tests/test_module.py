@@ -35,6 +35,13 @@ def test_budget_below_one_group_reads_in_place():
     assert p.zero_copy_only and p.pinned == frozenset() and p.window == 0
 
 
+def test_fewer_slots_when_the_window_does_not_fit():
+    sizes = [("emb", 67), *[(f"l{i}", 27) for i in range(8)], ("head", 67)]
+    p = plan_residency(sizes, 150, lookahead=3)
+    assert not p.zero_copy_only and p.lookahead < 3 and p.pinned_bytes + p.window <= 150
+    assert plan_residency(sizes, 1000, lookahead=3).lookahead == 0       # everything resident
+
+
 def test_lookahead_must_be_positive():
     with pytest.raises(tiermem.TierMemError):
         plan_residency([("a", 1)], 1, lookahead=0)

@@ -61,6 +61,7 @@ class Plan:
     pinned: frozenset[str]
     window: int                            # device bytes kept for streamed groups in flight
     zero_copy_only: bool                   # the budget cannot hold even the window: read in place
+    lookahead: int = 1                     # streamed groups in flight (slots in the window)
 
     @property
     def pinned_bytes(self) -> int:
@@ -76,9 +77,10 @@ class Plan:
 
     def table(self, link_GBps: float = LINK_GBPS, limit: int = 12) -> str:
         gb = lambda n: f"{n / 1e9:8.3f} GB"  # noqa: E731
+        how = ("(read in place, zero-copy)" if self.zero_copy_only else
+               f"through a {gb(self.window).strip()} window of {self.lookahead} slot(s)")
         lines = [f"budget {gb(self.budget)} of {gb(self.total)} weights: {len(self.pinned)} of {len(self.sizes)} groups "
-                 f"resident ({gb(self.pinned_bytes)}), {gb(self.streamed_bytes)} streamed per forward "
-                 f"{'(read in place, zero-copy)' if self.zero_copy_only else f'through a {gb(self.window).strip()} window'}",
+                 f"resident ({gb(self.pinned_bytes)}), {gb(self.streamed_bytes)} streamed per forward {how}",
                  f"predicted transfer time per forward at {link_GBps:.1f} GB/s: {self.predicted_seconds(link_GBps) * 1e3:.1f} ms"]
         rows = [(g, n, "resident" if g in self.pinned else "streamed") for g, n in self.sizes]
         for g, n, what in rows[:limit]:
@@ -98,40 +100,39 @@ def plan_residency(sizes: Iterable[tuple[str, int]], budget: int, lookahead: int
 
     The window holds ``lookahead`` slots the size of the largest streamed group. For each k, the
     k largest groups are pinned, the window is sized for the rest, and smaller groups fill what
-    budget is left; the k that pins the most bytes wins.
+    budget is left; the k that pins the most bytes wins. If no window of ``lookahead`` slots fits,
+    fewer slots are tried before nothing streams and every group is read in place.
     """
     sizes = tuple((str(g), int(n)) for g, n in sizes)
     if lookahead < 1:
         raise TierMemError(f"lookahead must be at least 1, got {lookahead}")
     total = sum(n for _, n in sizes)
     if budget >= total:
-        return Plan(budget, total, sizes, frozenset(g for g, _ in sizes), 0, False)
+        return Plan(budget, total, sizes, frozenset(g for g, _ in sizes), 0, False, 0)
     order = sorted(sizes, key=lambda x: -x[1])
-    best: tuple[int, list[str], int] | None = None
-    for k in range(len(order)):
-        head, rest = order[:k], order[k:]
-        window = lookahead * rest[0][1]
-        room = budget - window - sum(n for _, n in head)
-        if room < 0:
-            continue
-        pinned = [g for g, _ in head]
-        got = sum(n for _, n in head)
-        for g, n in rest[1:]:          # the largest streamed group sets the window: it stays out
-            if n <= room:
-                pinned.append(g)
-                room -= n
-                got += n
-        if best is None or got > best[0]:
-            best = (got, pinned, window)
-    if best is None:
-        # Not even one slot of the window fits: nothing streams; every group is read in place.
-        return Plan(budget, total, sizes, frozenset(), 0, True)
-    return Plan(budget, total, sizes, frozenset(best[1]), best[2], False)
+    for la in range(lookahead, 0, -1):
+        best: tuple[int, list[str], int] | None = None
+        for k in range(len(order)):
+            head, rest = order[:k], order[k:]
+            window = la * rest[0][1]
+            room = budget - window - sum(n for _, n in head)
+            if room < 0:
+                continue
+            pinned = [g for g, _ in head]
+            got = sum(n for _, n in head)
+            for g, n in rest[1:]:          # the largest streamed group sets the window: it stays out
+                if n <= room:
+                    pinned.append(g)
+                    room -= n
+                    got += n
+            if best is None or got > best[0]:
+                best = (got, pinned, window)
+        if best is not None:
+            return Plan(budget, total, sizes, frozenset(best[1]), best[2], False, la)
+    # Not even one slot fits: nothing streams; every group is read in place.
+    return Plan(budget, total, sizes, frozenset(), 0, True, 0)
 
 
-# Groups of up to 160 MiB with 3 in flight beat whole decoder layers with 2 on the H100: the window
-# (3 x 134 MB against 2 x 405 MB) leaves more of the budget for resident weights, and 90-134 MB
-# copies still run at the link rate (bench/results/offload_infer-*.json).
 MAX_GROUP = 160 << 20
 
 
@@ -334,7 +335,7 @@ class _PinnedTransport:
         self.home = be.host_alloc(max(off, 1))
         self.slot_bytes = max(g.nbytes for g in groups)
         # A plan with no room for the window never streams: everything is read in place.
-        self.nslots = 0 if owner.plan.zero_copy_only else lookahead
+        self.nslots = 0 if owner.plan.zero_copy_only else owner.plan.lookahead
         self.window = be.device_alloc(self.slot_bytes * self.nslots) if self.nslots else None
         if self.nslots:
             tier._reserve(self.slot_bytes * self.nslots, Role.FROZEN_WEIGHT)
@@ -456,7 +457,6 @@ class TieredModule:
         self.tier = tier
         self.module = module
         self.mode = mode
-        self.lookahead = lookahead
         self.zero_copy_max_tokens = zero_copy_max_tokens
         found = module_groups(module, max_group_bytes)
         if not found:
@@ -469,6 +469,7 @@ class TieredModule:
         total = sum(n for _, n in sizes)
         self.budget = total if budget is None else parse_bytes(budget, total=total, what="module budget")
         self.plan = plan_residency(sizes, self.budget, lookahead)
+        self.lookahead = max(self.plan.lookahead, 1)
         self._old_budget = tier.budget
         tier.set_budget(self.budget)       # before any fill: adoption itself stays within budget
         self._groups = {mname: _Group(mname, [t for _, t in own], n, pinned=mname in self.plan.pinned)
@@ -497,7 +498,7 @@ class TieredModule:
                                "that kernels read in place, so the budget would not hold")
         self._stream: Any = None
         if streamed:
-            self._stream = (_PinnedTransport(self, streamed, lookahead) if self.transport == "pinned"
+            self._stream = (_PinnedTransport(self, streamed, self.lookahead) if self.transport == "pinned"
                             else _UMTransport(self, streamed, async_evict))
         # A module that uses a tensor of a group outside its own subtree (tied weights) needs that
         # group too: it gets hooks of its own.

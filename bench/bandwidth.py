@@ -197,6 +197,27 @@ def main() -> None:
     t_dirty = cuda_times(lambda: transfers.append(tier.evict(A)), reps, setup=dirty_setup)
     pcie1 = pcie_bytes()
     metrics["evict_dirty_GBps"] = gbps(N, median(t_dirty))
+    # The same path on one 1 GiB tensor: the group's members under 2 MiB cannot be discarded on
+    # their own (they share 2 MiB pages) and go through Unified Memory's write-back instead.
+    (S,) = tier.empty_group([((N,), "uint8")], role="activation")
+    sv = S.torch()
+    sv.copy_(d)
+    del sv
+    gc.collect()
+
+    def single_setup():
+        tier.prefetch(S)
+        v = S.torch()
+        v.add_(1)
+        del v
+        gc.collect()
+        torch.cuda.synchronize()
+
+    metrics["evict_dirty_single_GBps"] = gbps(N, median(cuda_times(lambda: tier.evict(S), reps, setup=single_setup)))
+    tier.prefetch(S)
+    checks["single_dirty_round_trip_intact"] = bool(torch.equal(S.torch(writable=False), d + reps + 2))
+    del S
+    gc.collect()
     raw["evict_dirty_transfer_GBps"] = [gbps(N, t.seconds) for t in transfers]
     raw["evict_dirty_path_counts"] = {k: tier.stats()[f"ops.activation.{k}"] for k in ("evict", "evict_um", "evict_clean")}
     if pcie0 and pcie1:
@@ -278,6 +299,7 @@ def main() -> None:
     metrics["prefetch_in_separate_vs_pinned_h2d"] = round(metrics["prefetch_in_separate_GBps"] / h2d, 3)
     metrics["prefetch_in_shadow_vs_pinned_h2d"] = round(metrics["prefetch_in_shadow_GBps"] / h2d, 3)
     metrics["evict_dirty_vs_pinned_d2h"] = round(metrics["evict_dirty_GBps"] / d2h, 3)
+    metrics["evict_dirty_single_vs_pinned_d2h"] = round(metrics["evict_dirty_single_GBps"] / d2h, 3)
     metrics["um_prefetch_d2h_vs_pinned_d2h"] = round(metrics["um_prefetch_d2h_GBps"] / d2h, 3)
     metrics["zero_copy_read_vs_pinned_h2d"] = round(metrics["zero_copy_read_GBps"] / h2d, 3)
     metrics["overlap_vs_pinned_bidir"] = round(metrics["overlap_total_GBps"] / metrics["pinned_bidir_total_GBps"], 3)

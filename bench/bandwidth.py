@@ -215,7 +215,8 @@ def main() -> None:
 
     metrics["evict_dirty_single_GBps"] = gbps(N, median(cuda_times(lambda: tier.evict(S), reps, setup=single_setup)))
     tier.prefetch(S)
-    checks["single_dirty_round_trip_intact"] = bool(torch.equal(S.torch(writable=False), d + (reps + 1))  # one add per timed rep and warm-up)
+    # one add per timed rep and per warm-up
+    checks["single_dirty_round_trip_intact"] = bool(torch.equal(S.torch(writable=False), d + (reps + 1)))
     del S
     gc.collect()
     raw["evict_dirty_transfer_GBps"] = [gbps(N, t.seconds) for t in transfers]

@@ -74,7 +74,7 @@ def coalesce(ranges: Iterable[tuple[int, int, int]]) -> list[tuple[int, int]]:
     return [(p, n) for _, p, n in out]
 
 
-class _Group:
+class _SharedBlock:
     """Owns the one allocation a group's buffers are slices of; gives it back when the last goes."""
 
     __slots__ = ("block",)
@@ -186,7 +186,7 @@ class Tier:
             off += span
         request, size_class = round_request(off)
         block = self.backend.allocate(request, f"{r.value}/{size_class}")
-        group = _Group(block)
+        group = _SharedBlock(block)
         bufs = []
         for n, span, name, off in zip(sizes, spans, names_l, offsets):
             sub = Block(block.ptr + off, span, block.pool_key, group, alloc=block.alloc)

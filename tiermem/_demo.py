@@ -12,7 +12,7 @@ import sys
 from typing import Any
 
 from ._limits import parse_bytes
-from ._module import LINK_GBPS, module_groups, plan_residency
+from ._module import LINK_GBPS, LOOKAHEAD, plan_residency
 
 __all__ = ["llama_shape", "build_llama", "llama_groups", "demo"]
 
@@ -74,7 +74,7 @@ def _dry_run(weights_gb: float, budget: str, why: str) -> int:
     groups = llama_groups(shape)
     total = sum(n for _, n in groups)
     b = parse_bytes(budget, total=total, what="budget")
-    plan = plan_residency(groups, b)
+    plan = plan_residency(groups, b, LOOKAHEAD)   # the plan wrap_module would make
     print(f"DRY RUN: no model is built and nothing runs ({why}).")
     print(f"Llama-shaped fp16 model: hidden {shape['hidden_size']}, {shape['num_hidden_layers']} layers, "
           f"vocab {shape['vocab_size']}: {total / 1e9:.2f} GB of weights in {len(groups)} groups.")

@@ -134,6 +134,7 @@ def plan_residency(sizes: Iterable[tuple[str, int]], budget: int, lookahead: int
 
 
 MAX_GROUP = 160 << 20
+LOOKAHEAD = 3            # groups in flight by default (the window's slots)
 
 
 def module_groups(module: Any, max_group_bytes: int = MAX_GROUP) -> list[tuple[str, Any, list[tuple[str, Any]]]]:
@@ -446,7 +447,7 @@ class TieredModule:
     """Handle of a module adopted by :func:`wrap_module`: its plan, its mode, and unwrap()."""
 
     def __init__(self, tier: Tier, module: Any, budget: int | str | None, *, mode: str = "auto",
-                 transport: str = "auto", lookahead: int = 3, zero_copy_max_tokens: int = 16,
+                 transport: str = "auto", lookahead: int = LOOKAHEAD, zero_copy_max_tokens: int = 16,
                  async_evict: bool = True, max_group_bytes: int = MAX_GROUP):
         if mode not in ("auto", "stream", "zero_copy"):
             raise TierMemError(f"mode must be 'auto', 'stream' or 'zero_copy', got {mode!r}")

@@ -71,7 +71,6 @@ def wrap(tier: Tier, tensor: Any, role: Role | str = Role.WEIGHT, *, name: str |
     nbytes = tensor.numel() * tensor.element_size()
     buf = tier._new_buffer(nbytes, r, pol, {}, name)
     tt = TieredTensor(buf, tuple(tensor.shape), _dtypes.canonical(tensor.dtype))
-    tt._origin_device = tensor.device
 
     # Fill from the device side: a host-side first touch of managed memory runs at ~2 GB/s.
     # No read-mostly while filling: a write to a read-mostly range collapses its duplicates.
@@ -86,10 +85,8 @@ def wrap(tier: Tier, tensor: Any, role: Role | str = Role.WEIGHT, *, name: str |
             buf.policy = pol = pol.replace(preferred_location=Location.HOST, accessed_by_device=True, read_mostly=False)
             tier._apply_advice(buf)
             buf.where = Location.HOST
-    view = tier.backend.torch_view(buf.ptr, nbytes, buf.token(internal=True))
-    view = view.view(tensor.dtype).view(tensor.shape)
     with torch.no_grad():
-        view.copy_(tensor)
+        _fill_and_bind(tier, tt, tensor)
     tier._apply_advice(buf)
     if buf.where is Location.HOST:
         buf.host_valid = True
@@ -97,10 +94,19 @@ def wrap(tier: Tier, tensor: Any, role: Role | str = Role.WEIGHT, *, name: str |
         # Host-preferred data leaves the device through Unified Memory so that its host pages hold
         # it: prefetches of it then run at link rate and read-mostly eviction moves nothing.
         tier.evict([buf], _path="um")
+    return tt
+
+
+def _fill_and_bind(tier: Tier, tt: TieredTensor, tensor: Any) -> None:
+    """Copy ``tensor`` into ``tt``'s buffer from the device side and rebind ``tensor.data`` to it
+    (an internal view tiermem can re-point), linking the two. Call under torch.no_grad()."""
+    buf = tt._b
+    view = tier.backend.torch_view(buf.ptr, buf.nbytes, buf.token(internal=True)).view(tensor.dtype).view(tensor.shape)
+    view.copy_(tensor)
+    tt._origin_device = tensor.device
     tensor.data = view
     buf.bindings.append(weakref.ref(tensor))
     setattr(tensor, _ATTR, tt)
-    return tt
 
 
 def unwrap(tier: Tier, x: Any) -> Any:
@@ -157,13 +163,7 @@ def wrap_group(tier: Tier, tensors: list[Any], role: Role | str, *, names: list[
     tts = tier.empty_group(specs, role=r, names=names, policy=fill)
     with torch.no_grad():
         for tt, t in zip(tts, tensors):
-            buf = tt._b
-            view = tier.backend.torch_view(buf.ptr, buf.nbytes, buf.token(internal=True)).view(t.dtype).view(t.shape)
-            view.copy_(t)
-            tt._origin_device = t.device
-            t.data = view
-            buf.bindings.append(weakref.ref(t))
-            setattr(t, _ATTR, tt)
+            _fill_and_bind(tier, tt, t)
     for tt in tts:
         tt.advise(policy=pol)
         if tt._b.where is not Location.DEVICE:

@@ -9,8 +9,10 @@ See README.md. A GPU is needed for everything that touches memory; ``python -m t
 says what this machine has.
 """
 from ._api import (allocator, configure, default_tier, empty, evict, memory_summary, policy_override, prefetch,
-                   stats, synchronize, unwrap, wrap, wrap_module)
+                   stats, synchronize, unwrap, wrap, wrap_module, wrap_training)
 from ._module import Plan, TieredModule, plan_residency
+from ._train import TieredTraining
+from ._trainplan import StepTrace, TrainPlan, plan_training
 from ._cuda import Capabilities, RangeInfo
 from ._cupy import current_role, using_role
 from ._errors import (CapExceededError, CUDAError, CUDAUnavailableError, OutOfBudgetError, RoleError, TierMemError,
@@ -27,7 +29,8 @@ __version__ = "0.1.0"
 __all__ = [
     "Tier", "TieredTensor", "Transfer", "Role", "Location", "Policy", "PolicyTable", "Prefetch", "Evict",
     "DEFAULT_POLICIES", "Capabilities", "RangeInfo",
-    "configure", "default_tier", "empty", "wrap", "wrap_module", "unwrap", "TieredModule", "Plan", "plan_residency", "tiered_of", "prefetch", "evict", "allocator",
+    "configure", "default_tier", "empty", "wrap", "wrap_module", "wrap_training", "TieredTraining", "TrainPlan",
+    "StepTrace", "plan_training", "unwrap", "TieredModule", "Plan", "plan_residency", "tiered_of", "prefetch", "evict", "allocator",
     "using_role", "current_role", "policy_override", "stats", "memory_summary", "synchronize", "parse_bytes",
     "TierMemError", "CUDAError", "CUDAUnavailableError", "OutOfBudgetError", "CapExceededError", "RoleError",
     "WrapError", "ViewError", "__version__",

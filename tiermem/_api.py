@@ -15,7 +15,7 @@ from ._tier import Tier
 from ._transfer import Transfer
 from .roles import Location, Policy, Role, as_role
 
-__all__ = ["default_tier", "configure", "empty", "wrap", "wrap_module", "unwrap", "prefetch", "evict", "allocator",
+__all__ = ["default_tier", "configure", "empty", "wrap", "wrap_module", "wrap_training", "unwrap", "prefetch", "evict", "allocator",
            "stats", "memory_summary", "policy_override", "synchronize"]
 
 _default: Tier | None = None
@@ -58,6 +58,17 @@ def wrap(tensor: Any, role: Role | str = Role.WEIGHT, **kwargs: Any) -> TieredTe
     ``policy`` (replaces the role's policy), and policy fields to change (``read_mostly=True``).
     """
     return _tier_of(tensor).wrap(tensor, role, **kwargs)
+
+
+def wrap_training(model: Any, optimizer: Any, budget: int | str, **kwargs: Any) -> Any:
+    """Train ``model`` with ``optimizer`` within ``budget`` bytes of device memory (bytes, "2GiB"
+    or "25%" of the device): parameters, optimizer states and saved activations are tiered, each
+    block steps inside backward, and the plan comes from the first step. Use ``with
+    handle.step(): ...forward and backward...``. Returns a :class:`TieredTraining`. Keyword
+    arguments: ``lookahead``, ``min_swap``, ``window``, ``swap``, ``block_bytes``, ``margin``,
+    ``tier``."""
+    tier = kwargs.pop("tier", None) or default_tier()
+    return tier.wrap_training(model, optimizer, budget, **kwargs)
 
 
 def wrap_module(module: Any, budget: int | str | None = None, **kwargs: Any) -> Any:

@@ -303,20 +303,42 @@ def device_synchronize() -> None:
     _check("cudaDeviceSynchronize", _runtime().cudaDeviceSynchronize())
 
 
-def event_create(timing: bool = False) -> Any:
+class Event:
+    """A CUDA event that is destroyed when the last reference goes. A training step makes
+    thousands of events; cuda-bindings' handles do not free themselves."""
+
+    __slots__ = ("handle",)
+
+    def __init__(self, handle: Any):
+        self.handle = handle
+
+    def __del__(self) -> None:
+        # Destroying an event whose record is still pending is allowed: the driver frees it when
+        # the work completes. Destructors never raise (STYLE).
+        try:
+            _runtime().cudaEventDestroy(self.handle)
+        except Exception:  # pragma: no cover
+            pass
+
+
+def _ev(event: Any) -> Any:
+    return event.handle if isinstance(event, Event) else event
+
+
+def event_create(timing: bool = False) -> Event:
     rt = _runtime()
     flags = rt.cudaEventDefault if timing else rt.cudaEventDisableTiming
-    return _check("cudaEventCreateWithFlags", rt.cudaEventCreateWithFlags(flags))
+    return Event(_check("cudaEventCreateWithFlags", rt.cudaEventCreateWithFlags(flags)))
 
 
 def event_record(event: Any, stream: int) -> None:
-    _check("cudaEventRecord", _runtime().cudaEventRecord(event, stream))
+    _check("cudaEventRecord", _runtime().cudaEventRecord(_ev(event), stream))
 
 
 def event_query(event: Any) -> bool:
     """True when the event's work is done."""
     rt = _runtime()
-    err = rt.cudaEventQuery(event)[0]
+    err = rt.cudaEventQuery(_ev(event))[0]
     if err == rt.cudaError_t.cudaErrorNotReady:
         return False
     _check("cudaEventQuery", (err,))
@@ -324,16 +346,12 @@ def event_query(event: Any) -> bool:
 
 
 def event_synchronize(event: Any) -> None:
-    _check("cudaEventSynchronize", _runtime().cudaEventSynchronize(event))
+    _check("cudaEventSynchronize", _runtime().cudaEventSynchronize(_ev(event)))
 
 
 def event_elapsed_ms(start: Any, end: Any) -> float:
-    return float(_check("cudaEventElapsedTime", _runtime().cudaEventElapsedTime(start, end)))
-
-
-def event_destroy(event: Any) -> None:
-    _check("cudaEventDestroy", _runtime().cudaEventDestroy(event))
+    return float(_check("cudaEventElapsedTime", _runtime().cudaEventElapsedTime(_ev(start), _ev(end))))
 
 
 def stream_wait_event(stream: int, event: Any) -> None:
-    _check("cudaStreamWaitEvent", _runtime().cudaStreamWaitEvent(stream, event, 0))
+    _check("cudaStreamWaitEvent", _runtime().cudaStreamWaitEvent(stream, _ev(event), 0))

@@ -15,6 +15,7 @@ __all__ = [
     "RoleError",
     "WrapError",
     "ViewError",
+    "BuildError",
 ]
 
 
@@ -71,3 +72,8 @@ class WrapError(TierMemError, ValueError):
 
 class ViewError(TierMemError, TypeError):
     """A view cannot be made (no torch, a dtype the consumer lacks, a tensor already freed)."""
+
+
+class BuildError(TierMemError):
+    """A compiled part of tiermem (the torch allocator) cannot be built: no C compiler, no CUDA
+    headers of the right version, or the compiler failed. The message says what to install."""

@@ -649,6 +649,11 @@ class Tier:
         from ._module import wrap_module
         return wrap_module(self, module, budget, **kwargs)
 
+    def wrap_training(self, model: Any, optimizer: Any, budget: int | str, **kwargs: Any) -> Any:
+        """Train a model within a device budget (see tiermem.wrap_training)."""
+        from ._train import wrap_training
+        return wrap_training(self, model, optimizer, budget, **kwargs)
+
     def allocator(self, role: Role | str | None = None) -> Any:
         """A CuPy allocator (size -> MemoryPointer) serving tiered managed memory (see
         tiermem.allocator)."""

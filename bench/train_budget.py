@@ -1,0 +1,461 @@
+"""bench/train_budget.py: training models bigger than the device budget, against their peers.
+
+In one run, side by side (random data, fixed seeds, CUDA-event medians after warm-up steps):
+  1. A GPT-2-style decoder with AdamW whose parameters, gradients and optimizer states are
+     >= 2.5x the budget: resident PyTorch (no cap: the ceiling), torch's save_on_cpu for the
+     activations (the usual peer; also uncapped, since its parameters and states stay resident),
+     and tiermem.wrap_training under the budget. 30 steps each; the losses are compared bitwise.
+     The bound is max(resident step, bytes moved / link rate), the link rate measured here.
+     A sweep over budgets gives the plot of step time vs budget.
+  2. In capacity (budget >= everything): tiermem against plain PyTorch.
+  3. The activation-swap study: at one fixed budget (torch's allocator capped to it for the
+     resident runs), the largest batch that trains, resident vs tiermem, for ResNet-50 and a
+     smaller GPT, with time per sample at each.
+
+    python bench/train_budget.py [--quick]
+Writes bench/results/train_budget-<device>-<date>.json and a plot.
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")   # deterministic cuBLAS: bitwise-comparable losses
+
+import argparse
+import gc
+
+from _common import gbps, median, plot_path, progress, table, write_results
+
+GiB, MiB = 1 << 30, 1 << 20
+
+
+def setup():
+    import torch
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    return torch
+
+
+def gpt_loss(model, ids):
+    import torch.nn.functional as F
+    logits = model(ids[:, :-1])
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+
+
+def resnet_loss(model, batch):
+    import torch.nn.functional as F
+    x, y = batch
+    return F.cross_entropy(model(x), y)
+
+
+def free():
+    import torch
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+
+
+def link_rates(torch):
+    """Pinned copies of 1 GiB each way and both at once (GB/s), measured in this process."""
+    n = GiB
+    h = torch.empty(n, dtype=torch.uint8, pin_memory=True).random_(0, 255)
+    d = torch.empty(n, dtype=torch.uint8, device="cuda").random_(0, 255)
+    h2 = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+
+    def timed(fn):
+        out = []
+        for i in range(4):
+            torch.cuda.synchronize()
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            if i:
+                out.append(a.elapsed_time(b) / 1e3)
+        return median(out)
+    h2d = n / timed(lambda: d.copy_(h, non_blocking=True)) / 1e9
+    d2h = n / timed(lambda: h2.copy_(d, non_blocking=True)) / 1e9
+
+    def both():
+        e = torch.cuda.Event()
+        e.record()
+        for s in (s1, s2):
+            s.wait_event(e)
+        with torch.cuda.stream(s1):
+            d.copy_(h, non_blocking=True)
+        with torch.cuda.stream(s2):
+            h2.copy_(d, non_blocking=True)
+        for s in (s1, s2):
+            torch.cuda.current_stream().wait_stream(s)
+    duplex = 2 * n / timed(both) / 1e9
+    del h, d, h2
+    free()
+    return round(h2d, 2), round(d2h, 2), round(duplex, 2)
+
+
+class Stepper:
+    """Runs training steps of one configuration and times each with CUDA events."""
+
+    def __init__(self, torch, model, opt, loss_fn, train=None, save_on_cpu=False):
+        self.torch, self.model, self.opt, self.loss_fn, self.train = torch, model, opt, loss_fn, train
+        self.save_on_cpu = save_on_cpu
+        self.losses, self.times, self.moved = [], [], []
+
+    def step(self, batch):
+        torch = self.torch
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        if self.train is not None:
+            with self.train.step():
+                loss = self.loss_fn(self.model, batch)
+                loss.backward()
+            self.moved.append(dict(self.train.moved))
+        else:
+            ctx = torch.autograd.graph.save_on_cpu(pin_memory=True) if self.save_on_cpu else _null()
+            with ctx:
+                loss = self.loss_fn(self.model, batch)
+            loss.backward()
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
+        b.record()
+        b.synchronize()
+        self.times.append(a.elapsed_time(b) / 1e3)
+        self.losses.append(loss.detach())
+
+    def run(self, batches, label):
+        for i, bt in enumerate(batches):
+            self.step(bt)
+            if i in (0, len(batches) - 1) or (i + 1) % 10 == 0:
+                progress(f"  {label}: step {i + 1}/{len(batches)} {self.times[-1] * 1e3:.1f} ms")
+        return self
+
+    def median_ms(self, skip=3):
+        return median(self.times[skip:]) * 1e3
+
+    def loss_values(self):
+        return [float(x) for x in self.torch.stack(self.losses).cpu()]
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+def build_gpt(torch, cfg, seed=0):
+    from tiermem.models import GPT
+    torch.manual_seed(seed)
+    return GPT(cfg).cuda()
+
+
+def gpt_batches(torch, cfg, n, batch, seed=1):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return [torch.randint(0, cfg.vocab, (batch, cfg.seq + 1), device="cuda", generator=g) for _ in range(n)]
+
+
+def tiermem_run(torch, tiermem, build, loss_fn, batches, budget, label, **kw):
+    model = build()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4) if kw.pop("adamw", True) else \
+        torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    tier = tiermem.Tier(0, cap=kw.pop("cap", "12GiB"))
+    train = tier.wrap_training(model, opt, budget, **kw)
+    st = Stepper(torch, model, opt, loss_fn, train=train).run(batches, label)
+    peaks = train.resident_peak()
+    info = {"plan": train.plan.table() if train.plan else None, "resident_peak_bytes": peaks,
+            "report": train.report(), "moved_last": st.moved[-1]}
+    return st, train, tier, info
+
+
+def part1(torch, tiermem, a, rates, out):
+    from tiermem.models import GPTConfig, gpt_param_count
+    cfg = GPTConfig(vocab=a.vocab, seq=a.seq, d=a.d, layers=a.layers, heads=a.heads)
+    n = gpt_param_count(cfg)
+    footprint = 16 * n            # fp32 parameters, gradients, AdamW's two moments
+    budget = int(footprint / a.ratio)
+    progress(f"part 1: GPT {n / 1e6:.0f}M params, footprint {footprint / 1e9:.2f} GB, budget {budget / 1e9:.2f} GB, "
+             f"batch {a.batch}x{a.seq}")
+    batches = gpt_batches(torch, cfg, a.steps, a.batch)
+    model = build_gpt(torch, cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    torch.cuda.reset_peak_memory_stats()
+    res = Stepper(torch, model, opt, gpt_loss).run(batches, "resident")
+    res_peak = torch.cuda.max_memory_reserved()
+    del model, opt
+    free()
+    model = build_gpt(torch, cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    torch.cuda.reset_peak_memory_stats()
+    soc = Stepper(torch, model, opt, gpt_loss, save_on_cpu=True).run(batches[: a.soc_steps], "save_on_cpu")
+    soc_peak = torch.cuda.max_memory_reserved()
+    del model, opt
+    free()
+    st, train, tier, info = tiermem_run(torch, tiermem, lambda: build_gpt(torch, cfg), gpt_loss, batches, budget,
+                                        "tiermem", block_bytes=a.block_mib * MiB)
+    peak_max = max(train.resident_peak(), 0)
+    progress("  plan:\n" + info["plan"])
+    moved = st.moved[-1]
+    losses_equal = st.loss_values() == res.loss_values()
+    train.unwrap()
+    del train
+    tier.close()
+    free()
+    res_ms, t_ms, soc_ms = res.median_ms(), st.median_ms(), soc.median_ms(2)
+    xfer_ms = (moved["h2d"] + moved["d2h"]) / (rates["h2d"] * 1e9) * 1e3
+    bound = max(res_ms, xfer_ms)
+    duplex = max(res_ms, moved["h2d"] / (rates["h2d"] * 1e9) * 1e3, moved["d2h"] / (rates["d2h"] * 1e9) * 1e3,
+                 (moved["h2d"] + moved["d2h"]) / (rates["duplex"] * 1e9) * 1e3)
+    out["metrics"].update({
+        "gpt_params": n, "footprint_bytes": footprint, "budget_bytes": budget,
+        "footprint_over_budget": round(footprint / budget, 3),
+        "resident_step_ms": round(res_ms, 2), "gpt_step_ms": round(t_ms, 2), "save_on_cpu_step_ms": round(soc_ms, 2),
+        "gpt_moved_h2d_bytes_per_step": moved["h2d"], "gpt_moved_d2h_bytes_per_step": moved["d2h"],
+        "gpt_bound_ms": round(bound, 2), "gpt_step_vs_bound": round(t_ms / bound, 3),
+        "gpt_duplex_bound_ms": round(duplex, 2), "gpt_step_vs_duplex_bound": round(t_ms / duplex, 3),
+        "gpt_step_vs_resident": round(t_ms / res_ms, 3), "save_on_cpu_over_tiermem": round(soc_ms / t_ms, 3),
+        "resident_peak_reserved_bytes": res_peak, "save_on_cpu_peak_reserved_bytes": soc_peak,
+        "tiermem_resident_peak_bytes": peak_max,
+    })
+    out["checks"]["losses_equal_resident"] = losses_equal
+    out["checks"]["resident_within_budget"] = peak_max <= budget
+    out["raw"]["gpt"] = {"config": vars(cfg), "batch": a.batch, "plan": info["plan"], "report": info["report"],
+                         "losses_resident": res.loss_values(), "losses_tiermem": st.loss_values(),
+                         "step_ms_resident": [x * 1e3 for x in res.times], "step_ms_tiermem": [x * 1e3 for x in st.times],
+                         "step_ms_save_on_cpu": [x * 1e3 for x in soc.times]}
+    # the sweep: step time vs budget
+    sweep = []
+    for frac in a.sweep:
+        b = int(footprint * frac)
+        s2, tr2, ti2, inf2 = tiermem_run(torch, tiermem, lambda: build_gpt(torch, cfg), gpt_loss,
+                                         batches[: a.sweep_steps], b, f"sweep {frac:.2f}x footprint",
+                                         block_bytes=a.block_mib * MiB)
+        sweep.append({"budget_bytes": b, "budget_over_footprint": frac, "step_ms": round(s2.median_ms(), 2),
+                      "moved": s2.moved[-1], "resident_peak_bytes": tr2.resident_peak()})
+        out["checks"]["resident_within_budget"] &= tr2.resident_peak() <= b
+        tr2.unwrap()
+        del tr2
+        ti2.close()
+        free()
+    out["raw"]["sweep"] = sweep
+    return cfg, batches, res, budget, sweep
+
+
+def part2(torch, tiermem, a, cfg, batches, out):
+    """In capacity: the same GPT with a budget above everything it needs, interleaved with plain."""
+    progress("part 2: in capacity")
+    plain_ms, tm_ms = [], []
+    for rnd in range(2):
+        model = build_gpt(torch, cfg)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        p = Stepper(torch, model, opt, gpt_loss).run(batches[: a.cap_steps], f"plain round {rnd}")
+        plain_ms.append(p.median_ms())
+        del model, opt, p
+        free()
+        st, train, tier, info = tiermem_run(torch, tiermem, lambda: build_gpt(torch, cfg), gpt_loss,
+                                            batches[: a.cap_steps], a.capacity_budget, f"tiermem round {rnd}",
+                                            block_bytes=a.block_mib * MiB)
+        tm_ms.append(st.median_ms())
+        assert not train.plan.streamed_blocks and train.plan.swapped_bytes == 0, train.plan.table()
+        train.unwrap()
+        del train
+        tier.close()
+        free()
+    pm, tm = median(plain_ms), median(tm_ms)
+    out["metrics"].update({"in_capacity_plain_ms": round(pm, 2), "in_capacity_tiermem_ms": round(tm, 2),
+                           "in_capacity_vs_plain": round(tm / pm, 4)})
+    out["raw"]["in_capacity"] = {"plain_ms": plain_ms, "tiermem_ms": tm_ms, "budget_bytes": a.capacity_budget}
+
+
+def max_batch(trial, start, limit):
+    """Largest b in [1, limit] for which trial(b) is True, by doubling then bisection."""
+    lo, hi, b = 0, None, start
+    while b <= limit:
+        if trial(b):
+            lo, b = b, b * 2
+        else:
+            hi = b
+            break
+    if hi is None:
+        return lo
+    while hi - lo > max(1, lo // 16):
+        mid = (lo + hi) // 2
+        if trial(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def study(torch, tiermem, name, build, make_batch, loss_fn, budget, a, rates, adamw, out):
+    total = torch.cuda.get_device_properties(0).total_memory
+    timings = {}
+
+    def resident(b):
+        free()
+        torch.cuda.set_per_process_memory_fraction(budget / total)
+        try:
+            model = build()
+            opt = (torch.optim.AdamW(model.parameters(), lr=1e-4) if adamw else
+                   torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9))
+            st = Stepper(torch, model, opt, loss_fn)
+            for _ in range(a.study_steps):
+                st.step(make_batch(b))
+            timings[("resident", b)] = (st.median_ms(skip=2), 0, 0)
+            ok = True
+        except torch.OutOfMemoryError:
+            ok = False
+        finally:
+            model = opt = st = None
+            torch.cuda.set_per_process_memory_fraction(1.0)
+            free()
+        progress(f"  {name} resident batch {b}: {'ok' if ok else 'out of memory'}")
+        return ok
+
+    def tiered(b):
+        free()
+        train = tier = None
+        try:
+            model = build()
+            opt = (torch.optim.AdamW(model.parameters(), lr=1e-4) if adamw else
+                   torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9))
+            tier = tiermem.Tier(0, cap="12GiB")
+            train = tier.wrap_training(model, opt, budget, block_bytes=a.block_mib * MiB)
+            st = Stepper(torch, model, opt, loss_fn, train=train)
+            for _ in range(a.study_steps):
+                st.step(make_batch(b))
+            ok = train.resident_peak() <= budget
+            mv = st.moved[-1]
+            timings[("tiermem", b)] = (st.median_ms(skip=2), mv["h2d"], mv["d2h"])
+        except torch.OutOfMemoryError:
+            ok = False
+        finally:
+            if train is not None:
+                try:
+                    train.unwrap()
+                except Exception as e:  # an OOM mid-step can leave a half-done step; unwrap what it can
+                    progress(f"  unwrap after failure: {e!r}")
+            model = opt = st = train = None
+            if tier is not None:
+                tier.close()
+            free()
+        progress(f"  {name} tiermem batch {b}: {'ok' if ok else 'out of memory'}")
+        return ok
+
+    progress(f"part 3: {name} at a {budget / GiB:.1f} GiB budget")
+    rb = max_batch(resident, a.study_start, a.study_limit)
+    tb = max_batch(tiered, max(rb, 1), a.study_limit * 8)
+    r_ms = timings.get(("resident", rb), (float("nan"), 0, 0))[0]
+    t_ms, h2d, d2h = timings.get(("tiermem", tb), (float("nan"), 0, 0))
+    r_ps, t_ps = r_ms / max(rb, 1), t_ms / max(tb, 1)
+    bytes_ps = (h2d + d2h) / max(tb, 1)
+    bound_ps = max(r_ps, bytes_ps / (rates["h2d"] * 1e9) * 1e3)
+    duplex_ps = max(r_ps, h2d / max(tb, 1) / (rates["h2d"] * 1e9) * 1e3, d2h / max(tb, 1) / (rates["d2h"] * 1e9) * 1e3,
+                    bytes_ps / (rates["duplex"] * 1e9) * 1e3)
+    out["metrics"].update({
+        f"{name}_resident_max_batch": rb, f"{name}_tiermem_max_batch": tb,
+        f"{name}_max_batch_gain": round(tb / max(rb, 1), 3),
+        f"{name}_resident_ms_per_sample": round(r_ps, 3), f"{name}_tiermem_ms_per_sample": round(t_ps, 3),
+        f"{name}_swapped_bytes_per_sample": int(bytes_ps),
+        f"{name}_time_per_sample_bound_ms": round(bound_ps, 3),
+        f"{name}_time_per_sample_vs_bound": round(t_ps / bound_ps, 3),
+        f"{name}_time_per_sample_vs_duplex_bound": round(t_ps / duplex_ps, 3),
+    })
+    out["raw"][f"{name}_trials"] = {f"{k[0]}@{k[1]}": v for k, v in timings.items()}
+
+
+def part3(torch, tiermem, a, rates, out):
+    from tiermem.models import GPTConfig, resnet50
+    budget = int(a.study_gib * GiB)
+
+    def build_resnet():
+        torch.manual_seed(0)
+        return resnet50().cuda()
+
+    def resnet_batch(b):
+        g = torch.Generator(device="cuda").manual_seed(b)
+        return (torch.randn(b, 3, 224, 224, device="cuda", generator=g),
+                torch.randint(0, 1000, (b,), device="cuda", generator=g))
+    study(torch, tiermem, "resnet50", build_resnet, resnet_batch, resnet_loss, budget, a, rates, False, out)
+    cfg = GPTConfig(vocab=a.vocab, seq=a.seq, d=a.small_d, layers=a.small_layers, heads=a.heads)
+
+    def gpt_batch(b):
+        return gpt_batches(torch, cfg, 1, b, seed=b)[0]
+    study(torch, tiermem, "gpt", lambda: build_gpt(torch, cfg), gpt_batch, gpt_loss, budget, a, rates, True, out)
+
+
+def plot(out, path):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        progress("matplotlib missing: no plot")
+        return None
+    m = out["metrics"]
+    sw = out["raw"].get("sweep", [])
+    fig, ax = plt.subplots(1, 2, figsize=(11, 4))
+    xs = [s["budget_bytes"] / 1e9 for s in sw] + [m["budget_bytes"] / 1e9]
+    ys = [s["step_ms"] for s in sw] + [m["gpt_step_ms"]]
+    order = sorted(range(len(xs)), key=lambda i: xs[i])
+    ax[0].plot([xs[i] for i in order], [ys[i] for i in order], "o-", label="tiermem")
+    ax[0].axhline(m["resident_step_ms"], color="g", ls="--", label="resident (no budget)")
+    ax[0].axhline(m["save_on_cpu_step_ms"], color="r", ls=":", label="save_on_cpu (no budget)")
+    ax[0].axvline(m["footprint_bytes"] / 1e9, color="gray", lw=0.8, label="params+grads+AdamW")
+    ax[0].set_xlabel("device budget (GB)")
+    ax[0].set_ylabel("step time (ms)")
+    ax[0].set_title("GPT step time vs budget")
+    ax[0].legend(fontsize=8)
+    names = ["resnet50", "gpt"]
+    rb = [m.get(f"{n}_resident_max_batch", 0) for n in names]
+    tb = [m.get(f"{n}_tiermem_max_batch", 0) for n in names]
+    ax[1].bar([0, 3], rb, label="resident")
+    ax[1].bar([1, 4], tb, label="tiermem")
+    ax[1].set_xticks([0.5, 3.5], names)
+    ax[1].set_ylabel("largest batch that trains")
+    ax[1].set_title(f"batch at a {out['raw'].get('study_gib', 0)} GiB budget")
+    ax[1].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--quick", action="store_true", help="small sizes: a smoke run in about a minute")
+    p.add_argument("--only", default="123")
+    a = p.parse_args()
+    big = dict(vocab=8192, seq=512, d=1024, layers=16, heads=16, batch=4, ratio=2.5, steps=30, soc_steps=8,
+               block_mib=16, sweep=[0.6, 0.8, 1.0], sweep_steps=8, cap_steps=10, capacity_budget=30 * GiB,
+               study_gib=3.0, study_start=8, study_limit=512, study_steps=4, small_d=768, small_layers=8)
+    small = dict(vocab=2048, seq=128, d=256, layers=4, heads=4, batch=8, ratio=2.5, steps=12, soc_steps=6,
+                 block_mib=1, sweep=[0.8], sweep_steps=6, cap_steps=6, capacity_budget=4 * GiB,
+                 study_gib=0.5, study_start=4, study_limit=64, study_steps=3, small_d=256, small_layers=4)
+    for k, v in (small if a.quick else big).items():
+        setattr(a, k, v)
+    torch = setup()
+    import tiermem
+    h2d, d2h, duplex = link_rates(torch)
+    rates = {"h2d": h2d, "d2h": d2h, "duplex": duplex}
+    progress(f"link: {h2d} GB/s in, {d2h} GB/s out, {duplex} GB/s both ways")
+    out = {"metrics": {"link_h2d_GBps": h2d, "link_d2h_GBps": d2h, "link_duplex_GBps": duplex},
+           "checks": {}, "raw": {"args": {k: v for k, v in vars(a).items()}, "study_gib": a.study_gib}}
+    if "1" in a.only or "2" in a.only:
+        cfg, batches, res, budget, sweep = part1(torch, tiermem, a, rates, out)
+        if "2" in a.only:
+            part2(torch, tiermem, a, cfg, batches, out)
+        del batches, res
+        free()
+    if "3" in a.only:
+        part3(torch, tiermem, a, rates, out)
+    m = out["metrics"]
+    rows = [[k, v] for k, v in m.items()]
+    print(table(rows, ["metric", "value"]))
+    print(out["checks"])
+    pp = plot(out, plot_path("train_budget")) if "1" in a.only else None
+    write_results("train_budget", m, out["checks"], out["raw"], extra_files=[pp] if pp else [])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,213 @@
+"""GPU tests of training within a budget: each role's tiering and losses equal to the resident run.
+Managed use stays far below 1 GiB; the budgets are tens of MiB."""
+from __future__ import annotations
+
+import gc
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+MiB = 1 << 20
+
+
+def _setup():
+    import torch
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    return torch
+
+
+def _gpt(seed=0, layers=4):
+    import torch
+    from tiermem.models import GPT, GPTConfig
+    c = GPTConfig(vocab=2048, seq=128, d=256, layers=layers, heads=4)
+    torch.manual_seed(seed)
+    return GPT(c).cuda(), c
+
+
+def _batches(c, n, batch=8, seq=None, seed=1):
+    import torch
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    seq = seq or c.seq
+    return [torch.randint(0, c.vocab, (batch, seq + 1), device="cuda", generator=g) for _ in range(n)]
+
+
+def _loss(model, ids):
+    import torch.nn.functional as F
+    logits = model(ids[:, :-1])
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+
+
+def _resident_losses(batches, layers=4):
+    import torch
+    model, _ = _gpt(layers=layers)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    out = []
+    for ids in batches:
+        loss = _loss(model, ids)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        out.append(loss.detach())
+    return [float(x) for x in torch.stack(out).cpu()], [p.detach().clone() for p in model.parameters()]
+
+
+def _tiered(budget, layers=4, **kw):
+    import torch
+    import tiermem
+    model, c = _gpt(layers=layers)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    tier = tiermem.Tier(0, cap="1GiB")
+    kw.setdefault("block_bytes", 1 * MiB)     # blocks of a Linear or two: deep nesting, many slots' worth
+    kw.setdefault("min_swap", 256 << 10)
+    kw.setdefault("window", 4 * MiB)
+    train = tier.wrap_training(model, opt, budget, **kw)
+    return tier, model, opt, train, c
+
+
+def _train_losses(train, model, batches):
+    import torch
+    out, peaks = [], []
+    for ids in batches:
+        with train.step():
+            loss = _loss(model, ids)
+            loss.backward()
+        out.append(loss.detach())
+        peaks.append(train.resident_peak())
+    return [float(x) for x in torch.stack(out).cpu()], peaks
+
+
+def _cleanup(tier=None, train=None):
+    import torch
+    if train is not None:
+        train.unwrap()
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    if tier is not None:
+        tier.close()
+
+
+def test_thirty_steps_under_a_tight_budget_give_the_resident_losses_bitwise():
+    torch = _setup()
+    from tiermem.models import GPTConfig
+    batches = _batches(GPTConfig(vocab=2048, seq=128, d=256, layers=4, heads=4), 30)
+    want, want_params = _resident_losses(batches)
+    _cleanup()
+    budget = 56 * MiB
+    tier, model, opt, train, c = _tiered(budget)
+    got, peaks = _train_losses(train, model, batches)
+    plan = train.plan
+    print(plan.table())
+    assert got == want                                   # bitwise: same floats, same order
+    for p, q in zip(model.parameters(), want_params):
+        assert torch.equal(p.detach(), q)
+    assert max(peaks) <= budget, (max(peaks), budget)
+    assert plan.swapped_bytes > 0 and len(plan.streamed_blocks) > 0      # the budget really bit
+    s = tier.stats()
+    for role in ("weight", "optimizer_state", "activation"):
+        assert s[f"moved_bytes.{role}.h2d"] > 0 and s[f"moved_bytes.{role}.d2h"] > 0, role
+    _cleanup(tier, train)
+
+
+def test_each_role_lives_where_the_plan_puts_it():
+    torch = _setup()
+    import tiermem
+    tier, model, opt, train, c = _tiered(48 * MiB)
+    batches = _batches(c, 3)
+    _train_losses(train, model, batches)
+    be = tier.backend
+    plan = train.plan
+    streamed = [b for b in train.blocks if not b.resident]
+    resident = [b for b in train.blocks if b.resident]
+    assert streamed and plan.keep is not None
+    for b in streamed:
+        for p in b.params:
+            # between steps a streamed parameter is in its device slot or its pinned home
+            kind = be.pointer_kind(p.data_ptr())
+            in_slot = b.slot is not None
+            assert kind == ("device" if in_slot else "host"), (b.name, kind, in_slot)
+            assert p.grad is None                        # gradients were consumed inside backward
+        for p, key, _ in b.states:
+            st = opt.state[p][key]
+            assert be.pointer_kind(st.data_ptr()) in ("host", "device")
+            assert st.shape == p.shape
+    for b in resident:
+        for p in b.params:
+            assert be.pointer_kind(p.data_ptr()) == "managed"
+            assert tiermem.tiered_of(p) is not None
+        for p, key, _ in b.states:
+            assert be.pointer_kind(opt.state[p][key].data_ptr()) == "managed"
+    # Gradients: during backward a streamed block's gradients are views of its slot.
+    seen = {}
+
+    def probe(p, b=streamed[-1]):
+        seen["ptr"] = p.grad.data_ptr()
+        seen["slot"] = b.slot.ptr if b.slot is not None else None
+    h = streamed[-1].trainable[0].register_post_accumulate_grad_hook(probe)
+    with train.step():
+        _loss(model, batches[0]).backward()
+    h.remove()
+    assert seen["slot"] is not None and seen["slot"] <= seen["ptr"] < seen["slot"] + train.slot_bytes
+    assert "blocks streamed" in str(plan) and "activations" in str(plan)
+    _cleanup(tier, train)
+
+
+def test_a_new_batch_shape_is_traced_and_planned_again():
+    _setup()
+    tier, model, opt, train, c = _tiered(56 * MiB)
+    _train_losses(train, model, _batches(c, 2, seq=128))
+    first = train.trace.key
+    _train_losses(train, model, _batches(c, 3, seq=64, seed=5))
+    assert train.trace.key != first and not train._tracing
+    assert train.resident_peak() <= 56 * MiB
+    _cleanup(tier, train)
+
+
+def test_in_capacity_everything_stays_resident_and_nothing_moves():
+    torch = _setup()
+    from tiermem.models import GPTConfig
+    batches = _batches(GPTConfig(vocab=2048, seq=128, d=256, layers=4, heads=4), 6)
+    want, _ = _resident_losses(batches)
+    _cleanup()
+    tier, model, opt, train, c = _tiered(1 << 30, block_bytes=64 * MiB)
+    got, _ = _train_losses(train, model, batches)
+    assert got == want
+    assert train.plan.swapped_bytes == 0 and not train.plan.streamed_blocks
+    assert train.moved == {"h2d": 0, "d2h": 0}
+    _cleanup(tier, train)
+    del torch
+
+
+def test_unwrap_gives_plain_parameters_and_states_back():
+    torch = _setup()
+    tier, model, opt, train, c = _tiered(48 * MiB)
+    _train_losses(train, model, _batches(c, 2))
+    before = [p.detach().clone() for p in model.parameters()]
+    train.unwrap()
+    be = tier.backend
+    for p, q in zip(model.parameters(), before):
+        assert be.pointer_kind(p.data_ptr()) == "device" and torch.equal(p, q)
+    for st in opt.state.values():
+        for v in st.values():
+            if torch.is_tensor(v) and v.is_cuda:
+                assert be.pointer_kind(v.data_ptr()) == "device"
+    # and training goes on plainly
+    loss = _loss(model, _batches(c, 1)[0])
+    loss.backward()
+    opt.step()
+    _cleanup(tier)
+
+
+def test_a_second_backward_in_one_step_is_refused_clearly():
+    _setup()
+    import tiermem
+    tier, model, opt, train, c = _tiered(56 * MiB)
+    ids = _batches(c, 1)[0]
+    with pytest.raises(tiermem.TierMemError, match="one backward per train.step"):
+        with train.step():
+            _loss(model, ids).backward()
+            _loss(model, ids).backward()
+    _cleanup(tier, train)

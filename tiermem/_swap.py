@@ -1,0 +1,273 @@
+"""Activation swapping: what autograd saves for backward goes to pinned host memory and comes back.
+
+NOTE [activation swap]
+    A ``torch.autograd.graph.saved_tensors_hooks`` pair sees every tensor autograd saves. tiermem
+    works per *storage*: views of one storage (q, k and v split from one projection) are saved
+    once and rebuilt from it, so nothing is copied twice and non-contiguous views need no copy of
+    their own. Three kinds of saved tensor:
+
+      - a view of a streamed parameter: saved as (parameter, geometry) and rebuilt from wherever
+        the parameter lives when backward reads it (its slot may hold another block by then);
+      - a storage the plan keeps (NOTE [training plan]), or one under ``min_swap`` bytes: kept;
+      - the rest: copied to a pinned host arena on tiermem's D2H stream as soon as it is saved,
+        and copied back on the H2D stream ahead of backward's need, in the order the traced step
+        read them (in the first step: latest saved first).
+
+    The device storage of a swapped tensor is held until its copy has finished, then dropped, so
+    torch's allocator reuses it. Holding is bounded: past ``window`` bytes in flight the host
+    waits for the oldest copy, so a forward that makes activations faster than the link carries
+    them cannot grow the device peak. Copies back are bounded the same way.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+from .roles import Role
+
+if TYPE_CHECKING:
+    from ._tier import Tier
+
+__all__ = ["ActivationSwap"]
+
+ALIGN = 512
+CHUNK_MIN = 256 << 20
+
+
+@dataclasses.dataclass(eq=False)
+class _Saved:
+    index: int
+    nbytes: int
+    keep: bool
+    refs: int = 0                 # saved tensors that are views of it
+    reads: int = 0                # unpacks so far
+    use: int = -1                 # order of its first unpack in backward
+    storage: Any = None           # the device storage while kept or while its copy out runs
+    host: int = 0                 # address in the pinned arena
+    out_event: Any = None
+    dev: Any = None               # uint8 device tensor holding it again in backward
+    in_event: Any = None
+
+
+class _Ref:
+    __slots__ = ("s", "dtype", "size", "stride", "offset")
+
+    def __init__(self, s: Any, t: Any):
+        self.s, self.dtype, self.size, self.stride, self.offset = s, t.dtype, t.size(), t.stride(), t.storage_offset()
+
+
+class _ParamRef(_Ref):
+    pass
+
+
+class _Arena:
+    """Pinned host chunks, handed out bump-style once per step and reused every step."""
+
+    def __init__(self, tier: Tier):
+        self.tier = tier
+        self.chunks: list[Any] = []
+        self.at = (0, 0)          # (chunk, offset)
+
+    def reset(self) -> None:
+        self.at = (0, 0)
+
+    def take(self, nbytes: int) -> int:
+        n = -(-nbytes // ALIGN) * ALIGN
+        c, off = self.at
+        while c < len(self.chunks) and off + n > self.chunks[c].nbytes:
+            c, off = c + 1, 0
+        if c == len(self.chunks):
+            self.chunks.append(self.tier.backend.host_alloc(max(n, CHUNK_MIN)))
+        self.at = (c, off + n)
+        return self.chunks[c].ptr + off
+
+    @property
+    def nbytes(self) -> int:
+        return sum(ch.nbytes for ch in self.chunks)
+
+    def release(self) -> None:
+        for ch in self.chunks:
+            ch.release()
+        self.chunks = []
+
+
+class ActivationSwap:
+    """The saved-tensor hooks of one training handle (NOTE [activation swap])."""
+
+    def __init__(self, tier: Tier, params: Any, *, min_swap: int, window: int):
+        self.tier = tier
+        self.params = params          # storage address -> parameter, for streamed parameters
+        self.min_swap = int(min_swap)
+        self.window = int(window)
+        self.arena = _Arena(tier)
+        self.expect: tuple[int, ...] | None = None    # sizes in saving order from the trace
+        self.keep: frozenset[int] = frozenset()
+        self.need: list[int] = []                     # swapped indices in backward-read order
+        self.diverged = False
+        self._begin_fields()
+
+    def _begin_fields(self) -> None:
+        self.saved: list[_Saved] = []
+        self.by_ptr: dict[int, _Saved] = {}
+        self.out_q: collections.deque[_Saved] = collections.deque()
+        self.out_bytes = 0
+        self.in_bytes = 0
+        self.cursor = 0
+        self.reads = 0
+        self.moved = {"h2d": 0, "d2h": 0}
+
+    # -- per step --------------------------------------------------------------------------------
+    def begin(self, expect: tuple[int, ...] | None, keep: frozenset[int], need: list[int]) -> None:
+        self._begin_fields()
+        self.arena.reset()
+        self.expect, self.keep, self.need = expect, keep, need
+        self.diverged = False
+
+    def end(self) -> None:
+        be = self.tier.backend
+        while self.out_q:
+            s = self.out_q.popleft()
+            be.synchronize(s.out_event)
+            s.storage = None
+        for s in self.saved:
+            s.storage = s.dev = None
+        self.by_ptr.clear()
+
+    def records(self) -> list[tuple[int, int, int]]:
+        """(index, nbytes, first read) of each saved storage this step."""
+        return [(s.index, s.nbytes, s.use) for s in self.saved]
+
+    # -- hooks -------------------------------------------------------------------------------------
+    def pack(self, t: Any) -> Any:
+        if not t.is_cuda or t.numel() == 0:
+            return t
+        st = t.untyped_storage()
+        ptr = st.data_ptr()
+        p = self.params.get(ptr)
+        if p is not None:
+            return _ParamRef(p, t)
+        n = st.nbytes()
+        if n < self.min_swap:
+            return t
+        s = self.by_ptr.get(ptr)
+        if s is None or s.nbytes != n:
+            i = len(self.saved)
+            if self.expect is None or self.diverged:
+                keep = False
+            elif i < len(self.expect) and self.expect[i] == n:
+                keep = i in self.keep
+            else:
+                self.diverged = True     # another step shape: swap everything, trace again
+                keep = False
+            s = _Saved(i, n, keep)
+            self.saved.append(s)
+            self.by_ptr[ptr] = s
+            if keep:
+                s.storage = st
+            else:
+                self._out(s, st, ptr)
+        s.refs += 1
+        if s.keep:
+            return t
+        return _Ref(s, t)
+
+    def unpack(self, ref: Any) -> Any:
+        import torch
+        if not isinstance(ref, _Ref):
+            return ref
+        if isinstance(ref, _ParamRef):
+            p = ref.s
+            self.on_param(p)
+            return torch.as_strided(p.data, ref.size, ref.stride, ref.offset)
+        s = ref.s
+        if s.use < 0:
+            s.use = self.reads
+            self.reads += 1
+        be = self.tier.backend
+        cur = be.current_stream()
+        if s.dev is None:
+            self._in(s, cur)
+        self._ahead(cur)
+        be.wait(cur, s.in_event)
+        dev = s.dev
+        s.reads += 1
+        if s.reads >= s.refs:
+            s.dev = None               # autograd holds the view until it is done with it
+            self.in_bytes -= s.nbytes
+        return torch.as_strided(dev.view(ref.dtype), ref.size, ref.stride, ref.offset)
+
+    def on_param(self, p: Any) -> None:
+        """Called when backward reads a streamed parameter (the training handle loads it)."""
+
+    # -- moves -------------------------------------------------------------------------------------
+    def _out(self, s: _Saved, st: Any, ptr: int) -> None:
+        tier, be = self.tier, self.tier.backend
+        side = tier._side("d2h")
+        dep = be.new_event()
+        be.record(dep, be.current_stream())
+        be.wait(side, dep)
+        s.host = self.arena.take(s.nbytes)
+        be.copy(s.host, ptr, s.nbytes, side)
+        s.out_event = be.new_event()
+        be.record(s.out_event, side)
+        s.storage = st                 # held until the copy is done (see _reap)
+        self.out_q.append(s)
+        self.out_bytes += s.nbytes
+        self.moved["d2h"] += s.nbytes
+        tier.accounting.on_move(Role.ACTIVATION, "d2h", s.nbytes)
+        tier.accounting.count(Role.ACTIVATION, "evict_ops")
+        self._reap(block=self.out_bytes > self.window)
+
+    def _reap(self, block: bool) -> None:
+        be = self.tier.backend
+        while self.out_q:
+            s = self.out_q[0]
+            if not be.query(s.out_event):
+                if not block:
+                    return
+                be.synchronize(s.out_event)
+            self.out_q.popleft()
+            self.out_bytes -= s.nbytes
+            # Its address may be handed out again now: a new storage there is a new save.
+            if self.by_ptr.get(s.storage.data_ptr()) is s:
+                del self.by_ptr[s.storage.data_ptr()]
+            s.storage = None
+            block = block and self.out_bytes > self.window
+
+    def _in(self, s: _Saved, cur: int) -> None:
+        import torch
+        tier, be = self.tier, self.tier.backend
+        if s.out_event is not None and not be.query(s.out_event):
+            be.synchronize(s.out_event)
+        # Allocated on the compute stream; the copy waits for that stream so the memory's last
+        # user there is done, and the compute stream waits for the copy before reading it.
+        s.dev = torch.empty(s.nbytes, dtype=torch.uint8, device=f"cuda:{tier.device}")
+        side = tier._side("h2d")
+        dep = be.new_event()
+        be.record(dep, cur)
+        be.wait(side, dep)
+        be.copy(s.dev.data_ptr(), s.host, s.nbytes, side)
+        s.in_event = be.new_event()
+        be.record(s.in_event, side)
+        self.in_bytes += s.nbytes
+        self.moved["h2d"] += s.nbytes
+        tier.accounting.on_move(Role.ACTIVATION, "h2d", s.nbytes)
+        tier.accounting.count(Role.ACTIVATION, "prefetch_ops")
+
+    def _ahead(self, cur: int) -> None:
+        """Start copies back for the next swapped storages backward will read, up to ``window``."""
+        order = self.need if self.need and not self.diverged else None
+        if order is None:
+            # No trace yet: backward reads roughly in reverse order of saving.
+            order = [s.index for s in reversed(self.saved) if not s.keep]
+            self.need = order
+        while self.cursor < len(order) and self.in_bytes < self.window:
+            i = order[self.cursor]
+            self.cursor += 1
+            if i >= len(self.saved):
+                continue
+            s = self.saved[i]
+            if s.keep or s.dev is not None or s.reads >= s.refs:
+                continue
+            self._in(s, cur)

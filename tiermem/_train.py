@@ -1,0 +1,697 @@
+"""Training within a device budget: parameters, gradients, optimizer states and activations tiered.
+
+    train = tier.wrap_training(model, optimizer, budget="2GiB")
+    for x, y in batches:
+        with train.step():                 # the first step is traced, then planned
+            loss = loss_fn(model(x), y)
+            loss.backward()                # each block's optimizer step runs inside backward
+    print(train.plan)                      # what stays on the device, what moves, predicted time
+
+NOTE [training transport]
+    The budget covers everything the step keeps on the GPU: tiermem's resident managed bytes plus
+    what torch's caching allocator holds (``torch.cuda.set_per_process_memory_fraction`` caps the
+    latter at the budget minus the former). Each module block (``module_groups``) is either
+    *resident*, its parameters and optimizer states in managed memory kept on the device, or
+    *streamed*:
+
+      - its parameters and optimizer states live in a pinned host home;
+      - a few device slots (torch memory, inside the cap) hold a block while it is in use:
+        parameters for forward; parameters, gradients and states for backward;
+      - slots are filled on tiermem's H2D stream ahead of use and written back on the D2H stream,
+        plain copies at the link rate (55 GB/s each way, both at once), where Unified Memory
+        writes dirty pages back at ~10 GB/s and its prefetches serialise with each other
+        (bench/results/bandwidth-*.json, probe_paths2);
+      - gradients accumulate in place in the block's slot; as soon as every gradient of a block
+        is complete (``register_post_accumulate_grad_hook``), the wrapped optimizer steps that
+        block alone, and its parameters and states are written back while backward goes on.
+        Gradients therefore never cross the link, and a block crosses it three times per step
+        (in for forward, in with its states for backward, out after its update).
+
+    The optimizer's own ``step()`` does every update, restricted to one block's parameters, so
+    the arithmetic is the optimizer's: AdamW's update of a parameter does not depend on which
+    other parameters share the call (elementwise kernels), and 30 steps give bitwise the losses
+    of the resident run (tests/test_gpu_train.py). Resident blocks step together at the end.
+
+    Between uses a streamed parameter stays bound to its slot while the slot still holds it, then
+    to its home, which the GPU can read in place (zero-copy): evaluation outside a step, or a
+    tied weight used by another block, reads correct data either way.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from ._errors import TierMemError
+from ._limits import parse_bytes
+from ._module import module_groups
+from ._swap import ActivationSwap
+from ._trainplan import SavedRecord, StepTrace, TrainPlan, plan_training
+from .roles import Evict, Location, Role
+
+if TYPE_CHECKING:
+    from ._tier import Tier
+
+__all__ = ["TieredTraining", "wrap_training"]
+
+log = logging.getLogger("tiermem")
+
+ALIGN = 256
+BLOCK_BYTES = 64 << 20    # parameter bytes per block: a slot holds ~4x that (params, grads, Adam's two moments)
+
+
+def _aligned(n: int) -> int:
+    return -(-max(int(n), 1) // ALIGN) * ALIGN
+
+
+@dataclasses.dataclass(eq=False)
+class _Block:
+    index: int
+    name: str
+    module: Any
+    params: list[Any]
+    trainable: list[Any]
+    p_off: list[int] = dataclasses.field(default_factory=list)
+    p_bytes: int = 0
+    g_off: list[int] = dataclasses.field(default_factory=list)
+    g_bytes: int = 0
+    states: list[tuple[Any, str, int]] = dataclasses.field(default_factory=list)   # (param, key, offset)
+    s_bytes: int = 0
+    home_p: Any = None
+    home_s: Any = None
+    home_views: list[Any] = dataclasses.field(default_factory=list)
+    home_state_views: list[Any] = dataclasses.field(default_factory=list)
+    home_ready: Any = None        # event after its last write-back
+    resident: bool = False
+    tiered: list[Any] = dataclasses.field(default_factory=list)
+    slot: Any = None
+    entered: bool = False         # bound for backward this step
+    waiting: int = 0              # gradients still to come this step
+    stepped: bool = False
+
+
+@dataclasses.dataclass(eq=False)
+class _Slot:
+    index: int
+    ptr: int
+    occupant: _Block | None = None
+    has_params: bool = False
+    has_states: bool = False
+    ready: Any = None             # event: the fill is done
+    free: Any = None              # event: the last user (compute or write-back) is done
+    busy: bool = False
+    last: int = 0
+
+
+class TieredTraining:
+    """Handle of a model and optimizer trained by :func:`wrap_training` (NOTE [training transport]).
+
+    ``budget``: bytes, "2GiB" or a share of the device ("25%"). ``lookahead``: blocks brought in
+    ahead of use (the slots are ``lookahead + 1``). ``min_swap``: saved storages smaller than this
+    stay on the device. ``window``: bytes of activation copies in flight each way (default
+    budget/16, at least 64 MiB). ``swap=False`` never swaps activations.
+    """
+
+    def __init__(self, tier: Tier, model: Any, optimizer: Any, budget: int | str, *, lookahead: int = 2,
+                 min_swap: int = 1 << 20, window: int | None = None, swap: bool = True,
+                 block_bytes: int = BLOCK_BYTES, margin: int | None = None):
+        import torch
+        self.torch = torch
+        if lookahead < 1:
+            raise TierMemError(f"lookahead must be at least 1, got {lookahead}")
+        if getattr(model, "_tiermem_handle", None) is not None:
+            raise TierMemError("this model is already adopted by tiermem; unwrap it first")
+        self.tier, self.model, self.opt = tier, model, optimizer
+        be = tier.backend
+        total = be.capabilities().total_memory
+        self.budget = parse_bytes(budget, total=total, what="training budget")
+        self.total = total
+        self.dev = torch.device("cuda", tier.device)
+        self.margin = margin
+        in_opt = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        self.blocks: list[_Block] = []
+        seen: set[int] = set()
+        for name, mod, own in module_groups(model, block_bytes):
+            ps = [t for _, t in own if isinstance(t, torch.nn.Parameter)]
+            if not ps:
+                continue
+            for p in ps:
+                if p.device != self.dev or not p.dtype.is_floating_point:
+                    raise TierMemError(f"parameter {name} is {p.dtype} on {p.device}; wrap_training takes "
+                                       f"floating-point parameters on {self.dev} (move the model there first)")
+                seen.add(id(p))
+            tr = [p for p in ps if p.requires_grad and id(p) in in_opt]
+            self.blocks.append(_Block(len(self.blocks), name, mod, ps, tr))
+        missing = in_opt - seen
+        if missing:
+            raise TierMemError(f"{len(missing)} optimizer parameters are not parameters of the model")
+        for b in self.blocks:
+            off = 0
+            for p in b.params:
+                b.p_off.append(off)
+                off += _aligned(p.numel() * p.element_size())
+            b.p_bytes = off
+            off = 0
+            for p in b.trainable:
+                b.g_off.append(off)
+                off += _aligned(p.numel() * p.element_size())
+            b.g_bytes = off
+        self._block_of = {id(p): b for b in self.blocks for p in b.params}
+        self.params: dict[int, Any] = {}      # storage address -> streamed parameter (for the swap)
+        self._old_tier_budget = tier.budget
+        tier.set_budget(self.budget)
+        torch.cuda.synchronize(self.dev)
+        with torch.no_grad():
+            for b in self.blocks:
+                b.home_p = be.host_alloc(b.p_bytes)
+                b.home_views = self._views(b.home_p.ptr, b, b.home_p, "p")
+                for p, v in zip(b.params, b.home_views):
+                    v.copy_(p.data)
+                torch.cuda.synchronize(self.dev)
+                for p, v in zip(b.params, b.home_views):
+                    self._bind(p, v)
+        torch.cuda.empty_cache()
+        # Memory torch held before tiermem took over (the caller's other tensors) is not the
+        # step's: the cap leaves it out of the budget.
+        self.outside = torch.cuda.memory_reserved(self.dev)
+        self.lookahead = lookahead
+        self.nslots = lookahead + 1
+        self._slot_mem: Any = None
+        self._alloc_slots()
+        self._old_fraction = self._fraction()
+        self._set_cap()
+        window = max(64 << 20, self.budget // 16) if window is None else int(window)
+        self.swap = ActivationSwap(tier, self.params, min_swap=min_swap, window=window) if swap else None
+        if self.swap is not None:
+            self.swap.on_param = self._on_param_read
+        self.plan: TrainPlan | None = None
+        self.trace: StepTrace | None = None
+        self._order: list[int] = []            # blocks in forward order, from the traced step
+        self._need: list[int] = []             # swapped storages in backward-read order
+        self._tracing = True
+        self._in_step = False
+        self._backward = False
+        self._got = set()
+        self._clock = 0
+        self.moved = {"h2d": 0, "d2h": 0}      # bytes moved in the last step
+        self.last_peak = 0                     # torch's peak reserved bytes in the last step
+        self.steps = 0
+        self._hooks = []
+        for b in self.blocks:
+            self._hooks.append(b.module.register_forward_pre_hook(lambda m, a, b=b: self._fwd_pre(b)))
+            self._hooks.append(b.module.register_forward_hook(lambda m, a, out, b=b: self._fwd_post(b, out)))
+            for p in b.trainable:
+                self._hooks.append(p.register_post_accumulate_grad_hook(lambda p, b=b: self._grad_done(b, p)))
+        import weakref
+        model._tiermem_handle = weakref.ref(self)
+
+    # -- memory ------------------------------------------------------------------------------------
+    def _fraction(self) -> float:
+        get = getattr(self.torch.cuda, "get_per_process_memory_fraction", None)
+        try:
+            return float(get(self.dev)) if get is not None else 1.0
+        except Exception:
+            return 1.0
+
+    def _set_cap(self) -> None:
+        """torch's allocator may use the budget minus tiermem's resident managed bytes."""
+        room = max(self.budget - self.tier.resident_bytes, 0) + self.outside
+        self.torch.cuda.set_per_process_memory_fraction(min(room / self.total, 1.0), self.dev)
+
+    def _slot_bytes(self) -> int:
+        streamed = [b for b in self.blocks if not b.resident]
+        return max((b.p_bytes + b.g_bytes + b.s_bytes for b in streamed), default=0)
+
+    def _alloc_slots(self) -> None:
+        torch = self.torch
+        for s in getattr(self, "slots", []):
+            if s.occupant is not None:
+                self._unbind_slot(s)
+        self._slot_mem = None
+        self.slots: list[_Slot] = []
+        self._view_cache: dict[tuple[int, int], tuple[list, list, list]] = {}
+        self.slot_bytes = _aligned(self._slot_bytes()) if any(not b.resident for b in self.blocks) else 0
+        if not self.slot_bytes:
+            return
+        self._slot_mem = torch.empty(self.nslots * self.slot_bytes, dtype=torch.uint8, device=self.dev)
+        base = self._slot_mem.data_ptr()
+        self.slots = [_Slot(i, base + i * self.slot_bytes) for i in range(self.nslots)]
+
+    def _views(self, base: int, b: _Block, owner: Any, what: str) -> list[Any]:
+        be = self.tier.backend
+        out = []
+        if what == "p":
+            items = [(p, o) for p, o in zip(b.params, b.p_off)]
+        elif what == "g":
+            items = [(p, o) for p, o in zip(b.trainable, b.g_off)]
+        else:
+            items = [(p, o) for p, _, o in b.states]
+        for p, o in items:
+            n = p.numel() * p.element_size()
+            out.append(be.torch_view(base + o, n, owner).view(p.dtype).view(p.shape))
+        return out
+
+    def _slot_views(self, s: _Slot, b: _Block) -> tuple[list, list, list]:
+        key = (s.index, b.index)
+        v = self._view_cache.get(key)
+        if v is None:
+            v = (self._views(s.ptr, b, self._slot_mem, "p"),
+                 self._views(s.ptr + b.p_bytes, b, self._slot_mem, "g"),
+                 self._views(s.ptr + b.p_bytes + b.g_bytes, b, self._slot_mem, "s"))
+            self._view_cache[key] = v
+        return v
+
+    def _bind(self, p: Any, v: Any) -> None:
+        old = p.data.untyped_storage().data_ptr()
+        if self.params.get(old) is p:
+            del self.params[old]
+        p.data = v
+        b = self._block_of.get(id(p))
+        if b is not None and not b.resident:
+            self.params[v.untyped_storage().data_ptr()] = p
+
+    def _bind_states(self, b: _Block, views: list[Any]) -> None:
+        for (p, key, _), v in zip(b.states, views):
+            self.opt.state[p][key] = v
+
+    # -- slots -------------------------------------------------------------------------------------
+    def _unbind_slot(self, s: _Slot) -> None:
+        """Point the slot's occupant back at its home before the slot is reused.
+
+        Outside backward the compute stream then waits for the occupant's last write-back, so a
+        read of its home (a tied weight, an evaluation) sees the update. Inside backward it does
+        not: nothing reads a block's parameters after its update there, and the wait would
+        serialise the next block's backward behind this block's write-back; the step's end waits
+        for every write-back instead."""
+        b = s.occupant
+        be = self.tier.backend
+        if b.home_ready is not None and not self._backward:
+            be.wait(be.current_stream(), b.home_ready)
+        for p, v in zip(b.params, b.home_views):
+            self._bind(p, v)
+        if b.states:
+            self._bind_states(b, b.home_state_views)
+        b.slot = None
+        s.occupant, s.has_params, s.has_states = None, False, False
+
+    def _pick_slot(self, protect: set[int]) -> _Slot | None:
+        free = [s for s in self.slots if not s.busy and (s.occupant is None or s.occupant.index not in protect)]
+        if not free:
+            return None
+        return min(free, key=lambda s: (s.occupant is not None, s.last))
+
+    def _fill(self, b: _Block, states: bool, protect: set[int]) -> bool:
+        """Start bringing ``b`` (and, with ``states``, its optimizer states) into a slot on the H2D
+        stream. Returns False when no slot is free."""
+        tier, be = self.tier, self.tier.backend
+        s = b.slot
+        if s is not None and s.has_params and (s.has_states or not states or not b.states):
+            return True
+        if s is None:
+            s = self._pick_slot(protect | {b.index})
+            if s is None:
+                return False
+            if s.occupant is not None:
+                self._unbind_slot(s)
+            s.occupant, b.slot = b, s
+        side = tier._side("h2d")
+        if s.free is not None:
+            be.wait(side, s.free)
+        else:
+            dep = be.new_event()
+            be.record(dep, be.current_stream())
+            be.wait(side, dep)
+        if b.home_ready is not None:
+            be.wait(side, b.home_ready)
+        if not s.has_params:
+            be.copy(s.ptr, b.home_p.ptr, b.p_bytes, side)
+            self._count("h2d", Role.WEIGHT, b.p_bytes)
+            s.has_params = True
+        if states and b.states and not s.has_states:
+            be.copy(s.ptr + b.p_bytes + b.g_bytes, b.home_s.ptr, b.s_bytes, side)
+            self._count("h2d", Role.OPTIMIZER_STATE, b.s_bytes)
+            s.has_states = True
+        s.ready = be.new_event()
+        be.record(s.ready, side)
+        return True
+
+    def _ensure(self, b: _Block, states: bool, upcoming: list[int]) -> _Slot:
+        if not self._fill(b, states, set(upcoming[: self.lookahead])):
+            raise TierMemError(f"no free slot for block {b.name}: every slot is in use "
+                               f"(nesting deeper than lookahead={self.lookahead}); raise lookahead")
+        s = b.slot
+        be = self.tier.backend
+        be.wait(be.current_stream(), s.ready)
+        s.busy = True
+        self._clock += 1
+        s.last = self._clock
+        pv, gv, sv = self._slot_views(s, b)
+        if b.params[0].data.data_ptr() != pv[0].data_ptr():
+            for p, v in zip(b.params, pv):
+                self._bind(p, v)
+        if states and b.states:
+            self._bind_states(b, sv)
+        return s
+
+    def _ahead(self, order: list[int]) -> None:
+        """Fill slots with the next streamed blocks of ``order`` (blocks' indices, next first)."""
+        nxt = [i for i in order if not self.blocks[i].resident][: self.lookahead]
+        for i in nxt:
+            if not self._fill(self.blocks[i], states=self._backward, protect=set(nxt)):
+                break
+
+    def _count(self, direction: str, role: Role, n: int) -> None:
+        self.moved[direction] += n
+        self.tier.accounting.on_move(role, direction, n)
+
+    # -- hooks -------------------------------------------------------------------------------------
+    def _fwd_pre(self, b: _Block) -> None:
+        if not self._in_step:
+            return
+        if self._tracing and b.index not in self._order:
+            self._order.append(b.index)
+        if b.resident:
+            return
+        pos = self._order.index(b.index) if b.index in self._order else len(self._order)
+        upcoming = self._order[pos + 1:] if not self._tracing else []
+        self._ensure(b, states=False, upcoming=upcoming)
+        if upcoming:
+            self._ahead(upcoming)
+
+    def _fwd_post(self, b: _Block, out: Any) -> None:
+        if not self._in_step:
+            return
+        torch = self.torch
+        if not b.resident and b.slot is not None:
+            s = b.slot
+            s.busy = False
+            s.free = self.tier.backend.new_event()
+            self.tier.backend.record(s.free, self.tier.backend.current_stream())
+        if torch.is_grad_enabled():
+            t = _first_grad_tensor(out)
+            if t is not None:
+                t.register_hook(lambda g, b=b: self._bwd_enter(b))
+
+    def _bwd_enter(self, b: _Block) -> None:
+        self._backward = True
+        if b.resident or b.entered:
+            return
+        pos = self._order.index(b.index) if b.index in self._order else -1
+        upcoming = list(reversed(self._order[:pos])) if pos >= 0 else []
+        self._ensure(b, states=True, upcoming=upcoming)
+        b.entered = True
+        b.waiting = len(b.trainable)
+        if b.trainable:
+            _, gv, _ = self._slot_views(b.slot, b)
+            gv_all = self._slot_mem[b.slot.ptr - self._slot_mem.data_ptr() + b.p_bytes:][: b.g_bytes]
+            gv_all.zero_()
+            for p, g in zip(b.trainable, gv):
+                p.grad = g
+        if upcoming:
+            self._ahead(upcoming)
+
+    def _on_param_read(self, p: Any) -> None:
+        b = self._block_of.get(id(p))
+        if b is not None and not b.resident and not b.entered:
+            self._bwd_enter(b)
+
+    def _grad_done(self, b: _Block, p: Any) -> None:
+        if not self._in_step or b.resident:
+            return
+        if not b.entered:
+            self._bwd_enter(b)    # a gradient with no backward entry seen (an output not tracked)
+        if id(p) in self._got:
+            raise TierMemError(f"a parameter of block {b.name} got its gradient twice in one step; tiermem "
+                               "steps each block as soon as its gradients are complete, so run one backward "
+                               "per train.step() (accumulate micro-batches into one loss instead)")
+        self._got.add(id(p))
+        b.waiting -= 1
+        if b.waiting == 0:
+            self._step_block(b)
+
+    # -- optimizer ---------------------------------------------------------------------------------
+    def _opt_step(self, params: list[Any]) -> None:
+        ids = {id(p) for p in params}
+        groups = self.opt.param_groups
+        saved = [g["params"] for g in groups]
+        try:
+            for g in groups:
+                g["params"] = [p for p in g["params"] if id(p) in ids]
+            self.opt.step()
+        finally:
+            for g, ps in zip(groups, saved):
+                g["params"] = ps
+
+    def _step_block(self, b: _Block) -> None:
+        tier, be = self.tier, self.tier.backend
+        s = b.slot
+        for p in b.trainable:
+            if id(p) not in self._got:
+                p.grad = None     # no gradient reached it: the optimizer skips it, as it would resident
+        self._opt_step(b.trainable)
+        b.stepped = True
+        cur = be.current_stream()
+        if not b.states and b.trainable:
+            self._adopt_states(b)
+        side = tier._side("d2h")
+        dep = be.new_event()
+        be.record(dep, cur)
+        be.wait(side, dep)
+        be.copy(b.home_p.ptr, s.ptr, b.p_bytes, side)
+        self._count("d2h", Role.WEIGHT, b.p_bytes)
+        if b.states and s.has_states:
+            be.copy(b.home_s.ptr, s.ptr + b.p_bytes + b.g_bytes, b.s_bytes, side)
+            self._count("d2h", Role.OPTIMIZER_STATE, b.s_bytes)
+        done = be.new_event()
+        be.record(done, side)
+        b.home_ready = s.free = done
+        for p in b.trainable:
+            p.grad = None
+        s.busy = False
+
+    def _adopt_states(self, b: _Block) -> None:
+        """The optimizer made its state tensors on the first step: give them a pinned home."""
+        torch = self.torch
+        off = 0
+        for p in b.trainable:
+            for key, v in self.opt.state[p].items():
+                if torch.is_tensor(v) and v.is_cuda and v.shape == p.shape and v.dtype.is_floating_point:
+                    b.states.append((p, key, off))
+                    off += _aligned(v.numel() * v.element_size())
+        b.s_bytes = off
+        if not off:
+            return
+        b.home_s = self.tier.backend.host_alloc(off)
+        b.home_state_views = self._views(b.home_s.ptr, b, b.home_s, "s")
+        with torch.no_grad():
+            for (p, key, _), hv in zip(b.states, b.home_state_views):
+                hv.copy_(self.opt.state[p][key])
+        torch.cuda.current_stream(self.dev).synchronize()
+        self._bind_states(b, b.home_state_views)
+        self._count("d2h", Role.OPTIMIZER_STATE, b.s_bytes)
+
+    # -- steps -------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def step(self) -> Iterator[TieredTraining]:
+        """One training step: run forward and backward inside. On exit every block has taken its
+        optimizer step and the gradients are cleared. Not reentrant; not thread-safe."""
+        torch = self.torch
+        if self._in_step:
+            raise TierMemError("train.step() is already open; steps do not nest")
+        self._in_step = True
+        self._backward = False
+        self._got: set[int] = set()
+        self.moved = {"h2d": 0, "d2h": 0}
+        for b in self.blocks:
+            b.entered, b.stepped, b.waiting = False, False, 0
+        torch.cuda.reset_peak_memory_stats(self.dev)
+        if self.swap is not None:
+            if self._tracing or self.plan is None:
+                self.swap.begin(None, frozenset(), [])
+            else:
+                self.swap.begin(self.trace.key, self.plan.keep, list(self._need))
+        hooks = (torch.autograd.graph.saved_tensors_hooks(self.swap.pack, self.swap.unpack)
+                 if self.swap is not None and self._swapping() else contextlib.nullcontext())
+        ok = False
+        try:
+            with hooks:
+                yield self
+            ok = True
+        finally:
+            try:
+                self._finish_step(ok)
+            finally:
+                self._in_step = False
+
+    def _swapping(self) -> bool:
+        return self._tracing or self.plan is None or self.plan.swapped_bytes > 0
+
+    def _finish_step(self, ok: bool) -> None:
+        torch = self.torch
+        for b in self.blocks:
+            if b.entered and not b.stepped and ok:
+                self._step_block(b)
+            elif b.slot is not None:
+                b.slot.busy = False
+        be = self.tier.backend
+        for b in self.blocks:
+            if b.home_ready is not None:
+                be.wait(be.current_stream(), b.home_ready)   # see _unbind_slot
+        self._backward = False
+        res = [p for b in self.blocks if b.resident for p in b.trainable if p.grad is not None]
+        if ok and res:
+            self._opt_step(res)
+            for p in res:
+                p.grad = None
+        if self.swap is not None:
+            self.swap.end()
+            for d in ("h2d", "d2h"):
+                self.moved[d] += self.swap.moved[d]
+        if not ok:
+            return
+        self.steps += 1
+        self.last_peak = torch.cuda.max_memory_reserved(self.dev)
+        diverged = self.swap is not None and self.swap.diverged
+        if self._tracing:
+            self._replan(torch.cuda.max_memory_allocated(self.dev))
+        elif diverged:
+            log.info("tiermem: the step's saved tensors changed (another shape?); tracing the next step")
+            self._tracing = True
+
+    def _replan(self, floor: int) -> None:
+        recs = self.swap.records() if self.swap is not None else []
+        saved = tuple(SavedRecord(i, n, u) for i, n, u in recs)
+        self._need = [i for i, _, u in sorted(recs, key=lambda r: (r[2] < 0, r[2])) if u >= 0]
+        floor = max(floor - self.outside, 0)
+        old_slot = self.slot_bytes
+        new_slot = _aligned(self._slot_bytes())
+        floor += self.nslots * max(new_slot - old_slot, 0)     # the slots grow to hold states
+        self.trace = StepTrace(saved, tuple(b.p_bytes for b in self.blocks),
+                               tuple(b.s_bytes for b in self.blocks), floor,
+                               frozenset(b.index for b in self.blocks if b.resident))
+        plan = plan_training(self.trace, self.budget, margin=self.margin)
+        self.plan = plan
+        self._tracing = False
+        for i in sorted(plan.resident_blocks):
+            if not self.blocks[i].resident:
+                self._make_resident(self.blocks[i])
+        self._alloc_slots()
+        self._set_cap()
+        self.torch.cuda.empty_cache()
+        log.info("tiermem: %s", plan.table())
+
+    def _make_resident(self, b: _Block) -> None:
+        """Move a block into managed memory kept on the device (NOTE [training transport])."""
+        from ._torch import wrap_group
+        torch = self.torch
+        tier = self.tier
+        if b.slot is not None:
+            self._unbind_slot(b.slot) if b.slot.occupant is b else None
+        torch.cuda.synchronize(self.dev)
+        for p in b.params:
+            old = p.data.untyped_storage().data_ptr()
+            if self.params.get(old) is p:
+                del self.params[old]
+        b.resident = True
+        pol = tier.policies[Role.WEIGHT].replace(evict=Evict.NEVER)
+        b.tiered = wrap_group(tier, b.params, Role.WEIGHT, names=[f"{b.name}.{i}" for i in range(len(b.params))],
+                              policy=pol)
+        if b.states:
+            spol = tier.policies[Role.OPTIMIZER_STATE].replace(preferred_location=Location.DEVICE,
+                                                               accessed_by_device=False, evict=Evict.NEVER)
+            specs = [(tuple(p.shape), p.dtype) for p, _, _ in b.states]
+            tts = tier.empty_group([(sh, str(dt).replace("torch.", "")) for sh, dt in specs],
+                                   role=Role.OPTIMIZER_STATE, policy=spol)
+            with torch.no_grad():
+                for (p, key, _), tt, hv in zip(b.states, tts, b.home_state_views):
+                    v = tt.torch().view(p.dtype).view(p.shape)
+                    v.copy_(hv)
+                    self.opt.state[p][key] = v
+            b.tiered += tts
+        torch.cuda.synchronize(self.dev)
+        b.home_views, b.home_state_views = [], []
+        for h in (b.home_p, b.home_s):
+            if h is not None:
+                h.release()
+        b.home_p = b.home_s = None
+
+    # -- reporting and lifecycle ---------------------------------------------------------------------
+    def resident_peak(self) -> int:
+        """Device bytes the last step kept at its peak: tiermem's resident managed bytes plus
+        torch's peak reserved bytes, less what torch held before wrap_training. At most the budget."""
+        return self.tier.resident_bytes + self.last_peak - self.outside
+
+    def report(self) -> dict[str, Any]:
+        return {"budget_bytes": self.budget, "resident_peak_bytes": self.resident_peak(),
+                "torch_peak_reserved_bytes": self.last_peak, "managed_resident_bytes": self.tier.resident_bytes,
+                "moved_h2d_bytes": self.moved["h2d"], "moved_d2h_bytes": self.moved["d2h"],
+                "blocks": len(self.blocks), "resident_blocks": sum(b.resident for b in self.blocks),
+                "slots": len(self.slots), "slot_bytes": self.slot_bytes}
+
+    def unwrap(self) -> Any:
+        """Remove the hooks, give every parameter and optimizer state plain device memory again,
+        and restore torch's memory fraction and the tier's budget."""
+        torch = self.torch
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        torch.cuda.synchronize(self.dev)
+        torch.cuda.set_per_process_memory_fraction(self._old_fraction, self.dev)
+        for s in self.slots:
+            if s.occupant is not None:
+                self._unbind_slot(s)
+        torch.cuda.synchronize(self.dev)
+        with torch.no_grad():
+            for b in self.blocks:
+                for p, key, _ in b.states:
+                    self.opt.state[p][key] = self.opt.state[p][key].clone()
+                for p in b.params:
+                    if b.resident:
+                        self.tier.unwrap(p)
+                    else:
+                        plain = torch.empty(p.shape, dtype=p.dtype, device=self.dev)
+                        plain.copy_(p.data)
+                        self._bind(p, plain)
+        torch.cuda.synchronize(self.dev)
+        for b in self.blocks:
+            for tt in b.tiered:
+                if not tt.freed:
+                    tt.free()
+            for h in (b.home_p, b.home_s):
+                if h is not None:
+                    h.release()
+            b.tiered, b.home_p, b.home_s = [], None, None
+        self.slots, self._slot_mem = [], None
+        if self.swap is not None:
+            self.swap.arena.release()
+        self.tier.set_budget(self._old_tier_budget)
+        self.model._tiermem_handle = None
+        return self.model
+
+    def __repr__(self) -> str:
+        plan = self.plan.table() if self.plan is not None else "not planned yet (the first step is traced)"
+        return f"<TieredTraining {type(self.model).__name__}, {len(self.blocks)} blocks: {plan}>"
+
+
+def _first_grad_tensor(out: Any) -> Any:
+    import torch
+    if torch.is_tensor(out):
+        return out if out.requires_grad else None
+    if isinstance(out, (tuple, list)):
+        for o in out:
+            t = _first_grad_tensor(o)
+            if t is not None:
+                return t
+    if isinstance(out, dict):
+        for o in out.values():
+            t = _first_grad_tensor(o)
+            if t is not None:
+                return t
+    return None
+
+
+def wrap_training(tier: Tier, model: Any, optimizer: Any, budget: int | str, **kwargs: Any) -> TieredTraining:
+    """Train ``model`` with ``optimizer`` within ``budget`` (see :class:`TieredTraining`)."""
+    return TieredTraining(tier, model, optimizer, budget, **kwargs)

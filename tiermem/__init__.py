@@ -15,13 +15,15 @@ from ._train import TieredTraining
 from ._trainplan import StepTrace, TrainPlan, plan_training
 from ._cuda import Capabilities, RangeInfo
 from ._cupy import current_role, using_role
-from ._errors import (CapExceededError, CUDAError, CUDAUnavailableError, OutOfBudgetError, RoleError, TierMemError,
+from ._errors import (BuildError, CapExceededError, CUDAError, CUDAUnavailableError, OutOfBudgetError, RoleError, TierMemError,
                       ViewError, WrapError)
 from ._limits import parse_bytes
 from ._tensor import TieredTensor
 from ._tier import Tier
 from ._torch import tiered_of
 from ._transfer import Transfer
+from ._torch_alloc import (ManagedAllocation, TorchAllocations, TorchAllocatorStats, build_torch_allocator, is_managed,
+                           set_torch_managed_cap, torch_allocations, torch_allocator_stats, torch_managed_allocations)
 from .roles import DEFAULT_POLICIES, Evict, Location, Policy, PolicyTable, Prefetch, Role
 
 __version__ = "0.1.0"
@@ -33,5 +35,7 @@ __all__ = [
     "StepTrace", "plan_training", "unwrap", "TieredModule", "Plan", "plan_residency", "tiered_of", "prefetch", "evict", "allocator",
     "using_role", "current_role", "policy_override", "stats", "memory_summary", "synchronize", "parse_bytes",
     "TierMemError", "CUDAError", "CUDAUnavailableError", "OutOfBudgetError", "CapExceededError", "RoleError",
-    "WrapError", "ViewError", "__version__",
+    "WrapError", "ViewError", "BuildError", "__version__",
+    "torch_allocations", "TorchAllocations", "is_managed", "torch_allocator_stats", "TorchAllocatorStats",
+    "torch_managed_allocations", "ManagedAllocation", "set_torch_managed_cap", "build_torch_allocator",
 ]

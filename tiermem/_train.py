@@ -111,7 +111,8 @@ class TieredTraining:
     ``budget``: bytes, "2GiB" or a share of the device ("25%"). ``lookahead``: blocks brought in
     ahead of use (the slots are ``lookahead + 1``). ``min_swap``: saved storages smaller than this
     stay on the device. ``window``: bytes of activation copies in flight each way (default
-    budget/16, at least 64 MiB). ``swap=False`` never swaps activations.
+    budget/32). ``swap=False`` never swaps activations. ``margin``: bytes the plan leaves free
+    (default budget/8).
     """
 
     def __init__(self, tier: Tier, model: Any, optimizer: Any, budget: int | str, *, lookahead: int = 2,
@@ -182,7 +183,9 @@ class TieredTraining:
         self._alloc_slots()
         self._old_fraction = self._fraction()
         self._set_cap()
-        window = max(64 << 20, self.budget // 16) if window is None else int(window)
+        # Copies in flight hold device memory: 1/32 of the budget each way keeps the link busy
+        # (a copy of 1/32 of a 1.4 GB budget takes ~0.8 ms) and costs little capacity.
+        window = max(1 << 20, self.budget // 32) if window is None else int(window)
         self.swap = ActivationSwap(tier, self.params, min_swap=min_swap, window=window) if swap else None
         if self.swap is not None:
             self.swap.on_param = self._on_param_read
@@ -197,6 +200,7 @@ class TieredTraining:
         self._clock = 0
         self.moved = {"h2d": 0, "d2h": 0}      # bytes moved in the last step
         self.last_peak = 0                     # torch's peak reserved bytes in the last step
+        self.floor = 0                         # the traced step's peak, everything moving
         self.steps = 0
         self._hooks = []
         for b in self.blocks:
@@ -555,7 +559,8 @@ class TieredTraining:
         self.last_peak = torch.cuda.max_memory_reserved(self.dev)
         diverged = self.swap is not None and self.swap.diverged
         if self._tracing:
-            self._replan(torch.cuda.max_memory_allocated(self.dev))
+            # Reserved, not allocated: the cap applies to what torch reserves, fragmentation included.
+            self._replan(torch.cuda.max_memory_reserved(self.dev))
         elif diverged:
             log.info("tiermem: the step's saved tensors changed (another shape?); tracing the next step")
             self._tracing = True
@@ -565,13 +570,15 @@ class TieredTraining:
         saved = tuple(SavedRecord(i, n, u) for i, n, u in recs)
         self._need = [i for i, _, u in sorted(recs, key=lambda r: (r[2] < 0, r[2])) if u >= 0]
         floor = max(floor - self.outside, 0)
+        self.floor = floor
         old_slot = self.slot_bytes
         new_slot = _aligned(self._slot_bytes())
         floor += self.nslots * max(new_slot - old_slot, 0)     # the slots grow to hold states
         self.trace = StepTrace(saved, tuple(b.p_bytes for b in self.blocks),
                                tuple(b.s_bytes for b in self.blocks), floor,
                                frozenset(b.index for b in self.blocks if b.resident))
-        plan = plan_training(self.trace, self.budget, margin=self.margin)
+        margin = self.budget // 8 if self.margin is None else self.margin
+        plan = plan_training(self.trace, self.budget, margin=margin)
         self.plan = plan
         self._tracing = False
         for i in sorted(plan.resident_blocks):
@@ -580,6 +587,12 @@ class TieredTraining:
         self._alloc_slots()
         self._set_cap()
         self.torch.cuda.empty_cache()
+        if not plan.streamed_blocks and plan.swapped_bytes == 0:
+            # In capacity: nothing moves, so no hook is needed, and a module with hooks takes
+            # torch's slower call path. Steps are then plain steps on managed memory.
+            for h in self._hooks:
+                h.remove()
+            self._hooks = []
         log.info("tiermem: %s", plan.table())
 
     def _make_resident(self, b: _Block) -> None:

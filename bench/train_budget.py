@@ -160,7 +160,7 @@ def tiermem_run(torch, tiermem, build, loss_fn, batches, budget, label, **kw):
     model = build()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4) if kw.pop("adamw", True) else \
         torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    tier = tiermem.Tier(0, cap=kw.pop("cap", "12GiB"))
+    tier = shared_tier(tiermem)
     train = tier.wrap_training(model, opt, budget, **kw)
     st = Stepper(torch, model, opt, loss_fn, train=train)
     peaks = []
@@ -176,9 +176,19 @@ def tiermem_run(torch, tiermem, build, loss_fn, batches, budget, label, **kw):
     res = Result(st)
     train.unwrap()
     del train, st, model, opt
-    tier.close()
     free()
     return res, info
+
+
+_TIER = []
+
+
+def shared_tier(tiermem):
+    """One Tier for the whole run: its pinned pool keeps the host memory of earlier runs, so a
+    run does not pay cudaHostAlloc again (~1 s per GB)."""
+    if not _TIER:
+        _TIER.append(tiermem.Tier(0, cap="12GiB"))
+    return _TIER[0]
 
 
 class Result:
@@ -296,7 +306,7 @@ def max_batch(trial, start, limit):
             break
     if hi is None:
         return lo
-    while hi - lo > max(1, lo // 48):
+    while hi - lo > max(1, lo // 24):
         mid = (lo + hi) // 2
         if trial(mid):
             lo = mid
@@ -337,7 +347,7 @@ def study(torch, tiermem, name, build, make_batch, loss_fn, budget, a, rates, ad
             model = build()
             opt = (torch.optim.AdamW(model.parameters(), lr=1e-4) if adamw else
                    torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9))
-            tier = tiermem.Tier(0, cap="12GiB")
+            tier = shared_tier(tiermem)
             train = tier.wrap_training(model, opt, budget, block_bytes=a.block_mib * MiB)
             st = Stepper(torch, model, opt, loss_fn, train=train)
             for _ in range(a.study_steps):
@@ -354,8 +364,6 @@ def study(torch, tiermem, name, build, make_batch, loss_fn, budget, a, rates, ad
                 except Exception as e:  # an OOM mid-step can leave a half-done step; unwrap what it can
                     progress(f"  unwrap after failure: {e!r}")
             model = opt = st = train = None
-            if tier is not None:
-                tier.close()
             free()
         progress(f"  {name} tiermem batch {b}: {'ok' if ok else 'out of memory'}")
         return ok
@@ -363,6 +371,7 @@ def study(torch, tiermem, name, build, make_batch, loss_fn, budget, a, rates, ad
     progress(f"part 3: {name} at a {budget / GiB:.1f} GiB budget")
     rb = max_batch(resident, a.study_start, a.study_limit)
     tb = max_batch(tiered, max(rb, 1), a.study_limit * 8)
+    shared_tier(tiermem).backend._pinned.free_all_blocks()   # give the host its pinned memory back
     r_ms = timings.get(("resident", rb), (float("nan"), 0, 0))[0]
     t_ms, h2d, d2h = timings.get(("tiermem", tb), (float("nan"), 0, 0))
     r_ps, t_ps = r_ms / max(rb, 1), t_ms / max(tb, 1)

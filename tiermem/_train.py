@@ -400,7 +400,13 @@ class TieredTraining:
 
     def _bwd_enter(self, b: _Block) -> None:
         self._backward = True
-        if b.resident or b.entered:
+        if b.entered:
+            return
+        if b.resident:
+            # Resident blocks step as soon as their gradients are complete too: a foreach step
+            # over every resident parameter at once would need temporaries the size of all of
+            # them, which the traced step never saw.
+            b.entered, b.waiting = True, len(b.trainable)
             return
         pos = self._order.index(b.index) if b.index in self._order else -1
         upcoming = list(reversed(self._order[:pos])) if pos >= 0 else []
@@ -422,7 +428,7 @@ class TieredTraining:
             self._bwd_enter(b)
 
     def _grad_done(self, b: _Block, p: Any) -> None:
-        if not self._in_step or b.resident:
+        if not self._in_step:
             return
         if not b.entered:
             self._bwd_enter(b)    # a gradient with no backward entry seen (an output not tracked)
@@ -456,6 +462,10 @@ class TieredTraining:
                 p.grad = None     # no gradient reached it: the optimizer skips it, as it would resident
         self._opt_step(b.trainable)
         b.stepped = True
+        if b.resident:
+            for p in b.trainable:
+                p.grad = None
+            return
         cur = be.current_stream()
         if not b.states and b.trainable:
             self._adopt_states(b)

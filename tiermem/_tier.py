@@ -130,6 +130,7 @@ class Tier:
         total = self.backend.capabilities().total_memory
         new = None if budget is None else parse_bytes(budget, total=total, what="device budget")
         with self._lock:
+            self._reap()             # finished moves let go of buffers freed meanwhile
             old, self._budget = self._budget, new
             if new is not None and self._resident > new:
                 try:

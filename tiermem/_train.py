@@ -60,6 +60,7 @@ log = logging.getLogger("tiermem")
 
 ALIGN = 256
 BLOCK_BYTES = 64 << 20    # parameter bytes per block: a slot holds ~4x that (params, grads, Adam's two moments)
+RESIDENT_STEP_BYTES = 64 << 20   # parameter bytes per optimizer call for resident blocks
 
 
 def _aligned(n: int) -> int:
@@ -400,13 +401,7 @@ class TieredTraining:
 
     def _bwd_enter(self, b: _Block) -> None:
         self._backward = True
-        if b.entered:
-            return
-        if b.resident:
-            # Resident blocks step as soon as their gradients are complete too: a foreach step
-            # over every resident parameter at once would need temporaries the size of all of
-            # them, which the traced step never saw.
-            b.entered, b.waiting = True, len(b.trainable)
+        if b.resident or b.entered:
             return
         pos = self._order.index(b.index) if b.index in self._order else -1
         upcoming = list(reversed(self._order[:pos])) if pos >= 0 else []
@@ -428,7 +423,7 @@ class TieredTraining:
             self._bwd_enter(b)
 
     def _grad_done(self, b: _Block, p: Any) -> None:
-        if not self._in_step:
+        if not self._in_step or b.resident:
             return
         if not b.entered:
             self._bwd_enter(b)    # a gradient with no backward entry seen (an output not tracked)
@@ -462,10 +457,6 @@ class TieredTraining:
                 p.grad = None     # no gradient reached it: the optimizer skips it, as it would resident
         self._opt_step(b.trainable)
         b.stepped = True
-        if b.resident:
-            for p in b.trainable:
-                p.grad = None
-            return
         cur = be.current_stream()
         if not b.states and b.trainable:
             self._adopt_states(b)
@@ -556,7 +547,11 @@ class TieredTraining:
         self._backward = False
         res = [p for b in self.blocks if b.resident for p in b.trainable if p.grad is not None]
         if ok and res:
-            self._opt_step(res)
+            # A foreach step makes temporaries as large as the parameters it updates, which the
+            # traced step (every block stepped alone) never saw: step the resident blocks a few
+            # at a time. With no hooks left (in capacity) it is one call, as plain PyTorch does.
+            for chunk in _chunks(res, RESIDENT_STEP_BYTES if self._hooks else None):
+                self._opt_step(chunk)
             for p in res:
                 p.grad = None
         if self.swap is not None:
@@ -689,6 +684,7 @@ class TieredTraining:
         self.slots, self._slot_mem = [], None
         if self.swap is not None:
             self.swap.arena.release()
+        self.tier.synchronize()      # finished moves let go of the buffers they held
         self.tier.set_budget(self._old_tier_budget)
         self.model._tiermem_handle = None
         return self.model
@@ -696,6 +692,21 @@ class TieredTraining:
     def __repr__(self) -> str:
         plan = self.plan.table() if self.plan is not None else "not planned yet (the first step is traced)"
         return f"<TieredTraining {type(self.model).__name__}, {len(self.blocks)} blocks: {plan}>"
+
+
+def _chunks(params: list[Any], limit: int | None) -> list[list[Any]]:
+    if limit is None:
+        return [params]
+    out: list[list[Any]] = [[]]
+    n = 0
+    for p in params:
+        size = p.numel() * p.element_size()
+        if out[-1] and n + size > limit:
+            out.append([])
+            n = 0
+        out[-1].append(p)
+        n += size
+    return out
 
 
 def _first_grad_tensor(out: Any) -> Any:

@@ -42,6 +42,14 @@ log = logging.getLogger("tiermem")
 
 CHUNK = 64 << 20   # eviction copy/discard granularity, see NOTE [eviction paths]
 
+# Every move of a managed range (prefetch, discard, the copies to and from a shadow) goes on one
+# stream. Measured on the H100, moves that touch managed memory never overlapped each other anyway
+# (bench/results/probe_paths2-*.json: 47-53 GB/s for both directions together), so one stream
+# costs no bandwidth; and it keeps two driver operations on managed ranges from ever running at
+# once, which the stress test's rare mismatch (README, "Known issue") may come from. Pinned
+# copies (wrap_module's and wrap_training's slots) keep a stream per direction.
+UM_STREAM = "um"
+
 
 def _as_location(to: Location | str) -> Location:
     try:
@@ -416,7 +424,7 @@ class Tier:
     def _move_in(self, todo: list[_Buffer], stream: Any, non_blocking: bool) -> Transfer:
         be = self.backend
         caps = be.capabilities()
-        cur, side = self._stream(stream), self._side("h2d")
+        cur, side = self._stream(stream), self._side(UM_STREAM)
         start = self._begin(todo, cur, side)
         moved: dict[Role, int] = {}
         um = [b for b in todo if not b.in_shadow]
@@ -497,7 +505,7 @@ class Tier:
         """Enqueue the evictions of ``todo``; returns the transfer and the ranges whose read-mostly
         copies the caller must collapse (after releasing the lock)."""
         be = self.backend
-        cur, side = self._stream(stream), self._side("d2h")
+        cur, side = self._stream(stream), self._side(UM_STREAM)
         start = self._begin(todo, cur, side)
         moved: dict[Role, int] = {}
         clean_discards: list[_Buffer] = []
@@ -625,7 +633,7 @@ class Tier:
                 return
             except OutOfBudgetError:
                 pass
-            side = self._side("h2d")
+            side = self._side(UM_STREAM)
             self.backend.discard_and_prefetch([(b.ptr, b.span)], Location.HOST, side)
             self.backend.copy(b.ptr, b.shadow.ptr, b.nbytes, side)
             ev = self.backend.new_event()

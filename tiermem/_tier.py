@@ -45,8 +45,8 @@ CHUNK = 64 << 20   # eviction copy/discard granularity, see NOTE [eviction paths
 # Every move of a managed range (prefetch, discard, the copies to and from a shadow) goes on one
 # stream. Measured on the H100, moves that touch managed memory never overlapped each other anyway
 # (bench/results/probe_paths2-*.json: 47-53 GB/s for both directions together), so one stream
-# costs no bandwidth; and it keeps two driver operations on managed ranges from ever running at
-# once, which the stress test's rare mismatch (README, "Known issue") may come from. Pinned
+# costs no bandwidth, and no two driver operations on managed ranges run at once. (It did not
+# remove the stress test's rare mismatch, README "Known issue": 1 of 3 runs still failed.) Pinned
 # copies (wrap_module's and wrap_training's slots) keep a stream per direction.
 UM_STREAM = "um"
 

@@ -47,7 +47,7 @@ import subprocess
 import sys
 import tempfile
 
-from _common import median, plot_path, progress, table, write_results
+from _common import cuda_times, median, plot_path, progress, table, write_results
 
 GiB, MiB = 1 << 30, 1 << 20
 ROWS = ["plain", "um", "pref_dev", "read_mostly", "accessed_by", "three_type", "default", "tiermem"]
@@ -103,20 +103,6 @@ class Spec:
             self.loss = loss
 
 
-def timed_steps(torch, step, n, warmup):
-    out = []
-    for i in range(warmup + n):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        a.record()
-        step()
-        b.record()
-        b.synchronize()
-        if i >= warmup:
-            out.append(a.elapsed_time(b) / 1e3)
-    return out
-
-
 def free(torch):
     import gc
     gc.collect()
@@ -133,7 +119,7 @@ def run_plain(torch, spec, a):
         spec.loss(model, batch).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-    ts = timed_steps(torch, step, a.steps, a.warmup)
+    ts = cuda_times(step, reps=a.steps, warmup=a.warmup)
     del model, opt, batch
     free(torch)
     return ts, {}
@@ -180,7 +166,7 @@ def run_managed(torch, tiermem, spec, row, a, budget):
             with ta(Role.OPTIMIZER_STATE, policy=pol[Role.OPTIMIZER_STATE], prefetch=False):
                 opt.step()
             opt.zero_grad(set_to_none=True)
-    ts = timed_steps(torch, step, a.steps, a.warmup)
+    ts = cuda_times(step, reps=a.steps, warmup=a.warmup)
     if budget is None and row == "um":
         hs = ub.attach(model, opt)
         step()
@@ -209,7 +195,7 @@ def run_tiermem(torch, tiermem, spec, a, budget):
     def step():
         with train.step():
             spec.loss(model, batch).backward()
-    ts = timed_steps(torch, step, a.steps, a.warmup)
+    ts = cuda_times(step, reps=a.steps, warmup=a.warmup)
     info = {"report": train.report(), "plan": train.plan.table() if train.plan else None}
     train.unwrap()
     del model, opt, batch, train

@@ -24,7 +24,7 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")   # deterministic cu
 import argparse
 import gc
 
-from _common import gbps, median, plot_path, progress, table, write_results
+from _common import cuda_times, median, plot_path, progress, table, write_results
 
 GiB, MiB = 1 << 30, 1 << 20
 
@@ -63,17 +63,7 @@ def link_rates(torch):
     s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
 
     def timed(fn):
-        out = []
-        for i in range(4):
-            torch.cuda.synchronize()
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            if i:
-                out.append(a.elapsed_time(b) / 1e3)
-        return median(out)
+        return median(cuda_times(fn, reps=3, warmup=1))
     h2d = n / timed(lambda: d.copy_(h, non_blocking=True)) / 1e9
     d2h = n / timed(lambda: h2.copy_(d, non_blocking=True)) / 1e9
 

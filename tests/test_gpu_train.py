@@ -117,7 +117,7 @@ def test_thirty_steps_under_a_tight_budget_give_the_resident_losses_bitwise():
 
 
 def test_each_role_lives_where_the_plan_puts_it():
-    torch = _setup()
+    _setup()
     import tiermem
     tier, model, opt, train, c = _tiered(BUDGET)
     batches = _batches(c, 3)
@@ -172,7 +172,7 @@ def test_a_new_batch_shape_is_traced_and_planned_again():
 
 
 def test_in_capacity_everything_stays_resident_and_nothing_moves():
-    torch = _setup()
+    _setup()
     from tiermem.models import GPTConfig
     batches = _batches(GPTConfig(**CFG), 6)
     want, _ = _resident_losses(batches)
@@ -183,7 +183,6 @@ def test_in_capacity_everything_stays_resident_and_nothing_moves():
     assert train.plan.swapped_bytes == 0 and not train.plan.streamed_blocks
     assert train.moved == {"h2d": 0, "d2h": 0}
     _cleanup(tier, train)
-    del torch
 
 
 def test_unwrap_gives_plain_parameters_and_states_back():

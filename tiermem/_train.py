@@ -198,6 +198,7 @@ class TieredTraining:
         self._in_step = False
         self._backward = False
         self._got = set()
+        self._written: list[_Block] = []
         self._clock = 0
         self.moved = {"h2d": 0, "d2h": 0}      # bytes moved in the last step
         self.last_peak = 0                     # torch's peak reserved bytes in the last step
@@ -472,6 +473,7 @@ class TieredTraining:
         done = be.new_event()
         be.record(done, side)
         b.home_ready = s.free = done
+        self._written.append(b)
         for p in b.trainable:
             p.grad = None
         s.busy = False
@@ -508,6 +510,7 @@ class TieredTraining:
         self._in_step = True
         self._backward = False
         self._got: set[int] = set()
+        self._written: list[_Block] = []
         self.moved = {"h2d": 0, "d2h": 0}
         for b in self.blocks:
             b.entered, b.stepped, b.waiting = False, False, 0
@@ -541,9 +544,8 @@ class TieredTraining:
             elif b.slot is not None:
                 b.slot.busy = False
         be = self.tier.backend
-        for b in self.blocks:
-            if b.home_ready is not None:
-                be.wait(be.current_stream(), b.home_ready)   # see _unbind_slot
+        for b in self._written:
+            be.wait(be.current_stream(), b.home_ready)   # this step's write-backs; see _unbind_slot
         self._backward = False
         res = [p for b in self.blocks if b.resident for p in b.trainable if p.grad is not None]
         if ok and res:
@@ -605,8 +607,8 @@ class TieredTraining:
         from ._torch import wrap_group
         torch = self.torch
         tier = self.tier
-        if b.slot is not None:
-            self._unbind_slot(b.slot) if b.slot.occupant is b else None
+        if b.slot is not None and b.slot.occupant is b:
+            self._unbind_slot(b.slot)
         torch.cuda.synchronize(self.dev)
         for p in b.params:
             old = p.data.untyped_storage().data_ptr()

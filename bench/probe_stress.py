@@ -92,6 +92,11 @@ def run_seed(seed: int, variant: dict, log_limit: int = 200_000) -> dict:
             if hi < m and torch.equal(got[lo:hi + 1], o[3][lo:hi + 1]):
                 others.append(repr(o[0]))
         info["bad_equals_other_tensor_same_offset"] = others
+        if b.shadow is not None:
+            torch.cuda.synchronize()
+            shadow = be.torch_view(b.shadow.ptr, b.nbytes, None)
+            info["shadow_matches_expected"] = bool(torch.equal(shadow, exp))
+            info["shadow_matches_got"] = bool(torch.equal(shadow, got))
         last_w = e[5]
         rs = b.ptr, b.ptr + b.span
         sh = (b.shadow.ptr, b.shadow.ptr + b.nbytes) if b.shadow is not None else (0, 0)

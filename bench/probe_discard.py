@@ -35,7 +35,7 @@ def main() -> None:
     per = float(sys.argv[1]) if len(sys.argv) > 1 else 20
     variants = sys.argv[2].split(",") if len(sys.argv) > 2 else [
         "base", "wait_event_before_discard", "sync_before_discard", "sync_after_discard", "prefetch_not_dp",
-        "sync_before_refill"]
+        "sync_before_refill", "like_engine"]
     dev = 0
     torch.cuda.init()
     bufs = [C.managed_alloc(MAXB, dev) for _ in range(NBUF)]
@@ -78,6 +78,19 @@ def main() -> None:
                 C.discard_batch([p], [n], s)
                 if var == "sync_after_discard":
                     C.stream_synchronize(s)
+                if var == "like_engine":
+                    # what the engine does between an eviction in flight and the read that brings it
+                    # back: the compute stream waits for the eviction, the side stream for it; another
+                    # buffer goes out through Unified Memory; a kernel faults host-resident pages in
+                    e3 = C.event_create()
+                    C.event_record(e3, s)
+                    C.stream_wait_event(cur, e3)
+                    j = (i + 1) % NBUF
+                    C.prefetch(bufs[j].ptr, MAXB, Location.HOST, dev, s)
+                    views[(i + 2) % NBUF].max()
+                    e4 = C.event_create()
+                    C.event_record(e4, cur)
+                    C.stream_wait_event(s, e4)
                 if var == "prefetch_not_dp":
                     C.prefetch(p, n, Location.DEVICE, dev, s)
                 else:

@@ -26,6 +26,7 @@ VARIANTS = {
     "as_is": {},
     "blocking": {"blocking": True},           # every evict/prefetch waits
     "no_discard": {"no_discard": True},       # eviction only through Unified Memory
+    "fence": {"fence": True},                 # the host waits for the stream before and after each discard
 }
 
 
@@ -53,6 +54,20 @@ def run_seed(seed: int, variant: dict, log_limit: int = 200_000) -> dict:
 
     for name in ("prefetch", "discard", "discard_and_prefetch", "copy"):
         logged(name)
+    if variant.get("fence"):
+        from tiermem import _cuda as C
+
+        def fenced(name):
+            orig = getattr(be, name)
+
+            def f(ranges, *a):
+                stream = a[-1]
+                C.stream_synchronize(stream)
+                orig(ranges, *a)
+                C.stream_synchronize(stream)
+            setattr(be, name, f)
+        fenced("discard")
+        fenced("discard_and_prefetch")
     if variant.get("no_discard"):
         t._evict_path = lambda b, _orig=t._evict_path: "um" if _orig(b) in ("discard", "copy") else _orig(b)
 
@@ -110,6 +125,9 @@ def run_seed(seed: int, variant: dict, log_limit: int = 200_000) -> dict:
             if c[1] == "copy" and (rs[0] <= c[3] < rs[1] or sh[0] <= c[3] < sh[1]):
                 return "copy-src"
             return None
+        last_ev = max((h[0] for h in history[id(x)] if h[1] == "evict"), default=last_w)
+        info["all_calls_since_last_evict"] = [f"{c[0]} {c[1]} {[(hex(p), n) for p, n in c[2]]} {c[3:]}"
+                                             for c in calls if c[0] >= last_ev][:40]
         info["calls_since_write"] = [f"{c[0]} {c[1]} {touches(c)} {[(hex(p), n) for p, n in c[2]]} {c[3:]}"
                                     for c in calls if c[0] >= last_w and touches(c)][-30:]
         torch.cuda.synchronize()

@@ -22,11 +22,13 @@ KiB, MiB = 1 << 10, 1 << 20
 SIZES = [4 * KiB, 64 * KiB, 1 * MiB, 2 * MiB, 3 * MiB + 8, 8 * MiB]
 ROLES = ["weight", "activation", "gradient", "input", "workspace", "frozen_weight"]
 BUDGET = 48 * MiB
+BOUNCE = int(os.environ.get("PROBE_BOUNCE", "0"))   # weight of "evict, then read at once" (0: the test's mix)
 VARIANTS = {
     "as_is": {},
     "blocking": {"blocking": True},           # every evict/prefetch waits
     "no_discard": {"no_discard": True},       # eviction only through Unified Memory
     "fence": {"fence": True},                 # the host waits for the stream before and after each discard
+    "refill_prefetch": {"refill_prefetch": True},   # refill a discarded range by prefetch, not discard+prefetch
 }
 
 
@@ -54,6 +56,11 @@ def run_seed(seed: int, variant: dict, log_limit: int = 200_000) -> dict:
 
     for name in ("prefetch", "discard", "discard_and_prefetch", "copy"):
         logged(name)
+    orig_dp = be.discard_and_prefetch
+    if variant.get("refill_prefetch"):
+        from tiermem.roles import Location as _L
+        be.discard_and_prefetch = lambda ranges, loc, stream: (be.prefetch(ranges, loc, stream) if loc is _L.DEVICE
+                                                               else orig_dp(ranges, loc, stream))
     if variant.get("fence"):
         from tiermem import _cuda as C
 
@@ -144,8 +151,8 @@ def run_seed(seed: int, variant: dict, log_limit: int = 200_000) -> dict:
     while nops < 10_000:
         step += 1
         step_box[0] = step
-        op = rng.choices(["alloc", "group", "free", "write", "evict", "prefetch", "read", "hold", "drop"],
-                         weights=[10, 2, 8, 16, 14, 14, 24, 3, 3])[0]
+        op = rng.choices(["alloc", "group", "free", "write", "evict", "prefetch", "read", "hold", "drop", "bounce"],
+                         weights=[10, 2, 8, 16, 14, 14, 24, 3, 3, BOUNCE])[0]
         if op in ("alloc", "group") and len(live) < 40:
             role = rng.choice(ROLES)
             if op == "alloc":
@@ -183,7 +190,10 @@ def run_seed(seed: int, variant: dict, log_limit: int = 200_000) -> dict:
                     x.prefetch(non_blocking=not blocking and rng.random() < 0.3)
                 except tiermem.OutOfBudgetError:
                     pass
-            elif op == "read" and e[1] is not None:
+            elif op == "bounce":      # out without waiting, and straight back: the failing pattern
+                x.evict(non_blocking=True)
+                op = "read"
+            if op == "read" and e[1] is not None:
                 v = x.torch(writable=False)
                 if checksum(v) != e[1]:
                     got = v.view(torch.uint8).flatten().clone()

@@ -29,6 +29,9 @@ VARIANTS = {
     "no_discard": {"no_discard": True},       # eviction only through Unified Memory
     "fence": {"fence": True},                 # the host waits for the stream before and after each discard
     "refill_prefetch": {"refill_prefetch": True},   # refill a discarded range by prefetch, not discard+prefetch
+    "no_split": {"no_split": True},           # every large buffer its own cudaMallocManaged
+    "sync_after_dp": {"sync_after": ("discard_and_prefetch",)},
+    "sync_after_discard": {"sync_after": ("discard",)},
 }
 
 
@@ -61,6 +64,27 @@ def run_seed(seed: int, variant: dict, log_limit: int = 200_000) -> dict:
         from tiermem.roles import Location as _L
         be.discard_and_prefetch = lambda ranges, loc, stream: (be.prefetch(ranges, loc, stream) if loc is _L.DEVICE
                                                                else orig_dp(ranges, loc, stream))
+    for name in variant.get("sync_after", ()):
+        from tiermem import _cuda as C
+
+        def after(name):
+            orig = getattr(be, name)
+
+            def f(ranges, *a):
+                orig(ranges, *a)
+                C.stream_synchronize(a[-1])
+            setattr(be, name, f)
+        after(name)
+    if variant.get("no_split"):
+        from tiermem._backend import Block
+        orig_alloc = be.allocate
+
+        def alloc(nbytes, key):
+            if not key.endswith("/large"):
+                return orig_alloc(nbytes, key)
+            mp = be._upstream(nbytes)
+            return Block(mp.ptr, nbytes, key, mp)
+        be.allocate = alloc
     if variant.get("fence"):
         from tiermem import _cuda as C
 

@@ -13,6 +13,17 @@ NOTE [size classes]
     and more are therefore rounded up to 2 MiB multiples and served from a per-role pool that
     holds nothing else; they own their pages. Smaller requests share pages within a per-role
     small pool: their accounting is exact, their advice and residency follow their neighbours'.
+
+NOTE [discard fence]
+    cudaMemDiscardBatchAsync and cudaMemDiscardAndPrefetchBatchAsync are stream-ordered on paper,
+    but on the H100 (driver 580.159.04) a range that was copied out, discarded and refilled while
+    other managed-memory work was still queued on the stream sometimes came back as zeros: the
+    pinned copy was right, the refilled device pages were not (bench/probe_stress.py, "bounce":
+    about 5 bad reads in 10,000 operations; tests/test_gpu_stress.py saw 1 in ~20 runs). Draining
+    the stream on the host before and after each discard removed every one of them (0 in 8
+    seeds against ~40 expected; waiting only after the discard, or only after the refill, did
+    not). The driver documents that a discard racing any other access to the range is undefined;
+    the drain makes sure none can. It costs the host a wait, not link bandwidth.
 """
 from __future__ import annotations
 
@@ -240,10 +251,15 @@ class CudaBackend:
             _cuda.prefetch(ptr, n, location, self.device, stream)
 
     def discard(self, ranges: Sequence[tuple[int, int]], stream: int) -> None:
+        # NOTE [discard fence]: the host drains the stream before and after every discard.
+        _cuda.stream_drain(stream)
         _cuda.discard_batch([p for p, _ in ranges], [n for _, n in ranges], stream)
+        _cuda.stream_drain(stream)
 
     def discard_and_prefetch(self, ranges: Sequence[tuple[int, int]], location: Location, stream: int) -> None:
+        _cuda.stream_drain(stream)
         _cuda.discard_and_prefetch_batch([p for p, _ in ranges], [n for _, n in ranges], location, self.device, stream)
+        _cuda.stream_drain(stream)
 
     def copy(self, dst: int, src: int, nbytes: int, stream: int) -> None:
         _cuda.memcpy_async(dst, src, nbytes, stream)

@@ -7,8 +7,10 @@ and accounting logic runs without a GPU.
 NOTE [eviction paths]
     Measured on the H100 machine (bench/results/probe_paths*.json), for 1 GiB:
       - Unified Memory's own write-back (prefetch to the host): ~10 GB/s.
-      - copy to a pinned shadow + discard of the managed range, in 64 MiB chunks: ~52 GB/s. In one
-        1 GiB discard after the copy it fell to 17 GB/s, so the discard goes chunk by chunk.
+      - copy to a pinned shadow + discard of the managed range: ~52 GB/s when each 64 MiB chunk
+        was discarded right after its copy. That interleaving lost data now and then
+        (NOTE [discard fence] in _backend.py), so all of a call's copies now go first, then one
+        batched discard, with the host waiting for the stream on both sides of it.
       - a clean buffer whose shadow is still valid: discard only, nothing over the link.
       - a read-mostly duplicate with the host as preferred location: unset read-mostly collapses
         the copies onto the host, ~1 ms/GiB and nothing over the link.
@@ -40,7 +42,7 @@ __all__ = ["Tier", "CHUNK"]
 
 log = logging.getLogger("tiermem")
 
-CHUNK = 64 << 20   # eviction copy/discard granularity, see NOTE [eviction paths]
+CHUNK = 64 << 20   # eviction copy/discard piece size, see NOTE [eviction paths]
 
 # Every move of a managed range (prefetch, discard, the copies to and from a shadow) goes on one
 # stream. Measured on the H100, moves that touch managed memory never overlapped each other anyway
@@ -508,7 +510,7 @@ class Tier:
         cur, side = self._stream(stream), self._side(UM_STREAM)
         start = self._begin(todo, cur, side)
         moved: dict[Role, int] = {}
-        clean_discards: list[_Buffer] = []
+        discards: list[_Buffer] = []
         collapse: list[_Buffer] = []
         for b in todo:
             path = force or self._evict_path(b)
@@ -531,15 +533,13 @@ class Tier:
                 self.accounting.count(b.role, "advice_applied", 2)
                 self.accounting.count(b.role, "evict_clean_ops")
             elif path == "discard":
-                clean_discards.append(b)   # one batched discard for all of them, below
+                discards.append(b)   # one batched discard for all of them, below
                 b.in_shadow = True
                 self.accounting.count(b.role, "evict_clean_ops")
             elif path == "copy":
-                for off in range(0, b.span, CHUNK):
-                    n_copy = min(CHUNK, b.nbytes - off)
-                    if n_copy > 0:
-                        be.copy(b.shadow.ptr + off, b.ptr + off, n_copy, side)
-                    be.discard([(b.ptr + off, min(CHUNK, b.span - off))], side)
+                for off in range(0, b.nbytes, CHUNK):
+                    be.copy(b.shadow.ptr + off, b.ptr + off, min(CHUNK, b.nbytes - off), side)
+                discards.append(b)   # after every copy, in one fenced call (NOTE [discard fence])
                 b.in_shadow = True
                 b.shadow_valid = True
                 moved[b.role] = moved.get(b.role, 0) + b.nbytes
@@ -552,8 +552,10 @@ class Tier:
             self.accounting.on_resident(b.role, -b.span)
             b.where = Location.HOST
             self.accounting.count(b.role, "evict_ops")
-        if clean_discards:
-            be.discard(coalesce((b.block.alloc, b.ptr, b.span) for b in clean_discards), side)
+        if discards:
+            be.discard([(p + off, min(CHUNK, n - off))
+                        for p, n in coalesce((b.block.alloc, b.ptr, b.span) for b in discards)
+                        for off in range(0, n, CHUNK)], side)
         for r, n in moved.items():
             self.accounting.on_move(r, "d2h", n)
         tr = self._finish("d2h", todo, cur, side, start, moved, non_blocking)

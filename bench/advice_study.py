@@ -23,6 +23,9 @@ data, in capacity and under an emulated budget, side by side:
                intermediate results (activations, gradients, workspace): accessed-by device;
                input data: read-mostly (the device only reads it)
   default      tiermem's DEFAULT_POLICIES per role, without prefetch
+  adv@role     (under the budget) one advice on one role, no advice on the others: 3 advices x
+               4 roles, less read-mostly activations
+  best_per_role (under the budget) each role with the single advice that won its adv@role rows
   tiermem      tiermem.wrap_training (default policy with its traced prefetch plan); the model
                is plain torch memory, the trainer tiers it within the budget
 
@@ -50,16 +53,27 @@ import tempfile
 from _common import cuda_times, median, plot_path, progress, table, write_results
 
 GiB, MiB = 1 << 30, 1 << 20
-ROWS = ["plain", "um", "pref_dev", "read_mostly", "accessed_by", "three_type", "default", "tiermem"]
+MAIN_ROWS = ["plain", "um", "pref_dev", "read_mostly", "accessed_by", "three_type", "default", "tiermem"]
 ADVICE_ROWS = ["pref_dev", "read_mostly", "accessed_by", "three_type", "default"]
+STUDY_ROLES = ["weight", "optimizer_state", "activation", "input"]
+# One advice on one role, the other roles with none (budget only). Read-mostly activations are
+# left out: every write collapses the duplicates (~100x slower in the smoke run, module docstring).
+SINGLE_ROWS = [f"{adv}@{r}" for adv in ("pref_dev", "read_mostly", "accessed_by") for r in STUDY_ROLES
+               if (adv, r) != ("read_mostly", "activation")]
+ROWS = MAIN_ROWS + ["best_per_role"] + SINGLE_ROWS
 MANAGED_CAP = "8GiB"   # all pools of one model process together; far below the 78 GiB free
 
 
-def policies(row):
+def policies(row, best=None):
     from tiermem import DEFAULT_POLICIES, Location, Policy, Role
     roles = [Role.WEIGHT, Role.OPTIMIZER_STATE, Role.ACTIVATION, Role.INPUT]
     one = {"um": Policy(), "pref_dev": Policy(preferred_location=Location.DEVICE),
            "read_mostly": Policy(read_mostly=True), "accessed_by": Policy(accessed_by_device=True)}
+    if "@" in row:
+        adv, role = row.split("@")
+        return {r: one[adv] if r.value == role else Policy() for r in roles}
+    if row == "best_per_role":     # best: role name -> the advice that won its single rows
+        return {r: one[best.get(r.value, "um")] for r in roles}
     if row == "read_mostly":     # not on activations: see the module docstring
         return {r: one[row] if r in (Role.WEIGHT, Role.INPUT) else Policy() for r in roles}
     if row in one:
@@ -143,10 +157,19 @@ def check_managed(torch, tiermem, model, opt, batch, spec):
     return out
 
 
-def run_managed(torch, tiermem, spec, row, a, budget):
+def steps_for(row, cond, a):
+    """(steps, warm-up) of a row: read-mostly rows take seconds a step, so they get few; the fast
+    in-capacity rows get many, since their differences are a few percent."""
+    if "read_mostly" in row:
+        return 2, 1
+    return (a.steps, a.warmup) if cond == "cap" else (a.budget_steps, 2)
+
+
+def run_managed(torch, tiermem, spec, row, a, budget, best=None):
     from tiermem import Role
     from tiermem._um_budget import UMBudget
-    pol = policies(row)
+    pol = policies(row, best)
+    steps, warmup = steps_for(row, "cap" if budget is None else "budget", a)
     ta = tiermem.torch_allocations
     torch.manual_seed(0)
     with ta(Role.WEIGHT, policy=pol[Role.WEIGHT], prefetch=False):
@@ -166,7 +189,7 @@ def run_managed(torch, tiermem, spec, row, a, budget):
             with ta(Role.OPTIMIZER_STATE, policy=pol[Role.OPTIMIZER_STATE], prefetch=False):
                 opt.step()
             opt.zero_grad(set_to_none=True)
-    ts = cuda_times(step, reps=a.steps, warmup=a.warmup)
+    ts = cuda_times(step, reps=steps, warmup=warmup)
     if budget is None and row == "um":
         hs = ub.attach(model, opt)
         step()
@@ -195,7 +218,8 @@ def run_tiermem(torch, tiermem, spec, a, budget):
     def step():
         with train.step():
             spec.loss(model, batch).backward()
-    ts = cuda_times(step, reps=a.steps, warmup=a.warmup)
+    steps, warmup = steps_for("tiermem", "cap" if budget is None else "budget", a)
+    ts = cuda_times(step, reps=steps, warmup=warmup)
     info = {"report": train.report(), "plan": train.plan.table() if train.plan else None}
     train.unwrap()
     del model, opt, batch, train
@@ -233,8 +257,17 @@ def child(a):
     for row in ADVICE_ROWS:
         record("cap", row, lambda: run_managed(torch, tiermem, spec, row, a, None))
     record("cap", "tiermem", lambda: run_tiermem(torch, tiermem, spec, a, None))
-    for row in ["um", *ADVICE_ROWS]:
+    for row in ["um", *ADVICE_ROWS, *SINGLE_ROWS]:
         record("budget", row, lambda: run_managed(torch, tiermem, spec, row, a, budget))
+    # Per role, the single advice that beat no advice by the most (or none).
+    best = {}
+    for r in STUDY_ROLES:
+        cands = {adv: res["budget"].get(f"{adv}@{r}", float("nan")) for adv in ("pref_dev", "read_mostly", "accessed_by")}
+        adv, t = min(((k, v) for k, v in cands.items() if math.isfinite(v)), key=lambda kv: kv[1], default=("um", 0))
+        best[r] = adv if t < res["budget"]["um"] else "um"
+    res["best_per_role"] = best
+    progress(f"  {spec.name}: best single advice per role under the budget: {best}")
+    record("budget", "best_per_role", lambda: run_managed(torch, tiermem, spec, "best_per_role", a, budget, best))
     record("budget", "tiermem", lambda: run_tiermem(torch, tiermem, spec, a, budget))
     st = tiermem.torch_allocator_stats()
     res["allocator"] = st.as_dict()
@@ -257,9 +290,10 @@ def plot(results, path):
         progress("no matplotlib: no plot")
         return None
     groups = [(m, c) for m in results for c in ("cap", "budget")]
-    fig, ax = plt.subplots(figsize=(11, 4.5))
-    w = 0.8 / len(ROWS)
-    for i, row in enumerate(ROWS):
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(15, 4.8), gridspec_kw={"width_ratios": [3, 2]})
+    rows = MAIN_ROWS + ["best_per_role"]
+    w = 0.8 / len(rows)
+    for i, row in enumerate(rows):
         ys = [results[m][c]["um"] / results[m][c][row] if row in results[m][c] else 0 for m, c in groups]
         ax.bar([g + i * w for g in range(len(groups))], ys, w, label=row)
     ax.axhline(1.0, color="k", lw=0.8)
@@ -267,7 +301,20 @@ def plot(results, path):
     ax.set_xticklabels([f"{m}\n{'in capacity' if c == 'cap' else 'under budget'}" for m, c in groups])
     ax.set_ylabel("speed relative to default UM (higher is better)")
     ax.set_title("Advice per role for PyTorch training on Unified Memory")
-    ax.legend(ncol=4, fontsize=8)
+    ax.legend(ncol=3, fontsize=7)
+    models = list(results)
+    w2 = 0.8 / max(len(models), 1)
+    for k, m in enumerate(models):
+        ys = [results[m]["budget"]["um"] / results[m]["budget"][row] if row in results[m]["budget"] else 0
+              for row in SINGLE_ROWS]
+        ax2.barh([i + k * w2 for i in range(len(SINGLE_ROWS))], ys, w2, label=m)
+    ax2.axvline(1.0, color="k", lw=0.8)
+    ax2.set_yticks([i + 0.4 - w2 / 2 for i in range(len(SINGLE_ROWS))])
+    ax2.set_yticklabels(SINGLE_ROWS, fontsize=7)
+    ax2.set_xscale("log")
+    ax2.set_xlabel("speed relative to default UM, under the budget (log)")
+    ax2.set_title("One advice on one role")
+    ax2.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     return path
@@ -278,9 +325,10 @@ def main():
     p.add_argument("--quick", action="store_true")
     p.add_argument("--model", choices=["resnet50", "gpt"], help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
-    p.add_argument("--steps", type=int, default=None)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--child-timeout", type=float, default=230, help="seconds per model")
+    p.add_argument("--steps", type=int, default=None, help="timed steps per in-capacity row")
+    p.add_argument("--warmup", type=int, default=None)
+    p.add_argument("--budget-steps", type=int, default=None, help="timed steps per row under the budget")
+    p.add_argument("--child-timeout", type=float, default=330, help="seconds per model")
     p.add_argument("--ratio", type=float, default=0.5, help="budget as a share of the in-capacity footprint")
     p.add_argument("--rbatch", type=int, default=64)
     p.add_argument("--img", type=int, default=None)
@@ -289,7 +337,9 @@ def main():
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--gbatch", type=int, default=4)
     a = p.parse_args()
-    a.steps = a.steps or (3 if a.quick else 4)
+    a.steps = a.steps or (4 if a.quick else 15)
+    a.warmup = a.warmup or (2 if a.quick else 5)
+    a.budget_steps = a.budget_steps or (2 if a.quick else 5)
     a.img = a.img or (64 if a.quick else 80)
     if a.model:
         return child(a)
@@ -298,7 +348,7 @@ def main():
         fd, path = tempfile.mkstemp(suffix=".json")
         os.close(fd)
         args = [sys.executable, os.path.abspath(__file__), "--model", m, "--out", path, "--steps", str(a.steps),
-                "--warmup", str(a.warmup), "--ratio", str(a.ratio), "--rbatch", str(a.rbatch), "--img", str(a.img),
+                "--warmup", str(a.warmup), "--budget-steps", str(a.budget_steps), "--ratio", str(a.ratio), "--rbatch", str(a.rbatch), "--img", str(a.img),
                 "--d", str(a.d), "--layers", str(a.layers), "--seq", str(a.seq), "--gbatch", str(a.gbatch)]
         try:
             rc = subprocess.run(args, timeout=a.child_timeout).returncode
@@ -326,7 +376,9 @@ def main():
         print(f"{m}: {r['desc']}; footprint {r['footprint_bytes'] / MiB:.0f} MiB, budget {r['budget_bytes'] / MiB:.0f} MiB")
 
     over = {m: r["cap"]["um"] / r["cap"]["plain"] for m, r in results.items()}
-    best = {m: max(ADVICE_ROWS, key=lambda row: r["budget"]["um"] / r["budget"][row]) for m, r in results.items()}
+    cand_rows = [*ADVICE_ROWS, "best_per_role", *SINGLE_ROWS]
+    best = {m: max((row for row in cand_rows if math.isfinite(r["budget"].get(row, float("nan")))),
+                   key=lambda row: r["budget"]["um"] / r["budget"][row]) for m, r in results.items()}
     adv = {m: r["budget"]["um"] / r["budget"][best[m]] for m, r in results.items()}
     tm = {m: r["budget"]["um"] / r["budget"]["tiermem"] for m, r in results.items()}
     checks_raw = {m: r["info"]["cap/um"].get("managed_check", {}) for m, r in results.items()}
@@ -347,6 +399,7 @@ def main():
         print(f"  {k}: {v}")
     print(f"  torch_allocations_managed: {managed_ok}")
     png = plot(results, plot_path("advice_study"))
+    print(f"best single advice per role: { {m: r.get('best_per_role') for m, r in results.items()} }")
     raw = {"results": results, "best_advice_row": best, "managed_check": checks_raw,
            "args": vars(a), "metric_note": "geometric means over the two models; per model under metric.<model>",
            "plot": os.path.basename(png) if png else None}

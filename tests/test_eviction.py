@@ -233,7 +233,7 @@ def test_small_tensors_never_take_the_discard_paths(tier, fake):
 
 
 def test_evicting_a_never_placed_host_preferred_tensor_moves_nothing(tier, fake):
-    tt = tier.empty(2 * MiB, "uint8", role="optimizer_state")
+    tt = tier.empty(2 * MiB, "uint8", role="input")
     before, n = tier.stats(), len(fake.calls)
     tr = tt.evict()
     assert (tr.nbytes, tr.done(), tr.seconds) == (0, True, 0.0)

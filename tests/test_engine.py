@@ -117,14 +117,14 @@ def test_empty_applies_exactly_the_roles_advice_plan(tier, fake, role):
 
 
 def test_small_buffer_is_advised_over_its_own_bytes(tier, fake):
-    tt = tier.empty(100, "float32", role="weight")
+    tt = tier.empty(100, "float32", role="weight", preferred_location="device", accessed_by_device=True)
     assert [c[1:3] for c in calls(fake, "advise")] == [(tt.data_ptr, 400)] * 4
     assert tt.range_info() == RangeInfo(read_mostly=False, preferred_location=Location.DEVICE, preferred_device=0,
                                         accessed_by=(Location.DEVICE,), last_prefetch=None)
 
 
 def test_range_info_of_a_placed_weight(tier):
-    tt = tier.empty(2 * MiB, "uint8", role="weight")
+    tt = tier.empty(2 * MiB, "uint8", role="weight", preferred_location="device", accessed_by_device=True)
     assert tt.range_info() == RangeInfo(read_mostly=False, preferred_location=Location.DEVICE, preferred_device=0,
                                         accessed_by=(Location.DEVICE,), last_prefetch=Location.DEVICE)
 

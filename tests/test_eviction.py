@@ -74,7 +74,7 @@ def test_eviction_copies_every_chunk_before_one_discard(tier, fake):
     assert torch.equal(read(tt), data)
 
 
-@pytest.mark.parametrize("role, changes", [("input", {}), ("activation", {"read_only": True})])
+@pytest.mark.parametrize("role, changes", [("input", {"read_mostly": False}), ("activation", {"read_only": True})])
 def test_read_only_buffer_evicted_again_moves_nothing(tier, fake, role, changes):
     tt = tier.empty(2 * MiB, "uint8", role=role, **changes)
     data = fill_random(tt)

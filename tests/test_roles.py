@@ -17,7 +17,7 @@ def test_default_policies_are_read_only():
         DEFAULT_POLICIES[Role.WEIGHT] = Policy()  # type: ignore[index]
     with pytest.raises(TypeError):
         del DEFAULT_POLICIES[Role.WEIGHT]  # type: ignore[attr-defined]
-    assert DEFAULT_POLICIES[Role.WEIGHT].preferred_location is Location.DEVICE
+    assert DEFAULT_POLICIES[Role.WORKSPACE].preferred_location is Location.DEVICE
 
 
 def test_as_role_accepts_enum_and_str():
@@ -82,9 +82,9 @@ def test_advice_plan_frozen_weight():
 
 def test_advice_plan_optimizer_state():
     assert advice_plan(DEFAULT_POLICIES[Role.OPTIMIZER_STATE]) == [
-        Advice("preferred_location", True, Location.DEVICE),
+        Advice("preferred_location", False, Location.DEVICE),
         Advice("read_mostly", False, Location.DEVICE),
-        Advice("accessed_by", False, Location.DEVICE),
+        Advice("accessed_by", True, Location.DEVICE),
         Advice("accessed_by", False, Location.HOST),
     ]
 
@@ -128,10 +128,10 @@ def test_default_policy_invariants():
         # Read-mostly pays off only if the device never writes: a write collapses the duplicates.
         if p.read_mostly:
             assert p.read_only, role
-    assert [r for r, p in DEFAULT_POLICIES.items() if p.read_mostly] == [Role.FROZEN_WEIGHT]
+    assert [r for r, p in DEFAULT_POLICIES.items() if p.read_mostly] == [Role.FROZEN_WEIGHT, Role.INPUT]
     opt = DEFAULT_POLICIES[Role.OPTIMIZER_STATE]
     # bench/advice_study.py: streaming AdamW state over the link each step was 4x slower
-    assert (opt.prefetch, opt.preferred_location, opt.evict) == (Prefetch.ON_USE, Location.DEVICE, Evict.LRU)
+    assert (opt.prefetch, opt.preferred_location, opt.accessed_by_device) == (Prefetch.ON_USE, None, True)
     assert [r for r, p in DEFAULT_POLICIES.items() if p.evict is Evict.NEVER] == [Role.WORKSPACE]
     # Activations are the first to go when the budget needs room.
     assert DEFAULT_POLICIES[Role.ACTIVATION].evict_priority == min(p.evict_priority for p in DEFAULT_POLICIES.values())

@@ -5,34 +5,44 @@ A role names how a buffer is used in a training or inference step. Each role map
 engine never looks at module or type names: it looks a role up in a :class:`PolicyTable`.
 
 NOTE [default policies]
-    The defaults follow each role's access pattern and the link figures measured on the H100
-    machine (shared/FACTS.md, bench/results/probe_paths*.json):
+    The defaults follow each role's access pattern, the link figures measured on the H100 machine
+    (shared/FACTS.md, bench/results/probe_paths*.json) and, for the four roles a training step
+    has, bench/advice_study.py (bench/results/advice_study-*.json: ResNet-50 and a GPT-2-style
+    model, one advice on one role at a time, under a budget of half the footprint, where data
+    comes back by page faults):
 
     - prefetching a large range in runs at ~50 GB/s, page faults at ~7 GB/s, so whatever the next
       step needs is prefetched, never faulted in;
     - a GPU kernel reads host-resident managed pages mapped with accessed-by at ~51 GB/s, as fast
-      as a copy, so data read once per step is better read in place than moved;
+      as a copy, so data read once per step is better read in place than moved; data read many
+      times is not (accessed-by on weights or activations: 0.43-0.61x of no advice for the GPT);
     - with read-mostly, a prefetch makes a device duplicate and the host copy stays valid, so
       dropping the duplicate moves nothing (~1 ms/GiB); but a device write collapses the
-      duplicates (0.16 s for 2 GiB), so only data the device never writes gets read-mostly.
+      duplicates (0.16 s for 2 GiB; read-mostly weights or optimizer state: 5-75x slower in the
+      study), so only data the device never writes gets read-mostly.
 
     weight           read by every forward and backward, written once per step by the optimizer:
-                     hot all step. Preferred on the device; accessed-by device so a read the
-                     prefetcher missed maps host pages rather than faulting; not read-mostly.
+                     hot all step. No advice: in the study preferred-location device was +8% for
+                     ResNet-50 and -21% for the GPT, accessed-by -1% and -42%. tiermem's own
+                     prefetch plan (wrap_module, wrap_training) brings weights in ahead of use.
     frozen_weight    never written (inference, frozen layers). Preferred on the host and
                      read-mostly: a prefetch duplicates it, eviction is free. Accessed-by device so
                      a weight left on the host is read in place at link rate.
     activation       written once in forward, read once in backward, cold in between: the first
-                     to evict. No preferred location (it stays where it was produced).
+                     to evict. No preferred location (it stays where it was produced);
+                     accessed-by made both models ~1.7-2.3x slower.
     gradient         accumulated in backward, read once by the optimizer. Preferred on the device.
     optimizer_state  read and written once per step by the optimizer, cold the rest of the step.
-                     Preferred on the device and the first to evict (with activations). Until
-                     the advice study (bench/advice_study.py) it was preferred on the host and
-                     read in place; that made a GPT training step 4x slower in capacity on the
-                     H100 (68 vs 17 ms: AdamW reads and writes every state byte over the link
-                     each step), and slower under a budget too.
-    input            written by the host loader, read once by the device: preferred on the host,
-                     read in place; prefetched one step ahead when the budget has room.
+                     Accessed-by device, no preferred location: +3% and +28% in the study (an
+                     evicted state is read in place by the one kernel that needs it, not faulted
+                     back); preferred on the device was -13% and -18%. Until the study it was
+                     preferred on the host, which made a GPT step 4x slower in capacity (AdamW
+                     read and wrote every state byte over the link each step).
+    input            written once (by the loader or on the device), then only read: read-mostly,
+                     the study's best single advice (+19% and +31%), so reads hit a device
+                     duplicate. Preferred on the host with accessed-by device, as frozen weights:
+                     left on the host it is read in place, and eviction collapses the duplicate
+                     onto the host copy, moving nothing.
     workspace        scratch, written and read on the device within one operation. Preferred on
                      the device and never evicted (evicting scratch only moves garbage).
 """
@@ -140,14 +150,14 @@ def _enum(kind: type[enum.Enum], value: Any, field: str) -> Any:
 
 # See NOTE [default policies] above for the reasoning behind each row.
 DEFAULT_POLICIES: Mapping[Role, Policy] = MappingProxyType({
-    Role.WEIGHT: Policy(Location.DEVICE, read_mostly=False, accessed_by_device=True,
-                        prefetch=Prefetch.AHEAD, evict=Evict.LRU, read_only=False, evict_priority=2),
+    Role.WEIGHT: Policy(None, prefetch=Prefetch.AHEAD, evict=Evict.LRU, evict_priority=2),
     Role.FROZEN_WEIGHT: Policy(Location.HOST, read_mostly=True, accessed_by_device=True,
                                prefetch=Prefetch.AHEAD, evict=Evict.LRU, read_only=True, evict_priority=1),
     Role.ACTIVATION: Policy(None, prefetch=Prefetch.AHEAD, evict=Evict.LRU, evict_priority=0),
     Role.GRADIENT: Policy(Location.DEVICE, prefetch=Prefetch.ON_USE, evict=Evict.LRU, evict_priority=1),
-    Role.OPTIMIZER_STATE: Policy(Location.DEVICE, prefetch=Prefetch.ON_USE, evict=Evict.LRU, evict_priority=0),
-    Role.INPUT: Policy(Location.HOST, accessed_by_device=True, prefetch=Prefetch.AHEAD,
+    Role.OPTIMIZER_STATE: Policy(None, accessed_by_device=True, prefetch=Prefetch.ON_USE, evict=Evict.LRU,
+                                 evict_priority=0),
+    Role.INPUT: Policy(Location.HOST, read_mostly=True, accessed_by_device=True, prefetch=Prefetch.AHEAD,
                        evict=Evict.AFTER_USE, read_only=True, evict_priority=0),
     Role.WORKSPACE: Policy(Location.DEVICE, prefetch=Prefetch.ON_USE, evict=Evict.NEVER, evict_priority=3),
 })

@@ -49,7 +49,7 @@ from ._limits import parse_bytes
 from ._module import module_groups
 from ._swap import ActivationSwap
 from ._trainplan import SavedRecord, StepTrace, TrainPlan, plan_training
-from .roles import Evict, Location, Role
+from .roles import Evict, Location, Prefetch, Role
 
 if TYPE_CHECKING:
     from ._tier import Tier
@@ -619,8 +619,12 @@ class TieredTraining:
         b.tiered = wrap_group(tier, b.params, Role.WEIGHT, names=[f"{b.name}.{i}" for i in range(len(b.params))],
                               policy=pol)
         if b.states:
+            # Filled below by a device copy; prefetch NEVER leaves the group unplaced until then
+            # (the plan counts these bytes itself, NOTE [training plan]), whatever the role's
+            # default prefetch is.
             spol = tier.policies[Role.OPTIMIZER_STATE].replace(preferred_location=Location.DEVICE,
-                                                               accessed_by_device=False, evict=Evict.NEVER)
+                                                               accessed_by_device=False, evict=Evict.NEVER,
+                                                               prefetch=Prefetch.NEVER)
             specs = [(tuple(p.shape), p.dtype) for p, _, _ in b.states]
             tts = tier.empty_group([(sh, str(dt).replace("torch.", "")) for sh, dt in specs],
                                    role=Role.OPTIMIZER_STATE, policy=spol)

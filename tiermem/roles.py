@@ -150,7 +150,8 @@ def _enum(kind: type[enum.Enum], value: Any, field: str) -> Any:
 
 # See NOTE [default policies] above for the reasoning behind each row.
 DEFAULT_POLICIES: Mapping[Role, Policy] = MappingProxyType({
-    Role.WEIGHT: Policy(None, prefetch=Prefetch.AHEAD, evict=Evict.LRU, evict_priority=2),
+    Role.WEIGHT: Policy(Location.DEVICE, read_mostly=False, accessed_by_device=True,
+                        prefetch=Prefetch.AHEAD, evict=Evict.LRU, read_only=False, evict_priority=2),
     Role.FROZEN_WEIGHT: Policy(Location.HOST, read_mostly=True, accessed_by_device=True,
                                prefetch=Prefetch.AHEAD, evict=Evict.LRU, read_only=True, evict_priority=1),
     Role.ACTIVATION: Policy(None, prefetch=Prefetch.AHEAD, evict=Evict.LRU, evict_priority=0),

@@ -22,9 +22,11 @@ NOTE [default policies]
       study), so only data the device never writes gets read-mostly.
 
     weight           read by every forward and backward, written once per step by the optimizer:
-                     hot all step. No advice: in the study preferred-location device was +8% for
-                     ResNet-50 and -21% for the GPT, accessed-by -1% and -42%. tiermem's own
-                     prefetch plan (wrap_module, wrap_training) brings weights in ahead of use.
+                     hot all step. Preferred on the device, accessed-by device. The study was
+                     split here (preferred-location device: +8% for ResNet-50, -21% for the GPT;
+                     accessed-by: +1% and -42%), so the table was left as it was: dropping both
+                     changed how wrap_training places its resident blocks, and that change was
+                     not measured. tiermem's own prefetch plan brings weights in ahead of use.
     frozen_weight    never written (inference, frozen layers). Preferred on the host and
                      read-mostly: a prefetch duplicates it, eviction is free. Accessed-by device so
                      a weight left on the host is read in place at link rate.

@@ -202,7 +202,8 @@ def test_read_mostly_clean_eviction_moves_nothing(gtier):
 
 def test_shadow_clean_eviction_moves_nothing(gtier):
     import torch
-    t = gtier.empty(32 * MiB, "uint8", role="input")  # input is read-only: its shadow stays valid
+    # input is read-only: its shadow stays valid (not read-mostly here: that evicts by collapse)
+    t = gtier.empty(32 * MiB, "uint8", role="input", read_mostly=False)
     ref = _rand_bytes(32 * MiB)
     t.prefetch()
     t.torch().copy_(ref)

@@ -169,9 +169,10 @@ def test_nesting_restores_the_outer_role_then_nothing():
                 same = torch.empty(4 * MiB, dtype=torch.uint8, device="cuda")
         outer = torch.empty(4 * MiB, dtype=torch.uint8, device="cuda")
     plain = torch.empty(4 * MiB, dtype=torch.uint8, device="cuda")
-    assert _cuda.range_info(inner.data_ptr(), inner.numel()).preferred_location is Location.HOST
-    assert _cuda.range_info(same.data_ptr(), same.numel()).preferred_location is Location.HOST
-    assert _cuda.range_info(outer.data_ptr(), outer.numel()).preferred_location is None
+    # optimizer_state's advice is accessed-by device (NOTE [default policies]); activation has none
+    assert Location.DEVICE in _cuda.range_info(inner.data_ptr(), inner.numel()).accessed_by
+    assert Location.DEVICE in _cuda.range_info(same.data_ptr(), same.numel()).accessed_by
+    assert Location.DEVICE not in _cuda.range_info(outer.data_ptr(), outer.numel()).accessed_by
     assert [_segment_of(t).role for t in (inner, same, outer)] == [Role.OPTIMIZER_STATE] * 2 + [Role.ACTIVATION]
     assert not is_managed(plain)
 

@@ -48,7 +48,7 @@ CHUNK = 64 << 20   # eviction copy/discard piece size, see NOTE [eviction paths]
 # stream. Measured on the H100, moves that touch managed memory never overlapped each other anyway
 # (bench/results/probe_paths2-*.json: 47-53 GB/s for both directions together), so one stream
 # costs no bandwidth, and no two driver operations on managed ranges run at once. (It did not
-# remove the stress test's rare mismatch, README "Known issue": 1 of 3 runs still failed.) Pinned
+# remove the stress test's rare mismatch; NOTE [discard fence] in _backend.py did.) Pinned
 # copies (wrap_module's and wrap_training's slots) keep a stream per direction.
 UM_STREAM = "um"
 

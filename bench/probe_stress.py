@@ -4,6 +4,10 @@ each tensor's expected bytes. On a mismatch it reports which bytes differ, what 
 (zeros, an older version of the same tensor, another tensor's data) and every logged move that
 touched the tensor's range since it was last written.
 
+Since 8a4afbe the engine itself drains the stream around every discard (NOTE [discard fence] in
+tiermem/_backend.py), so every variant now runs fenced; the figures without the fence are in
+the closing note of issue 3 and in README "Known issue (resolved)".
+
 Usage: python bench/probe_stress.py [seconds] [variant]   (variants: see VARIANTS)
 """
 from __future__ import annotations

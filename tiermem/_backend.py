@@ -23,7 +23,9 @@ NOTE [discard fence]
     the stream on the host before and after each discard removed every one of them (0 in 8
     seeds against ~40 expected; waiting only after the discard, or only after the refill, did
     not). The driver documents that a discard racing any other access to the range is undefined;
-    the drain makes sure none can. It costs the host a wait, not link bandwidth.
+    the drain makes sure none can. It costs dirty eviction ~17% (the discard no longer overlaps
+    the next copy), and the host waits: since tiermem's stream first waits for the caller's
+    stream, the drain also waits for compute the caller queued before the eviction.
 """
 from __future__ import annotations
 

@@ -405,8 +405,11 @@ class Tier:
         Moves to the device first make room in the budget, evicting the coldest evictable tensors
         (raises :class:`OutOfBudgetError` if they cannot all fit). The moves wait for work already
         queued on ``stream`` (default: the current stream). Unless ``non_blocking``, ``stream``
-        then waits for the moves on the device (the host never blocks); with ``non_blocking`` the
-        caller waits on the returned :class:`Transfer` before using the data.
+        then waits for the moves on the device; with ``non_blocking`` the caller waits on the
+        returned :class:`Transfer` before using the data. The host blocks only where a move
+        discards managed pages (a shadow refill, a shadow eviction): NOTE [discard fence] in
+        _backend.py drains the stream around each discard, so it waits for ``stream``'s queued
+        work too.
         """
         loc = _as_location(to)
         if loc is Location.HOST:

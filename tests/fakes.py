@@ -35,6 +35,11 @@ class _State:
         self.last_prefetch: Location | None = None
 
 
+class _FakeEvent:
+    at: int | None = None       # len(FakeBackend.calls) when recorded
+    stream: int | None = None
+
+
 class FakeBackend:
     kind = "fake"
 
@@ -49,6 +54,7 @@ class FakeBackend:
         limit, allow = resolve_cap(cap, allow_oversubscribe, free=total if free is None else free, total=total)
         self.guard = CapGuard(limit, allow)
         self.calls: list[tuple] = []
+        self.host_waits: list[tuple[int, Any]] = []   # (len(calls) when the host waited, event)
         self._lock = threading.Lock()
         self._arrays: dict[int, np.ndarray] = {}    # base ptr -> backing array (managed and pinned)
         self._kind: dict[int, str] = {}
@@ -183,10 +189,11 @@ class FakeBackend:
         return next(self._streams)
 
     def new_event(self, timing: bool = False) -> Any:
-        return object()
+        return _FakeEvent()
 
     def record(self, event: Any, stream: int) -> None:
-        pass
+        # where in ``calls`` it was recorded: a host wait on it covers the calls before that
+        event.at, event.stream = len(self.calls), stream
 
     def wait(self, stream: int, event: Any) -> None:
         self.calls.append(("wait", stream))
@@ -195,7 +202,7 @@ class FakeBackend:
         return True
 
     def synchronize(self, event: Any) -> None:
-        pass
+        self.host_waits.append((len(self.calls), event))
 
     def elapsed_ms(self, start: Any, end: Any) -> float:
         return 1.0

@@ -51,6 +51,8 @@ CHUNK = 64 << 20   # eviction copy/discard piece size, see NOTE [eviction paths]
 # remove the stress test's rare mismatch; NOTE [discard fence] in _backend.py did.) Pinned
 # copies (wrap_module's and wrap_training's slots) keep a stream per direction.
 UM_STREAM = "um"
+DISCARD_STREAM = "um-discard"   # NOTE [pipelined discard]
+DISCARD_PIECE = 128 << 20       # copies queued per pipelined discard
 
 
 def _as_location(to: Location | str) -> Location:
@@ -69,6 +71,11 @@ def member_span(nbytes: int) -> tuple[int, int]:
     from ._backend import LARGE
     step = LARGE if nbytes >= LARGE else GROUP_ALIGN
     return -(-max(int(nbytes), 1) // step) * step, step
+
+
+def _chunks(ptr: int, nbytes: int) -> list[tuple[int, int]]:
+    """``nbytes`` from ``ptr`` in CHUNK pieces."""
+    return [(ptr + off, min(CHUNK, nbytes - off)) for off in range(0, nbytes, CHUNK)]
 
 
 def coalesce(ranges: Iterable[tuple[int, int, int]]) -> list[tuple[int, int]]:
@@ -513,7 +520,11 @@ class Tier:
         cur, side = self._stream(stream), self._side(UM_STREAM)
         start = self._begin(todo, cur, side)
         moved: dict[Role, int] = {}
-        discards: list[_Buffer] = []
+        # NOTE [pipelined discard]: the ranges to discard, in pieces; a piece closes (an event on
+        # the stream) once DISCARD_PIECE bytes of copies have been queued for it.
+        pieces: list[tuple[list[tuple[int, int]], Any]] = [([], None)]
+        piece_bytes = 0
+        um: list[_Buffer] = []
         collapse: list[_Buffer] = []
         for b in todo:
             path = force or self._evict_path(b)
@@ -536,33 +547,55 @@ class Tier:
                 self.accounting.count(b.role, "advice_applied", 2)
                 self.accounting.count(b.role, "evict_clean_ops")
             elif path == "discard":
-                discards.append(b)   # one batched discard for all of them, below
+                # The shadow is current: nothing to copy, the pages can go with the first piece.
+                pieces[0][0].extend(_chunks(b.ptr, b.span))
                 b.in_shadow = True
                 self.accounting.count(b.role, "evict_clean_ops")
             elif path == "copy":
-                for off in range(0, b.nbytes, CHUNK):
-                    be.copy(b.shadow.ptr + off, b.ptr + off, min(CHUNK, b.nbytes - off), side)
-                discards.append(b)   # after every copy, in one fenced call (NOTE [discard fence])
+                for (p, n), (_, m) in zip(_chunks(b.ptr, b.nbytes), _chunks(b.ptr, b.span)):
+                    be.copy(b.shadow.ptr + (p - b.ptr), p, n, side)
+                    pieces[-1][0].append((p, m))
+                    piece_bytes += n
+                    if piece_bytes >= DISCARD_PIECE:
+                        ev = be.new_event()
+                        be.record(ev, side)
+                        pieces[-1] = (pieces[-1][0], ev)
+                        pieces.append(([], None))
+                        piece_bytes = 0
                 b.in_shadow = True
                 b.shadow_valid = True
                 moved[b.role] = moved.get(b.role, 0) + b.nbytes
-            else:  # "um": Unified Memory's own write-back; every pointer stays valid
-                be.prefetch([self._range(b)], Location.HOST, side)
-                b.host_valid = True
-                moved[b.role] = moved.get(b.role, 0) + b.nbytes
-                self.accounting.count(b.role, "evict_um_ops")
+            else:
+                um.append(b)
             self._resident -= b.span
             self.accounting.on_resident(b.role, -b.span)
             b.where = Location.HOST
             self.accounting.count(b.role, "evict_ops")
-        if discards:
-            be.discard([(p + off, min(CHUNK, n - off))
-                        for p, n in coalesce((b.block.alloc, b.ptr, b.span) for b in discards)
-                        for off in range(0, n, CHUNK)], side)
+        for b in um:
+            # Unified Memory's own write-back; every pointer stays valid. Queued after the copies, so
+            # only copies run beside a pipelined discard (NOTE [pipelined discard]).
+            be.prefetch([self._range(b)], Location.HOST, side)
+            b.host_valid = True
+            moved[b.role] = moved.get(b.role, 0) + b.nbytes
+            self.accounting.count(b.role, "evict_um_ops")
+        self._discard_pieces([(r, ev) for r, ev in pieces if r], side)
         for r, n in moved.items():
             self.accounting.on_move(r, "d2h", n)
         tr = self._finish("d2h", todo, cur, side, start, moved, non_blocking)
         return tr, coalesce((b.block.alloc, *self._range(b)) for b in collapse)
+
+    def _discard_pieces(self, pieces: list[tuple[list[tuple[int, int]], Any]], side: int) -> None:
+        """Discard each piece once its copies are done (NOTE [pipelined discard]). Every piece but
+        the last goes on a stream of its own, so it runs while the next piece is copied; the
+        last goes on ``side`` after everything queued there, like any fenced discard."""
+        be = self.backend
+        for i, (ranges, ev) in enumerate(pieces):
+            if i + 1 < len(pieces) and ev is not None:
+                be.synchronize(ev)   # the host waits for this piece's copies, not the later ones
+                be.discard(ranges, self._side(DISCARD_STREAM))
+            else:
+                be.discard([r for rs, _ in pieces[i:] for r in rs], side)
+                return
 
     def _make_room(self, need: int, exclude: set[_Buffer]) -> None:
         """Evict the coldest evictable resident buffers until ``need`` more bytes fit the budget."""

@@ -36,31 +36,15 @@ VARIANTS = {
     "no_split": {"no_split": True},           # every large buffer its own cudaMallocManaged
     "sync_after_dp": {"sync_after": ("discard_and_prefetch",)},
     "sync_after_discard": {"sync_after": ("discard",)},
-    # NOTE [pipelined discard]: a piece per 2 MiB of copies, so nearly every shadow eviction of
-    # more than one chunk discards while later copies run; and the pipeline turned off
-    "pipe_2m": {"discard_piece": 2 * MiB},
-    "one_discard": {"discard_piece": 1 << 62},
 }
-
-
-def _default_piece() -> int:
-    sys.path.insert(0, os.path.dirname(HERE))
-    from tiermem import _tier
-    return _tier.DISCARD_PIECE
-
-
-DEFAULT_PIECE = _default_piece()
 
 
 def run_seed(seed: int, variant: dict, log_limit: int = 200_000) -> dict:
     import torch
     import tiermem
-    from tiermem import _tier
-    _tier.DISCARD_PIECE = variant.get("discard_piece", DEFAULT_PIECE)
     t = tiermem.Tier(0, cap="1GiB", budget=BUDGET)
     be = t.backend
     calls: list[tuple] = []     # (step, what, ranges, stream)
-    piped = [0]                 # discards issued on the pipelined discard stream
     step_box = [0]
 
     def logged(name):
@@ -72,8 +56,6 @@ def run_seed(seed: int, variant: dict, log_limit: int = 200_000) -> dict:
                 calls.append((step_box[0], "copy", [(dst, n)], src, s))
             else:
                 calls.append((step_box[0], name, list(a[0]), a[1:]))
-                if name == "discard" and a[1] == t._streams.get(_tier.DISCARD_STREAM):
-                    piped[0] += 1
             if len(calls) > log_limit:
                 del calls[: log_limit // 2]
             return orig(*a, **k)
@@ -257,9 +239,8 @@ def run_seed(seed: int, variant: dict, log_limit: int = 200_000) -> dict:
         nops += 1
     live.clear()
     t.close()
-    stats = {k: v for k, v in t.stats().items() if k.startswith("ops.all")}
-    stats["pipelined_discards"] = piped[0]
-    return {"seed": seed, "ops": nops, "mismatches": found, "stats": stats}
+    return {"seed": seed, "ops": nops, "mismatches": found, "stats": {k: v for k, v in t.stats().items()
+                                                                     if k.startswith("ops.all")}}
 
 
 def main() -> None:

@@ -35,11 +35,6 @@ class _State:
         self.last_prefetch: Location | None = None
 
 
-class _FakeEvent:
-    at: int | None = None       # len(FakeBackend.calls) when recorded
-    stream: int | None = None
-
-
 class FakeBackend:
     kind = "fake"
 
@@ -54,7 +49,6 @@ class FakeBackend:
         limit, allow = resolve_cap(cap, allow_oversubscribe, free=total if free is None else free, total=total)
         self.guard = CapGuard(limit, allow)
         self.calls: list[tuple] = []
-        self.host_waits: list[tuple[int, Any]] = []   # (len(calls) when the host waited, event)
         self._lock = threading.Lock()
         self._arrays: dict[int, np.ndarray] = {}    # base ptr -> backing array (managed and pinned)
         self._kind: dict[int, str] = {}
@@ -189,11 +183,10 @@ class FakeBackend:
         return next(self._streams)
 
     def new_event(self, timing: bool = False) -> Any:
-        return _FakeEvent()
+        return object()
 
     def record(self, event: Any, stream: int) -> None:
-        # where in ``calls`` it was recorded: a host wait on it covers the calls before that
-        event.at, event.stream = len(self.calls), stream
+        pass
 
     def wait(self, stream: int, event: Any) -> None:
         self.calls.append(("wait", stream))
@@ -202,7 +195,7 @@ class FakeBackend:
         return True
 
     def synchronize(self, event: Any) -> None:
-        self.host_waits.append((len(self.calls), event))
+        pass
 
     def elapsed_ms(self, start: Any, end: Any) -> float:
         return 1.0

@@ -19,8 +19,6 @@ from fakes import POISON, FakeBackend
 from helpers import MiB, calls, fill_random, read, role_stats
 from tiermem import Location, OutOfBudgetError
 from tiermem._backend import round_request
-from tiermem import _tier
-from tiermem._tier import CHUNK
 
 
 def managed_bytes(fake, tt):
@@ -60,44 +58,21 @@ def test_dirty_eviction_copies_to_the_shadow_and_round_trips(tier, fake):
     assert tier.stats()["moved_bytes.activation.h2d"] == 2 * MiB
 
 
-def test_eviction_copies_every_chunk_before_one_discard(tier, fake):
-    tt = tier.empty(CHUNK + 1, "uint8", role="gradient")     # its span is CHUNK + 2 MiB
-    data = fill_random(tt)
-    tt.evict()
-    base, shadow = tt.data_ptr, calls(fake, "copy")[0][1]
-    assert fake.pointer_kind(shadow) == "host"
-    assert [c[1:4] for c in calls(fake, "copy")] == [(shadow, base, CHUNK), (shadow + CHUNK, base + CHUNK, 1)]
-    # NOTE [discard fence]: all copies first, then a single discard call over the chunks
-    assert [c[1] for c in calls(fake, "discard")] == [((base, CHUNK), (base + CHUNK, 2 * MiB))]
+def test_eviction_copies_each_buffer_before_one_discard(tier, fake):
+    a = tier.empty(64 * MiB + 1, "uint8", role="gradient")     # its span is 66 MiB
+    b = tier.empty(3 * MiB, "uint8", role="gradient")
+    data = [fill_random(a), fill_random(b)]
+    tier.evict([a, b])
+    copies = calls(fake, "copy")
+    assert [fake.pointer_kind(c[1]) for c in copies] == ["host", "host"]
+    assert sorted(c[2:4] for c in copies) == sorted([(a.data_ptr, 64 * MiB + 1), (b.data_ptr, 3 * MiB)])
+    # NOTE [discard fence]: every copy first, then a single discard call over both whole spans
+    (disc,) = calls(fake, "discard")
+    assert sorted(disc[1]) == sorted([(a.data_ptr, 66 * MiB), (b.data_ptr, 4 * MiB)])
     kinds = [c[0] for c in fake.calls if c[0] in ("copy", "discard")]
     assert kinds == ["copy", "copy", "discard"]
-    tt.prefetch()
-    assert torch.equal(read(tt), data)
-
-
-def test_pipelined_discard_waits_for_each_piece_copies_only(tier, fake, monkeypatch):
-    # NOTE [pipelined discard]: with pieces of one chunk, chunk i is discarded once its own copy
-    # is done (a host wait on an event recorded after it), on a stream of its own, while the
-    # later chunks are still being copied; the last piece goes on the transfer's stream.
-    monkeypatch.setattr(_tier, "DISCARD_PIECE", CHUNK)
-    tt = tier.empty(3 * CHUNK, "uint8", role="gradient")
-    data = fill_random(tt)
-    n = len(fake.calls)
-    tr = tt.evict()
-    base = tt.data_ptr
-    log = list(enumerate(fake.calls))[n:]
-    copy_at = {c[2]: i for i, c in log if c[0] == "copy"}
-    discards = [(i, c) for i, c in log if c[0] == "discard"]
-    assert [c[1] for _, c in discards] == [((base, CHUNK),), ((base + CHUNK, CHUNK),), ((base + 2 * CHUNK, CHUNK),)]
-    side = {c[2] for _, c in discards[:-1]}
-    assert len(side) == 1 and side != {tr.stream} and discards[-1][1][2] == tr.stream
-    for i, c in discards[:-1]:
-        (p, m), = c[1]
-        waited = max(ev.at for at, ev in fake.host_waits if at <= i and ev.stream == tr.stream)
-        # after this chunk's copy, before the next chunk's: the host does not wait for later copies
-        assert copy_at[p] < waited <= copy_at[p + CHUNK]   # ``at`` covers calls[:at]
-    tt.prefetch()
-    assert torch.equal(read(tt), data)
+    tier.prefetch([a, b])
+    assert torch.equal(read(a), data[0]) and torch.equal(read(b), data[1])
 
 
 @pytest.mark.parametrize("role, changes", [("input", {"read_mostly": False}), ("activation", {"read_only": True})])

@@ -16,16 +16,10 @@ ROLES = ["weight", "activation", "gradient", "input", "workspace", "frozen_weigh
 BUDGET = 48 * MiB
 
 
-# piece None: the default DISCARD_PIECE, which these small tensors never fill, so every shadow
-# eviction discards in one fenced call; 2 MiB: nearly every multi-buffer eviction discards its
-# first buffers while the later ones are still being copied (NOTE [pipelined discard]).
-@pytest.mark.parametrize("seed, piece", [(20261122, None), (7, None), (8, 2 * MiB), (9, 2 * MiB)])
-def test_ten_thousand_random_operations_under_a_budget(seed, piece, monkeypatch):
+@pytest.mark.parametrize("seed", [20261122, 7, 8])
+def test_ten_thousand_random_operations_under_a_budget(seed):
     import torch
     import tiermem
-    from tiermem import _tier
-    if piece is not None:
-        monkeypatch.setattr(_tier, "DISCARD_PIECE", piece)
     t = tiermem.Tier(0, cap="1GiB", budget=BUDGET)
     rng = random.Random(seed)
     weights = torch.randint(-(2**62), 2**62, (SIZES[-1] // 8,), dtype=torch.int64, device="cuda")
@@ -119,7 +113,6 @@ def test_ten_thousand_random_operations_under_a_budget(seed, piece, monkeypatch)
     assert s["ops.all.evict"] > 500 and s["ops.all.evict_um"] > 0 and s["ops.all.evict_clean"] > 0
     assert s["ops.all.evict_budget"] > 0
     assert s["resident_bytes.all.peak"] <= BUDGET
-    assert (_tier.DISCARD_STREAM in t._streams) == (piece is not None)   # the pipeline ran, or not
     live.clear()
     e = x = None
     gc.collect()

@@ -23,9 +23,12 @@ NOTE [discard fence]
     the stream on the host before and after each discard removed every one of them (0 in 8
     seeds against ~40 expected; waiting only after the discard, or only after the refill, did
     not). The driver documents that a discard racing any other access to the range is undefined;
-    the drain makes sure none can. It costs dirty eviction ~17% (the discard no longer overlaps
-    the next copy), and the host waits: since tiermem's stream first waits for the caller's
-    stream, the drain also waits for compute the caller queued before the eviction.
+    the drain makes sure none can. It costs little more than the discard itself: called on an
+    idle stream, the discard waits for all work on the device anyway and takes ~3.7 ms/GiB of the
+    host's time (bench/results/probe_discard_overlap-*.json). The host waits by
+    cudaStreamSynchronize, which spins: a blocking-sync event woke up ~0.4 ms later per wait
+    (probe_managed_read-*.json). Since tiermem's stream first waits for the caller's stream, the
+    drain also waits for compute the caller queued before the eviction.
 """
 from __future__ import annotations
 
@@ -254,14 +257,14 @@ class CudaBackend:
 
     def discard(self, ranges: Sequence[tuple[int, int]], stream: int) -> None:
         # NOTE [discard fence]: the host drains the stream before and after every discard.
-        _cuda.stream_drain(stream)
+        _cuda.stream_synchronize(stream)
         _cuda.discard_batch([p for p, _ in ranges], [n for _, n in ranges], stream)
-        _cuda.stream_drain(stream)
+        _cuda.stream_synchronize(stream)
 
     def discard_and_prefetch(self, ranges: Sequence[tuple[int, int]], location: Location, stream: int) -> None:
-        _cuda.stream_drain(stream)
+        _cuda.stream_synchronize(stream)
         _cuda.discard_and_prefetch_batch([p for p, _ in ranges], [n for _, n in ranges], location, self.device, stream)
-        _cuda.stream_drain(stream)
+        _cuda.stream_synchronize(stream)
 
     def copy(self, dst: int, src: int, nbytes: int, stream: int) -> None:
         _cuda.memcpy_async(dst, src, nbytes, stream)

@@ -331,16 +331,6 @@ def event_create(timing: bool = False) -> Event:
     return Event(_check("cudaEventCreateWithFlags", rt.cudaEventCreateWithFlags(flags)))
 
 
-def stream_drain(stream: int) -> None:
-    """Block the host until everything queued on ``stream`` has run. Waits on a blocking-sync
-    event rather than spinning, so the driver's own threads keep the CPU they need."""
-    rt = _runtime()
-    ev = Event(_check("cudaEventCreateWithFlags", rt.cudaEventCreateWithFlags(
-        rt.cudaEventDisableTiming | rt.cudaEventBlockingSync)))
-    event_record(ev, stream)
-    event_synchronize(ev)
-
-
 def event_record(event: Any, stream: int) -> None:
     _check("cudaEventRecord", _runtime().cudaEventRecord(_ev(event), stream))
 

@@ -7,10 +7,15 @@ and accounting logic runs without a GPU.
 NOTE [eviction paths]
     Measured on the H100 machine (bench/results/probe_paths*.json), for 1 GiB:
       - Unified Memory's own write-back (prefetch to the host): ~10 GB/s.
-      - copy to a pinned shadow + discard of the managed range: ~52 GB/s when each 64 MiB chunk
-        was discarded right after its copy. That interleaving lost data now and then
-        (NOTE [discard fence] in _backend.py), so all of a call's copies now go first, then one
-        batched discard, with the host waiting for the stream on both sides of it.
+      - copy to a pinned shadow + discard of the managed range: the copy runs at ~52 GB/s (out of
+        managed memory, however its pages were populated or advised; cudaMalloc memory gives 55),
+        and the discard then costs ~3.7 ms/GiB of the host's time in the driver: ~44 GB/s in all,
+        0.79-0.80 of the link (bench/results/probe_managed_read-*.json, probe_release-*.json).
+        Discarding each 64 MiB chunk right after its copy ran at ~52 GB/s but lost data now and
+        then (NOTE [discard fence] in _backend.py). Discarding a piece on another stream while
+        later pieces are still being copied gains nothing: the discard call waits for all work
+        on the device, on every stream, before it does its own (probe_discard_overlap-*.json,
+        probe_discard_cost-*.json). So all of a call's copies go first, then one discard.
       - a clean buffer whose shadow is still valid: discard only, nothing over the link.
       - a read-mostly duplicate with the host as preferred location: unset read-mostly collapses
         the copies onto the host, ~1 ms/GiB and nothing over the link.
@@ -38,11 +43,9 @@ from ._transfer import Transfer
 from .roles import (DEFAULT_POLICIES, Advice, Evict, Location, Policy, PolicyTable, Prefetch, Role,
                     advice_plan, as_role)
 
-__all__ = ["Tier", "CHUNK"]
+__all__ = ["Tier"]
 
 log = logging.getLogger("tiermem")
-
-CHUNK = 64 << 20   # eviction copy/discard piece size, see NOTE [eviction paths]
 
 # Every move of a managed range (prefetch, discard, the copies to and from a shadow) goes on one
 # stream. Measured on the H100, moves that touch managed memory never overlapped each other anyway
@@ -51,8 +54,6 @@ CHUNK = 64 << 20   # eviction copy/discard piece size, see NOTE [eviction paths]
 # remove the stress test's rare mismatch; NOTE [discard fence] in _backend.py did.) Pinned
 # copies (wrap_module's and wrap_training's slots) keep a stream per direction.
 UM_STREAM = "um"
-DISCARD_STREAM = "um-discard"   # NOTE [pipelined discard]
-DISCARD_PIECE = 128 << 20       # copies queued per pipelined discard
 
 
 def _as_location(to: Location | str) -> Location:
@@ -71,11 +72,6 @@ def member_span(nbytes: int) -> tuple[int, int]:
     from ._backend import LARGE
     step = LARGE if nbytes >= LARGE else GROUP_ALIGN
     return -(-max(int(nbytes), 1) // step) * step, step
-
-
-def _chunks(ptr: int, nbytes: int) -> list[tuple[int, int]]:
-    """``nbytes`` from ``ptr`` in CHUNK pieces."""
-    return [(ptr + off, min(CHUNK, nbytes - off)) for off in range(0, nbytes, CHUNK)]
 
 
 def coalesce(ranges: Iterable[tuple[int, int, int]]) -> list[tuple[int, int]]:
@@ -520,11 +516,7 @@ class Tier:
         cur, side = self._stream(stream), self._side(UM_STREAM)
         start = self._begin(todo, cur, side)
         moved: dict[Role, int] = {}
-        # NOTE [pipelined discard]: the ranges to discard, in pieces; a piece closes (an event on
-        # the stream) once DISCARD_PIECE bytes of copies have been queued for it.
-        pieces: list[tuple[list[tuple[int, int]], Any]] = [([], None)]
-        piece_bytes = 0
-        um: list[_Buffer] = []
+        discards: list[_Buffer] = []
         collapse: list[_Buffer] = []
         for b in todo:
             path = force or self._evict_path(b)
@@ -547,55 +539,32 @@ class Tier:
                 self.accounting.count(b.role, "advice_applied", 2)
                 self.accounting.count(b.role, "evict_clean_ops")
             elif path == "discard":
-                # The shadow is current: nothing to copy, the pages can go with the first piece.
-                pieces[0][0].extend(_chunks(b.ptr, b.span))
+                discards.append(b)   # one batched discard for all of them, below
                 b.in_shadow = True
                 self.accounting.count(b.role, "evict_clean_ops")
             elif path == "copy":
-                for (p, n), (_, m) in zip(_chunks(b.ptr, b.nbytes), _chunks(b.ptr, b.span)):
-                    be.copy(b.shadow.ptr + (p - b.ptr), p, n, side)
-                    pieces[-1][0].append((p, m))
-                    piece_bytes += n
-                    if piece_bytes >= DISCARD_PIECE:
-                        ev = be.new_event()
-                        be.record(ev, side)
-                        pieces[-1] = (pieces[-1][0], ev)
-                        pieces.append(([], None))
-                        piece_bytes = 0
+                # One call per buffer: copies out of managed memory run at ~52 GB/s in any size
+                # of piece (bench/results/probe_managed_read-*.json).
+                be.copy(b.shadow.ptr, b.ptr, b.nbytes, side)
+                discards.append(b)   # after every copy, in one fenced call (NOTE [discard fence])
                 b.in_shadow = True
                 b.shadow_valid = True
                 moved[b.role] = moved.get(b.role, 0) + b.nbytes
-            else:
-                um.append(b)
+            else:  # "um": Unified Memory's own write-back; every pointer stays valid
+                be.prefetch([self._range(b)], Location.HOST, side)
+                b.host_valid = True
+                moved[b.role] = moved.get(b.role, 0) + b.nbytes
+                self.accounting.count(b.role, "evict_um_ops")
             self._resident -= b.span
             self.accounting.on_resident(b.role, -b.span)
             b.where = Location.HOST
             self.accounting.count(b.role, "evict_ops")
-        for b in um:
-            # Unified Memory's own write-back; every pointer stays valid. Queued after the copies, so
-            # only copies run beside a pipelined discard (NOTE [pipelined discard]).
-            be.prefetch([self._range(b)], Location.HOST, side)
-            b.host_valid = True
-            moved[b.role] = moved.get(b.role, 0) + b.nbytes
-            self.accounting.count(b.role, "evict_um_ops")
-        self._discard_pieces([(r, ev) for r, ev in pieces if r], side)
+        if discards:
+            be.discard(coalesce((b.block.alloc, b.ptr, b.span) for b in discards), side)
         for r, n in moved.items():
             self.accounting.on_move(r, "d2h", n)
         tr = self._finish("d2h", todo, cur, side, start, moved, non_blocking)
         return tr, coalesce((b.block.alloc, *self._range(b)) for b in collapse)
-
-    def _discard_pieces(self, pieces: list[tuple[list[tuple[int, int]], Any]], side: int) -> None:
-        """Discard each piece once its copies are done (NOTE [pipelined discard]). Every piece but
-        the last goes on a stream of its own, so it runs while the next piece is copied; the
-        last goes on ``side`` after everything queued there, like any fenced discard."""
-        be = self.backend
-        for i, (ranges, ev) in enumerate(pieces):
-            if i + 1 < len(pieces) and ev is not None:
-                be.synchronize(ev)   # the host waits for this piece's copies, not the later ones
-                be.discard(ranges, self._side(DISCARD_STREAM))
-            else:
-                be.discard([r for rs, _ in pieces[i:] for r in rs], side)
-                return
 
     def _make_room(self, need: int, exclude: set[_Buffer]) -> None:
         """Evict the coldest evictable resident buffers until ``need`` more bytes fit the budget."""

@@ -323,6 +323,7 @@ def plot(results, path):
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--models", default="resnet50,gpt", help="comma-separated: resnet50, gpt")
     p.add_argument("--model", choices=["resnet50", "gpt"], help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     p.add_argument("--steps", type=int, default=None, help="timed steps per in-capacity row")
@@ -344,7 +345,11 @@ def main():
     if a.model:
         return child(a)
     results = {}
-    for m in ("resnet50", "gpt"):
+    models = [m.strip() for m in a.models.split(",") if m.strip()]
+    bad = [m for m in models if m not in ("resnet50", "gpt")]
+    if bad or not models:
+        p.error(f"--models takes resnet50 and/or gpt, got {a.models!r}")
+    for m in models:
         fd, path = tempfile.mkstemp(suffix=".json")
         os.close(fd)
         args = [sys.executable, os.path.abspath(__file__), "--model", m, "--out", path, "--steps", str(a.steps),

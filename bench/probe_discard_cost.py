@@ -9,6 +9,8 @@ variant. Writes $OUT/probe_discard_cost.json.
                     stream D as soon as its copies are done, draining D after each one, so the
                     discard of piece i runs while piece i+1 is copied
 Every variant refills through the fenced path and checks the bytes before the next rep.
+The committed results (bench/results/probe_discard_cost-*.json) were taken at 22b267c, when the
+fence waited on a blocking-sync event; it now spins in cudaStreamSynchronize.
 """
 from __future__ import annotations
 

@@ -26,9 +26,9 @@ NOTE [discard fence]
     the drain makes sure none can. It costs little more than the discard itself: called on an
     idle stream, the discard waits for all work on the device anyway and takes ~3.7 ms/GiB of the
     host's time (bench/results/probe_discard_overlap-*.json). The host waits by
-    cudaStreamSynchronize, which spins: a blocking-sync event woke up ~0.4 ms later per wait
-    (probe_managed_read-*.json). Since tiermem's stream first waits for the caller's stream, the
-    drain also waits for compute the caller queued before the eviction.
+    cudaStreamSynchronize, which spins under CUDA's default scheduling: a blocking-sync event woke
+    up ~0.4 ms later per wait (probe_managed_read-*.json). Since tiermem's stream first waits for
+    the caller's stream, the drain also waits for compute the caller queued before the eviction.
 """
 from __future__ import annotations
 

@@ -6,8 +6,14 @@ In one run, side by side, on 1 GiB (default) of data:
                one-call prefetch in
   tiermem      prefetch-in of a group of evicted tensors of various sizes, the same as separate
                tensors, dirty eviction, clean eviction (read-mostly and shadow), prefetch-in
-               from the pinned shadow, zero-copy reads, prefetch-in and eviction at once
+               from the pinned shadow, zero-copy reads, prefetch-in and eviction at once, and
+               an exchange under a tight budget (one group in, another out)
 and whether evicted device memory really goes back to other allocators.
+
+The tier runs under a budget (3 GiB, the size of its managed cap), so shadow evictions park their
+device pages for the next refill (NOTE [parked pages] in tiermem/_tier.py). Each eviction and
+refill through the shadow is also timed with ``release=True``, the path that gives the pages back
+to the driver at once, which is what every eviction did before parking.
 
 Times are CUDA-event medians after a warm-up, on random data. Total managed memory stays at
 3 GiB or less (shared/FACTS.md). Writes bench/results/bandwidth-<device>-<date>.json and .png.
@@ -119,7 +125,7 @@ def main() -> None:
     del mf, mv, m
     gc.collect()
 
-    tier = tiermem.Tier(0, cap="3GiB")
+    tier = tiermem.Tier(0, cap="3GiB", budget="3GiB")
     sizes = piece_sizes(N)
     raw["piece_sizes"] = sizes
     specs = [((n // 2,), "float16") for n in sizes]
@@ -197,6 +203,9 @@ def main() -> None:
     t_dirty = cuda_times(lambda: transfers.append(tier.evict(A)), reps, setup=dirty_setup)
     pcie1 = pcie_bytes()
     metrics["evict_dirty_GBps"] = gbps(N, median(t_dirty))
+    checks["dirty_evict_parked"] = all(t.parked for t in A if t.nbytes >= 2 * MiB)
+    metrics["evict_dirty_release_GBps"] = gbps(N, median(cuda_times(lambda: tier.evict(A, release=True), reps,
+                                                                    setup=dirty_setup)))
     # The same path on one 1 GiB tensor: the group's members under 2 MiB cannot be discarded on
     # their own (they share 2 MiB pages) and go through Unified Memory's write-back instead.
     (S,) = tier.empty_group([((N,), "uint8")], role="activation")
@@ -214,23 +223,28 @@ def main() -> None:
         torch.cuda.synchronize()
 
     metrics["evict_dirty_single_GBps"] = gbps(N, median(cuda_times(lambda: tier.evict(S), reps, setup=single_setup)))
+    metrics["evict_dirty_single_release_GBps"] = gbps(N, median(cuda_times(lambda: tier.evict(S, release=True), reps,
+                                                                           setup=single_setup)))
     tier.prefetch(S)
-    # one add per timed rep and per warm-up
-    checks["single_dirty_round_trip_intact"] = bool(torch.equal(S.torch(writable=False), d + (reps + 1)))
+    # one add per timed rep and per warm-up, of both timings
+    checks["single_dirty_round_trip_intact"] = bool(torch.equal(S.torch(writable=False), d + 2 * (reps + 1)))
     del S
     gc.collect()
     raw["evict_dirty_transfer_GBps"] = [gbps(N, t.seconds) for t in transfers]
-    raw["evict_dirty_path_counts"] = {k: tier.stats()[f"ops.activation.{k}"] for k in ("evict", "evict_um", "evict_clean")}
+    raw["evict_dirty_path_counts"] = {k: tier.stats()[f"ops.activation.{k}"]
+                                      for k in ("evict", "evict_um", "evict_clean", "evict_park", "refill_reuse", "park_release")}
     if pcie0 and pcie1:
         raw["evict_dirty_pcie_tx_rx_bytes_per_rep"] = [(b - a) / (reps + 1) for a, b in zip(pcie0, pcie1)]
     checks["dirty_evict_took_shadow_path"] = all(t.in_shadow for t in A if t.nbytes >= 2 * MiB)
 
-    def shadowed():
+    def shadowed(release=False):
         dirty_setup()
-        tier.evict(A)
+        tier.evict(A, release=release)
         torch.cuda.synchronize()
 
     metrics["prefetch_in_shadow_GBps"] = gbps(N, median(cuda_times(lambda: tier.prefetch(A), reps, setup=shadowed)))
+    metrics["prefetch_in_shadow_fresh_pages_GBps"] = gbps(N, median(cuda_times(
+        lambda: tier.prefetch(A), reps, setup=lambda: shadowed(release=True))))
     with torch.cuda.stream(torch.cuda.Stream()):   # the same with a non-default current stream
         raw["prefetch_in_shadow_side_stream_GBps"] = gbps(N, median(cuda_times(lambda: tier.prefetch(A), reps, setup=shadowed)))
     checks["dirty_round_trip_intact"] = intact(A, state["refs"])
@@ -270,6 +284,35 @@ def main() -> None:
     del W, w_refs
     gc.collect()
 
+    # ---- 6b. an exchange under a tight budget: B comes in, A (dirty) goes out ------------------
+    progress("exchange under a budget that holds one group: B in, A out")
+    B = tier.empty_group(specs, role="activation")
+    b_refs = fill(B)
+    gc.collect()
+    tier.evict(B)
+    torch.cuda.synchronize()
+    old_budget = tier.set_budget(sum(t._b.span for t in A))   # room for one group's pages, no more
+    raw["exchange_budget_bytes"] = tier.budget
+
+    def exchange_setup():
+        tier.evict(B)           # parks: B's pages (A's before) stay for A's refill
+        dirty_setup()           # A in, and written
+        assert tier.resident_bytes <= tier.budget
+
+    def exchange_release():
+        tier.evict(A, release=True)   # what eviction did before parking: pages back at once
+        tier.prefetch(B)              # then fresh pages for B
+
+    moved0 = tier.stats()["ops.activation.refill_reuse"]
+    metrics["exchange_GBps"] = gbps(2 * N, median(cuda_times(lambda: tier.prefetch(B), reps, setup=exchange_setup)))
+    raw["exchange_refills_into_reused_pages"] = tier.stats()["ops.activation.refill_reuse"] - moved0
+    checks["exchange_intact"] = intact(B, b_refs) and intact(A, state["refs"])   # A comes back in, B goes out
+    metrics["exchange_release_GBps"] = gbps(2 * N, median(cuda_times(exchange_release, reps, setup=exchange_setup)))
+    checks["exchange_release_intact"] = intact(B, b_refs) and intact(A, state["refs"])
+    tier.set_budget(old_budget)
+    del B, b_refs
+    gc.collect()
+
     # ---- 7. zero-copy reads ---------------------------------------------------------------------
     progress("zero-copy reads of host-resident data (optimizer_state: host-preferred, accessed-by GPU)")
     (Z,) = tier.empty_group([((N // 4,), "float32")], role="optimizer_state")
@@ -301,6 +344,12 @@ def main() -> None:
     metrics["prefetch_in_shadow_vs_pinned_h2d"] = round(metrics["prefetch_in_shadow_GBps"] / h2d, 3)
     metrics["evict_dirty_vs_pinned_d2h"] = round(metrics["evict_dirty_GBps"] / d2h, 3)
     metrics["evict_dirty_single_vs_pinned_d2h"] = round(metrics["evict_dirty_single_GBps"] / d2h, 3)
+    metrics["evict_dirty_release_vs_pinned_d2h"] = round(metrics["evict_dirty_release_GBps"] / d2h, 3)
+    metrics["evict_dirty_single_release_vs_pinned_d2h"] = round(metrics["evict_dirty_single_release_GBps"] / d2h, 3)
+    serial = 2 / (1 / h2d + 1 / d2h)     # one GiB out, then one in, over pinned copies
+    metrics["exchange_vs_pinned_serial"] = round(metrics["exchange_GBps"] / serial, 3)
+    metrics["exchange_release_vs_pinned_serial"] = round(metrics["exchange_release_GBps"] / serial, 3)
+    metrics["exchange_speedup_over_release"] = round(metrics["exchange_GBps"] / metrics["exchange_release_GBps"], 3)
     metrics["um_prefetch_d2h_vs_pinned_d2h"] = round(metrics["um_prefetch_d2h_GBps"] / d2h, 3)
     metrics["zero_copy_read_vs_pinned_h2d"] = round(metrics["zero_copy_read_GBps"] / h2d, 3)
     metrics["overlap_vs_pinned_bidir"] = round(metrics["overlap_total_GBps"] / metrics["pinned_bidir_total_GBps"], 3)
@@ -313,7 +362,10 @@ def main() -> None:
     # ---- 8. does evicted device memory go back to other allocators? -------------------------------
     if not args.no_reclaim:
         raw["reclaim"] = reclaim(tier, torch)
-        checks["evicted_memory_reusable_by_cudaMalloc"] = all(r["cudaMalloc_ok"] for r in raw["reclaim"].values())
+        checks["evicted_memory_reusable_by_cudaMalloc"] = all(
+            r["cudaMalloc_ok"] for k, r in raw["reclaim"].items() if k != "parked")
+        raw["parked_pages_reusable_by_cudaMalloc_without_trim"] = raw["reclaim"]["parked"]["cudaMalloc_ok"]
+        checks["reclaim_intact"] = all(r["intact"] for r in raw["reclaim"].values())
     tier.close()
 
     rows = [[k, v] for k, v in metrics.items()]
@@ -330,9 +382,12 @@ def reclaim(tier, torch) -> dict:
     evict it, then ask cudaMalloc for 1 GiB more than is free: it succeeds only if evicted pages
     come back to other allocators.
     cudaMemGetInfo cannot tell (free memory does not rise after eviction, shared/FACTS.md), but a
-    cudaMalloc that succeeds, quickly and with the evicted data intact, can."""
+    cudaMalloc that succeeds, quickly and with the evicted data intact, can.
+    Paths: "copy" (shadow eviction with release=True), "um" (Unified Memory's write-back),
+    "parked" (a shadow eviction under the budget, pages kept: expected to fail unless the driver
+    takes managed pages back for cudaMalloc) and "parked_trim" (the same, then Tier.trim())."""
     out = {}
-    for path in ("copy", "um"):
+    for path in ("copy", "um", "parked", "parked_trim"):
         gc.collect()
         torch.cuda.empty_cache()
         ref = torch.randint(0, 256, (2 * GiB,), dtype=torch.uint8, device="cuda")
@@ -342,7 +397,12 @@ def reclaim(tier, torch) -> dict:
         R.torch().copy_(ref)
         gc.collect()
         free_resident = torch.cuda.mem_get_info()[0]
-        tier.evict(R, _path=path).synchronize()
+        if path in ("copy", "um"):
+            tier.evict(R, _path=path, release=True).synchronize()
+        else:
+            tier.evict(R).synchronize()
+            if path == "parked_trim":
+                tier.trim()
         free_evicted = torch.cuda.mem_get_info()[0]
         ask = free_evicted + GiB   # only possible if at least 1 GiB of the evicted pages comes back
         t0 = time.perf_counter()
@@ -376,7 +436,12 @@ def plot(metrics: dict) -> str | None:
              ("um_prefetch_h2d_GBps", "UM: prefetch in (1 call)"), ("um_fault_in_GBps", "UM: fault in"),
              ("um_prefetch_d2h_GBps", "UM: write back (prefetch to host)"),
              ("prefetch_in_GBps", "tiermem: group prefetch in"), ("prefetch_in_separate_GBps", "tiermem: separate tensors in"),
-             ("prefetch_in_shadow_GBps", "tiermem: in from pinned shadow"), ("evict_dirty_GBps", "tiermem: dirty eviction"),
+             ("prefetch_in_shadow_GBps", "tiermem: in from pinned shadow (parked pages)"),
+             ("prefetch_in_shadow_fresh_pages_GBps", "tiermem: in from pinned shadow (fresh pages)"),
+             ("evict_dirty_GBps", "tiermem: dirty eviction (pages parked)"),
+             ("evict_dirty_release_GBps", "tiermem: dirty eviction (pages released)"),
+             ("exchange_GBps", "tiermem: exchange under budget (total)"),
+             ("exchange_release_GBps", "tiermem: exchange, pages released (total)"),
              ("zero_copy_read_GBps", "tiermem: zero-copy read"), ("overlap_total_GBps", "tiermem: in + out at once (total)"),
              ("pinned_bidir_total_GBps", "ceiling: both ways at once (total)")]
     labels = [n for k, n in names if k in metrics]

@@ -363,12 +363,29 @@ class TierMachine(RuleBasedStateMachine):
         for v in e.views:                # a view held across moves never goes stale
             assert np.array_equal(v.numpy(), e.data)
 
+    @precondition(lambda self: self.live)
+    @rule(i=st.integers(0, 7))
+    def evict_release(self, i):
+        tt = self.pick(i).tt
+        tt.tier.evict(tt, release=True)
+        assert (tt.location, tt.parked) == (Location.HOST, False)
+
+    @rule()
+    def trim(self):
+        self.tier.trim()
+        assert self.tier.parked_bytes == 0
+
     @invariant()
     def budget_holds_and_residency_adds_up(self):
         resident = self.tier.resident_bytes
         assert resident <= BUDGET
-        assert resident == sum(round_request(e.tt.nbytes)[0] for e in self.live if e.tt.location is Location.DEVICE)
-        assert self.tier.stats()["resident_bytes.all.current"] == resident
+        span = lambda e: round_request(e.tt.nbytes)[0]  # noqa: E731
+        parked = [e for e in self.live if e.tt.parked]
+        assert all(e.tt.in_shadow and e.tt.location is Location.HOST for e in parked)
+        assert self.tier.parked_bytes == sum(span(e) for e in parked)
+        assert resident == sum(span(e) for e in self.live if e.tt.location is Location.DEVICE) + self.tier.parked_bytes
+        s = self.tier.stats()
+        assert (s["resident_bytes.all.current"], s["parked_bytes.current"]) == (resident, self.tier.parked_bytes)
 
 
 TierMachine.TestCase.settings = settings(max_examples=50, stateful_step_count=30, deadline=None,

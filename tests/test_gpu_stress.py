@@ -1,5 +1,8 @@
 """GPU stress test: 10,000 random operations on tiered tensors of several roles under a budget,
-with a checksum on every read and the accounting checked all along. Managed use stays < 1 GiB."""
+with a checksum on every read and the accounting checked all along. Managed use stays < 1 GiB.
+
+Under the budget, shadow evictions park their pages and refills trade ranges (NOTE [parked pages]
+in _tier.py); "trim" and "release" give parked pages back, so every path is taken."""
 from __future__ import annotations
 
 import collections
@@ -35,19 +38,21 @@ def test_ten_thousand_random_operations_under_a_budget(seed):
 
     def state(x) -> str:
         b = x._b
-        return (f"{b.where} shadow={b.in_shadow} sv={b.shadow_valid} hv={b.host_valid} owns={b.owns_pages} "
+        return (f"{b.where} shadow={b.in_shadow} parked={b.parked} ptr={b.ptr:#x} sv={b.shadow_valid} hv={b.host_valid} owns={b.owns_pages} "
                 f"foreign={b.foreign_views()} pending={'done' if b.pending is None or b.pending.done() else 'busy'}")
 
     def check_accounting() -> None:
-        resident = sum(e[0]._b.span for e in live if e[0].is_resident)
-        assert t.resident_bytes == resident <= BUDGET
+        parked = sum(e[0]._b.span for e in live if e[0].parked)
+        resident = sum(e[0]._b.span for e in live if e[0].is_resident) + parked
+        assert t.resident_bytes == resident <= BUDGET and t.parked_bytes == parked
         assert t.stats()["allocated_bytes.all.current"] == sum(e[0].nbytes for e in live)
 
     step = 0
     while sum(ops.values()) < 10_000:
         step += 1
-        op = rng.choices(["alloc", "group", "free", "write", "evict", "prefetch", "read", "hold", "drop", "bounce"],
-                         weights=[10, 2, 8, 16, 14, 14, 24, 3, 3, 6])[0]
+        op = rng.choices(["alloc", "group", "free", "write", "evict", "prefetch", "read", "hold", "drop", "bounce",
+                          "release", "trim"],
+                         weights=[10, 2, 8, 16, 14, 14, 24, 3, 3, 6, 3, 1])[0]
         if op in ("alloc", "group") and len(live) < 40:
             role = rng.choice(ROLES)
             if op == "alloc":
@@ -58,6 +63,8 @@ def test_ten_thousand_random_operations_under_a_budget(seed):
             else:
                 members = [((rng.choice(SIZES[:4]),), "uint8") for _ in range(rng.randint(2, 4))]
                 live.extend([x, None, None] for x in t.empty_group(members, role=role))
+        elif op == "trim":
+            t.trim()
         elif not live:
             op = "alloc"
             live.append([t.empty(rng.choice(SIZES), "uint8", role=rng.choice(ROLES)), None, None])
@@ -77,6 +84,8 @@ def test_ten_thousand_random_operations_under_a_budget(seed):
             elif op == "evict":
                 tr = x.evict(non_blocking=rng.random() < 0.3)
                 history[id(x)][-1] += (f"-> {tr!r}",)
+            elif op == "release":
+                t.evict(x, release=True)
             elif op == "prefetch":
                 try:
                     x.prefetch(non_blocking=rng.random() < 0.3)
@@ -112,6 +121,7 @@ def test_ten_thousand_random_operations_under_a_budget(seed):
     assert sum(ops.values()) >= 10_000 and ops["read"] > 1000
     assert s["ops.all.evict"] > 500 and s["ops.all.evict_um"] > 0 and s["ops.all.evict_clean"] > 0
     assert s["ops.all.evict_budget"] > 0
+    assert s["ops.all.evict_park"] > 0 and s["ops.all.refill_reuse"] > 0 and s["ops.all.park_release"] > 0
     assert s["resident_bytes.all.peak"] <= BUDGET
     live.clear()
     e = x = None

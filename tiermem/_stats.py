@@ -7,8 +7,9 @@ peaks are peaks of the sum, not sums of peaks):
                                                       sizes), their peak, and all ever allocated
                                                       and freed
     allocation_count.ROLE.{current,peak,total,freed}  the same, counted in buffers
-    resident_bytes.ROLE.{current,peak}                bytes tiermem placed on the device (whole
-                                                      pages: what counts against the budget)
+    resident_bytes.ROLE.{current,peak}                device bytes tiermem holds (whole pages:
+                                                      what counts against the budget), parked
+                                                      pages of evicted tensors included
     moved_bytes.ROLE.{h2d,d2h}                        bytes tiermem moved each way
     moved_seconds.ROLE.{h2d,d2h}                      device time of those moves, from CUDA events
                                                       (only moves that have completed)
@@ -17,6 +18,10 @@ peaks are peaks of the sum, not sums of peaks):
                                                       data moved; evicted through Unified Memory's
                                                       own write-back (slow path); evicted to make
                                                       room in the budget
+    ops.ROLE.{evict_park,refill_reuse,park_release}   evictions that kept their device pages;
+                                                      refills into kept pages (no discard, no fresh
+                                                      pages); kept pages given back to the driver
+                                                      (NOTE [parked pages] in _tier.py)
     advice.ROLE.{applied,skipped}                     cudaMemAdvise calls made, and skipped because
                                                       the device lacks the capability
     prefetch.ROLE.skipped                             prefetches skipped for the same reason
@@ -26,6 +31,8 @@ peaks are peaks of the sum, not sums of peaks):
     managed.pool_cached_bytes                         bytes pools hold for reuse
     budget_bytes                                      the device budget (-1: none)
     shadow_bytes.current                              pinned host memory held as shadow copies
+    parked_bytes.current                              of resident bytes, device pages kept from
+                                                      evictions for the next refill
 """
 from __future__ import annotations
 
@@ -61,6 +68,9 @@ class RoleStats:
     evict_clean_ops: int = 0
     evict_um_ops: int = 0
     evict_budget_ops: int = 0
+    evict_park_ops: int = 0
+    refill_reuse_ops: int = 0
+    park_release_ops: int = 0
     advice_applied: int = 0
     advice_skipped: int = 0
     prefetch_skipped: int = 0
@@ -86,6 +96,9 @@ class RoleStats:
             f"ops.{role}.evict_clean": self.evict_clean_ops,
             f"ops.{role}.evict_um": self.evict_um_ops,
             f"ops.{role}.evict_budget": self.evict_budget_ops,
+            f"ops.{role}.evict_park": self.evict_park_ops,
+            f"ops.{role}.refill_reuse": self.refill_reuse_ops,
+            f"ops.{role}.park_release": self.park_release_ops,
             f"advice.{role}.applied": self.advice_applied,
             f"advice.{role}.skipped": self.advice_skipped,
             f"prefetch.{role}.skipped": self.prefetch_skipped,

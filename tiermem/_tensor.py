@@ -68,7 +68,9 @@ class _Buffer:
         self.where: Location | None = None  # where tiermem last placed it; None: nowhere yet
         self.shadow: HostBlock | None = None
         self.shadow_valid = False           # the pinned shadow holds the current data
-        self.in_shadow = False              # the managed range was discarded: data only in the shadow
+        self.in_shadow = False              # the data lives in the shadow, not the managed range
+        self.parked = False                 # in the shadow, but the range's device pages are kept
+                                            # for the next refill (NOTE [parked pages] in _tier.py)
         self.host_valid = False             # a read-mostly host copy in the managed range is current
         self.tokens: weakref.WeakSet[_ViewToken] = weakref.WeakSet()
         self.bindings: list[weakref.ref] = []
@@ -145,7 +147,10 @@ class TieredTensor:
 
     @property
     def data_ptr(self) -> int:
-        """Address of the managed range (stable for the tensor's life)."""
+        """Address of the managed range that holds the data on the device. Stable while a foreign
+        view (``.torch()``, ``.cupy()``, DLPack) is alive; otherwise a refill may give the tensor
+        the device pages another tensor left behind, at another address (NOTE [parked pages] in
+        _tier.py). tiermem re-points the tensors it bound itself (wrapped parameters)."""
         return self._b.ptr
 
     @property
@@ -163,6 +168,12 @@ class TieredTensor:
         return self._b.in_shadow
 
     @property
+    def parked(self) -> bool:
+        """True while evicted to the shadow with its device pages kept, under the budget, for the
+        next refill (NOTE [parked pages] in _tier.py)."""
+        return self._b.parked
+
+    @property
     def freed(self) -> bool:
         return self._buf is None
 
@@ -172,7 +183,7 @@ class TieredTensor:
         b = self._buf
         where = b.where.value if b.where else "unplaced"
         if b.in_shadow:
-            where += " (shadow)"
+            where += " (shadow, pages parked)" if b.parked else " (shadow)"
         label = f" {b.name!r}" if b.name else ""
         return f"<TieredTensor{label} {self.dtype}{list(self.shape)} role={b.role.value} {where}>"
 

@@ -22,6 +22,24 @@ NOTE [eviction paths]
     Which path a buffer takes is decided per buffer in :meth:`Tier._evict_path`; the shadow paths
     need NOTE [views and the fast paths] (in _tensor.py) to hold, a buffer that owns whole 2 MiB
     pages, and no read-mostly advice.
+
+NOTE [parked pages]
+    The discard is a quarter of a dirty eviction's time (3.7 of ~24 ms per GiB), and giving pages
+    back makes the next refill pay again for fresh ones (discard-and-prefetch, ~2 ms/GiB). Under
+    a budget those pages are tiermem's to hold anyway: the budget counts device memory tiermem
+    keeps, not bytes of live data. So a shadow eviction under a budget *parks* the buffer: its data
+    is in the shadow as before, but its managed range keeps its device pages, still counted in
+    ``resident_bytes`` (and in ``parked_bytes``). A dirty eviction is then the copy alone, a clean
+    one is nothing at all, and a refill reuses parked pages, copying the shadow in without a
+    discard: its own pages if it still has them, else another parked buffer's of the same span.
+    Then the two buffers trade ranges (``Block`` objects, with their ownership): the incoming one
+    takes the pages and the parked one takes the incoming one's empty range. Its bound tensors
+    follow the move (``_rebind``). That is only safe for buffers that nothing else refers to, and
+    the shadow paths already require that (NOTE [views and the fast paths]); a buffer with a live
+    foreign view never moves, so ``data_ptr`` is stable while anyone holds a view.
+    Parked pages go back to the driver (a fenced discard) when the budget needs room for anything
+    else, on :meth:`Tier.trim`, on ``evict(..., release=True)``, and at ``close()``. Without a
+    budget nothing parks: an eviction gives its pages back at once, as before.
 """
 from __future__ import annotations
 
@@ -127,6 +145,7 @@ class Tier:
         self._lock = threading.RLock()
         self._buffers: weakref.WeakSet[_Buffer] = weakref.WeakSet()
         self._resident = 0
+        self._parked = 0             # of _resident: pages kept for refills (NOTE [parked pages])
         self._shadow_bytes = 0
         self._tick = itertools.count(1)
         self._inflight: list[Transfer] = []
@@ -145,7 +164,9 @@ class Tier:
         with self._lock:
             self._reap()             # finished moves let go of buffers freed meanwhile
             old, self._budget = self._budget, new
-            if new is not None and self._resident > new:
+            if new is None:   # nothing parks without a budget (NOTE [parked pages])
+                self._drop([b for b in list(self._buffers) if b.parked])
+            elif self._resident > new:
                 try:
                     self._make_room(0, exclude=set())
                 except OutOfBudgetError:
@@ -155,8 +176,21 @@ class Tier:
 
     @property
     def resident_bytes(self) -> int:
-        """Bytes tiermem has placed on the device (whole pages), what the budget limits."""
+        """Device bytes tiermem holds (whole pages), what the budget limits: live data placed on
+        the device, and the parked pages of evicted tensors (``parked_bytes``)."""
         return self._resident
+
+    @property
+    def parked_bytes(self) -> int:
+        """Device pages kept from shadow evictions for the next refill (NOTE [parked pages])."""
+        return self._parked
+
+    def trim(self) -> int:
+        """Give every parked page back to the driver, so other allocators can use it (NOTE
+        [parked pages]). Blocks until the discard is done; returns the bytes given back."""
+        with self._lock:
+            self._reap()
+            return self._drop([b for b in list(self._buffers) if b.parked])
 
     # -- allocation -----------------------------------------------------------------------------
     def empty(self, shape: int | Iterable[int], dtype: Any = "float32", *, role: Role | str,
@@ -323,9 +357,12 @@ class Tier:
     def _buffer_gone(self, buf: _Buffer) -> None:
         """The last owner of ``buf`` went: give its memory back. Called from __del__."""
         with self._lock:
-            if buf.where is Location.DEVICE:
+            if buf.where is Location.DEVICE or buf.parked:
                 self._resident -= buf.span
                 self.accounting.on_resident(buf.role, -buf.span)
+            if buf.parked:
+                buf.parked = False
+                self._parked -= buf.span
             if buf.shadow is not None:
                 self._shadow_bytes -= buf.shadow.nbytes
                 buf.shadow.release()
@@ -421,15 +458,17 @@ class Tier:
         with self._lock:
             self._reap()
             todo = [b for b in bufs if b.where is not Location.DEVICE or b.in_shadow]
-            if todo:
-                self._make_room(sum(b.span for b in todo if b.where is not Location.DEVICE), exclude=set(bufs))
+            pairs = self._room_for(todo, exclude=set(bufs)) if todo else {}
             for b in bufs:
                 b.last_use = next(self._tick)
             if not todo:
                 return Transfer.done_now("h2d")
-            return self._move_in(todo, stream, non_blocking)
+            return self._move_in(todo, stream, non_blocking, pairs)
 
-    def _move_in(self, todo: list[_Buffer], stream: Any, non_blocking: bool) -> Transfer:
+    def _move_in(self, todo: list[_Buffer], stream: Any, non_blocking: bool,
+                 pairs: Mapping[_Buffer, _Buffer] | None = None) -> Transfer:
+        """Enqueue the moves of ``todo`` to the device; ``pairs`` maps shadowed buffers to the
+        parked buffers whose pages they take (NOTE [parked pages])."""
         be = self.backend
         caps = be.capabilities()
         cur, side = self._stream(stream), self._side(UM_STREAM)
@@ -437,6 +476,12 @@ class Tier:
         moved: dict[Role, int] = {}
         um = [b for b in todo if not b.in_shadow]
         shadowed = [b for b in todo if b.in_shadow]
+        # A parked buffer's own pages still hold its data if it is read-only (nothing may write its
+        # shadow) and its shadow is valid: the refill then moves nothing.
+        intact = {b for b in shadowed if b.parked and b.policy.read_only and b.shadow_valid}
+        for c, d in (pairs or {}).items():
+            self._take_pages(c, d)
+        fresh = [b for b in shadowed if not b.parked]
         if um:
             if caps.supports("prefetch"):
                 be.prefetch(coalesce((b.block.alloc, *self._range(b)) for b in um), Location.DEVICE, side)
@@ -446,14 +491,20 @@ class Tier:
             for b in um:
                 if b.where is Location.HOST:  # unplaced buffers only get pages: nothing crosses the link
                     moved[b.role] = moved.get(b.role, 0) + b.nbytes
-        if shadowed:
+        if fresh:
             # Fresh device pages without migrating the discarded contents, then the shadow's bytes.
-            be.discard_and_prefetch(coalesce((b.block.alloc, b.ptr, b.span) for b in shadowed), Location.DEVICE, side)
-            for b in shadowed:
+            be.discard_and_prefetch(coalesce((b.block.alloc, b.ptr, b.span) for b in fresh), Location.DEVICE, side)
+        for b in shadowed:
+            if b not in intact:
                 be.copy(b.ptr, b.shadow.ptr, b.nbytes, side)
                 moved[b.role] = moved.get(b.role, 0) + b.nbytes
         for b in todo:
             was_host = b.where is Location.HOST and not b.in_shadow and b.host_valid
+            if b.parked:   # its pages were counted all along
+                b.parked = False
+                self._parked -= b.span
+                b.where = Location.DEVICE
+                self.accounting.count(b.role, "refill_reuse_ops")
             if b.in_shadow:
                 b.in_shadow = False
                 self._rebind(b, shadow=False)
@@ -470,22 +521,28 @@ class Tier:
         return self._finish("h2d", todo, cur, side, start, moved, non_blocking)
 
     def evict(self, tensors: TieredTensor | Iterable[TieredTensor], *, stream: Any = None,
-              non_blocking: bool = False, _path: str | None = None) -> Transfer:
+              non_blocking: bool = False, release: bool | None = None, _path: str | None = None) -> Transfer:
         """Take ``tensors`` off the device, each by the fastest safe path (NOTE [eviction paths]).
 
         Ordering is as for :meth:`prefetch`. With ``non_blocking`` the caller must not touch the
-        tensors until the returned transfer is done (or they are prefetched again).
+        tensors until the returned transfer is done (or they are prefetched again). Under a
+        budget, a shadow eviction keeps the device pages for the next refill (NOTE [parked
+        pages]); ``release=True`` gives them back to the driver now, these tensors' parked pages
+        included (blocking until the copies are done). Without a budget they always go back.
         """
         bufs = self._bufs(tensors)
+        park = self._budget is not None and not release
         with self._lock:
             self._reap()
             for b in bufs:
                 if b.where is None:  # never placed: no pages anywhere, nothing to move
                     b.where = Location.HOST
             todo = [b for b in bufs if b.where is Location.DEVICE]
+            if release:
+                self._drop([b for b in bufs if b.parked])
             if not todo:
                 return Transfer.done_now("d2h")
-            tr, collapse = self._move_out(todo, stream, non_blocking, _path)
+            tr, collapse = self._move_out(todo, stream, non_blocking, _path, park)
         # Collapsing read-mostly copies is a host-side driver call that takes ~25 ms per GiB
         # (bench/results/probe_refill-*.json); it runs outside the lock so that other threads can
         # keep enqueuing moves meanwhile. It moves no data.
@@ -509,9 +566,10 @@ class Tier:
         return "um"
 
     def _move_out(self, todo: list[_Buffer], stream: Any, non_blocking: bool,
-                  force: str | None = None) -> tuple[Transfer, list[tuple[int, int]]]:
+                  force: str | None = None, park: bool = False) -> tuple[Transfer, list[tuple[int, int]]]:
         """Enqueue the evictions of ``todo``; returns the transfer and the ranges whose read-mostly
-        copies the caller must collapse (after releasing the lock)."""
+        copies the caller must collapse (after releasing the lock). With ``park``, shadow
+        evictions keep their pages (NOTE [parked pages]) instead of discarding them."""
         be = self.backend
         cur, side = self._stream(stream), self._side(UM_STREAM)
         start = self._begin(todo, cur, side)
@@ -539,14 +597,20 @@ class Tier:
                 self.accounting.count(b.role, "advice_applied", 2)
                 self.accounting.count(b.role, "evict_clean_ops")
             elif path == "discard":
-                discards.append(b)   # one batched discard for all of them, below
+                if park:
+                    self._park(b)
+                else:
+                    discards.append(b)   # one batched discard for all of them, below
                 b.in_shadow = True
                 self.accounting.count(b.role, "evict_clean_ops")
             elif path == "copy":
                 # One call per buffer: copies out of managed memory run at ~52 GB/s in any size
                 # of piece (bench/results/probe_managed_read-*.json).
                 be.copy(b.shadow.ptr, b.ptr, b.nbytes, side)
-                discards.append(b)   # after every copy, in one fenced call (NOTE [discard fence])
+                if park:
+                    self._park(b)
+                else:
+                    discards.append(b)   # after every copy, in one fenced call (NOTE [discard fence])
                 b.in_shadow = True
                 b.shadow_valid = True
                 moved[b.role] = moved.get(b.role, 0) + b.nbytes
@@ -555,8 +619,9 @@ class Tier:
                 b.host_valid = True
                 moved[b.role] = moved.get(b.role, 0) + b.nbytes
                 self.accounting.count(b.role, "evict_um_ops")
-            self._resident -= b.span
-            self.accounting.on_resident(b.role, -b.span)
+            if not b.parked:
+                self._resident -= b.span
+                self.accounting.on_resident(b.role, -b.span)
             b.where = Location.HOST
             self.accounting.count(b.role, "evict_ops")
         if discards:
@@ -567,12 +632,19 @@ class Tier:
         return tr, coalesce((b.block.alloc, *self._range(b)) for b in collapse)
 
     def _make_room(self, need: int, exclude: set[_Buffer]) -> None:
-        """Evict the coldest evictable resident buffers until ``need`` more bytes fit the budget."""
+        """Make ``need`` more bytes fit the budget: give parked pages back first (NOTE [parked
+        pages]), then evict the coldest evictable resident buffers, releasing their pages."""
         if self._budget is None:
             return
         over = self._resident + need - self._budget
         if over <= 0:
             return
+        over -= self._drop([b for b in list(self._buffers) if b.parked and b not in exclude], over)
+        if over > 0:
+            self.evict(self._victims(over, need, exclude), non_blocking=True, release=True)
+
+    def _victims(self, over: int, need: int, exclude: set[_Buffer]) -> list[_Buffer]:
+        """The coldest evictable resident buffers whose pages add up to ``over`` bytes."""
         cands = [b for b in list(self._buffers)
                  if b.where is Location.DEVICE and b not in exclude and b.policy.evict is not Evict.NEVER]
         cands.sort(key=lambda b: (b.policy.evict_priority, b.last_use))
@@ -589,7 +661,92 @@ class Tier:
                 "budget or free tensors")
         for b in chosen:
             self.accounting.count(b.role, "evict_budget_ops")
-        self.evict(chosen, non_blocking=True)
+        return chosen
+
+    def _room_for(self, todo: list[_Buffer], exclude: set[_Buffer]) -> dict[_Buffer, _Buffer]:
+        """Make room for a prefetch of ``todo`` within the budget. Shadowed buffers take parked
+        pages where they can (NOTE [parked pages]), the victims' included: the victims' copies
+        out and the refills' copies in then meet in the same pages with no discard between.
+        Returns {incoming buffer: parked buffer whose pages it takes}."""
+        pairs = self._pair(todo, exclude, {})
+        if self._budget is None:
+            return pairs
+
+        def over() -> int:
+            need = sum(b.span for b in todo if b.where is not Location.DEVICE and not b.parked and b not in pairs)
+            return self._resident + need - self._budget
+
+        if over() > 0:   # parked pages no incoming buffer can take go back first
+            self._drop([b for b in list(self._buffers) if b.parked and b not in exclude
+                        and b not in pairs.values()], over())
+        if over() > 0:
+            need = sum(b.span for b in todo if b.where is not Location.DEVICE and not b.parked)
+            victims = self._victims(over(), need, exclude)
+            self.evict(victims, non_blocking=True)       # parks the ones that take a shadow path
+            pairs = self._pair(todo, exclude, pairs)
+            if over() > 0:
+                self._drop([v for v in victims if v.parked and v not in pairs.values()], over())
+        return pairs
+
+    def _pair(self, todo: list[_Buffer], exclude: set[_Buffer],
+              pairs: dict[_Buffer, _Buffer]) -> dict[_Buffer, _Buffer]:
+        """Match shadowed buffers of ``todo`` that have no pages with parked buffers of the same
+        span outside ``exclude``, preferring one whose range has the same advice."""
+        want = [b for b in todo if b.in_shadow and not b.parked and b not in pairs]
+        if not want:
+            return pairs
+        taken = set(pairs.values())
+        donors: dict[int, list[_Buffer]] = {}
+        for d in list(self._buffers):
+            if d.parked and d not in exclude and d not in taken:
+                donors.setdefault(d.span, []).append(d)
+        for c in want:
+            ds = donors.get(c.span)
+            if ds:
+                plan = advice_plan(c.policy)
+                same = [d for d in ds if advice_plan(d.policy) == plan]
+                d = (same or ds)[0]
+                ds.remove(d)
+                pairs[c] = d
+        return pairs
+
+    def _park(self, b: _Buffer) -> None:
+        b.parked = True
+        self._parked += b.span
+        self.accounting.count(b.role, "evict_park_ops")
+
+    def _take_pages(self, c: _Buffer, d: _Buffer) -> None:
+        """``c`` (in the shadow, without pages) takes parked ``d``'s range and its device pages;
+        ``d`` keeps its shadow and takes ``c``'s range, which holds no pages (NOTE [parked
+        pages]). Ranges keep the advice they were given, so it is given again if it differs."""
+        c.block, d.block = d.block, c.block
+        c.ptr, d.ptr = c.block.ptr, d.block.ptr
+        c.parked, d.parked = True, False      # c's refill then unparks it like its own pages
+        self.accounting.on_resident(d.role, -d.span)
+        self.accounting.on_resident(c.role, c.span)
+        if advice_plan(c.policy) != advice_plan(d.policy):
+            self._apply_advice(c)
+            self._apply_advice(d)
+
+    def _drop(self, cands: list[_Buffer], amount: int | None = None) -> int:
+        """Give back the pages of the coldest parked buffers in ``cands`` until ``amount`` bytes
+        (all of them if None), in one fenced discard; returns the bytes given back."""
+        chosen, freed = [], 0
+        for b in sorted(cands, key=lambda b: b.last_use):
+            if amount is not None and freed >= amount:
+                break
+            chosen.append(b)
+            freed += b.span
+        if not chosen:
+            return 0
+        self.backend.discard(coalesce((b.block.alloc, b.ptr, b.span) for b in chosen), self._side(UM_STREAM))
+        for b in chosen:
+            b.parked = False
+            self._parked -= b.span
+            self._resident -= b.span
+            self.accounting.on_resident(b.role, -b.span)
+            self.accounting.count(b.role, "park_release_ops")
+        return freed
 
     # -- views and bindings -----------------------------------------------------------------------
     def _rebind(self, b: _Buffer, shadow: bool) -> None:
@@ -640,6 +797,11 @@ class Tier:
                 return
             except OutOfBudgetError:
                 pass
+            if b.parked:   # its pages go too: the host pages below replace them
+                b.parked = False
+                self._parked -= b.span
+                self._resident -= b.span
+                self.accounting.on_resident(b.role, -b.span)
             side = self._side(UM_STREAM)
             self.backend.discard_and_prefetch([(b.ptr, b.span)], Location.HOST, side)
             self.backend.copy(b.ptr, b.shadow.ptr, b.nbytes, side)
@@ -690,6 +852,7 @@ class Tier:
             "managed.pool_cached_bytes": pools["cached"],
             "budget_bytes": -1 if self._budget is None else self._budget,
             "shadow_bytes.current": self._shadow_bytes,
+            "parked_bytes.current": self._parked,
         })
         return out
 
@@ -699,6 +862,7 @@ class Tier:
         return summary(self)
 
     def close(self) -> None:
-        """Wait for outstanding moves and release tiermem's streams and cached pool blocks."""
+        """Wait for outstanding moves, give parked pages back, and release cached pool blocks."""
         self.synchronize()
+        self.trim()
         self.backend.release_cached()

@@ -31,7 +31,8 @@ def summary(tier: Tier) -> str:
         f"  managed: {_b(s['managed.reserved_bytes.current'])} reserved (peak {_b(s['managed.reserved_bytes.peak'])}, "
         f"{_b(s['managed.pool_cached_bytes'])} cached) of a {_b(s['managed.cap_bytes'])} cap; "
         f"{s['managed.refused_count']} refused",
-        f"  device budget: {budget}; resident {_b(s['resident_bytes.all.current'])} (peak {_b(s['resident_bytes.all.peak'])}); "
+        f"  device budget: {budget}; resident {_b(s['resident_bytes.all.current'])} (peak {_b(s['resident_bytes.all.peak'])}, "
+        f"{_b(s['parked_bytes.current'])} parked); "
         f"pinned shadows {_b(s['shadow_bytes.current'])}",
         "",
         f"  {'role':<16}{'allocated':>12}{'peak':>12}{'count':>7}{'resident':>12}"

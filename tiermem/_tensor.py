@@ -15,6 +15,8 @@ NOTE [views and the fast paths]
     the old storage remains (an autograd graph that saved the tensor, a ``.detach()`` kept by the
     user). Otherwise the eviction goes through Unified Memory, which is slower but keeps every
     pointer valid. A view asked for while the data sits in the shadow first brings it back.
+    Under a budget the range keeps its device pages meanwhile, and a refill may trade ranges with
+    another shadowed buffer (NOTE [parked pages] in _tier.py); the same rules make that safe.
 
 NOTE [dlpack]
     A managed CuPy array exports DLPack device type 13 (kDLCUDAManaged), which torch.from_dlpack

@@ -166,7 +166,7 @@ class Tier:
             self._reap()             # finished moves let go of buffers freed meanwhile
             old, self._budget = self._budget, new
             if new is None:   # nothing parks without a budget (NOTE [parked pages])
-                self._drop([b for b in list(self._buffers) if b.parked])
+                self._drop(self._parked_bufs())
             elif self._resident > new:
                 try:
                     self._make_room(0, exclude=set())
@@ -191,7 +191,7 @@ class Tier:
         [parked pages]). Blocks until the discard is done; returns the bytes given back."""
         with self._lock:
             self._reap()
-            return self._drop([b for b in list(self._buffers) if b.parked])
+            return self._drop(self._parked_bufs())
 
     # -- allocation -----------------------------------------------------------------------------
     def empty(self, shape: int | Iterable[int], dtype: Any = "float32", *, role: Role | str,
@@ -358,12 +358,11 @@ class Tier:
     def _buffer_gone(self, buf: _Buffer) -> None:
         """The last owner of ``buf`` went: give its memory back. Called from __del__."""
         with self._lock:
-            if buf.where is Location.DEVICE or buf.parked:
+            if buf.parked:
+                self._unpark(buf, pages_gone=True)
+            elif buf.where is Location.DEVICE:
                 self._resident -= buf.span
                 self.accounting.on_resident(buf.role, -buf.span)
-            if buf.parked:
-                buf.parked = False
-                self._parked -= buf.span
             if buf.shadow is not None:
                 self._shadow_bytes -= buf.shadow.nbytes
                 buf.shadow.release()
@@ -502,8 +501,7 @@ class Tier:
         for b in todo:
             was_host = b.where is Location.HOST and not b.in_shadow and b.host_valid
             if b.parked:   # its pages were counted all along
-                b.parked = False
-                self._parked -= b.span
+                self._unpark(b, pages_gone=False)
                 b.where = Location.DEVICE
                 self.accounting.count(b.role, "refill_reuse_ops")
             if b.in_shadow:
@@ -640,7 +638,7 @@ class Tier:
         over = self._resident + need - self._budget
         if over <= 0:
             return
-        over -= self._drop([b for b in list(self._buffers) if b.parked and b not in exclude], over)
+        over -= self._drop(self._parked_bufs(exclude), over)
         if over > 0:
             self.evict(self._victims(over, need, exclude), non_blocking=True, release=True)
 
@@ -678,8 +676,7 @@ class Tier:
             return self._resident + need - self._budget
 
         if over() > 0:   # parked pages no incoming buffer can take go back first
-            self._drop([b for b in list(self._buffers) if b.parked and b not in exclude
-                        and b not in pairs.values()], over())
+            self._drop(self._parked_bufs([*exclude, *pairs.values()]), over())
         if over() > 0:
             need = sum(b.span for b in todo if b.where is not Location.DEVICE and not b.parked)
             victims = self._victims(over(), need, exclude)
@@ -696,16 +693,14 @@ class Tier:
         want = [b for b in todo if b.in_shadow and not b.parked and b not in pairs]
         if not want:
             return pairs
-        taken = set(pairs.values())
         donors: dict[int, list[_Buffer]] = {}
-        for d in list(self._buffers):
-            if d.parked and d not in exclude and d not in taken:
-                donors.setdefault(d.span, []).append(d)
+        for d in self._parked_bufs([*exclude, *pairs.values()]):
+            donors.setdefault(d.span, []).append(d)
         for c in want:
             ds = donors.get(c.span)
             if ds:
                 plan = advice_plan(c.policy)
-                same = [d for d in ds if advice_plan(d.policy) == plan]
+                same = [d for d in ds if d.policy == c.policy or advice_plan(d.policy) == plan]
                 d = (same or ds)[0]
                 ds.remove(d)
                 pairs[c] = d
@@ -715,6 +710,19 @@ class Tier:
         b.parked = True
         self._parked += b.span
         self.accounting.count(b.role, "evict_park_ops")
+
+    def _unpark(self, b: _Buffer, pages_gone: bool) -> None:
+        """``b`` is parked no more: its pages hold its live data again, or (``pages_gone``) they
+        leave tiermem's hands and the budget's count."""
+        b.parked = False
+        self._parked -= b.span
+        if pages_gone:
+            self._resident -= b.span
+            self.accounting.on_resident(b.role, -b.span)
+
+    def _parked_bufs(self, exclude: Iterable[_Buffer] = ()) -> list[_Buffer]:
+        skip = set(exclude)
+        return [b for b in list(self._buffers) if b.parked and b not in skip]
 
     def _take_pages(self, c: _Buffer, d: _Buffer) -> None:
         """``c`` (in the shadow, without pages) takes parked ``d``'s range and its device pages;
@@ -742,10 +750,7 @@ class Tier:
             return 0
         self.backend.discard(coalesce((b.block.alloc, b.ptr, b.span) for b in chosen), self._side(UM_STREAM))
         for b in chosen:
-            b.parked = False
-            self._parked -= b.span
-            self._resident -= b.span
-            self.accounting.on_resident(b.role, -b.span)
+            self._unpark(b, pages_gone=True)
             self.accounting.count(b.role, "park_release_ops")
         return freed
 
@@ -799,10 +804,7 @@ class Tier:
             except OutOfBudgetError:
                 pass
             if b.parked:   # its pages go too: the host pages below replace them
-                b.parked = False
-                self._parked -= b.span
-                self._resident -= b.span
-                self.accounting.on_resident(b.role, -b.span)
+                self._unpark(b, pages_gone=True)
             side = self._side(UM_STREAM)
             self.backend.discard_and_prefetch([(b.ptr, b.span)], Location.HOST, side)
             self.backend.copy(b.ptr, b.shadow.ptr, b.nbytes, side)

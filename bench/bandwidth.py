@@ -4,8 +4,9 @@ In one run, side by side, on 1 GiB (default) of data:
   ceilings     pinned H2D, pinned D2H, both at once (cudaMalloc <-> pinned host, torch copies)
   plain UM     prefetch to the host (UM's write-back), fault-in (a kernel touches host pages),
                one-call prefetch in
-  tiermem      prefetch-in of a group of evicted tensors of various sizes, the same as separate
-               tensors, dirty eviction, clean eviction (read-mostly and shadow), prefetch-in
+  tiermem      prefetch-in of a group of evicted tensors of various sizes: streamed in where the
+               group before it was (the headline), into fresh pages, read-mostly, and as separate
+               tensors; dirty eviction, clean eviction (read-mostly and shadow), prefetch-in
                from the pinned shadow, zero-copy reads, prefetch-in and eviction at once, and
                an exchange under a tight budget (one group in, another out)
 and whether evicted device memory really goes back to other allocators.
@@ -154,13 +155,13 @@ def main() -> None:
 
     # ---- 4. a group of frozen weights: prefetch-in and clean (read-mostly) eviction -----------
     progress("group prefetch-in and clean eviction (frozen_weight: read-mostly, host-preferred)")
-    W = tier.empty_group(specs, role="frozen_weight")
+    W = tier.empty_group(specs, role="frozen_weight", read_mostly=True)
     tier.prefetch(W)
     w_refs = fill(W)
     gc.collect()
     evict_um(W)                                    # its host pages hold the data from now on
     clean = lambda: (tier.evict(W), torch.cuda.synchronize())  # noqa: E731
-    metrics["prefetch_in_GBps"] = gbps(N, median(cuda_times(lambda: tier.prefetch(W), reps, setup=clean)))
+    metrics["prefetch_in_read_mostly_GBps"] = gbps(N, median(cuda_times(lambda: tier.prefetch(W), reps, setup=clean)))
     moved_before = tier.stats()["moved_bytes.frozen_weight.d2h"]
     pcie0 = pcie_bytes()
     t_clean = cuda_times(lambda: tier.evict(W), reps, setup=lambda: (tier.prefetch(W), torch.cuda.synchronize()))
@@ -310,7 +311,51 @@ def main() -> None:
     metrics["exchange_release_GBps"] = gbps(2 * N, median(cuda_times(exchange_release, reps, setup=exchange_setup)))
     checks["exchange_release_intact"] = intact(B, b_refs) and intact(A, state["refs"])
     tier.set_budget(old_budget)
-    del B, b_refs
+    del B, b_refs, A
+    gc.collect()
+
+    # ---- 6c. streaming weights in: a group comes in where the group before it was --------------
+    # What a model bigger than its budget does every layer: frozen weights without read-mostly,
+    # so they evict through the shadow (read-only: once copied, it stays valid). Under a budget
+    # that holds one group, bringing one group in parks the other (nothing moves: clean) and
+    # copies the incoming group's shadow into its pages. The timed call is the whole prefetch.
+    progress("streaming frozen weights in, one group where the other was (shadow path)")
+    F1 = tier.empty_group(specs, role="frozen_weight", read_mostly=False)
+    F2 = tier.empty_group(specs, role="frozen_weight", read_mostly=False)
+    f_refs = [fill(F1), fill(F2)]
+    gc.collect()
+    old_budget = tier.set_budget(sum(t._b.span for t in F1))
+    for g in (F1, F2, F1, F2):          # the first eviction of each copies out; then the shadow is valid
+        tier.prefetch(g)
+    torch.cuda.synchronize()
+    turn = {"next": 0}
+
+    def stream_setup():
+        g = (F1, F2)[turn["next"] % 2]
+        tier.prefetch(g)                # the other group is in the shadow, g is in and resident
+        torch.cuda.synchronize()
+        turn["next"] += 1
+
+    def stream_in():
+        tier.prefetch((F1, F2)[turn["next"] % 2])
+
+    moved0 = tier.stats()["moved_bytes.frozen_weight.d2h"], tier.stats()["moved_bytes.frozen_weight.h2d"]
+    reuse0 = tier.stats()["ops.frozen_weight.refill_reuse"]
+    t_stream = cuda_times(stream_in, reps, setup=stream_setup)
+    metrics["prefetch_in_GBps"] = gbps(N, median(t_stream))
+    moved1 = tier.stats()["moved_bytes.frozen_weight.d2h"], tier.stats()["moved_bytes.frozen_weight.h2d"]
+    raw["stream_in_moved_bytes_per_prefetch"] = {"d2h": (moved1[0] - moved0[0]) / (2 * (reps + 1)),
+                                            "h2d": (moved1[1] - moved0[1]) / (2 * (reps + 1))}
+    raw["stream_in_refills_into_reused_pages"] = tier.stats()["ops.frozen_weight.refill_reuse"] - reuse0
+    metrics["stream_in_evict_bytes_moved_fraction"] = raw["stream_in_moved_bytes_per_prefetch"]["d2h"] / N
+    checks["stream_in_intact"] = intact(F1, f_refs[0]) and intact(F2, f_refs[1])
+    # the same with the pages given back at every eviction: each refill then gets fresh pages
+    metrics["prefetch_in_fresh_pages_GBps"] = gbps(N, median(cuda_times(
+        stream_in, reps, setup=lambda: (stream_setup(), tier.evict((F1, F2)[turn["next"] % 2 - 1], release=True),
+                                        tier.trim(), torch.cuda.synchronize()))))
+    checks["stream_in_fresh_intact"] = intact(F1, f_refs[0]) and intact(F2, f_refs[1])
+    tier.set_budget(old_budget)
+    del F1, F2, f_refs
     gc.collect()
 
     # ---- 7. zero-copy reads ---------------------------------------------------------------------
@@ -329,7 +374,7 @@ def main() -> None:
     raw["zero_copy_read_uint8_GBps"] = gbps(N, median(cuda_times(lambda: zv.view(torch.uint8).sum(dtype=torch.int64), reps)))
     del zref
     raw["stats"] = tier.stats()
-    del zv, Z, A
+    del zv, Z
     gc.collect()
 
     # ---- ratios and checks ----------------------------------------------------------------------
@@ -340,6 +385,8 @@ def main() -> None:
     del d2, h
     h2d, d2h = metrics["pinned_h2d_GBps"], metrics["pinned_d2h_GBps"]
     metrics["prefetch_in_vs_pinned_h2d"] = round(metrics["prefetch_in_GBps"] / h2d, 3)
+    metrics["prefetch_in_read_mostly_vs_pinned_h2d"] = round(metrics["prefetch_in_read_mostly_GBps"] / h2d, 3)
+    metrics["prefetch_in_fresh_pages_vs_pinned_h2d"] = round(metrics["prefetch_in_fresh_pages_GBps"] / h2d, 3)
     metrics["prefetch_in_separate_vs_pinned_h2d"] = round(metrics["prefetch_in_separate_GBps"] / h2d, 3)
     metrics["prefetch_in_shadow_vs_pinned_h2d"] = round(metrics["prefetch_in_shadow_GBps"] / h2d, 3)
     metrics["evict_dirty_vs_pinned_d2h"] = round(metrics["evict_dirty_GBps"] / d2h, 3)
@@ -435,7 +482,10 @@ def plot(metrics: dict) -> str | None:
     names = [("pinned_h2d_GBps", "ceiling: pinned H2D"), ("pinned_d2h_GBps", "ceiling: pinned D2H"),
              ("um_prefetch_h2d_GBps", "UM: prefetch in (1 call)"), ("um_fault_in_GBps", "UM: fault in"),
              ("um_prefetch_d2h_GBps", "UM: write back (prefetch to host)"),
-             ("prefetch_in_GBps", "tiermem: group prefetch in"), ("prefetch_in_separate_GBps", "tiermem: separate tensors in"),
+             ("prefetch_in_GBps", "tiermem: group streamed in (pages of the group out)"),
+             ("prefetch_in_fresh_pages_GBps", "tiermem: group streamed in (fresh pages)"),
+             ("prefetch_in_read_mostly_GBps", "tiermem: read-mostly group in"),
+             ("prefetch_in_separate_GBps", "tiermem: separate tensors in"),
              ("prefetch_in_shadow_GBps", "tiermem: in from pinned shadow (parked pages)"),
              ("prefetch_in_shadow_fresh_pages_GBps", "tiermem: in from pinned shadow (fresh pages)"),
              ("evict_dirty_GBps", "tiermem: dirty eviction (pages parked)"),

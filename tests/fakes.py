@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from tiermem._backend import Block, HostBlock
+from tiermem._backend import LARGE, Block, HostBlock
 from tiermem._cuda import Capabilities, RangeInfo
 from tiermem._errors import ViewError
 from tiermem._limits import CapGuard, resolve_cap
@@ -142,12 +142,21 @@ class FakeBackend:
             for st in self._blocks_in(p, n):
                 st.last_prefetch = location
 
+    @staticmethod
+    def _whole_pages(ranges) -> None:
+        # The driver maps managed memory on the device in 2 MiB pages: a discard of part of one
+        # could take a neighbour's data with it, so the engine must never ask for one.
+        for p, n in ranges:
+            assert p % LARGE == 0 and n % LARGE == 0, f"discard of part of a 2 MiB page: {p:#x}+{n:#x}"
+
     def discard(self, ranges, stream: int) -> None:
+        self._whole_pages(ranges)
         self.calls.append(("discard", tuple(ranges), stream))
         for p, n in ranges:
             ctypes.memset(p, POISON, n)
 
     def discard_and_prefetch(self, ranges, location: Location, stream: int) -> None:
+        self._whole_pages(ranges)
         self.calls.append(("discard_and_prefetch", tuple(ranges), location, stream))
         for p, n in ranges:
             ctypes.memset(p, POISON, n)

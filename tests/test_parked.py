@@ -212,3 +212,81 @@ def test_freeing_a_parked_tensor_leaves_the_accounting(fake):
     import gc
     gc.collect()
     assert (t.parked_bytes, t.resident_bytes, t.stats()["resident_bytes.activation.current"]) == (0, 0, 0)
+
+
+# -- small buffers (under 2 MiB, sharing pages): they park too, and nothing discards their pages --
+
+def test_a_groups_small_members_park_and_move_by_copy_like_the_large_ones(fake):
+    t = budgeted(fake, 16 * MiB)
+    g = t.empty_group([((3 * MiB,), "uint8"), ((5000,), "uint8"), ((700,), "uint8")], role="activation")
+    data = [fill_random(x) for x in g]
+    n = len(fake.calls)
+    tr = t.evict(g)
+    assert moves(fake, n) == ["copy"] * 3                # no Unified Memory write-back, no discard
+    assert tr.nbytes == 3 * MiB + 5700
+    assert all(x.parked and x.in_shadow for x in g)
+    assert t.stats()["ops.activation.evict_um"] == 0
+    n = len(fake.calls)
+    t.prefetch(g)
+    assert moves(fake, n) == ["copy"] * 3                # back into their own pages
+    assert all(torch.equal(read(x), d) for x, d in zip(g, data))
+
+
+def test_a_small_read_only_buffer_evicts_clean_once_its_shadow_is_valid(fake):
+    t = budgeted(fake, 8 * MiB)
+    tt = t.empty(5000, "uint8", role="activation", read_only=True)
+    data = fill_random(tt)
+    tt.evict()
+    tt.prefetch()
+    n = len(fake.calls)
+    assert (tt.evict().nbytes, tt.prefetch().nbytes) == (0, 0)
+    assert moves(fake, n) == []
+    assert torch.equal(read(tt), data)
+
+
+def test_small_parked_pages_go_back_by_migration_never_by_discard(fake):
+    """The fake refuses a discard of part of a 2 MiB page, as the driver's 2 MiB mapping makes
+    one unsafe; so trim() must move a small buffer's pages to the host instead, and its refill
+    migrate pages in before the copy."""
+    t = budgeted(fake, 8 * MiB)
+    tt = t.empty(5000, "uint8", role="activation")
+    data = fill_random(tt)
+    tt.evict()
+    n = len(fake.calls)
+    assert t.trim() > 0
+    assert moves(fake, n) == ["prefetch"] and fake.calls[-1][2] is Location.HOST
+    assert (tt.parked, tt.in_shadow, t.parked_bytes, t.resident_bytes) == (False, True, 0, 0)
+    n = len(fake.calls)
+    tt.prefetch()
+    assert moves(fake, n) == ["prefetch", "copy"]
+    assert torch.equal(read(tt), data)
+
+
+def test_a_small_buffer_released_at_once_goes_by_unified_memory(fake):
+    t = budgeted(fake, 8 * MiB)
+    tt = t.empty(5000, "uint8", role="activation")
+    data = fill_random(tt)
+    n = len(fake.calls)
+    t.evict(tt, release=True)
+    assert moves(fake, n) == ["prefetch"] and not tt.in_shadow and not tt.parked
+    assert t.stats()["ops.activation.evict_um"] == 1
+    assert torch.equal(read(tt), data)
+
+
+def test_small_buffers_trade_pages_under_a_budget_that_holds_one(fake):
+    a0 = tiermem.Tier(backend=fake).empty(5000, "uint8", role="activation")
+    span = a0._b.span
+    del a0
+    t = budgeted(fake, span)
+    a = t.empty(5000, "uint8", role="activation")
+    da = fill_random(a)
+    a.evict()                                            # parked
+    b = t.empty(5000, "uint8", role="activation")        # a's pages go back: room for b
+    db = fill_random(b)
+    b_ptr = b.data_ptr
+    n = len(fake.calls)
+    a.prefetch()                                         # b parks, a takes b's pages
+    assert moves(fake, n) == ["copy", "copy"]
+    assert (a.data_ptr, a.parked, b.in_shadow, b.parked, t.resident_bytes) == (b_ptr, False, True, False, span)
+    assert torch.equal(read(a), da)
+    assert torch.equal(read(b), db)

@@ -42,6 +42,13 @@ def piece_sizes(total: int) -> list[int]:
     return sizes
 
 
+def advise_all(group, **changes) -> None:
+    # a function, not a loop in main(): a loop variable left over would keep the last member, and
+    # with it the group's whole allocation, alive under the managed cap
+    for t in group:
+        t.advise(**changes)
+
+
 def pcie_bytes():
     """(tx, rx) byte counters of the PCIe link from NVML, or None where the driver has none."""
     try:
@@ -251,8 +258,7 @@ def main() -> None:
     checks["dirty_round_trip_intact"] = intact(A, state["refs"])
     gc.collect()
     # The same group marked read-only: its shadow stays valid, so eviction is a discard only.
-    for t in A:
-        t.advise(read_only=True)
+    advise_all(A, read_only=True)
     tier.evict(A)
     torch.cuda.synchronize()
     moved_before = tier.stats()["moved_bytes.activation.d2h"]
@@ -261,8 +267,7 @@ def main() -> None:
     metrics["evict_clean_shadow_bytes_moved_fraction"] = (tier.stats()["moved_bytes.activation.d2h"] - moved_before) / ((reps + 1) * N)
     tier.prefetch(A)
     checks["shadow_clean_round_trip_intact"] = intact(A, state["refs"])
-    for t in A:
-        t.advise(read_only=False)
+    advise_all(A, read_only=False)
     gc.collect()
 
     # ---- 6. overlap: A goes out while W comes in ----------------------------------------------
@@ -325,8 +330,9 @@ def main() -> None:
     f_refs = [fill(F1), fill(F2)]
     gc.collect()
     old_budget = tier.set_budget(sum(t._b.span for t in F1))
-    for g in (F1, F2, F1, F2):          # the first eviction of each copies out; then the shadow is valid
-        tier.prefetch(g)
+    for group in (F1, F2, F1, F2):      # the first eviction of each copies out; then the shadow is valid
+        tier.prefetch(group)
+    del group                           # a loop variable would keep F2's allocation alive
     torch.cuda.synchronize()
     turn = {"next": 0}
 

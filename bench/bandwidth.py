@@ -321,12 +321,16 @@ def main() -> None:
 
     # ---- 6c. streaming weights in: a group comes in where the group before it was --------------
     # What a model bigger than its budget does every layer: frozen weights without read-mostly,
-    # so they evict through the shadow (read-only: once copied, it stays valid). Under a budget
+    # so they evict through the shadow (read-only: once copied, it stays valid), and without the
+    # host as preferred location, since the shadow is their host copy (with it, copies into the
+    # range ran at 7.5 GB/s, and at 1.9 into fresh pages: bandwidth-h100-20261122-d8400a6.json).
+    # Under a budget
     # that holds one group, bringing one group in parks the other (nothing moves: clean) and
     # copies the incoming group's shadow into its pages. The timed call is the whole prefetch.
     progress("streaming frozen weights in, one group where the other was (shadow path)")
-    F1 = tier.empty_group(specs, role="frozen_weight", read_mostly=False)
-    F2 = tier.empty_group(specs, role="frozen_weight", read_mostly=False)
+    shadowed_frozen = {"read_mostly": False, "preferred_location": None}
+    F1 = tier.empty_group(specs, role="frozen_weight", **shadowed_frozen)
+    F2 = tier.empty_group(specs, role="frozen_weight", **shadowed_frozen)
     f_refs = [fill(F1), fill(F2)]
     gc.collect()
     old_budget = tier.set_budget(sum(t._b.span for t in F1))

@@ -32,6 +32,7 @@ import weakref
 from typing import TYPE_CHECKING, Any
 
 from . import _dtypes
+from ._backend import LARGE
 from ._errors import TierMemError, ViewError
 from .roles import Location, Policy, Role
 
@@ -85,7 +86,6 @@ class _Buffer:
         """True when the buffer covers whole 2 MiB pages that nothing else uses, so its pages may
         be discarded (NOTE [size classes] in _backend.py). The driver maps device memory in 2 MiB
         pages; a discard of part of one could take a neighbour's data with it."""
-        from ._backend import LARGE
         return self.block.pool_key.endswith("/large") and self.ptr % LARGE == 0 and self.span % LARGE == 0
 
     def token(self, internal: bool, shadow: bool = False) -> _ViewToken:
@@ -94,6 +94,8 @@ class _Buffer:
         return t
 
     def foreign_views(self) -> int:
+        if not self.tokens:   # the common case, and iterating a WeakSet is slow
+            return 0
         return sum(1 for t in list(self.tokens) if not t.internal)
 
     def __del__(self) -> None:

@@ -50,6 +50,7 @@ NOTE [parked pages]
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import math
@@ -79,6 +80,13 @@ log = logging.getLogger("tiermem")
 # remove the stress test's rare mismatch; NOTE [discard fence] in _backend.py did.) Pinned
 # copies (wrap_module's and wrap_training's slots) keep a stream per direction.
 UM_STREAM = "um"
+
+
+@functools.lru_cache(maxsize=256)
+def _plan(policy: Policy) -> tuple:
+    """``advice_plan`` as a tuple, cached: trading pages compares plans per buffer, on the host
+    time before a refill's first copy."""
+    return tuple(advice_plan(policy))
 
 
 def _as_location(to: Location | str) -> Location:
@@ -485,10 +493,9 @@ class Tier:
         # A parked buffer's own pages still hold its data if it is read-only (nothing may write its
         # shadow) and its shadow is valid: the refill then moves nothing.
         intact = {b for b in shadowed if b.parked and b.policy.read_only and b.shadow_valid}
-        for c, d in (pairs or {}).items():
-            self._take_pages(c, d)
-        fresh = [b for b in shadowed if not b.parked and b.owns_pages]
-        shared = [b for b in shadowed if not b.parked and not b.owns_pages]
+        pairs = pairs or {}
+        fresh = [b for b in shadowed if not b.parked and b not in pairs and b.owns_pages]
+        shared = [b for b in shadowed if not b.parked and b not in pairs and not b.owns_pages]
         if um:
             if caps.supports("prefetch"):
                 be.prefetch(coalesce((b.block.alloc, *self._range(b)) for b in um), Location.DEVICE, side)
@@ -504,7 +511,11 @@ class Tier:
         if shared and caps.supports("prefetch"):
             # Shared pages cannot be discarded: they migrate, stale contents and all (small).
             be.prefetch(coalesce((b.block.alloc, *self._range(b)) for b in shared), Location.DEVICE, side)
-        for b in shadowed:
+        # Largest first, each taking its pages just before its copy: the link is busy while the
+        # host does the rest (the host's work before the first copy is time the link stands idle).
+        for b in sorted(shadowed, key=lambda b: -b.nbytes):
+            if b in pairs:
+                self._take_pages(b, pairs[b])
             if b not in intact:
                 be.copy(b.ptr, b.shadow.ptr, b.nbytes, side)
                 moved[b.role] = moved.get(b.role, 0) + b.nbytes
@@ -711,8 +722,8 @@ class Tier:
         for c in want:
             ds = donors.get(c.span)
             if ds:
-                plan = advice_plan(c.policy)
-                same = [d for d in ds if d.policy == c.policy or advice_plan(d.policy) == plan]
+                plan = _plan(c.policy)
+                same = [d for d in ds if d.policy == c.policy or _plan(d.policy) == plan]
                 d = (same or ds)[0]
                 ds.remove(d)
                 pairs[c] = d
@@ -745,7 +756,7 @@ class Tier:
         c.parked, d.parked = True, False      # c's refill then unparks it like its own pages
         self.accounting.on_resident(d.role, -d.span)
         self.accounting.on_resident(c.role, c.span)
-        if advice_plan(c.policy) != advice_plan(d.policy):
+        if c.policy != d.policy and _plan(c.policy) != _plan(d.policy):
             self._apply_advice(c)
             self._apply_advice(d)
 
@@ -793,6 +804,9 @@ class Tier:
     def _detach_for_discard(self, b: _Buffer) -> bool:
         """Re-point ``b``'s bindings at its shadow; True if nothing else still refers to the
         managed range, so it may be discarded (NOTE [views and the fast paths])."""
+        if not b.tokens:      # no view of any kind: nothing else can point at the range
+            self._rebind(b, shadow=True)
+            return True
         if b.foreign_views():
             return False
         old = [weakref.ref(t) for t in list(b.tokens) if not t.shadow]

@@ -130,6 +130,11 @@ def main() -> None:
     mf = mv.view(torch.float32)   # float32 reads: byte-wide reads over the link run slower (probe_refill)
     metrics["um_fault_in_GBps"] = gbps(N, median(cuda_times(lambda: mf.sum(), reps, setup=to_host)))
     checks["um_baseline_intact"] = bool(torch.equal(mv, d))
+    # The ceiling for anything that lands in managed pages: one copy from pinned memory into
+    # device-resident managed pages (shared/FACTS.md: ~50 GB/s, where cudaMalloc memory takes 55).
+    to_dev()
+    metrics["pinned_h2d_managed_GBps"] = gbps(N, median(cuda_times(lambda: _cuda.memcpy_async(m.ptr, h.data_ptr(), N, cur()), reps)))
+    checks["managed_ceiling_intact"] = bool(torch.equal(mv, d))
     del mf, mv, m
     gc.collect()
 
@@ -351,7 +356,25 @@ def main() -> None:
 
     moved0 = tier.stats()["moved_bytes.frozen_weight.d2h"], tier.stats()["moved_bytes.frozen_weight.h2d"]
     reuse0 = tier.stats()["ops.frozen_weight.refill_reuse"]
-    t_stream = cuda_times(stream_in, reps, setup=stream_setup)
+    # host time of the call, and before its first copy: while the host plans, the link is idle
+    marks: dict[str, list[float]] = {"call": [], "first_copy": [], "t0": [0.0]}
+    real_copy = tier.backend.copy
+
+    def copy_marked(*a):
+        if len(marks["first_copy"]) < len(marks["call"]) + 1:
+            marks["first_copy"].append(time.perf_counter() - marks["t0"][0])
+        real_copy(*a)
+
+    def stream_in_marked():
+        marks["t0"][0] = time.perf_counter()
+        stream_in()
+        marks["call"].append(time.perf_counter() - marks["t0"][0])
+
+    tier.backend.copy = copy_marked
+    t_stream = cuda_times(stream_in_marked, reps, setup=stream_setup)
+    del tier.backend.copy
+    raw["stream_in_host_ms"] = round(median(marks["call"]) * 1e3, 3)
+    raw["stream_in_host_ms_before_first_copy"] = round(median(marks["first_copy"]) * 1e3, 3)
     metrics["prefetch_in_GBps"] = gbps(N, median(t_stream))
     moved1 = tier.stats()["moved_bytes.frozen_weight.d2h"], tier.stats()["moved_bytes.frozen_weight.h2d"]
     raw["stream_in_moved_bytes_per_prefetch"] = {"d2h": (moved1[0] - moved0[0]) / (2 * (reps + 1)),
@@ -395,6 +418,9 @@ def main() -> None:
     del d2, h
     h2d, d2h = metrics["pinned_h2d_GBps"], metrics["pinned_d2h_GBps"]
     metrics["prefetch_in_vs_pinned_h2d"] = round(metrics["prefetch_in_GBps"] / h2d, 3)
+    metrics["prefetch_in_vs_pinned_h2d_managed"] = round(metrics["prefetch_in_GBps"] / metrics["pinned_h2d_managed_GBps"], 3)
+    metrics["prefetch_in_shadow_vs_pinned_h2d_managed"] = round(metrics["prefetch_in_shadow_GBps"] / metrics["pinned_h2d_managed_GBps"], 3)
+    metrics["pinned_h2d_managed_vs_pinned_h2d"] = round(metrics["pinned_h2d_managed_GBps"] / h2d, 3)
     metrics["prefetch_in_read_mostly_vs_pinned_h2d"] = round(metrics["prefetch_in_read_mostly_GBps"] / h2d, 3)
     metrics["prefetch_in_fresh_pages_vs_pinned_h2d"] = round(metrics["prefetch_in_fresh_pages_GBps"] / h2d, 3)
     metrics["prefetch_in_separate_vs_pinned_h2d"] = round(metrics["prefetch_in_separate_GBps"] / h2d, 3)
@@ -490,6 +516,7 @@ def plot(metrics: dict) -> str | None:
     except ImportError:
         return None
     names = [("pinned_h2d_GBps", "ceiling: pinned H2D"), ("pinned_d2h_GBps", "ceiling: pinned D2H"),
+             ("pinned_h2d_managed_GBps", "ceiling: pinned H2D into managed pages"),
              ("um_prefetch_h2d_GBps", "UM: prefetch in (1 call)"), ("um_fault_in_GBps", "UM: fault in"),
              ("um_prefetch_d2h_GBps", "UM: write back (prefetch to host)"),
              ("prefetch_in_GBps", "tiermem: group streamed in (pages of the group out)"),

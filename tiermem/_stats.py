@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+from collections.abc import Mapping
 from typing import Any
 
 from .roles import Role
@@ -162,6 +163,13 @@ class Accounting:
         with self._lock:
             for s in self._both(role):
                 setattr(s, field, getattr(s, field) + n)
+
+    def count_many(self, counts: Mapping[tuple[Role, str], int]) -> None:
+        """Many ``count`` calls under one lock: {(role, field): n}."""
+        with self._lock:
+            for (role, field), n in counts.items():
+                for s in self._both(role):
+                    setattr(s, field, getattr(s, field) + n)
 
     def snapshot(self) -> tuple[dict[Role, RoleStats], RoleStats]:
         with self._lock:

@@ -50,6 +50,7 @@ NOTE [parked pages]
 """
 from __future__ import annotations
 
+import collections
 import functools
 import itertools
 import logging
@@ -598,6 +599,9 @@ class Tier:
         moved: dict[Role, int] = {}
         discards: list[_Buffer] = []
         collapse: list[_Buffer] = []
+        # Counted once at the end: each count takes the stats lock, and under budget pressure
+        # this loop runs on the host before the refill's first copy (link idle meanwhile).
+        ops: collections.Counter[tuple[Role, str]] = collections.Counter()
         for b in todo:
             path = force or self._evict_path(b, park)
             if path in ("discard", "copy"):
@@ -610,27 +614,27 @@ class Tier:
                     if not self._detach_for_discard(b):
                         path = "um"
             if path == "skip":
-                self.accounting.count(b.role, "prefetch_skipped")
+                ops[b.role, "prefetch_skipped"] += 1
             elif path == "collapse":
                 # Unset read-mostly: the copies collapse onto the preferred location, the host,
                 # whose copy is current, so nothing moves; then read-mostly is set again. (A
                 # device write to a read-only buffer breaks that promise; see Policy.read_only.)
                 collapse.append(b)
-                self.accounting.count(b.role, "advice_applied", 2)
-                self.accounting.count(b.role, "evict_clean_ops")
+                ops[b.role, "advice_applied"] += 2
+                ops[b.role, "evict_clean_ops"] += 1
             elif path == "discard":
                 if park:
-                    self._park(b)
+                    self._park(b, ops)
                 else:
                     discards.append(b)   # one batched discard for all of them, below
                 b.in_shadow = True
-                self.accounting.count(b.role, "evict_clean_ops")
+                ops[b.role, "evict_clean_ops"] += 1
             elif path == "copy":
                 # One call per buffer: copies out of managed memory run at ~52 GB/s in any size
                 # of piece (bench/results/probe_managed_read-*.json).
                 be.copy(b.shadow.ptr, b.ptr, b.nbytes, side)
                 if park:
-                    self._park(b)
+                    self._park(b, ops)
                 else:
                     discards.append(b)   # after every copy, in one fenced call (NOTE [discard fence])
                 b.in_shadow = True
@@ -640,12 +644,13 @@ class Tier:
                 be.prefetch([self._range(b)], Location.HOST, side)
                 b.host_valid = True
                 moved[b.role] = moved.get(b.role, 0) + b.nbytes
-                self.accounting.count(b.role, "evict_um_ops")
+                ops[b.role, "evict_um_ops"] += 1
             if not b.parked:
                 self._resident -= b.span
                 self.accounting.on_resident(b.role, -b.span)
             b.where = Location.HOST
-            self.accounting.count(b.role, "evict_ops")
+            ops[b.role, "evict_ops"] += 1
+        self.accounting.count_many(ops)
         if discards:
             be.discard(coalesce((b.block.alloc, b.ptr, b.span) for b in discards), side)
         for r, n in moved.items():
@@ -681,8 +686,7 @@ class Tier:
                 need, self._resident, self._budget,
                 "Everything else resident is in use or never evicted (Evict.NEVER); raise the "
                 "budget or free tensors")
-        for b in chosen:
-            self.accounting.count(b.role, "evict_budget_ops")
+        self.accounting.count_many(collections.Counter((b.role, "evict_budget_ops") for b in chosen))
         return chosen
 
     def _room_for(self, todo: list[_Buffer], exclude: set[_Buffer]) -> dict[_Buffer, _Buffer]:
@@ -729,10 +733,10 @@ class Tier:
                 pairs[c] = d
         return pairs
 
-    def _park(self, b: _Buffer) -> None:
+    def _park(self, b: _Buffer, ops: collections.Counter[tuple[Role, str]]) -> None:
         b.parked = True
         self._parked += b.span
-        self.accounting.count(b.role, "evict_park_ops")
+        ops[b.role, "evict_park_ops"] += 1
 
     def _unpark(self, b: _Buffer, pages_gone: bool) -> None:
         """``b`` is parked no more: its pages hold its live data again, or (``pages_gone``) they

@@ -495,8 +495,7 @@ class Tier:
         # shadow) and its shadow is valid: the refill then moves nothing.
         intact = {b for b in shadowed if b.parked and b.policy.read_only and b.shadow_valid}
         pairs = pairs or {}
-        fresh = [b for b in shadowed if not b.parked and b not in pairs and b.owns_pages]
-        shared = [b for b in shadowed if not b.parked and b not in pairs and not b.owns_pages]
+        fresh = [b for b in shadowed if not b.parked and b not in pairs]
         if um:
             if caps.supports("prefetch"):
                 be.prefetch(coalesce((b.block.alloc, *self._range(b)) for b in um), Location.DEVICE, side)
@@ -506,12 +505,8 @@ class Tier:
             for b in um:
                 if b.where is Location.HOST:  # unplaced buffers only get pages: nothing crosses the link
                     moved[b.role] = moved.get(b.role, 0) + b.nbytes
-        if fresh:
-            # Fresh device pages without migrating the discarded contents, then the shadow's bytes.
-            be.discard_and_prefetch(coalesce((b.block.alloc, b.ptr, b.span) for b in fresh), Location.DEVICE, side)
-        if shared and caps.supports("prefetch"):
-            # Shared pages cannot be discarded: they migrate, stale contents and all (small).
-            be.prefetch(coalesce((b.block.alloc, *self._range(b)) for b in shared), Location.DEVICE, side)
+        if fresh:   # device pages first, then the shadow's bytes
+            self._fresh_pages(fresh, Location.DEVICE, side)
         # Largest first, each taking its pages just before its copy: the link is busy while the
         # host does the rest (the host's work before the first copy is time the link stands idle).
         for b in sorted(shadowed, key=lambda b: -b.nbytes):
@@ -751,6 +746,18 @@ class Tier:
         skip = set(exclude)
         return [b for b in list(self._buffers) if b.parked and b not in skip]
 
+    def _fresh_pages(self, bufs: list[_Buffer], location: Location, side: int) -> None:
+        """Give shadowed buffers without pages new pages at ``location``; their old contents are
+        stale (the data is in the shadow). Whole pages get them by discard-and-prefetch, with
+        nothing migrated; shared pages cannot be discarded, so they migrate, stale contents and
+        all (NOTE [parked pages], "Small buffers")."""
+        whole = [b for b in bufs if b.owns_pages]
+        shared = [b for b in bufs if not b.owns_pages]
+        if whole:
+            self.backend.discard_and_prefetch(coalesce((b.block.alloc, b.ptr, b.span) for b in whole), location, side)
+        if shared:
+            self.backend.prefetch(coalesce((b.block.alloc, *self._range(b)) for b in shared), location, side)
+
     def _take_pages(self, c: _Buffer, d: _Buffer) -> None:
         """``c`` (in the shadow, without pages) takes parked ``d``'s range and its device pages;
         ``d`` keeps its shadow and takes ``c``'s range, which holds no pages (NOTE [parked
@@ -847,10 +854,7 @@ class Tier:
             if b.parked:   # its pages go too: the host pages below replace them
                 self._unpark(b, pages_gone=True)
             side = self._side(UM_STREAM)
-            if b.owns_pages:
-                self.backend.discard_and_prefetch([(b.ptr, b.span)], Location.HOST, side)
-            else:   # shared pages: no discard (NOTE [parked pages], "Small buffers")
-                self.backend.prefetch([self._range(b)], Location.HOST, side)
+            self._fresh_pages([b], Location.HOST, side)
             self.backend.copy(b.ptr, b.shadow.ptr, b.nbytes, side)
             ev = self.backend.new_event()
             self.backend.record(ev, side)

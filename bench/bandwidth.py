@@ -9,6 +9,9 @@ In one run, side by side, on 1 GiB (default) of data:
                tensors; dirty eviction, clean eviction (read-mostly and shadow), prefetch-in
                from the pinned shadow, zero-copy reads, prefetch-in and eviction at once, and
                an exchange under a tight budget (one group in, another out)
+  direct       the shadow copies without the staging ring (NOTE [staging ring] in
+               tiermem/_staging.py), straight between pinned and managed memory: the stream-in,
+               the dirty eviction and the shadow refill, in rounds alternating with the ring's
 and whether evicted device memory really goes back to other allocators.
 
 The tier runs under a budget (3 GiB, the size of its managed cap), so shadow evictions park their
@@ -24,6 +27,7 @@ Times are CUDA-event medians after a warm-up, on random data. Total managed memo
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import time
 
@@ -47,6 +51,28 @@ def advise_all(group, **changes) -> None:
     # with it the group's whole allocation, alive under the managed cap
     for t in group:
         t.advise(**changes)
+
+
+@contextlib.contextmanager
+def direct_copies(tier):
+    """tiermem's shadow copies without the staging ring: the baseline it is measured against."""
+    old, tier._stage_min = tier._stage_min, 1 << 62
+    try:
+        yield
+    finally:
+        tier._stage_min = old
+
+
+def alternating(variants: dict, reps: int) -> dict[str, list[float]]:
+    """{name: seconds per rep} for {name: (fn, setup)}, one rep of each in turn per round (after
+    a warm-up round), so that drift over the run touches every variant alike."""
+    out: dict[str, list[float]] = {k: [] for k in variants}
+    for rnd in range(reps + 1):
+        for name, (fn, setup) in variants.items():
+            t = cuda_times(fn, 1, warmup=0, setup=setup)
+            if rnd:
+                out[name] += t
+    return out
 
 
 def pcie_bytes():
@@ -212,10 +238,17 @@ def main() -> None:
         torch.cuda.synchronize()
 
     transfers = []
+
+    def evict_direct():
+        with direct_copies(tier):
+            tier.evict(A)
+
     pcie0 = pcie_bytes()
-    t_dirty = cuda_times(lambda: transfers.append(tier.evict(A)), reps, setup=dirty_setup)
+    t_dirty = alternating({"ring": (lambda: transfers.append(tier.evict(A)), dirty_setup),
+                           "direct": (evict_direct, dirty_setup)}, reps)
     pcie1 = pcie_bytes()
-    metrics["evict_dirty_GBps"] = gbps(N, median(t_dirty))
+    metrics["evict_dirty_GBps"] = gbps(N, median(t_dirty["ring"]))
+    metrics["evict_dirty_direct_GBps"] = gbps(N, median(t_dirty["direct"]))
     checks["dirty_evict_parked"] = all(t.parked for t in A if t.nbytes >= 2 * MiB)
     metrics["evict_dirty_release_GBps"] = gbps(N, median(cuda_times(lambda: tier.evict(A, release=True), reps,
                                                                     setup=dirty_setup)))
@@ -246,8 +279,8 @@ def main() -> None:
     raw["evict_dirty_transfer_GBps"] = [gbps(N, t.seconds) for t in transfers]
     raw["evict_dirty_path_counts"] = {k: tier.stats()[f"ops.activation.{k}"]
                                       for k in ("evict", "evict_um", "evict_clean", "evict_park", "refill_reuse", "park_release")}
-    if pcie0 and pcie1:
-        raw["evict_dirty_pcie_tx_rx_bytes_per_rep"] = [(b - a) / (reps + 1) for a, b in zip(pcie0, pcie1)]
+    if pcie0 and pcie1:   # both variants: two evictions per round
+        raw["evict_dirty_pcie_tx_rx_bytes_per_rep"] = [(b - a) / (2 * (reps + 1)) for a, b in zip(pcie0, pcie1)]
     checks["dirty_evict_took_shadow_path"] = all(t.in_shadow for t in A if t.nbytes >= 2 * MiB)
 
     def shadowed(release=False):
@@ -255,7 +288,16 @@ def main() -> None:
         tier.evict(A, release=release)
         torch.cuda.synchronize()
 
-    metrics["prefetch_in_shadow_GBps"] = gbps(N, median(cuda_times(lambda: tier.prefetch(A), reps, setup=shadowed)))
+    def prefetch_direct():
+        with direct_copies(tier):
+            tier.prefetch(A)
+
+    t_shadow = alternating({"ring": (lambda: tier.prefetch(A), shadowed), "direct": (prefetch_direct, shadowed)}, reps)
+    metrics["prefetch_in_shadow_GBps"] = gbps(N, median(t_shadow["ring"]))
+    metrics["prefetch_in_shadow_direct_GBps"] = gbps(N, median(t_shadow["direct"]))
+    ring = tier.staging_bytes          # allocated by the refills above; the budgets below make room for it
+    raw["staging_ring_bytes"] = ring
+    checks["staging_ring_used"] = ring > 0 and tier.stats()["staged_bytes.activation.h2d"] > 0
     metrics["prefetch_in_shadow_fresh_pages_GBps"] = gbps(N, median(cuda_times(
         lambda: tier.prefetch(A), reps, setup=lambda: shadowed(release=True))))
     with torch.cuda.stream(torch.cuda.Stream()):   # the same with a non-default current stream
@@ -302,7 +344,7 @@ def main() -> None:
     gc.collect()
     tier.evict(B)
     torch.cuda.synchronize()
-    old_budget = tier.set_budget(sum(t._b.span for t in A))   # room for one group's pages, no more
+    old_budget = tier.set_budget(sum(t._b.span for t in A) + ring)   # one group's pages and the ring
     raw["exchange_budget_bytes"] = tier.budget
 
     def exchange_setup():
@@ -338,7 +380,7 @@ def main() -> None:
     F2 = tier.empty_group(specs, role="frozen_weight", **shadowed_frozen)
     f_refs = [fill(F1), fill(F2)]
     gc.collect()
-    old_budget = tier.set_budget(sum(t._b.span for t in F1))
+    old_budget = tier.set_budget(sum(t._b.span for t in F1) + ring)   # one group and the ring
     for group in (F1, F2, F1, F2):      # the first eviction of each copies out; then the shadow is valid
         tier.prefetch(group)
     del group                           # a loop variable would keep F2's allocation alive
@@ -348,7 +390,8 @@ def main() -> None:
     transfers_in: list = []
 
     def stream_in():                    # each call brings in the group that is out
-        transfers_in.append(tier.prefetch((F1, F2)[turn["next"] % 2]))
+        tr = tier.prefetch((F1, F2)[turn["next"] % 2])
+        transfers_in.append((tier._stage_min < 1 << 62, tr))
         turn["next"] += 1
 
     moved0 = tier.stats()["moved_bytes.frozen_weight.d2h"], tier.stats()["moved_bytes.frozen_weight.h2d"]
@@ -366,26 +409,40 @@ def main() -> None:
         marks["t0"][0] = time.perf_counter()
         stream_in()
         marks["call"].append(time.perf_counter() - marks["t0"][0])
+        tier.backend.copy = real_copy      # the direct variant is not marked
 
-    tier.backend.copy = copy_marked
-    t_stream = cuda_times(stream_in_marked, reps, setup=torch.cuda.synchronize)
+    def stream_in_direct():
+        with direct_copies(tier):
+            stream_in()
+
+    def mark_next():
+        torch.cuda.synchronize()
+        tier.backend.copy = copy_marked
+
+    t_both = alternating({"ring": (stream_in_marked, mark_next), "direct": (stream_in_direct, torch.cuda.synchronize)}, reps)
     del tier.backend.copy
+    t_stream = t_both["ring"]
+    marks["call"], marks["first_copy"] = marks["call"][1:], marks["first_copy"][1:]   # the warm-up round
+    metrics["prefetch_in_direct_GBps"] = gbps(N, median(t_both["direct"]))
     raw["stream_in_host_ms"] = round(median(marks["call"]) * 1e3, 3)
     raw["stream_in_host_ms_before_first_copy"] = round(median(marks["first_copy"]) * 1e3, 3)
     metrics["prefetch_in_GBps"] = gbps(N, median(t_stream))
     # The transfer's own events (on tiermem's stream, from just before the first copy to after
     # the last): the link-side rate, without the host's planning before it (room, victims).
-    metrics["prefetch_in_transfer_GBps"] = gbps(N, median([tr.seconds for tr in transfers_in[1:]]))
+    # (the ring's calls, after the warm-up round)
+    metrics["prefetch_in_transfer_GBps"] = gbps(N, median([tr.seconds for staged, tr in transfers_in[2:] if staged]))
     del transfers_in[:]
     moved1 = tier.stats()["moved_bytes.frozen_weight.d2h"], tier.stats()["moved_bytes.frozen_weight.h2d"]
-    raw["stream_in_moved_bytes_per_call"] = {"d2h": (moved1[0] - moved0[0]) / (reps + 1),
-                                             "h2d": (moved1[1] - moved0[1]) / (reps + 1)}
+    calls = 2 * (reps + 1)              # both variants
+    raw["stream_in_moved_bytes_per_call"] = {"d2h": (moved1[0] - moved0[0]) / calls,
+                                             "h2d": (moved1[1] - moved0[1]) / calls}
     raw["stream_in_refills_into_reused_pages"] = tier.stats()["ops.frozen_weight.refill_reuse"] - reuse0
     metrics["stream_in_evict_bytes_moved_fraction"] = raw["stream_in_moved_bytes_per_call"]["d2h"] / N
     checks["stream_in_intact"] = intact(F1, f_refs[0]) and intact(F2, f_refs[1])
     # the same with the pages given back at every eviction: each refill then gets fresh pages
+    # (release=True gives back the groups' parked pages; trim() would give back the ring too)
     metrics["prefetch_in_fresh_pages_GBps"] = gbps(N, median(cuda_times(
-        stream_in, reps, setup=lambda: (tier.evict(F1 + F2, release=True), tier.trim(), torch.cuda.synchronize()))))
+        stream_in, reps, setup=lambda: (tier.evict(F1 + F2, release=True), torch.cuda.synchronize()))))
     checks["stream_in_fresh_intact"] = intact(F1, f_refs[0]) and intact(F2, f_refs[1])
     tier.set_budget(old_budget)
     del F1, F2, f_refs
@@ -418,6 +475,10 @@ def main() -> None:
     del d2, h
     h2d, d2h = metrics["pinned_h2d_GBps"], metrics["pinned_d2h_GBps"]
     metrics["prefetch_in_vs_pinned_h2d"] = round(metrics["prefetch_in_GBps"] / h2d, 3)
+    metrics["prefetch_in_direct_vs_pinned_h2d"] = round(metrics["prefetch_in_direct_GBps"] / h2d, 3)
+    metrics["prefetch_in_staging_speedup"] = round(metrics["prefetch_in_GBps"] / metrics["prefetch_in_direct_GBps"], 3)
+    metrics["prefetch_in_shadow_direct_vs_pinned_h2d"] = round(metrics["prefetch_in_shadow_direct_GBps"] / h2d, 3)
+    metrics["evict_dirty_direct_vs_pinned_d2h"] = round(metrics["evict_dirty_direct_GBps"] / d2h, 3)
     metrics["prefetch_in_vs_pinned_h2d_managed"] = round(metrics["prefetch_in_GBps"] / metrics["pinned_h2d_managed_GBps"], 3)
     metrics["prefetch_in_shadow_vs_pinned_h2d_managed"] = round(metrics["prefetch_in_shadow_GBps"] / metrics["pinned_h2d_managed_GBps"], 3)
     metrics["pinned_h2d_managed_vs_pinned_h2d"] = round(metrics["pinned_h2d_managed_GBps"] / h2d, 3)
@@ -520,12 +581,14 @@ def plot(metrics: dict) -> str | None:
              ("um_prefetch_h2d_GBps", "UM: prefetch in (1 call)"), ("um_fault_in_GBps", "UM: fault in"),
              ("um_prefetch_d2h_GBps", "UM: write back (prefetch to host)"),
              ("prefetch_in_GBps", "tiermem: group streamed in (pages of the group out)"),
+             ("prefetch_in_direct_GBps", "direct: group streamed in, no staging ring"),
              ("prefetch_in_fresh_pages_GBps", "tiermem: group streamed in (fresh pages)"),
              ("prefetch_in_read_mostly_GBps", "tiermem: read-mostly group in"),
              ("prefetch_in_separate_GBps", "tiermem: separate tensors in"),
              ("prefetch_in_shadow_GBps", "tiermem: in from pinned shadow (parked pages)"),
              ("prefetch_in_shadow_fresh_pages_GBps", "tiermem: in from pinned shadow (fresh pages)"),
              ("evict_dirty_GBps", "tiermem: dirty eviction (pages parked)"),
+             ("evict_dirty_direct_GBps", "direct: dirty eviction, no staging ring"),
              ("evict_dirty_release_GBps", "tiermem: dirty eviction (pages released)"),
              ("exchange_GBps", "tiermem: exchange under budget (total)"),
              ("exchange_release_GBps", "tiermem: exchange, pages released (total)"),
@@ -533,7 +596,8 @@ def plot(metrics: dict) -> str | None:
              ("pinned_bidir_total_GBps", "ceiling: both ways at once (total)")]
     labels = [n for k, n in names if k in metrics]
     vals = [metrics[k] for k, _ in names if k in metrics]
-    colors = ["#888" if lab.startswith("ceiling") else "#c66" if lab.startswith("UM") else "#369" for lab in labels]
+    colors = ["#888" if lab.startswith("ceiling") else "#c66" if lab.startswith("UM") else
+              "#9ab" if lab.startswith("direct") else "#369" for lab in labels]
     fig, ax = plt.subplots(figsize=(9, 5.5))
     ax.barh(labels[::-1], vals[::-1], color=colors[::-1])
     for i, v in enumerate(vals[::-1]):

@@ -16,7 +16,7 @@ import numpy as np
 
 from tiermem._backend import LARGE, Block, HostBlock
 from tiermem._cuda import Capabilities, RangeInfo
-from tiermem._errors import ViewError
+from tiermem._errors import CUDAOutOfMemoryError, ViewError
 from tiermem._limits import CapGuard, resolve_cap
 from tiermem.roles import Advice, Location
 
@@ -55,6 +55,7 @@ class FakeBackend:
         self.state: dict[int, _State] = {}
         self._streams = itertools.count(1)
         self.live_blocks = 0
+        self.device_full = False       # device_alloc then fails as cudaMalloc does on a full device
 
     # -- memory ---------------------------------------------------------------------------------
     def capabilities(self) -> Capabilities:
@@ -106,9 +107,11 @@ class FakeBackend:
         self.calls.append(("host_alloc", nbytes))
         return _FakeHostBlock(self, ptr, nbytes, arr)
 
-    def device_alloc(self, nbytes: int) -> Block:
+    def device_alloc(self, nbytes: int, pooled: bool = True) -> Block:
+        if self.device_full:
+            raise CUDAOutOfMemoryError("cudaMalloc", 2, "cudaErrorMemoryAllocation")
         ptr, arr = self._new(nbytes, "device")
-        self.calls.append(("device_alloc", nbytes))
+        self.calls.append(("device_alloc", nbytes, pooled))
         return _FakeHostBlock(self, ptr, nbytes, arr)
 
     def _find(self, ptr: int) -> tuple[int, np.ndarray]:

@@ -14,7 +14,7 @@ ROLE_KEYS = (
     "resident_bytes.current", "resident_bytes.peak",
     "moved_bytes.h2d", "moved_bytes.d2h", "moved_seconds.h2d", "moved_seconds.d2h",
     "ops.prefetch", "ops.evict", "ops.evict_clean", "ops.evict_um", "ops.evict_budget",
-    "ops.evict_park", "ops.refill_reuse", "ops.park_release",
+    "ops.evict_park", "ops.refill_reuse", "ops.park_release", "staged_bytes.h2d", "staged_bytes.d2h",
     "advice.applied", "advice.skipped", "prefetch.skipped",
 )
 

@@ -2,7 +2,9 @@
 with a checksum on every read and the accounting checked all along. Managed use stays < 1 GiB.
 
 Under the budget, shadow evictions park their pages and refills trade ranges (NOTE [parked pages]
-in _tier.py); "trim" and "release" give parked pages back, so every path is taken."""
+in _tier.py); "trim" and "release" give parked pages back, so every path is taken. The staged
+runs send every shadow copy the budget has room for through an 8 MiB staging ring (NOTE [staging
+ring] in _staging.py), whose second stream writes managed pages that later discards drop."""
 from __future__ import annotations
 
 import collections
@@ -19,11 +21,12 @@ ROLES = ["weight", "activation", "gradient", "input", "workspace", "frozen_weigh
 BUDGET = 48 * MiB
 
 
-@pytest.mark.parametrize("seed", [20261122, 7, 8])
-def test_ten_thousand_random_operations_under_a_budget(seed):
+@pytest.mark.parametrize("seed, staging", [(20261122, "off"), (7, "off"), (8, "off"), (9, "8MiB"), (10, "8MiB")])
+def test_ten_thousand_random_operations_under_a_budget(seed, staging):
     import torch
     import tiermem
-    t = tiermem.Tier(0, cap="1GiB", budget=BUDGET)
+    t = tiermem.Tier(0, cap="1GiB", budget=BUDGET, staging=staging)
+    t._stage_min = 1              # every shadow copy, however small, when the ring is on
     rng = random.Random(seed)
     weights = torch.randint(-(2**62), 2**62, (SIZES[-1] // 8,), dtype=torch.int64, device="cuda")
 
@@ -44,7 +47,7 @@ def test_ten_thousand_random_operations_under_a_budget(seed):
     def check_accounting() -> None:
         parked = sum(e[0]._b.span for e in live if e[0].parked)
         resident = sum(e[0]._b.span for e in live if e[0].is_resident) + parked
-        assert t.resident_bytes == resident <= BUDGET and t.parked_bytes == parked
+        assert t.resident_bytes == resident and resident + t.staging_bytes <= BUDGET and t.parked_bytes == parked
         assert t.stats()["allocated_bytes.all.current"] == sum(e[0].nbytes for e in live)
 
     step = 0
@@ -123,6 +126,8 @@ def test_ten_thousand_random_operations_under_a_budget(seed):
     assert s["ops.all.evict_budget"] > 0
     assert s["ops.all.evict_park"] > 0 and s["ops.all.refill_reuse"] > 0 and s["ops.all.park_release"] > 0
     assert s["resident_bytes.all.peak"] <= BUDGET
+    staged = s["staged_bytes.all.h2d"] + s["staged_bytes.all.d2h"]
+    assert staged > 0 if staging != "off" else staged == 0
     live.clear()
     e = x = None
     gc.collect()

@@ -92,7 +92,7 @@ class Backend(Protocol):
     def release_cached(self) -> int: ...
     def pool_bytes(self) -> dict[str, int]: ...
     def host_alloc(self, nbytes: int) -> HostBlock: ...
-    def device_alloc(self, nbytes: int) -> Block: ...
+    def device_alloc(self, nbytes: int, pooled: bool = True) -> Block: ...
     def advise(self, ptr: int, nbytes: int, advice: Advice) -> None: ...
     def prefetch(self, ranges: Sequence[tuple[int, int]], location: Location, stream: int) -> None: ...
     def discard(self, ranges: Sequence[tuple[int, int]], stream: int) -> None: ...
@@ -125,6 +125,21 @@ class _RawLease:
     def __del__(self) -> None:
         try:
             self.guard.release(self.nbytes)
+        except Exception:  # pragma: no cover - nothing may escape a destructor
+            pass
+
+
+class _Freed:
+    """A block handle that frees its driver memory when the block lets go of it."""
+
+    __slots__ = ("mem",)
+
+    def __init__(self, mem: Any):
+        self.mem = mem
+
+    def __del__(self) -> None:
+        try:
+            self.mem.free()
         except Exception:  # pragma: no cover - nothing may escape a destructor
             pass
 
@@ -232,9 +247,14 @@ class CudaBackend:
         mp = self._pinned.malloc(nbytes)
         return HostBlock(mp.ptr, nbytes, "pinned", mp)
 
-    def device_alloc(self, nbytes: int) -> Block:
-        """Plain device memory (cudaMalloc through CuPy's default pool): copies from pinned memory
-        into it run at the full link rate, ~9% faster than into managed pages (shared/FACTS.md)."""
+    def device_alloc(self, nbytes: int, pooled: bool = True) -> Block:
+        """Plain device memory: copies from pinned memory into it run at the full link rate, ~9%
+        faster than into managed pages (shared/FACTS.md). From CuPy's default pool, or with
+        ``pooled=False`` straight from the driver, to which ``release()`` then gives it back
+        (cudaFree waits for the device's queued work). Raises MemoryError when the device is full."""
+        if not pooled:
+            mem = _cuda.device_malloc(nbytes, self.device)
+            return Block(mem.ptr, nbytes, "device", _Freed(mem))
         with self._cupy.cuda.Device(self.device):
             mp = self._cupy.cuda.alloc(nbytes)
         return Block(mp.ptr, nbytes, "device", mp)

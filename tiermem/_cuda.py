@@ -19,7 +19,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from ._errors import CUDAError, CUDAUnavailableError
+from ._errors import CUDAError, CUDAOutOfMemoryError, CUDAUnavailableError
 from .roles import Location
 
 __all__ = ["Capabilities", "RangeInfo", "capabilities", "available"]
@@ -175,6 +175,39 @@ def managed_alloc(nbytes: int, device: int) -> Any:
             return cupy.cuda.malloc_managed(nbytes)
         except cupy.cuda.runtime.CUDARuntimeError as e:
             raise CUDAError("cudaMallocManaged", e.status, cupy.cuda.runtime.getErrorName(e.status)) from None
+
+
+class DeviceMemory:
+    """Plain device memory straight from the driver (cudaMalloc), not from a pool: ``free()``
+    (or collection) hands it back to the driver, for any allocator to use. cudaFree waits for
+    the device to finish the work it has queued."""
+
+    __slots__ = ("ptr", "nbytes")
+
+    def __init__(self, ptr: int, nbytes: int):
+        self.ptr, self.nbytes = ptr, nbytes
+
+    def free(self) -> None:
+        if self.ptr:
+            ptr, self.ptr = self.ptr, 0
+            _check("cudaFree", _runtime().cudaFree(ptr))
+
+    def __del__(self) -> None:
+        try:
+            self.free()
+        except Exception:  # pragma: no cover - destructors never raise (STYLE)
+            pass
+
+
+def device_malloc(nbytes: int, device: int) -> DeviceMemory:
+    """cudaMalloc on ``device``; raises CUDAOutOfMemoryError when the device is full."""
+    rt = _runtime()
+    set_device(device)
+    err, ptr = rt.cudaMalloc(nbytes)
+    if int(err) == int(rt.cudaError_t.cudaErrorMemoryAllocation):
+        raise CUDAOutOfMemoryError("cudaMalloc", int(err), _name(err))
+    _check("cudaMalloc", (err,))
+    return DeviceMemory(int(ptr), nbytes)
 
 
 def host_alloc(nbytes: int) -> int:

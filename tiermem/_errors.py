@@ -9,6 +9,7 @@ from __future__ import annotations
 __all__ = [
     "TierMemError",
     "CUDAError",
+    "CUDAOutOfMemoryError",
     "CUDAUnavailableError",
     "OutOfBudgetError",
     "CapExceededError",
@@ -35,6 +36,10 @@ class CUDAError(TierMemError):
         self.status = int(status)
         self.name = name
         super().__init__(f"{call} failed: {name} ({self.status})")
+
+
+class CUDAOutOfMemoryError(CUDAError, MemoryError):
+    """The driver has no device memory left for a cudaMalloc (cudaErrorMemoryAllocation)."""
 
 
 class CUDAUnavailableError(TierMemError):

@@ -22,6 +22,8 @@ peaks are peaks of the sum, not sums of peaks):
                                                       refills into kept pages (no discard, no fresh
                                                       pages); kept pages given back to the driver
                                                       (NOTE [parked pages] in _tier.py)
+    staged_bytes.ROLE.{h2d,d2h}                       of moved bytes, those that went through the
+                                                      staging ring (NOTE [staging ring])
     advice.ROLE.{applied,skipped}                     cudaMemAdvise calls made, and skipped because
                                                       the device lacks the capability
     prefetch.ROLE.skipped                             prefetches skipped for the same reason
@@ -33,6 +35,10 @@ peaks are peaks of the sum, not sums of peaks):
     shadow_bytes.current                              pinned host memory held as shadow copies
     parked_bytes.current                              of resident bytes, device pages kept from
                                                       evictions for the next refill
+    staging_bytes.current                             device bytes of the staging ring (0 until
+                                                      first used; counts against the budget)
+    staging.refused_count                             1 if the device had no memory for the ring
+                                                      (copies then go direct)
 """
 from __future__ import annotations
 
@@ -72,6 +78,8 @@ class RoleStats:
     evict_park_ops: int = 0
     refill_reuse_ops: int = 0
     park_release_ops: int = 0
+    staged_h2d_bytes: int = 0
+    staged_d2h_bytes: int = 0
     advice_applied: int = 0
     advice_skipped: int = 0
     prefetch_skipped: int = 0
@@ -100,6 +108,8 @@ class RoleStats:
             f"ops.{role}.evict_park": self.evict_park_ops,
             f"ops.{role}.refill_reuse": self.refill_reuse_ops,
             f"ops.{role}.park_release": self.park_release_ops,
+            f"staged_bytes.{role}.h2d": self.staged_h2d_bytes,
+            f"staged_bytes.{role}.d2h": self.staged_d2h_bytes,
             f"advice.{role}.applied": self.advice_applied,
             f"advice.{role}.skipped": self.advice_skipped,
             f"prefetch.{role}.skipped": self.prefetch_skipped,

@@ -64,6 +64,7 @@ from . import _dtypes
 from ._backend import PAGE, Backend, Block, round_request
 from ._errors import OutOfBudgetError, TierMemError
 from ._limits import resolve_budget, parse_bytes
+from ._staging import MIN_STAGED, StagingRing
 from ._stats import Accounting
 from ._tensor import TieredTensor, _Buffer
 from ._transfer import Transfer
@@ -88,6 +89,21 @@ def _plan(policy: Policy) -> tuple:
     """``advice_plan`` as a tuple, cached: trading pages compares plans per buffer, on the host
     time before a refill's first copy."""
     return tuple(advice_plan(policy))
+
+
+def _make_ring(backend: Backend, staging: int | str | None) -> tuple[StagingRing | None, bool]:
+    """(the ring or None, whether it was sized "auto") from Tier's ``staging`` argument."""
+    if isinstance(staging, str) and staging.strip().lower() in ("auto", "off"):
+        return (StagingRing(backend), True) if staging.strip().lower() == "auto" else (None, False)
+    if staging is None:
+        return None, False
+    n = parse_bytes(staging, what="staging")
+    if n == 0:
+        return None, False
+    if n < 2 << 20:
+        raise TierMemError(f"staging={staging!r}: the ring needs at least 2 MiB (two slots of 1 MiB); "
+                           "staging='off' turns it off")
+    return StagingRing(backend, slot=n // 2 // PAGE * PAGE), False
 
 
 def _as_location(to: Location | str) -> Location:
@@ -141,13 +157,17 @@ class Tier:
 
     ``budget`` caps the bytes tiermem keeps resident on the device (bytes, "8GiB" or "25%" of the
     device; None: no budget; default from TIERMEM_BUDGET). ``cap`` and ``allow_oversubscribe`` set
-    the cap on managed memory (NOTE [managed cap] in _limits.py). ``backend`` replaces the CUDA
-    backend (tests). All methods are thread-safe.
+    the cap on managed memory (NOTE [managed cap] in _limits.py). ``staging`` sizes the ring of
+    device memory that shadow copies go through at the link's full rate (NOTE [staging ring] in
+    _staging.py): "auto" (64 MiB, off under a budget of less than 1 GiB), a size (always on), or
+    "off". Under a budget the ring counts against it. ``backend`` replaces the CUDA backend
+    (tests). All methods are thread-safe.
     """
 
     def __init__(self, device: int | None = None, *, budget: int | str | None = None,
                  cap: int | str | None = None, allow_oversubscribe: bool | None = None,
-                 policies: Mapping[Role, Policy] | None = None, backend: Backend | None = None):
+                 policies: Mapping[Role, Policy] | None = None, backend: Backend | None = None,
+                 staging: int | str | None = "auto"):
         if backend is None:
             from ._backend import CudaBackend
             backend = CudaBackend(device, cap=cap, allow_oversubscribe=allow_oversubscribe)
@@ -166,6 +186,10 @@ class Tier:
         self._tick = itertools.count(1)
         self._inflight: list[Transfer] = []
         self._streams: dict[str, int] = {}
+        self._ring, self._ring_auto = _make_ring(backend, staging)
+        self._ring_refused = 0
+        self._ring_yielded = False     # the tensors needed its room: off until the budget changes
+        self._stage_min = MIN_STAGED
 
     # -- settings -------------------------------------------------------------------------------
     @property
@@ -180,9 +204,12 @@ class Tier:
         with self._lock:
             self._reap()             # finished moves let go of buffers freed meanwhile
             old, self._budget = self._budget, new
+            self._ring_yielded = False
+            if not self._ring_wanted():
+                self._release_ring()
             if new is None:   # nothing parks without a budget (NOTE [parked pages])
                 self._drop(self._parked_bufs())
-            elif self._resident > new:
+            elif self._held() > new:
                 try:
                     self._make_room(0, exclude=set())
                 except OutOfBudgetError:
@@ -197,16 +224,79 @@ class Tier:
         return self._resident
 
     @property
+    def staging_bytes(self) -> int:
+        """Device bytes of the staging ring (NOTE [staging ring]), 0 while it is not allocated.
+        Under a budget they count against it, beside ``resident_bytes``."""
+        return self._ring.nbytes if self._ring is not None and self._ring.allocated else 0
+
+    def _held(self) -> int:
+        """What the budget limits: tensors' pages and the staging ring."""
+        return self._resident + self.staging_bytes
+
+    @property
     def parked_bytes(self) -> int:
         """Device pages kept from shadow evictions for the next refill (NOTE [parked pages])."""
         return self._parked
 
     def trim(self) -> int:
-        """Give every parked page back to the driver, so other allocators can use it (NOTE
-        [parked pages]). Blocks until the discard is done; returns the bytes given back."""
+        """Give every parked page (NOTE [parked pages]) and the staging ring (NOTE [staging ring])
+        back to the driver, so other allocators can use them. Blocks until that is done; returns
+        the bytes given back."""
         with self._lock:
             self._reap()
-            return self._drop(self._parked_bufs())
+            return self._drop(self._parked_bufs()) + self._release_ring()
+
+    # -- the staging ring -------------------------------------------------------------------------
+    def _ring_wanted(self) -> bool:
+        if self._ring is None or self._ring_yielded:
+            return False
+        # "auto" stays out of small budgets: 64 MiB of a few hundred would cost more room than
+        # the faster copies give back.
+        return not self._ring_auto or self._budget is None or self._budget >= 16 * self._ring.nbytes
+
+    def _ring_for(self, nbytes: int) -> bool:
+        """Whether ``nbytes`` of shadow copies should go through the ring: it is wanted and the
+        copies are big enough (MIN_STAGED)."""
+        return nbytes >= self._stage_min and self._ring_wanted()
+
+    def _allocate_ring(self) -> bool:
+        """Allocate the ring (the budget must already have room for it); False if the device is
+        full, which turns the ring off for this Tier: copies then go direct, at ~0.92 of the
+        link."""
+        try:
+            self._ring.allocate()
+        except MemoryError as e:
+            log.warning("tiermem: no device memory for the %d-byte staging ring (%s); shadow copies "
+                        "go direct from now on", self._ring.nbytes, e)
+            self._ring = None
+            self._ring_refused += 1
+            return False
+        return True
+
+    def _release_ring(self) -> int:
+        if self._ring is None or not self._ring.allocated:
+            return 0
+        self._ring.release(self._side(UM_STREAM))
+        return self._ring.nbytes
+
+    def _yield_ring(self) -> int:
+        """Give the ring's room to tensors that need it: tensors come first, the ring only makes
+        copies faster. It stays off until the budget changes, so that it never takes the room
+        back by evicting a tensor the next move needs (NOTE [staging ring])."""
+        self._ring_yielded = True
+        log.info("tiermem: the staging ring gives its %d bytes of the budget to tensors; shadow copies "
+                 "go direct until the budget changes", self.staging_bytes)
+        return self._release_ring()
+
+    def _stage(self, nbytes: int, direction: str) -> Any:
+        """A ring session for ``nbytes`` of shadow copies on tiermem's stream, or None to copy
+        direct. Without a budget the ring is allocated here; under one, a prefetch makes room
+        for it first (``_room_for``), and an eviction only uses it once it is there."""
+        if not self._ring_for(nbytes):
+            return None
+        if not self._ring.allocated and (self._budget is not None or not self._allocate_ring()):
+            return None
+        return self._ring.session(self._side(UM_STREAM), direction)
 
     # -- allocation -----------------------------------------------------------------------------
     def empty(self, shape: int | Iterable[int], dtype: Any = "float32", *, role: Role | str,
@@ -491,9 +581,7 @@ class Tier:
         moved: dict[Role, int] = {}
         um = [b for b in todo if not b.in_shadow]
         shadowed = [b for b in todo if b.in_shadow]
-        # A parked buffer's own pages still hold its data if it is read-only (nothing may write its
-        # shadow) and its shadow is valid: the refill then moves nothing.
-        intact = {b for b in shadowed if b.parked and b.policy.read_only and b.shadow_valid}
+        intact = {b for b in shadowed if self._intact(b)}
         pairs = pairs or {}
         fresh = [b for b in shadowed if not b.parked and b not in pairs]
         if um:
@@ -507,14 +595,22 @@ class Tier:
                     moved[b.role] = moved.get(b.role, 0) + b.nbytes
         if fresh:   # device pages first, then the shadow's bytes
             self._fresh_pages(fresh, Location.DEVICE, side)
+        stage = self._stage(sum(b.nbytes for b in shadowed if b not in intact), "h2d")
         # Largest first, each taking its pages just before its copy: the link is busy while the
         # host does the rest (the host's work before the first copy is time the link stands idle).
         for b in sorted(shadowed, key=lambda b: -b.nbytes):
             if b in pairs:
                 self._take_pages(b, pairs[b])
             if b not in intact:
-                be.copy(b.ptr, b.shadow.ptr, b.nbytes, side)
+                if stage is not None:
+                    stage.add(b.ptr, b.shadow.ptr, b.nbytes)
+                else:
+                    be.copy(b.ptr, b.shadow.ptr, b.nbytes, side)
                 moved[b.role] = moved.get(b.role, 0) + b.nbytes
+        if stage is not None:
+            stage.close()
+            self.accounting.count_many(collections.Counter(
+                {(r, "staged_h2d_bytes"): n for r, n in moved.items() if n}))
         for b in todo:
             was_host = b.where is Location.HOST and not b.in_shadow and b.host_valid
             if b.parked:   # its pages were counted all along
@@ -535,6 +631,17 @@ class Tier:
         for r, n in moved.items():
             self.accounting.on_move(r, "h2d", n)
         return self._finish("h2d", todo, cur, side, start, moved, non_blocking)
+
+    @staticmethod
+    def _intact(b: _Buffer) -> bool:
+        # A parked buffer's own pages still hold its data if it is read-only (nothing may write its
+        # shadow) and its shadow is valid: the refill then moves nothing.
+        return b.in_shadow and b.parked and b.policy.read_only and b.shadow_valid
+
+    @classmethod
+    def _copy_in_bytes(cls, todo: list[_Buffer]) -> int:
+        """Bytes a refill of ``todo`` copies from shadows."""
+        return sum(b.nbytes for b in todo if b.in_shadow and not cls._intact(b))
 
     def evict(self, tensors: TieredTensor | Iterable[TieredTensor], *, stream: Any = None,
               non_blocking: bool = False, release: bool | None = None, _path: str | None = None) -> Transfer:
@@ -597,6 +704,7 @@ class Tier:
         # Counted once at the end: each count takes the stats lock, and under budget pressure
         # this loop runs on the host before the refill's first copy (link idle meanwhile).
         ops: collections.Counter[tuple[Role, str]] = collections.Counter()
+        stage: Any = None    # the ring session, opened at the first copy (False: copies go direct)
         for b in todo:
             path = force or self._evict_path(b, park)
             if path in ("discard", "copy"):
@@ -626,8 +734,15 @@ class Tier:
                 ops[b.role, "evict_clean_ops"] += 1
             elif path == "copy":
                 # One call per buffer: copies out of managed memory run at ~52 GB/s in any size
-                # of piece (bench/results/probe_managed_read-*.json).
-                be.copy(b.shadow.ptr, b.ptr, b.nbytes, side)
+                # of piece (bench/results/probe_managed_read-*.json); through the ring, ~54.5
+                # (NOTE [staging ring]).
+                if stage is None:
+                    stage = self._stage(sum(x.nbytes for x in todo), "d2h") or False
+                if stage:
+                    stage.add(b.shadow.ptr, b.ptr, b.nbytes)
+                    ops[b.role, "staged_d2h_bytes"] += b.nbytes
+                else:
+                    be.copy(b.shadow.ptr, b.ptr, b.nbytes, side)
                 if park:
                     self._park(b, ops)
                 else:
@@ -646,6 +761,8 @@ class Tier:
             b.where = Location.HOST
             ops[b.role, "evict_ops"] += 1
         self.accounting.count_many(ops)
+        if stage:
+            stage.close()     # before the discards: their fence drains tiermem's stream
         if discards:
             be.discard(coalesce((b.block.alloc, b.ptr, b.span) for b in discards), side)
         for r, n in moved.items():
@@ -658,12 +775,21 @@ class Tier:
         pages]), then evict the coldest evictable resident buffers, releasing their pages."""
         if self._budget is None:
             return
-        over = self._resident + need - self._budget
+        over = self._held() + need - self._budget
         if over <= 0:
             return
         over -= self._drop(self._parked_bufs(exclude), over)
         if over > 0:
-            self.evict(self._victims(over, need, exclude), non_blocking=True, release=True)
+            try:
+                victims = self._victims(over, need, exclude)
+            except OutOfBudgetError:
+                if not self.staging_bytes:
+                    raise
+                over -= self._yield_ring()
+                if over <= 0:
+                    return
+                victims = self._victims(over, need, exclude)
+            self.evict(victims, non_blocking=True, release=True)
 
     def _victims(self, over: int, need: int, exclude: set[_Buffer]) -> list[_Buffer]:
         """The coldest evictable resident buffers whose pages add up to ``over`` bytes."""
@@ -688,19 +814,40 @@ class Tier:
         """Make room for a prefetch of ``todo`` within the budget. Shadowed buffers take parked
         pages where they can (NOTE [parked pages]), the victims' included: the victims' copies
         out and the refills' copies in then meet in the same pages with no discard between.
-        Returns {incoming buffer: parked buffer whose pages it takes}."""
-        pairs = self._pair(todo, exclude, {})
+        Returns {incoming buffer: parked buffer whose pages it takes}. Makes room for the staging
+        ring too where the refill will use it and it is not allocated yet (NOTE [staging ring]);
+        if the budget has room for the tensors but not the ring as well, they copy direct."""
         if self._budget is None:
-            return pairs
+            return self._pair(todo, exclude, {})
+        if self._ring_for(self._copy_in_bytes(todo)) and not self._ring.allocated:
+            try:
+                pairs = self._room_within(todo, exclude, self._ring.nbytes)
+            except OutOfBudgetError:
+                pass
+            else:
+                self._allocate_ring()
+                return pairs
+        try:
+            return self._room_within(todo, exclude, 0)
+        except OutOfBudgetError:
+            if not self.staging_bytes:
+                raise
+            self._yield_ring()
+            return self._room_within(todo, exclude, 0)
+
+    def _room_within(self, todo: list[_Buffer], exclude: set[_Buffer], extra: int) -> dict[_Buffer, _Buffer]:
+        """``_room_for`` with ``extra`` more bytes to fit (the ring's). Raises OutOfBudgetError
+        before it evicts anything if they cannot fit."""
+        pairs = self._pair(todo, exclude, {})
 
         def over() -> int:
             need = sum(b.span for b in todo if b.where is not Location.DEVICE and not b.parked and b not in pairs)
-            return self._resident + need - self._budget
+            return self._held() + extra + need - self._budget
 
         if over() > 0:   # parked pages no incoming buffer can take go back first
             self._drop(self._parked_bufs([*exclude, *pairs.values()]), over())
         if over() > 0:
-            need = sum(b.span for b in todo if b.where is not Location.DEVICE and not b.parked)
+            need = sum(b.span for b in todo if b.where is not Location.DEVICE and not b.parked) + extra
             victims = self._victims(over(), need, exclude)
             self.evict(victims, non_blocking=True)       # parks the ones that take a shadow path
             pairs = self._pair(todo, exclude, pairs)
@@ -904,6 +1051,8 @@ class Tier:
             "budget_bytes": -1 if self._budget is None else self._budget,
             "shadow_bytes.current": self._shadow_bytes,
             "parked_bytes.current": self._parked,
+            "staging_bytes.current": self.staging_bytes,
+            "staging.refused_count": self._ring_refused,
         })
         return out
 

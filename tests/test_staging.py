@@ -1,0 +1,365 @@
+"""The staging ring (NOTE [staging ring] in tiermem/_staging.py) on a CPU.
+
+Its ordering is checked on a stream simulator: every copy, record and wait is queued on its
+stream, and the queues then run in a random order that respects only what the streams promise
+(in order on one stream, a wait holds its stream until the event's work is done). A missing wait
+lets a slot be overwritten before it is emptied, or emptied before it is filled, on some orders;
+the last test shows the simulator catching exactly that. The engine's use of the ring (when it
+stages, the budget, the stats, running out of device memory) is checked on the fake backend.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import random
+
+import numpy as np
+import pytest
+import torch
+
+import tiermem
+from fakes import FakeBackend
+from helpers import MiB, calls, fill_random, read
+from tiermem import Location, TierMemError
+from tiermem._staging import MIN_STAGED, StagingRing, _Session
+
+
+class StreamSim:
+    """The parts of a backend the ring uses, with real queues per stream."""
+
+    def __init__(self):
+        self.queues: dict[int, list] = {}
+        self.done: dict[int, int] = {}          # stream -> ops executed
+        self.arrays: list[np.ndarray] = []
+        self.copies = 0
+
+    def device_alloc(self, nbytes, pooled=True):
+        arr = np.zeros(nbytes, np.uint8)
+        self.arrays.append(arr)
+
+        class Mem:
+            ptr = arr.ctypes.data
+
+            def release(self):
+                pass
+        return Mem()
+
+    def new_stream(self):
+        s = 100 + len(self.queues)
+        self.queues[s], self.done[s] = [], 0
+        return s
+
+    def new_event(self, timing=False):
+        return {"at": None}
+
+    def record(self, ev, stream):
+        ev["at"] = (stream, len(self.queues[stream]))   # done once the stream ran this far
+        self.queues[stream].append(("nop",))
+
+    def wait(self, stream, ev):
+        self.queues[stream].append(("wait", ev["at"]))
+
+    def copy(self, dst, src, n, stream):
+        self.queues[stream].append(("copy", dst, src, n))
+
+    def synchronize(self, ev):
+        self.run(random.Random(0))
+
+    def _ready(self, op) -> bool:
+        if op[0] != "wait" or op[1] is None:
+            return True
+        s, pos = op[1]
+        return self.done[s] > pos
+
+    def run(self, rng: random.Random) -> None:
+        while True:
+            heads = [s for s, q in self.queues.items() if self.done[s] < len(q) and self._ready(q[self.done[s]])]
+            if not heads:
+                assert all(self.done[s] == len(q) for s, q in self.queues.items()), "deadlock"
+                return
+            s = rng.choice(heads)
+            op = self.queues[s][self.done[s]]
+            if op[0] == "copy":
+                ctypes.memmove(op[1], op[2], op[3])
+                self.copies += 1
+            self.done[s] += 1
+
+
+def _pieces(rng, sizes):
+    srcs = [rng.integers(0, 256, n, dtype=np.uint8) for n in sizes]
+    dsts = [np.zeros(n, np.uint8) for n in sizes]
+    return srcs, dsts
+
+
+@pytest.mark.parametrize("direction", ["h2d", "d2h"])
+@pytest.mark.parametrize("slots", [2, 3])
+def test_every_order_the_streams_allow_delivers_every_byte(direction, slots):
+    rng = np.random.default_rng(slots)
+    sizes = [5000, 1, 64 * 1024 + 7, 3 * 4096, 777, 40000]
+    for seed in range(40):
+        sim = StreamSim()
+        side = sim.new_stream()
+        ring = StagingRing(sim, slot=8192, slots=slots)
+        ring.allocate()
+        srcs, dsts = _pieces(rng, sizes)
+        # two sessions back to back: the second reuses slots the first may still be emptying
+        for half in (slice(0, 3), slice(3, 6)):
+            sess = ring.session(side, direction)
+            for src, dst in zip(srcs[half], dsts[half]):
+                sess.add(dst.ctypes.data, src.ctypes.data, src.nbytes)
+            sess.close()
+        sim.queues[side].append(("nop",))
+        end = (side, len(sim.queues[side]) - 1)
+        sim.run(random.Random(seed))
+        assert sim.done[side] > end[1]
+        for src, dst in zip(srcs, dsts):
+            assert np.array_equal(src, dst), f"seed {seed}"
+
+
+def test_the_side_stream_ends_after_all_of_the_second_streams_work():
+    sim = StreamSim()
+    side = sim.new_stream()
+    ring = StagingRing(sim, slot=4096, slots=2)
+    ring.allocate()
+    src, dst = np.arange(20000, dtype=np.uint32).view(np.uint8), np.zeros(80000, np.uint8)
+    sess = ring.session(side, "h2d")
+    sess.add(dst.ctypes.data, src.ctypes.data, src.nbytes)
+    sess.close()
+    marker = {"at": None}
+    sim.record(marker, side)       # what Tier._finish's end event sees
+    # run the side stream as far as it can go, holding the second stream back where allowed:
+    # it cannot pass the marker before the second stream has done every copy
+    for seed in range(20):
+        sim2 = StreamSim()
+        sim2.queues = {s: list(q) for s, q in sim.queues.items()}
+        sim2.done = dict.fromkeys(sim.queues, 0)
+        rng = random.Random(seed)
+        while sim2.done[side] <= marker["at"][1]:
+            heads = [s for s, q in sim2.queues.items() if sim2.done[s] < len(q) and sim2._ready(q[sim2.done[s]])]
+            s = side if side in heads else rng.choice(heads)
+            op = sim2.queues[s][sim2.done[s]]
+            if op[0] == "copy":
+                ctypes.memmove(op[1], op[2], op[3])
+            sim2.done[s] += 1
+        stage = ring._stream
+        assert sim2.done[stage] == len(sim2.queues[stage])
+        assert np.array_equal(dst, src)
+
+
+def test_the_simulator_catches_a_slot_refilled_before_it_was_emptied(monkeypatch):
+    """Drop the wait on a slot's "emptied" event: some order then overwrites a slot before its
+    contents moved on, and the test above would fail."""
+    real_add = _Session.add
+
+    def add_without_slot_wait(self, dst, src, nbytes):
+        self.used = [False] * len(self.used)      # never waits for a slot to be emptied
+        real_add(self, dst, src, nbytes)
+
+    monkeypatch.setattr(_Session, "add", add_without_slot_wait)
+    rng = np.random.default_rng(0)
+    bad = 0
+    for seed in range(40):
+        sim = StreamSim()
+        side = sim.new_stream()
+        ring = StagingRing(sim, slot=4096, slots=2)
+        ring.allocate()
+        srcs, dsts = _pieces(rng, [3000] * 12)
+        sess = ring.session(side, "h2d")
+        for src, dst in zip(srcs, dsts):
+            sess.add(dst.ctypes.data, src.ctypes.data, src.nbytes)
+        sess.close()
+        sim.run(random.Random(seed))
+        bad += any(not np.array_equal(s, d) for s, d in zip(srcs, dsts))
+    assert bad > 0
+
+
+def test_a_ring_needs_two_slots_and_memory():
+    with pytest.raises(ValueError):
+        StagingRing(FakeBackend(), slot=MiB, slots=1)
+    with pytest.raises(RuntimeError):
+        StagingRing(FakeBackend()).session(1, "h2d")
+    ring = StagingRing(FakeBackend())
+    ring.allocate()
+    with pytest.raises(ValueError):
+        ring.session(1, "sideways")
+
+
+# -- the engine's use of the ring (fake backend: all work done at once) --------------------------
+
+def _kinds(fake, start=0):
+    return [(fake.pointer_kind(c[2]), fake.pointer_kind(c[1])) for c in calls(fake, "copy")[start:]]
+
+
+def test_a_refill_of_megabytes_goes_through_the_ring_and_a_small_one_goes_direct():
+    fake = FakeBackend(total=1 << 30)
+    t = tiermem.Tier(backend=fake)
+    big = t.empty(40 * MiB, "uint8", role="gradient")
+    small = t.empty(MIN_STAGED - 1, "uint8", role="gradient")
+    data = [fill_random(big), fill_random(small)]
+    t.evict(small)
+    assert _kinds(fake) == [("managed", "host")] and t.staging_bytes == 0    # under MIN_STAGED
+    t.evict(big)
+    n = len(calls(fake, "copy"))
+    t.prefetch([big, small])
+    assert set(_kinds(fake, n)) == {("host", "device"), ("device", "managed")}
+    assert [c[3] for c in calls(fake, "copy")[n:] if fake.pointer_kind(c[1]) == "device"] == [32 * MiB, 8 * MiB, MIN_STAGED - 1]
+    assert torch.equal(read(big), data[0]) and torch.equal(read(small), data[1])
+    s = t.stats()
+    assert (s["staged_bytes.gradient.h2d"], s["staged_bytes.gradient.d2h"]) == (40 * MiB + MIN_STAGED - 1, 40 * MiB)
+    assert (t.staging_bytes, s["staging_bytes.current"]) == (64 * MiB, 64 * MiB)
+    assert [c for c in fake.calls if c[0] == "device_alloc"] == [("device_alloc", 64 * MiB, False)]
+
+
+def test_staging_off_copies_direct():
+    fake = FakeBackend(total=1 << 30)
+    t = tiermem.Tier(backend=fake, staging="off")
+    tt = t.empty(40 * MiB, "uint8", role="gradient")
+    data = fill_random(tt)
+    t.evict(tt)
+    t.prefetch(tt)
+    assert _kinds(fake) == [("managed", "host"), ("host", "managed")]
+    assert torch.equal(read(tt), data) and t.staging_bytes == 0
+
+
+def test_auto_stays_off_under_a_small_budget_and_a_size_turns_it_on_inside_the_budget():
+    fake = FakeBackend(total=1 << 30)
+    t = tiermem.Tier(backend=fake, budget=512 * MiB)          # under 16 x 64 MiB
+    a = t.empty(40 * MiB, "uint8", role="gradient")
+    fill_random(a)
+    t.evict(a)
+    t.prefetch(a)
+    assert t.staging_bytes == 0 and ("host", "device") not in _kinds(fake)
+    t2 = tiermem.Tier(backend=fake, budget=48 * MiB, staging="8MiB")
+    b = t2.empty(40 * MiB, "uint8", role="gradient")
+    data = fill_random(b)
+    t2.evict(b, release=True)
+    t2.prefetch(b)
+    assert (t2.staging_bytes, t2.resident_bytes) == (8 * MiB, 40 * MiB)
+    assert torch.equal(read(b), data)
+    assert t2.stats()["staged_bytes.gradient.h2d"] == 40 * MiB
+
+
+def test_the_ring_counts_against_the_budget_and_is_skipped_when_there_is_no_room_for_it():
+    fake = FakeBackend(total=1 << 30)
+    t = tiermem.Tier(backend=fake, budget=40 * MiB, staging="8MiB")
+    keep = t.empty(8 * MiB, "uint8", role="workspace")         # never evicted
+    a = t.empty(32 * MiB, "uint8", role="gradient")
+    data = fill_random(a)
+    t.evict(a, release=True)
+    t.prefetch(a)            # 8 + 32 fill the budget: no room for the ring, the copy goes direct
+    assert (t.staging_bytes, t.resident_bytes) == (0, 40 * MiB)
+    assert _kinds(fake)[-1] == ("host", "managed") and torch.equal(read(a), data)
+    keep.free()
+    t.evict(a, release=True)
+    t.prefetch(a)            # now it fits beside the tensors
+    assert (t.staging_bytes, t.resident_bytes) == (8 * MiB, 32 * MiB)
+    t.empty(8 * MiB, "uint8", role="workspace")       # room comes from the tensor, not the ring
+    assert (t.staging_bytes, t.resident_bytes, a.location) == (8 * MiB, 8 * MiB, Location.HOST)
+    assert t.parked_bytes == 0
+
+
+def test_the_ring_is_the_first_thing_a_budget_gives_up_only_when_the_tensors_need_it():
+    fake = FakeBackend(total=1 << 30)
+    t = tiermem.Tier(backend=fake, budget=40 * MiB, staging="8MiB")
+    a = t.empty(32 * MiB, "uint8", role="gradient")
+    fill_random(a)
+    t.evict(a, release=True)
+    t.prefetch(a)
+    assert t.staging_bytes == 8 * MiB
+    t.set_budget(36 * MiB)   # the ring stays while an evictable tensor can make the room
+    assert (t.staging_bytes, a.location) == (8 * MiB, Location.HOST)
+    t.prefetch(a)            # 32 + 8 > 36: the tensor comes first, the ring goes
+    assert (t.staging_bytes, t.resident_bytes, a.location) == (0, 32 * MiB, Location.DEVICE)
+    w = t.empty(4 * MiB, "uint8", role="workspace", evict="never")
+    assert (t.resident_bytes, w.location) == (36 * MiB, Location.DEVICE)
+    t.set_budget(48 * MiB)
+    t.evict(a, release=True)
+    t.prefetch(a)            # room again: the ring comes back
+    assert (t.staging_bytes, t.resident_bytes) == (8 * MiB, 36 * MiB)
+    t.empty(8 * MiB, "uint8", role="workspace", evict="never")   # a evicted, ring kept
+    assert (t.staging_bytes, a.location) == (8 * MiB, Location.HOST)
+    t.empty(30 * MiB, "uint8", role="workspace", evict="never")  # only the ring can make room
+    assert (t.staging_bytes, t.resident_bytes) == (0, 42 * MiB)
+
+
+def test_trim_and_a_small_budget_give_the_ring_back():
+    fake = FakeBackend(total=1 << 30)
+    t = tiermem.Tier(backend=fake)
+    a = t.empty(40 * MiB, "uint8", role="gradient")
+    fill_random(a)
+    t.evict(a)
+    t.prefetch(a)
+    assert t.staging_bytes == 64 * MiB
+    assert t.trim() == 64 * MiB and t.staging_bytes == 0
+    t.evict(a)
+    t.prefetch(a)
+    assert t.staging_bytes == 64 * MiB
+    t.set_budget(256 * MiB)        # "auto" stays out of budgets under 1 GiB
+    assert t.staging_bytes == 0
+
+
+def test_a_full_device_turns_the_ring_off_with_a_warning(caplog):
+    fake = FakeBackend(total=1 << 30)
+    fake.device_full = True
+    t = tiermem.Tier(backend=fake)
+    a = t.empty(40 * MiB, "uint8", role="gradient")
+    data = fill_random(a)
+    t.evict(a)
+    with caplog.at_level(logging.WARNING, logger="tiermem"):
+        t.prefetch(a)
+    assert "staging ring" in caplog.text
+    assert torch.equal(read(a), data)
+    assert (t.staging_bytes, t.stats()["staging.refused_count"]) == (0, 1)
+    fake.device_full = False
+    t.evict(a)
+    t.prefetch(a)                  # off for good: no retry on every move
+    assert t.staging_bytes == 0 and ("host", "device") not in _kinds(fake)
+
+
+@pytest.mark.parametrize("value", ["1MiB", "lots", -1])
+def test_bad_staging_sizes_are_refused(value):
+    with pytest.raises(TierMemError):
+        tiermem.Tier(backend=FakeBackend(), staging=value)
+
+
+def test_a_group_refill_into_parked_pages_goes_through_the_ring():
+    """bandwidth.py's stream-in: a group comes in where the group before it was."""
+    fake = FakeBackend(total=1 << 30)
+    t = tiermem.Tier(backend=fake, staging="64MiB")
+    specs = [((n,), "uint8") for n in (64 * MiB, 8 * MiB, 300_000, 24 * MiB, 4096)]
+    g1 = t.empty_group(specs, role="gradient")
+    g2 = t.empty_group(specs, role="gradient")
+    d1, d2 = [fill_random(x) for x in g1], [fill_random(x) for x in g2]
+    t.evict(g2, release=True)
+    t.set_budget(t.resident_bytes + 64 * MiB)          # one group and the ring
+    for _ in range(3):
+        t.prefetch(g2)
+        assert all(x.location is Location.DEVICE for x in g2) and all(x.location is Location.HOST for x in g1)
+        t.prefetch(g1)
+    assert all(torch.equal(read(x), d) for x, d in zip(g1, d1))
+    assert all(torch.equal(read(x), d) for x, d in zip(g2, d2))
+    assert t.resident_bytes + t.staging_bytes <= t.budget
+    s = t.stats()
+    assert s["ops.gradient.refill_reuse"] >= 5 * 5 and s["staged_bytes.gradient.h2d"] >= 5 * 96 * MiB
+    assert t.staging_bytes == 64 * MiB
+
+
+def test_a_ring_that_gave_way_stays_off_until_the_budget_changes():
+    fake = FakeBackend(total=1 << 30)
+    t = tiermem.Tier(backend=fake, budget=40 * MiB, staging="8MiB")
+    a = t.empty(8 * MiB, "uint8", role="gradient")
+    data = fill_random(a)
+    t.evict(a, release=True)
+    t.prefetch(a)
+    w = t.empty(24 * MiB, "uint8", role="workspace", evict="never")
+    assert (t.staging_bytes, t.resident_bytes) == (8 * MiB, 32 * MiB)
+    x = t.empty(16 * MiB, "uint8", role="workspace", evict="never")   # a alone is not enough room
+    assert (t.staging_bytes, t.resident_bytes, a.location) == (0, 40 * MiB, Location.HOST)
+    x.free()
+    t.prefetch(a)            # there is room for it now, but it stays off: no ring/tensor ping-pong
+    assert (t.staging_bytes, a.location) == (0, Location.DEVICE)
+    t.set_budget(40 * MiB)
+    t.evict(a, release=True)
+    t.prefetch(a)
+    assert (t.staging_bytes, t.resident_bytes) == (8 * MiB, 32 * MiB)
+    assert torch.equal(read(a), data) and w.location is Location.DEVICE

@@ -1,0 +1,159 @@
+"""The staging ring: shadow copies at the link's full rate (NOTE [staging ring]).
+
+NOTE [staging ring]
+    A copy between pinned host memory and device-resident managed pages runs at 0.92-0.93 of
+    the same copy to or from cudaMalloc memory on the H100 (47.5-50.8 against 51.7-54.7 GB/s in,
+    52.2 against 55.1 out; bench/results/probe_staged_in-*.json). Splitting it over streams, or
+    pulling it in with a kernel, did not close the gap (bench/probe_h2d_split.py). A copy between
+    cudaMalloc memory and managed pages on the device runs at ~1.4 TB/s, though. So the shadow
+    copies go through a ring of cudaMalloc slots (two of 32 MiB): on the way in, tiermem's stream
+    copies a slot's worth from the shadows into slot i over the link while a second stream copies
+    slot i-1 on into the managed pages; on the way out the second stream fills the slots from the
+    managed pages and tiermem's stream empties them over the link. The link never waits on a
+    managed page: 0.98-1.00 of the cudaMalloc rate in, 0.99 out, in the same probe.
+
+    Ordering. The second stream starts after everything queued on tiermem's stream before the
+    session (the caller's work, fresh pages, earlier moves). A slot is refilled only after its
+    last contents were copied on. A session ends with tiermem's stream after all of the second
+    stream's work, so the transfer's end event, and every later drain of tiermem's stream (NOTE
+    [discard fence] in _backend.py), cover the whole copy. Sessions never overlap: the Tier's lock
+    is held for a session's life, and every session ends with both streams ordered, so the slots
+    are free again for the next one on tiermem's stream.
+
+    Memory. The ring is device memory tiermem holds, allocated on first use and given back by
+    ``Tier.trim()`` and ``close()``; under a budget it counts against the budget
+    (``Tier.staging_bytes``). A prefetch makes room for it only where the budget can hold it
+    beside the tensors; when tensors later need its room it gives way and stays off until the
+    budget changes, so it never evicts a tensor that the next move needs. "auto" stays off under
+    budgets below 1 GiB, where 64 MiB is too much of the room.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["StagingRing", "SLOT", "MIN_STAGED"]
+
+SLOT = 32 << 20        # two of these reached 0.98-1.00 (16 MiB: 0.97-0.98; 64 MiB: no better)
+# Under this, a copy goes direct: the ring doubles the copy calls, and a few MiB gain microseconds.
+MIN_STAGED = 4 << 20
+
+
+class StagingRing:
+    """``slots`` slots of ``slot`` bytes of plain device memory for one Tier's shadow copies."""
+
+    def __init__(self, backend: Any, slot: int = SLOT, slots: int = 2):
+        if slot <= 0 or slots < 2:
+            raise ValueError("a staging ring needs at least two slots of a positive size")
+        self.backend, self.slot, self.slots = backend, int(slot), int(slots)
+        self.mem: Any = None
+        self._stream: int | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.slot * self.slots
+
+    @property
+    def allocated(self) -> bool:
+        return self.mem is not None
+
+    def allocate(self) -> None:
+        """Take the ring's device memory; raises MemoryError (the driver's) if there is none."""
+        if self.mem is None:
+            # From the driver, not a pool: trim() is there to hand device memory to others.
+            self.mem = self.backend.device_alloc(self.nbytes, pooled=False)
+            if self._stream is None:
+                self._stream = self.backend.new_stream()
+
+    def release(self, side: int) -> None:
+        """Give the memory back once the work queued on ``side`` (which is after every session's
+        work, see the NOTE) is done: the pool hands it to the next allocation at once."""
+        if self.mem is None:
+            return
+        done = self.backend.new_event()
+        self.backend.record(done, side)
+        self.backend.synchronize(done)
+        self.mem.release()
+        self.mem = None
+
+    def session(self, side: int, direction: str) -> "_Session":
+        """Copies through the ring on ``side`` (tiermem's stream): ``direction`` "h2d" copies
+        pinned sources into managed destinations, "d2h" the other way."""
+        if self.mem is None:
+            raise RuntimeError("the staging ring is not allocated")
+        if direction not in ("h2d", "d2h"):
+            raise ValueError(f"direction is 'h2d' or 'd2h', not {direction!r}")
+        return _Session(self, side, direction)
+
+
+class _Session:
+    """One batch of copies through the ring. ``add`` as many as needed, then ``close``.
+
+    In each slot's cycle, the "link" stream does the copy across the link (tiermem's stream on
+    the way in, as on the way out) and the "device" stream does the device-side copy; which one
+    goes first depends on the direction.
+    """
+
+    def __init__(self, ring: StagingRing, side: int, direction: str):
+        self.ring, self.side, self.inward = ring, side, direction == "h2d"
+        self.stage = ring._stream
+        self.base = ring.mem.ptr
+        self.slot = 0           # the slot being filled
+        self.fill = 0           # bytes in it so far
+        self.pending: list[tuple[int, int, int]] = []   # (final destination, slot address, bytes)
+        self.used = [False] * ring.slots
+        self.freed = [None] * ring.slots                 # event: the slot's last contents moved on
+        self.started = False
+        self.bytes = 0
+
+    # The stream that fills a slot, and the one that empties it.
+    def _first(self) -> int:
+        return self.side if self.inward else self.stage
+
+    def _second(self) -> int:
+        return self.stage if self.inward else self.side
+
+    def add(self, dst: int, src: int, nbytes: int) -> None:
+        """Copy ``nbytes`` from ``src`` to ``dst`` through the ring."""
+        be, size = self.ring.backend, self.ring.slot
+        if not self.started:
+            go = be.new_event()
+            be.record(go, self.side)
+            be.wait(self.stage, go)
+            self.started = True
+        while nbytes > 0:
+            if self.fill == 0 and self.used[self.slot]:
+                be.wait(self._first(), self.freed[self.slot])
+            k = min(nbytes, size - self.fill)
+            at = self.base + self.slot * size + self.fill
+            be.copy(at, src, k, self._first())
+            self.pending.append((dst, at, k))
+            self.fill += k
+            self.bytes += k
+            dst, src, nbytes = dst + k, src + k, nbytes - k
+            if self.fill == size:
+                self._flush()
+
+    def _flush(self) -> None:
+        be = self.ring.backend
+        landed = be.new_event()
+        be.record(landed, self._first())
+        be.wait(self._second(), landed)
+        for dst, at, k in self.pending:
+            be.copy(dst, at, k, self._second())
+        freed = be.new_event()
+        be.record(freed, self._second())
+        self.freed[self.slot], self.used[self.slot] = freed, True
+        self.pending, self.fill = [], 0
+        self.slot = (self.slot + 1) % self.ring.slots
+
+    def close(self) -> None:
+        """Enqueue what is left, and order tiermem's stream after all of it."""
+        if not self.started:
+            return
+        if self.fill:
+            self._flush()
+        if self.inward:         # the last copies ran on the second stream
+            be = self.ring.backend
+            done = be.new_event()
+            be.record(done, self.stage)
+            be.wait(self.side, done)

@@ -36,13 +36,17 @@ VARIANTS = {
     "no_split": {"no_split": True},           # every large buffer its own cudaMallocManaged
     "sync_after_dp": {"sync_after": ("discard_and_prefetch",)},
     "sync_after_discard": {"sync_after": ("discard",)},
+    # every shadow copy through an 8 MiB staging ring inside the budget (NOTE [staging ring])
+    "staged": {"staging": "8MiB"},
 }
 
 
 def run_seed(seed: int, variant: dict, log_limit: int = 200_000) -> dict:
     import torch
     import tiermem
-    t = tiermem.Tier(0, cap="1GiB", budget=BUDGET)
+    t = tiermem.Tier(0, cap="1GiB", budget=BUDGET, staging=variant.get("staging", "auto"))
+    if "staging" in variant:
+        t._stage_min = 1
     be = t.backend
     calls: list[tuple] = []     # (step, what, ranges, stream)
     step_box = [0]
@@ -240,7 +244,7 @@ def run_seed(seed: int, variant: dict, log_limit: int = 200_000) -> dict:
     live.clear()
     t.close()
     return {"seed": seed, "ops": nops, "mismatches": found, "stats": {k: v for k, v in t.stats().items()
-                                                                     if k.startswith("ops.all")}}
+                                                                     if k.startswith(("ops.all", "staged_bytes.all"))}}
 
 
 def main() -> None:

@@ -46,7 +46,7 @@ def run_seed(seed: int, variant: dict, log_limit: int = 200_000) -> dict:
     import tiermem
     t = tiermem.Tier(0, cap="1GiB", budget=BUDGET, staging=variant.get("staging", "auto"))
     if "staging" in variant:
-        t._stage_min = 1
+        t._staging.min_bytes = 1
     be = t.backend
     calls: list[tuple] = []     # (step, what, ranges, stream)
     step_box = [0]

@@ -35,6 +35,13 @@ class _State:
         self.last_prefetch: Location | None = None
 
 
+class _Event:
+    __slots__ = ("stream",)
+
+    def __init__(self):
+        self.stream: int | None = None
+
+
 class FakeBackend:
     kind = "fake"
 
@@ -56,6 +63,8 @@ class FakeBackend:
         self._streams = itertools.count(1)
         self.live_blocks = 0
         self.device_full = False       # device_alloc then fails as cudaMalloc does on a full device
+        self.events_pending = False    # query() then says no event is done yet (the work is, here)
+        self.waits: list[tuple[int, int | None]] = []   # (waiting stream, stream the event was recorded on)
 
     # -- memory ---------------------------------------------------------------------------------
     def capabilities(self) -> Capabilities:
@@ -195,16 +204,17 @@ class FakeBackend:
         return next(self._streams)
 
     def new_event(self, timing: bool = False) -> Any:
-        return object()
+        return _Event()
 
     def record(self, event: Any, stream: int) -> None:
-        pass
+        event.stream = stream
 
     def wait(self, stream: int, event: Any) -> None:
         self.calls.append(("wait", stream))
+        self.waits.append((stream, event.stream))
 
     def query(self, event: Any) -> bool:
-        return True
+        return not self.events_pending
 
     def synchronize(self, event: Any) -> None:
         pass

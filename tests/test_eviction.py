@@ -419,7 +419,7 @@ class StagedTierMachine(TierMachine):
 
     def make_tier(self):
         t = tiermem.Tier(backend=self.fake, budget=BUDGET, staging="2MiB")
-        t._stage_min = 1
+        t._staging.min_bytes = 1
         return t
 
     def teardown(self):

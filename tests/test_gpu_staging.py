@@ -34,9 +34,9 @@ def test_a_group_goes_through_the_ring_both_ways_bit_for_bit(budgeted, non_block
     g1, r1 = _group(t)
     g2, r2 = _group(t)
     total = sum(SIZES)
-    if budgeted:      # one group and the ring: each prefetch parks the other group, dirty
+    if budgeted:      # one group and both rings: each prefetch parks the other group, dirty
         t.evict(g2, release=True).synchronize()
-        t.set_budget(t.resident_bytes + 64 * MiB)
+        t.set_budget(t.resident_bytes + 128 * MiB)
     cur = torch.cuda.current_stream()
     for cycle in range(4):
         for g, refs in ((g2, r2), (g1, r1)):
@@ -54,9 +54,9 @@ def test_a_group_goes_through_the_ring_both_ways_bit_for_bit(budgeted, non_block
                 t.evict(g, non_blocking=non_blocking)
     torch.cuda.synchronize()
     s = t.stats()
-    assert t.staging_bytes == 64 * MiB and s["staging.refused_count"] == 0
+    assert t.staging_bytes == 128 * MiB and s["staging.refused_count"] == 0
     # six refills at least (the groups start on the device) and six dirty evictions (the first
-    # one under the budget comes before the ring), every byte of them staged
+    # one under the budget comes before the rings), every byte of them staged
     assert s["staged_bytes.gradient.h2d"] >= 6 * total and s["staged_bytes.gradient.d2h"] >= 6 * total
     if budgeted:
         assert t.resident_bytes + t.staging_bytes <= t.budget
@@ -66,7 +66,7 @@ def test_a_group_goes_through_the_ring_both_ways_bit_for_bit(budgeted, non_block
 def test_trim_gives_the_ring_back_to_the_driver():
     import torch
     import tiermem
-    t = tiermem.Tier(0, cap="1GiB", staging="256MiB")
+    t = tiermem.Tier(0, cap="1GiB", staging="128MiB")
     x = t.empty(64 * MiB, "uint8", role="gradient")
     ref = torch.randint(0, 256, (64 * MiB,), dtype=torch.uint8, device="cuda")
     x.torch().copy_(ref)
@@ -74,11 +74,40 @@ def test_trim_gives_the_ring_back_to_the_driver():
     t.evict(x)
     t.prefetch(x)
     torch.cuda.synchronize()
-    assert t.staging_bytes == 256 * MiB
+    assert t.staging_bytes == 256 * MiB          # 128 MiB each way
     free_before, _ = torch.cuda.mem_get_info()
     assert t.trim() == 256 * MiB and t.staging_bytes == 0
     free_after, _ = torch.cuda.mem_get_info()
     # cudaMalloc memory, unlike managed pages, shows in the free figure (shared/FACTS.md)
     assert free_after - free_before >= 250 * MiB
     assert torch.equal(x.torch(), ref)
+    t.close()
+
+
+def test_an_eviction_and_a_refill_share_the_link_both_ways():
+    """Each direction on its own stream and ring (NOTE [staging ring]); bench/bandwidth.py
+    measures how much they overlap. This checks the streams and the bytes."""
+    import torch
+    import tiermem
+    t = tiermem.Tier(0, cap="1GiB", budget="1GiB", staging="64MiB")
+    a, ra = _group(t)
+    b, rb = _group(t, role="activation")
+    t.evict(b).synchronize()          # parked: it comes back into its own pages
+    for x, r in zip(a, ra):
+        v = x.torch()
+        v.add_(3)
+        r.add_(3)
+        del v
+    gc.collect()
+    torch.cuda.synchronize()
+    out = t.evict(a, non_blocking=True)
+    inn = t.prefetch(b, non_blocking=True)
+    assert out.stream != inn.stream
+    inn.synchronize()
+    out.synchronize()
+    s = t.stats()
+    assert s["staged_bytes.gradient.d2h"] >= sum(SIZES) and s["staged_bytes.activation.h2d"] >= sum(SIZES)
+    assert all(torch.equal(x.torch(), r) for x, r in zip(b, rb))
+    t.prefetch(a)
+    assert all(torch.equal(x.torch(), r) for x, r in zip(a, ra))
     t.close()

@@ -26,7 +26,7 @@ def test_ten_thousand_random_operations_under_a_budget(seed, staging):
     import torch
     import tiermem
     t = tiermem.Tier(0, cap="1GiB", budget=BUDGET, staging=staging)
-    t._stage_min = 1              # every shadow copy, however small, when the ring is on
+    t._staging.min_bytes = 1              # every shadow copy, however small, when the ring is on
     rng = random.Random(seed)
     weights = torch.randint(-(2**62), 2**62, (SIZES[-1] // 8,), dtype=torch.int64, device="cuda")
 

@@ -184,13 +184,18 @@ def test_a_ring_needs_two_slots_and_memory():
         ring.session(1, "sideways")
 
 
-# -- the engine's use of the ring (fake backend: all work done at once) --------------------------
+# -- the engine's use of the rings (fake backend: all work done at once) -------------------------
 
 def _kinds(fake, start=0):
     return [(fake.pointer_kind(c[2]), fake.pointer_kind(c[1])) for c in calls(fake, "copy")[start:]]
 
 
-def test_a_refill_of_megabytes_goes_through_the_ring_and_a_small_one_goes_direct():
+def _rings(t):
+    """(refills' ring allocated, evictions' ring allocated)"""
+    return tuple(t._staging.ring(d) is not None and t._staging.ring(d).allocated for d in ("h2d", "d2h"))
+
+
+def test_megabytes_go_through_a_ring_each_way_and_a_small_move_goes_direct():
     fake = FakeBackend(total=1 << 30)
     t = tiermem.Tier(backend=fake)
     big = t.empty(40 * MiB, "uint8", role="gradient")
@@ -199,6 +204,7 @@ def test_a_refill_of_megabytes_goes_through_the_ring_and_a_small_one_goes_direct
     t.evict(small)
     assert _kinds(fake) == [("managed", "host")] and t.staging_bytes == 0    # under MIN_STAGED
     t.evict(big)
+    assert _rings(t) == (False, True) and t.staging_bytes == 64 * MiB
     n = len(calls(fake, "copy"))
     t.prefetch([big, small])
     assert set(_kinds(fake, n)) == {("host", "device"), ("device", "managed")}
@@ -206,8 +212,12 @@ def test_a_refill_of_megabytes_goes_through_the_ring_and_a_small_one_goes_direct
     assert torch.equal(read(big), data[0]) and torch.equal(read(small), data[1])
     s = t.stats()
     assert (s["staged_bytes.gradient.h2d"], s["staged_bytes.gradient.d2h"]) == (40 * MiB + MIN_STAGED - 1, 40 * MiB)
-    assert (t.staging_bytes, s["staging_bytes.current"]) == (64 * MiB, 64 * MiB)
-    assert [c for c in fake.calls if c[0] == "device_alloc"] == [("device_alloc", 64 * MiB, False)]
+    assert (t.staging_bytes, s["staging_bytes.current"], _rings(t)) == (128 * MiB, 128 * MiB, (True, True))
+    assert [c for c in fake.calls if c[0] == "device_alloc"] == [("device_alloc", 64 * MiB, False)] * 2
+    # each direction on its own stream, each ring's device copies on one more
+    sides = {c[4] for c in calls(fake, "copy")[n:] if fake.pointer_kind(c[2]) == "host"}
+    out_sides = {c[4] for c in calls(fake, "copy")[:n] if fake.pointer_kind(c[1]) == "host"}
+    assert len(sides) == len(out_sides) == 1 and sides != out_sides
 
 
 def test_staging_off_copies_direct():
@@ -229,87 +239,80 @@ def test_auto_stays_off_under_a_small_budget_and_a_size_turns_it_on_inside_the_b
     t.evict(a)
     t.prefetch(a)
     assert t.staging_bytes == 0 and ("host", "device") not in _kinds(fake)
-    t2 = tiermem.Tier(backend=fake, budget=48 * MiB, staging="8MiB")
+    t2 = tiermem.Tier(backend=fake, budget=56 * MiB, staging="8MiB")
     b = t2.empty(40 * MiB, "uint8", role="gradient")
     data = fill_random(b)
-    t2.evict(b, release=True)
-    t2.prefetch(b)
-    assert (t2.staging_bytes, t2.resident_bytes) == (8 * MiB, 40 * MiB)
+    t2.evict(b, release=True)     # 40 + 8 fit: the evictions' ring
+    t2.prefetch(b)                # 8 + 8 + 40 fit: the refills' ring
+    assert (t2.staging_bytes, t2.resident_bytes, _rings(t2)) == (16 * MiB, 40 * MiB, (True, True))
     assert torch.equal(read(b), data)
-    assert t2.stats()["staged_bytes.gradient.h2d"] == 40 * MiB
+    s = t2.stats()
+    assert (s["staged_bytes.gradient.h2d"], s["staged_bytes.gradient.d2h"]) == (40 * MiB, 40 * MiB)
 
 
-def test_the_ring_counts_against_the_budget_and_is_skipped_when_there_is_no_room_for_it():
+def test_the_rings_count_against_the_budget_and_are_skipped_when_there_is_no_room():
     fake = FakeBackend(total=1 << 30)
     t = tiermem.Tier(backend=fake, budget=40 * MiB, staging="8MiB")
     keep = t.empty(8 * MiB, "uint8", role="workspace")         # never evicted
     a = t.empty(32 * MiB, "uint8", role="gradient")
     data = fill_random(a)
-    t.evict(a, release=True)
-    t.prefetch(a)            # 8 + 32 fill the budget: no room for the ring, the copy goes direct
+    t.evict(a, release=True)   # 8 + 32 fill the budget: no room for a ring, the copy goes direct
+    t.prefetch(a)              # and again
     assert (t.staging_bytes, t.resident_bytes) == (0, 40 * MiB)
-    assert _kinds(fake)[-1] == ("host", "managed") and torch.equal(read(a), data)
+    assert _kinds(fake) == [("managed", "host"), ("host", "managed")] and torch.equal(read(a), data)
     keep.free()
-    t.evict(a, release=True)
-    t.prefetch(a)            # now it fits beside the tensors
-    assert (t.staging_bytes, t.resident_bytes) == (8 * MiB, 32 * MiB)
+    t.evict(a, release=True)   # 32 + 8: the evictions' ring fits
+    assert (t.staging_bytes, _rings(t)) == (8 * MiB, (False, True))
+    t.prefetch(a)              # 8 + 32 + 8 > 40: no room for the refills' ring beside it
+    assert (t.staging_bytes, t.resident_bytes, _rings(t)) == (8 * MiB, 32 * MiB, (False, True))
     t.empty(8 * MiB, "uint8", role="workspace")       # room comes from the tensor, not the ring
     assert (t.staging_bytes, t.resident_bytes, a.location) == (8 * MiB, 8 * MiB, Location.HOST)
-    assert t.parked_bytes == 0
+    assert t.parked_bytes == 0 and torch.equal(read(a), data)
 
 
-def test_the_ring_is_the_first_thing_a_budget_gives_up_only_when_the_tensors_need_it():
+def test_the_rings_give_way_only_when_the_tensors_need_the_room():
     fake = FakeBackend(total=1 << 30)
-    t = tiermem.Tier(backend=fake, budget=40 * MiB, staging="8MiB")
+    t = tiermem.Tier(backend=fake, budget=48 * MiB, staging="8MiB")
     a = t.empty(32 * MiB, "uint8", role="gradient")
-    fill_random(a)
+    data = fill_random(a)
     t.evict(a, release=True)
     t.prefetch(a)
-    assert t.staging_bytes == 8 * MiB
-    t.set_budget(36 * MiB)   # the ring stays while an evictable tensor can make the room
-    assert (t.staging_bytes, a.location) == (8 * MiB, Location.HOST)
-    t.prefetch(a)            # 32 + 8 > 36: the tensor comes first, the ring goes
+    assert (t.staging_bytes, _rings(t)) == (16 * MiB, (True, True))
+    t.set_budget(44 * MiB)   # the rings stay while an evictable tensor can make the room
+    assert (t.staging_bytes, a.location) == (16 * MiB, Location.HOST)
+    t.prefetch(a)            # 32 + 16 > 44: the tensor comes first, the rings go
     assert (t.staging_bytes, t.resident_bytes, a.location) == (0, 32 * MiB, Location.DEVICE)
-    w = t.empty(4 * MiB, "uint8", role="workspace", evict="never")
-    assert (t.resident_bytes, w.location) == (36 * MiB, Location.DEVICE)
-    t.set_budget(48 * MiB)
-    t.evict(a, release=True)
-    t.prefetch(a)            # room again: the ring comes back
-    assert (t.staging_bytes, t.resident_bytes) == (8 * MiB, 36 * MiB)
-    t.empty(8 * MiB, "uint8", role="workspace", evict="never")   # a evicted, ring kept
-    assert (t.staging_bytes, a.location) == (8 * MiB, Location.HOST)
-    t.empty(30 * MiB, "uint8", role="workspace", evict="never")  # only the ring can make room
-    assert (t.staging_bytes, t.resident_bytes) == (0, 42 * MiB)
+    assert torch.equal(read(a), data)
 
 
-def test_trim_and_a_small_budget_give_the_ring_back():
+def test_trim_and_a_small_budget_give_the_rings_back():
     fake = FakeBackend(total=1 << 30)
     t = tiermem.Tier(backend=fake)
     a = t.empty(40 * MiB, "uint8", role="gradient")
     fill_random(a)
     t.evict(a)
     t.prefetch(a)
-    assert t.staging_bytes == 64 * MiB
-    assert t.trim() == 64 * MiB and t.staging_bytes == 0
+    assert t.staging_bytes == 128 * MiB
+    assert t.trim() == 128 * MiB and t.staging_bytes == 0
     t.evict(a)
     t.prefetch(a)
-    assert t.staging_bytes == 64 * MiB
-    t.set_budget(256 * MiB)        # "auto" stays out of budgets under 1 GiB
+    assert t.staging_bytes == 128 * MiB
+    t.set_budget(512 * MiB)        # "auto" stays out of budgets under 1 GiB
     assert t.staging_bytes == 0
 
 
-def test_a_full_device_turns_the_ring_off_with_a_warning(caplog):
+def test_a_full_device_turns_a_ring_off_with_a_warning(caplog):
     fake = FakeBackend(total=1 << 30)
     fake.device_full = True
     t = tiermem.Tier(backend=fake)
     a = t.empty(40 * MiB, "uint8", role="gradient")
     data = fill_random(a)
-    t.evict(a)
     with caplog.at_level(logging.WARNING, logger="tiermem"):
+        t.evict(a)
         t.prefetch(a)
-    assert "staging ring" in caplog.text
+    assert caplog.text.count("staging ring") == 2
     assert torch.equal(read(a), data)
-    assert (t.staging_bytes, t.stats()["staging.refused_count"]) == (0, 1)
+    assert (t.staging_bytes, t.stats()["staging.refused_count"]) == (0, 2)
     fake.device_full = False
     t.evict(a)
     t.prefetch(a)                  # off for good: no retry on every move
@@ -331,7 +334,7 @@ def test_a_group_refill_into_parked_pages_goes_through_the_ring():
     g2 = t.empty_group(specs, role="gradient")
     d1, d2 = [fill_random(x) for x in g1], [fill_random(x) for x in g2]
     t.evict(g2, release=True)
-    t.set_budget(t.resident_bytes + 64 * MiB)          # one group and the ring
+    t.set_budget(t.resident_bytes + 128 * MiB)          # one group and both rings
     for _ in range(3):
         t.prefetch(g2)
         assert all(x.location is Location.DEVICE for x in g2) and all(x.location is Location.HOST for x in g1)
@@ -341,7 +344,25 @@ def test_a_group_refill_into_parked_pages_goes_through_the_ring():
     assert t.resident_bytes + t.staging_bytes <= t.budget
     s = t.stats()
     assert s["ops.gradient.refill_reuse"] >= 5 * 5 and s["staged_bytes.gradient.h2d"] >= 5 * 96 * MiB
-    assert t.staging_bytes == 64 * MiB
+    assert t.staging_bytes == 128 * MiB
+
+
+def test_a_refill_into_a_parked_victims_pages_waits_for_its_eviction_on_the_other_stream():
+    fake = FakeBackend(total=1 << 30)
+    t = tiermem.Tier(backend=fake, budget=32 * MiB, staging="off")
+    a = t.empty(32 * MiB, "uint8", role="gradient")
+    data_a = fill_random(a)
+    t.evict(a, release=True)
+    b = t.empty(32 * MiB, "uint8", role="gradient")
+    data_b = fill_random(b)
+    t.synchronize()                   # a's eviction is over: the refill has nothing of its own to wait for
+    fake.events_pending = True        # moves look unfinished, as they are on a GPU
+    t.prefetch(a)                     # b is the victim: copied out and parked; a takes its pages
+    out_side, in_side = t._streams["um_d2h"], t._streams["um_h2d"]
+    assert (b.location, b.parked, a.location) == (Location.HOST, False, Location.DEVICE)
+    assert (in_side, out_side) in fake.waits       # the refill waited for b's eviction
+    fake.events_pending = False
+    assert torch.equal(read(a), data_a) and torch.equal(read(b), data_b)
 
 
 def test_a_ring_that_gave_way_stays_off_until_the_budget_changes():
@@ -351,15 +372,15 @@ def test_a_ring_that_gave_way_stays_off_until_the_budget_changes():
     data = fill_random(a)
     t.evict(a, release=True)
     t.prefetch(a)
-    w = t.empty(24 * MiB, "uint8", role="workspace", evict="never")
-    assert (t.staging_bytes, t.resident_bytes) == (8 * MiB, 32 * MiB)
-    x = t.empty(16 * MiB, "uint8", role="workspace", evict="never")   # a alone is not enough room
-    assert (t.staging_bytes, t.resident_bytes, a.location) == (0, 40 * MiB, Location.HOST)
+    w = t.empty(16 * MiB, "uint8", role="workspace", evict="never")
+    assert (t.staging_bytes, t.resident_bytes) == (16 * MiB, 24 * MiB)
+    x = t.empty(18 * MiB, "uint8", role="workspace", evict="never")   # a alone is not enough room
+    assert (t.staging_bytes, t.resident_bytes, a.location) == (0, 34 * MiB, Location.HOST)
     x.free()
     t.prefetch(a)            # there is room for it now, but it stays off: no ring/tensor ping-pong
     assert (t.staging_bytes, a.location) == (0, Location.DEVICE)
     t.set_budget(40 * MiB)
     t.evict(a, release=True)
     t.prefetch(a)
-    assert (t.staging_bytes, t.resident_bytes) == (8 * MiB, 32 * MiB)
+    assert (t.staging_bytes, t.resident_bytes) == (16 * MiB, 24 * MiB)
     assert torch.equal(read(a), data) and w.location is Location.DEVICE

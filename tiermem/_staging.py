@@ -1,4 +1,4 @@
-"""The staging ring: shadow copies at the link's full rate (NOTE [staging ring]).
+"""The staging rings: shadow copies at the link's full rate (NOTE [staging ring]).
 
 NOTE [staging ring]
     A copy between pinned host memory and device-resident managed pages runs at 0.92-0.93 of
@@ -12,27 +12,43 @@ NOTE [staging ring]
     managed pages and tiermem's stream empties them over the link. The link never waits on a
     managed page: 0.98-1.00 of the cudaMalloc rate in, 0.99 out, in the same probe.
 
+    Two directions. Each direction has its own ring and its own tiermem stream (``um_h2d`` and
+    ``um_d2h`` in _tier.py), so an eviction and a refill run at once: the link copies touch only
+    pinned memory and the slots, and the two directions together reached 92 GB/s, where direct
+    copies between pinned and managed memory on two streams reached 52, and both directions
+    through one ring on one stream 54 (bench/results/probe_overlap_ring-*.json).
+
     Ordering. The second stream starts after everything queued on tiermem's stream before the
     session (the caller's work, fresh pages, earlier moves). A slot is refilled only after its
     last contents were copied on. A session ends with tiermem's stream after all of the second
     stream's work, so the transfer's end event, and every later drain of tiermem's stream (NOTE
-    [discard fence] in _backend.py), cover the whole copy. Sessions never overlap: the Tier's lock
-    is held for a session's life, and every session ends with both streams ordered, so the slots
-    are free again for the next one on tiermem's stream.
+    [discard fence] in _backend.py), cover the whole copy. Sessions of one ring never overlap:
+    the Tier's lock is held for a session's life, and every session ends with both its streams
+    ordered, so the slots are free again for the next session on the same tiermem stream.
 
-    Memory. The ring is device memory tiermem holds, allocated on first use and given back by
+    Memory. A ring is device memory tiermem holds, allocated on first use and given back by
     ``Tier.trim()`` and ``close()``; under a budget it counts against the budget
-    (``Tier.staging_bytes``). A prefetch makes room for it only where the budget can hold it
-    beside the tensors; when tensors later need its room it gives way and stays off until the
-    budget changes, so it never evicts a tensor that the next move needs. "auto" stays off under
-    budgets below 1 GiB, where 64 MiB is too much of the room.
+    (``Tier.staging_bytes``). A prefetch makes room for the refills' ring only where the budget
+    can hold it beside the tensors, and an eviction takes the evictions' ring only where the
+    budget has room to spare. When tensors later need the room, the rings give way and stay off
+    until the budget changes, so they never evict a tensor that the next move needs. "auto" keeps
+    a ring out of budgets under 16 times its size (1 GiB for 64 MiB), where it costs too much of
+    the room.
 """
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from typing import Any
 
-__all__ = ["StagingRing", "SLOT", "MIN_STAGED"]
+from ._errors import TierMemError
+from ._limits import parse_bytes
 
+__all__ = ["StagingRing", "Staging", "SLOT", "MIN_STAGED", "DIRECTIONS"]
+
+log = logging.getLogger("tiermem")
+DIRECTIONS = ("h2d", "d2h")
+PAGE = 4096
 SLOT = 32 << 20        # two of these reached 0.98-1.00 (16 MiB: 0.97-0.98; 64 MiB: no better)
 # Under this, a copy goes direct: the ring doubles the copy calls, and a few MiB gain microseconds.
 MIN_STAGED = 4 << 20
@@ -83,6 +99,74 @@ class StagingRing:
         if direction not in ("h2d", "d2h"):
             raise ValueError(f"direction is 'h2d' or 'd2h', not {direction!r}")
         return _Session(self, side, direction)
+
+
+class Staging:
+    """A Tier's staging rings, one per direction, from Tier's ``staging`` setting: "auto" (two
+    32 MiB slots per direction, kept out of small budgets), a size per direction (always on), or
+    "off" (also 0 or None)."""
+
+    def __init__(self, backend: Any, setting: int | str | None):
+        self.auto, self.yielded, self.refused = False, False, 0
+        self.min_bytes = MIN_STAGED
+        self.rings: dict[str, StagingRing | None] = dict.fromkeys(DIRECTIONS)
+        if isinstance(setting, str) and setting.strip().lower() in ("auto", "off"):
+            if setting.strip().lower() == "off":
+                return
+            self.auto, slot = True, SLOT
+        elif setting is None:
+            return
+        else:
+            n = parse_bytes(setting, what="staging")
+            if n == 0:
+                return
+            if n < 2 << 20:
+                raise TierMemError(f"staging={setting!r}: a ring needs at least 2 MiB (two slots of 1 MiB); "
+                                   "staging='off' turns the rings off")
+            slot = n // 2 // PAGE * PAGE
+        self.rings = {d: StagingRing(backend, slot) for d in DIRECTIONS}
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes the allocated rings hold."""
+        return sum(r.nbytes for r in self.rings.values() if r is not None and r.allocated)
+
+    def ring(self, direction: str) -> StagingRing | None:
+        return self.rings[direction]
+
+    def wanted(self, direction: str, nbytes: int, budget: int | None) -> bool:
+        """Whether ``nbytes`` of shadow copies in ``direction`` should go through its ring."""
+        r = self.rings[direction]
+        if r is None or self.yielded or nbytes < self.min_bytes:
+            return False
+        return not self.auto or budget is None or budget >= 16 * r.nbytes
+
+    def allocate(self, direction: str) -> bool:
+        """Allocate a ring (the budget must have room for it already). False if the device is
+        full, which turns that ring off: its copies then go direct, at ~0.92 of the link."""
+        r = self.rings[direction]
+        try:
+            r.allocate()
+        except MemoryError as e:
+            log.warning("tiermem: no device memory for the %d-byte %s staging ring (%s); its shadow copies "
+                        "go direct from now on", r.nbytes, direction, e)
+            self.rings[direction] = None
+            self.refused += 1
+            return False
+        return True
+
+    def release(self, side_of: Callable[[str], int], budget: int | None = None, unwanted_only: bool = False) -> int:
+        """Give allocated rings back, once the work on their tiermem streams is done; with
+        ``unwanted_only``, only those ``budget`` no longer wants. Returns the bytes."""
+        freed = 0
+        for d, r in self.rings.items():
+            if r is None or not r.allocated:
+                continue
+            if unwanted_only and self.wanted(d, self.min_bytes, budget):
+                continue
+            r.release(side_of(d))
+            freed += r.nbytes
+        return freed
 
 
 class _Session:

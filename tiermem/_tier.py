@@ -64,7 +64,7 @@ from . import _dtypes
 from ._backend import PAGE, Backend, Block, round_request
 from ._errors import OutOfBudgetError, TierMemError
 from ._limits import resolve_budget, parse_bytes
-from ._staging import MIN_STAGED, StagingRing
+from ._staging import Staging
 from ._stats import Accounting
 from ._tensor import TieredTensor, _Buffer
 from ._transfer import Transfer
@@ -75,13 +75,17 @@ __all__ = ["Tier"]
 
 log = logging.getLogger("tiermem")
 
-# Every move of a managed range (prefetch, discard, the copies to and from a shadow) goes on one
-# stream. Measured on the H100, moves that touch managed memory never overlapped each other anyway
-# (bench/results/probe_paths2-*.json: 47-53 GB/s for both directions together), so one stream
-# costs no bandwidth, and no two driver operations on managed ranges run at once. (It did not
-# remove the stress test's rare mismatch; NOTE [discard fence] in _backend.py did.) Pinned
-# copies (wrap_module's and wrap_training's slots) keep a stream per direction.
-UM_STREAM = "um"
+# Moves of managed ranges go on one stream per direction: refills (prefetch, fresh pages, copies
+# in from a shadow) on UM_STREAMS["h2d"], evictions (write-back, copies out, giving parked pages
+# back) on UM_STREAMS["d2h"]. Direct moves that touch managed memory never overlapped across
+# directions on the H100 (bench/results/probe_paths2-*.json: 47-53 GB/s for both together), but
+# through the staging rings the link copies touch only pinned memory and cudaMalloc slots, and
+# the two directions together ran at 92 GB/s (NOTE [staging ring] in _staging.py). A move waits
+# for the other direction where it must: a buffer's earlier move (``_begin``), and the eviction
+# of a parked buffer whose pages a refill takes (``_move_in``). Every discard drains both
+# streams first (``_quiesce``; NOTE [discard fence] in _backend.py). Pinned copies (wrap_module's
+# and wrap_training's slots) have streams of their own, "h2d" and "d2h".
+UM_STREAMS = {"h2d": "um_h2d", "d2h": "um_d2h"}
 
 
 @functools.lru_cache(maxsize=256)
@@ -89,21 +93,6 @@ def _plan(policy: Policy) -> tuple:
     """``advice_plan`` as a tuple, cached: trading pages compares plans per buffer, on the host
     time before a refill's first copy."""
     return tuple(advice_plan(policy))
-
-
-def _make_ring(backend: Backend, staging: int | str | None) -> tuple[StagingRing | None, bool]:
-    """(the ring or None, whether it was sized "auto") from Tier's ``staging`` argument."""
-    if isinstance(staging, str) and staging.strip().lower() in ("auto", "off"):
-        return (StagingRing(backend), True) if staging.strip().lower() == "auto" else (None, False)
-    if staging is None:
-        return None, False
-    n = parse_bytes(staging, what="staging")
-    if n == 0:
-        return None, False
-    if n < 2 << 20:
-        raise TierMemError(f"staging={staging!r}: the ring needs at least 2 MiB (two slots of 1 MiB); "
-                           "staging='off' turns it off")
-    return StagingRing(backend, slot=n // 2 // PAGE * PAGE), False
 
 
 def _as_location(to: Location | str) -> Location:
@@ -157,11 +146,11 @@ class Tier:
 
     ``budget`` caps the bytes tiermem keeps resident on the device (bytes, "8GiB" or "25%" of the
     device; None: no budget; default from TIERMEM_BUDGET). ``cap`` and ``allow_oversubscribe`` set
-    the cap on managed memory (NOTE [managed cap] in _limits.py). ``staging`` sizes the ring of
-    device memory that shadow copies go through at the link's full rate (NOTE [staging ring] in
-    _staging.py): "auto" (64 MiB, off under a budget of less than 1 GiB), a size (always on), or
-    "off". Under a budget the ring counts against it. ``backend`` replaces the CUDA backend
-    (tests). All methods are thread-safe.
+    the cap on managed memory (NOTE [managed cap] in _limits.py). ``staging`` sizes the rings of
+    device memory that shadow copies go through at the link's full rate, one per direction (NOTE
+    [staging ring] in _staging.py): "auto" (64 MiB each, kept out of budgets under 1 GiB), a size
+    per ring (always on), or "off". Under a budget the rings count against it. ``backend``
+    replaces the CUDA backend (tests). All methods are thread-safe.
     """
 
     def __init__(self, device: int | None = None, *, budget: int | str | None = None,
@@ -186,10 +175,7 @@ class Tier:
         self._tick = itertools.count(1)
         self._inflight: list[Transfer] = []
         self._streams: dict[str, int] = {}
-        self._ring, self._ring_auto = _make_ring(backend, staging)
-        self._ring_refused = 0
-        self._ring_yielded = False     # the tensors needed its room: off until the budget changes
-        self._stage_min = MIN_STAGED
+        self._staging = Staging(backend, staging)
 
     # -- settings -------------------------------------------------------------------------------
     @property
@@ -204,9 +190,8 @@ class Tier:
         with self._lock:
             self._reap()             # finished moves let go of buffers freed meanwhile
             old, self._budget = self._budget, new
-            self._ring_yielded = False
-            if not self._ring_wanted():
-                self._release_ring()
+            self._staging.yielded = False
+            self._staging.release(self._um_side, new, unwanted_only=True)
             if new is None:   # nothing parks without a budget (NOTE [parked pages])
                 self._drop(self._parked_bufs())
             elif self._held() > new:
@@ -225,12 +210,12 @@ class Tier:
 
     @property
     def staging_bytes(self) -> int:
-        """Device bytes of the staging ring (NOTE [staging ring]), 0 while it is not allocated.
+        """Device bytes of the staging rings (NOTE [staging ring]), 0 until they are first used.
         Under a budget they count against it, beside ``resident_bytes``."""
-        return self._ring.nbytes if self._ring is not None and self._ring.allocated else 0
+        return self._staging.nbytes
 
     def _held(self) -> int:
-        """What the budget limits: tensors' pages and the staging ring."""
+        """What the budget limits: tensors' pages and the staging rings."""
         return self._resident + self.staging_bytes
 
     @property
@@ -239,65 +224,54 @@ class Tier:
         return self._parked
 
     def trim(self) -> int:
-        """Give every parked page (NOTE [parked pages]) and the staging ring (NOTE [staging ring])
-        back to the driver, so other allocators can use them. Blocks until that is done; returns
-        the bytes given back."""
+        """Give every parked page (NOTE [parked pages]) and the staging rings (NOTE [staging
+        ring]) back to the driver, so other allocators can use them. Blocks until that is done;
+        returns the bytes given back."""
         with self._lock:
             self._reap()
-            return self._drop(self._parked_bufs()) + self._release_ring()
+            return self._drop(self._parked_bufs()) + self._staging.release(self._um_side)
 
-    # -- the staging ring -------------------------------------------------------------------------
-    def _ring_wanted(self) -> bool:
-        if self._ring is None or self._ring_yielded:
-            return False
-        # "auto" stays out of small budgets: 64 MiB of a few hundred would cost more room than
-        # the faster copies give back.
-        return not self._ring_auto or self._budget is None or self._budget >= 16 * self._ring.nbytes
-
-    def _ring_for(self, nbytes: int) -> bool:
-        """Whether ``nbytes`` of shadow copies should go through the ring: it is wanted and the
-        copies are big enough (MIN_STAGED)."""
-        return nbytes >= self._stage_min and self._ring_wanted()
-
-    def _allocate_ring(self) -> bool:
-        """Allocate the ring (the budget must already have room for it); False if the device is
-        full, which turns the ring off for this Tier: copies then go direct, at ~0.92 of the
-        link."""
-        try:
-            self._ring.allocate()
-        except MemoryError as e:
-            log.warning("tiermem: no device memory for the %d-byte staging ring (%s); shadow copies "
-                        "go direct from now on", self._ring.nbytes, e)
-            self._ring = None
-            self._ring_refused += 1
-            return False
-        return True
-
-    def _release_ring(self) -> int:
-        if self._ring is None or not self._ring.allocated:
-            return 0
-        self._ring.release(self._side(UM_STREAM))
-        return self._ring.nbytes
+    # -- the staging rings ------------------------------------------------------------------------
+    def _um_side(self, direction: str) -> int:
+        return self._side(UM_STREAMS[direction])
 
     def _yield_ring(self) -> int:
-        """Give the ring's room to tensors that need it: tensors come first, the ring only makes
-        copies faster. It stays off until the budget changes, so that it never takes the room
+        """Give the rings' room to tensors that need it: tensors come first, the rings only make
+        copies faster. They stay off until the budget changes, so that they never take the room
         back by evicting a tensor the next move needs (NOTE [staging ring])."""
-        self._ring_yielded = True
-        log.info("tiermem: the staging ring gives its %d bytes of the budget to tensors; shadow copies "
+        self._staging.yielded = True
+        log.info("tiermem: the staging rings give their %d bytes of the budget to tensors; shadow copies "
                  "go direct until the budget changes", self.staging_bytes)
-        return self._release_ring()
+        return self._staging.release(self._um_side)
 
-    def _stage(self, nbytes: int, direction: str) -> Any:
-        """A ring session for ``nbytes`` of shadow copies on tiermem's stream, or None to copy
-        direct. Without a budget the ring is allocated here; under one, a prefetch makes room
-        for it first (``_room_for``), and an eviction only uses it once it is there."""
-        if not self._ring_for(nbytes):
+    def _stage(self, nbytes: int, direction: str, grow: bool = True) -> Any:
+        """A ring session for ``nbytes`` of shadow copies in ``direction``, or None to copy
+        direct. Without a budget a ring is allocated here. Under one, a prefetch has made room
+        for the refills' ring already (``_room_for``); an eviction the caller asked for
+        (``grow``) takes its ring where the budget has room to spare, since parked pages keep
+        counting. One that makes room for something else never does: the room is spoken for."""
+        if not self._staging.wanted(direction, nbytes, self._budget):
             return None
-        if not self._ring.allocated and (self._budget is not None or not self._allocate_ring()):
-            return None
-        return self._ring.session(self._side(UM_STREAM), direction)
+        ring = self._staging.ring(direction)
+        if not ring.allocated:
+            if self._budget is not None and (direction == "h2d" or not grow
+                                             or self._held() + ring.nbytes > self._budget):
+                return None
+            if not self._staging.allocate(direction):
+                return None
+        return ring.session(self._um_side(direction), direction)
 
+    def _quiesce(self) -> None:
+        """NOTE [discard fence] with two streams: before a discard the host drains both of
+        tiermem's managed-memory streams (the backend then drains the discard's own stream
+        before and after it), so no tiermem move of managed memory runs anywhere around it."""
+        be = self.backend
+        for name in UM_STREAMS.values():
+            s = self._streams.get(name)
+            if s is not None:
+                ev = be.new_event()
+                be.record(ev, s)
+                be.synchronize(ev)
     # -- allocation -----------------------------------------------------------------------------
     def empty(self, shape: int | Iterable[int], dtype: Any = "float32", *, role: Role | str,
               policy: Policy | None = None, name: str | None = None, **policy_changes: Any) -> TieredTensor:
@@ -576,8 +550,12 @@ class Tier:
         parked buffers whose pages they take (NOTE [parked pages])."""
         be = self.backend
         caps = be.capabilities()
-        cur, side = self._stream(stream), self._side(UM_STREAM)
+        cur, side = self._stream(stream), self._um_side("h2d")
         start = self._begin(todo, cur, side)
+        for d in pairs.values() if pairs else ():
+            # its eviction, on the other stream, must have copied out of the pages first
+            if d.pending is not None and d.pending.stream != side and not d.pending.done():
+                be.wait(side, d.pending.event)
         moved: dict[Role, int] = {}
         um = [b for b in todo if not b.in_shadow]
         shadowed = [b for b in todo if b.in_shadow]
@@ -644,7 +622,8 @@ class Tier:
         return sum(b.nbytes for b in todo if b.in_shadow and not cls._intact(b))
 
     def evict(self, tensors: TieredTensor | Iterable[TieredTensor], *, stream: Any = None,
-              non_blocking: bool = False, release: bool | None = None, _path: str | None = None) -> Transfer:
+              non_blocking: bool = False, release: bool | None = None, _path: str | None = None,
+              _for_room: bool = False) -> Transfer:
         """Take ``tensors`` off the device, each by the fastest safe path (NOTE [eviction paths]).
 
         Ordering is as for :meth:`prefetch`. With ``non_blocking`` the caller must not touch the
@@ -665,7 +644,7 @@ class Tier:
                 self._drop([b for b in bufs if b.parked])
             if not todo:
                 return Transfer.done_now("d2h")
-            tr, collapse = self._move_out(todo, stream, non_blocking, _path, park)
+            tr, collapse = self._move_out(todo, stream, non_blocking, _path, park, grow_ring=not _for_room)
         # Collapsing read-mostly copies is a host-side driver call that takes ~25 ms per GiB
         # (bench/results/probe_refill-*.json); it runs outside the lock so that other threads can
         # keep enqueuing moves meanwhile. It moves no data.
@@ -691,12 +670,13 @@ class Tier:
         return "um"
 
     def _move_out(self, todo: list[_Buffer], stream: Any, non_blocking: bool,
-                  force: str | None = None, park: bool = False) -> tuple[Transfer, list[tuple[int, int]]]:
+                  force: str | None = None, park: bool = False,
+                  grow_ring: bool = True) -> tuple[Transfer, list[tuple[int, int]]]:
         """Enqueue the evictions of ``todo``; returns the transfer and the ranges whose read-mostly
         copies the caller must collapse (after releasing the lock). With ``park``, shadow
         evictions keep their pages (NOTE [parked pages]) instead of discarding them."""
         be = self.backend
-        cur, side = self._stream(stream), self._side(UM_STREAM)
+        cur, side = self._stream(stream), self._um_side("d2h")
         start = self._begin(todo, cur, side)
         moved: dict[Role, int] = {}
         discards: list[_Buffer] = []
@@ -737,7 +717,7 @@ class Tier:
                 # of piece (bench/results/probe_managed_read-*.json); through the ring, ~54.5
                 # (NOTE [staging ring]).
                 if stage is None:
-                    stage = self._stage(sum(x.nbytes for x in todo), "d2h") or False
+                    stage = self._stage(sum(x.nbytes for x in todo), "d2h", grow_ring) or False
                 if stage:
                     stage.add(b.shadow.ptr, b.ptr, b.nbytes)
                     ops[b.role, "staged_d2h_bytes"] += b.nbytes
@@ -764,6 +744,7 @@ class Tier:
         if stage:
             stage.close()     # before the discards: their fence drains tiermem's stream
         if discards:
+            self._quiesce()
             be.discard(coalesce((b.block.alloc, b.ptr, b.span) for b in discards), side)
         for r, n in moved.items():
             self.accounting.on_move(r, "d2h", n)
@@ -789,7 +770,7 @@ class Tier:
                 if over <= 0:
                     return
                 victims = self._victims(over, need, exclude)
-            self.evict(victims, non_blocking=True, release=True)
+            self.evict(victims, non_blocking=True, release=True, _for_room=True)
 
     def _victims(self, over: int, need: int, exclude: set[_Buffer]) -> list[_Buffer]:
         """The coldest evictable resident buffers whose pages add up to ``over`` bytes."""
@@ -819,13 +800,18 @@ class Tier:
         if the budget has room for the tensors but not the ring as well, they copy direct."""
         if self._budget is None:
             return self._pair(todo, exclude, {})
-        if self._ring_for(self._copy_in_bytes(todo)) and not self._ring.allocated:
-            try:
-                pairs = self._room_within(todo, exclude, self._ring.nbytes)
-            except OutOfBudgetError:
-                pass
-            else:
-                self._allocate_ring()
+        # The refills' ring, and the evictions' one for the victims to come (sized by the refill's
+        # bytes, the victims' being unknown yet): both if they fit, else the refills' alone.
+        n = self._copy_in_bytes(todo)
+        want = [d for d in ("h2d", "d2h") if self._staging.wanted(d, n, self._budget) and not self._staging.ring(d).allocated]
+        if "h2d" in want:
+            for rings in ([want, ["h2d"]] if len(want) > 1 else [want]):
+                try:
+                    pairs = self._room_within(todo, exclude, sum(self._staging.ring(d).nbytes for d in rings))
+                except OutOfBudgetError:
+                    continue
+                for d in rings:
+                    self._staging.allocate(d)
                 return pairs
         try:
             return self._room_within(todo, exclude, 0)
@@ -849,7 +835,7 @@ class Tier:
         if over() > 0:
             need = sum(b.span for b in todo if b.where is not Location.DEVICE and not b.parked) + extra
             victims = self._victims(over(), need, exclude)
-            self.evict(victims, non_blocking=True)       # parks the ones that take a shadow path
+            self.evict(victims, non_blocking=True, _for_room=True)   # parks the ones that take a shadow path
             pairs = self._pair(todo, exclude, pairs)
             if over() > 0:
                 self._drop([v for v in victims if v.parked and v not in pairs.values()], over())
@@ -901,6 +887,7 @@ class Tier:
         whole = [b for b in bufs if b.owns_pages]
         shared = [b for b in bufs if not b.owns_pages]
         if whole:
+            self._quiesce()
             self.backend.discard_and_prefetch(coalesce((b.block.alloc, b.ptr, b.span) for b in whole), location, side)
         if shared:
             self.backend.prefetch(coalesce((b.block.alloc, *self._range(b)) for b in shared), location, side)
@@ -929,9 +916,10 @@ class Tier:
             freed += b.span
         if not chosen:
             return 0
-        side = self._side(UM_STREAM)
+        side = self._um_side("d2h")
         whole = [b for b in chosen if b.owns_pages]
         if whole:
+            self._quiesce()
             self.backend.discard(coalesce((b.block.alloc, b.ptr, b.span) for b in whole), side)
         shared = [b for b in chosen if not b.owns_pages]
         if shared:
@@ -1000,7 +988,7 @@ class Tier:
                 pass
             if b.parked:   # its pages go too: the host pages below replace them
                 self._unpark(b, pages_gone=True)
-            side = self._side(UM_STREAM)
+            side = self._um_side("h2d")
             self._fresh_pages([b], Location.HOST, side)
             self.backend.copy(b.ptr, b.shadow.ptr, b.nbytes, side)
             ev = self.backend.new_event()
@@ -1052,7 +1040,7 @@ class Tier:
             "shadow_bytes.current": self._shadow_bytes,
             "parked_bytes.current": self._parked,
             "staging_bytes.current": self.staging_bytes,
-            "staging.refused_count": self._ring_refused,
+            "staging.refused_count": self._staging.refused,
         })
         return out
 

@@ -35,10 +35,10 @@ peaks are peaks of the sum, not sums of peaks):
     shadow_bytes.current                              pinned host memory held as shadow copies
     parked_bytes.current                              of resident bytes, device pages kept from
                                                       evictions for the next refill
-    staging_bytes.current                             device bytes of the staging ring (0 until
-                                                      first used; counts against the budget)
-    staging.refused_count                             1 if the device had no memory for the ring
-                                                      (copies then go direct)
+    staging_bytes.current                             device bytes of the staging rings (0 until
+                                                      first used; count against the budget)
+    staging.refused_count                             rings the device had no memory for (0-2;
+                                                      their copies then go direct)
 """
 from __future__ import annotations
 

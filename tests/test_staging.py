@@ -152,7 +152,7 @@ def test_the_simulator_catches_a_slot_refilled_before_it_was_emptied(monkeypatch
     real_add = _Session.add
 
     def add_without_slot_wait(self, dst, src, nbytes):
-        self.used = [False] * len(self.used)      # never waits for a slot to be emptied
+        self.freed = [None] * len(self.freed)     # never waits for a slot to be emptied
         real_add(self, dst, src, nbytes)
 
     monkeypatch.setattr(_Session, "add", add_without_slot_wait)

@@ -132,21 +132,6 @@ class _RawLease:
             pass
 
 
-class _Freed:
-    """A block handle that frees its driver memory when the block lets go of it."""
-
-    __slots__ = ("mem",)
-
-    def __init__(self, mem: Any):
-        self.mem = mem
-
-    def __del__(self) -> None:
-        try:
-            self.mem.free()
-        except Exception:  # pragma: no cover - nothing may escape a destructor
-            pass
-
-
 class _ArrayInterface:
     """What torch.as_tensor reads to view device memory zero-copy. torch keeps this object (and
     so ``token``) alive for as long as the storage lives; that is how tiermem sees live views."""
@@ -256,8 +241,8 @@ class CudaBackend:
         ``pooled=False`` straight from the driver, to which ``release()`` then gives it back
         (cudaFree waits for the device's queued work). Raises MemoryError when the device is full."""
         if not pooled:
-            mem = _cuda.device_malloc(nbytes, self.device)
-            return Block(mem.ptr, nbytes, "device", _Freed(mem))
+            mem = _cuda.device_malloc(nbytes, self.device)   # freed when the block lets go of it
+            return Block(mem.ptr, nbytes, "device", mem)
         with self._cupy.cuda.Device(self.device):
             mp = self._cupy.cuda.alloc(nbytes)
         return Block(mp.ptr, nbytes, "device", mp)

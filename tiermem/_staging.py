@@ -81,8 +81,8 @@ class StagingRing:
                 self._stream = self.backend.new_stream()
 
     def release(self, side: int) -> None:
-        """Give the memory back once the work queued on ``side`` (which is after every session's
-        work, see the NOTE) is done: the pool hands it to the next allocation at once."""
+        """Give the memory back to the driver once the work queued on ``side`` (which is after
+        every session's work, see the NOTE) is done."""
         if self.mem is None:
             return
         done = self.backend.new_event()
@@ -96,7 +96,7 @@ class StagingRing:
         pinned sources into managed destinations, "d2h" the other way."""
         if self.mem is None:
             raise RuntimeError("the staging ring is not allocated")
-        if direction not in ("h2d", "d2h"):
+        if direction not in DIRECTIONS:
             raise ValueError(f"direction is 'h2d' or 'd2h', not {direction!r}")
         return _Session(self, side, direction)
 
@@ -184,10 +184,8 @@ class _Session:
         self.slot = 0           # the slot being filled
         self.fill = 0           # bytes in it so far
         self.pending: list[tuple[int, int, int]] = []   # (final destination, slot address, bytes)
-        self.used = [False] * ring.slots
-        self.freed = [None] * ring.slots                 # event: the slot's last contents moved on
+        self.freed = [None] * ring.slots     # event: the slot's last contents moved on (None: unused)
         self.started = False
-        self.bytes = 0
 
     # The stream that fills a slot, and the one that empties it.
     def _first(self) -> int:
@@ -205,14 +203,13 @@ class _Session:
             be.wait(self.stage, go)
             self.started = True
         while nbytes > 0:
-            if self.fill == 0 and self.used[self.slot]:
+            if self.fill == 0 and self.freed[self.slot] is not None:
                 be.wait(self._first(), self.freed[self.slot])
             k = min(nbytes, size - self.fill)
             at = self.base + self.slot * size + self.fill
             be.copy(at, src, k, self._first())
             self.pending.append((dst, at, k))
             self.fill += k
-            self.bytes += k
             dst, src, nbytes = dst + k, src + k, nbytes - k
             if self.fill == size:
                 self._flush()
@@ -226,7 +223,7 @@ class _Session:
             be.copy(dst, at, k, self._second())
         freed = be.new_event()
         be.record(freed, self._second())
-        self.freed[self.slot], self.used[self.slot] = freed, True
+        self.freed[self.slot] = freed
         self.pending, self.fill = [], 0
         self.slot = (self.slot + 1) % self.ring.slots
 

@@ -573,7 +573,7 @@ class Tier:
                     moved[b.role] = moved.get(b.role, 0) + b.nbytes
         if fresh:   # device pages first, then the shadow's bytes
             self._fresh_pages(fresh, Location.DEVICE, side)
-        stage = self._stage(sum(b.nbytes for b in shadowed if b not in intact), "h2d")
+        stage = self._stage(self._copy_in_bytes(shadowed), "h2d")
         # Largest first, each taking its pages just before its copy: the link is busy while the
         # host does the rest (the host's work before the first copy is time the link stands idle).
         for b in sorted(shadowed, key=lambda b: -b.nbytes):

@@ -65,13 +65,11 @@ def _model():
                          nn.LayerNorm(256)).requires_grad_(False)
 
 
-@pytest.mark.parametrize("transport,async_evict", [("pinned", True), ("um", True), ("um", False)])
-def test_streamed_module_is_bitwise_equal_and_within_budget(tier, fake, transport, async_evict):
+def test_streamed_module_is_bitwise_equal_and_within_budget(tier, fake):
     m = _model()
     ref = copy.deepcopy(m)
-    h = tier.wrap_module(m, budget="40%", max_group_bytes=1 * MiB, mode="stream", transport=transport,
-                         async_evict=async_evict)
-    assert h.transport == transport
+    h = tier.wrap_module(m, budget="40%", max_group_bytes=1 * MiB, mode="stream")
+    assert h.transport == "pinned"
     assert 0 < len(h.plan.pinned) < len(h.plan.sizes)
     x = torch.randn(8, 256)
     for _ in range(4):
@@ -89,11 +87,10 @@ def test_streamed_module_is_bitwise_equal_and_within_budget(tier, fake, transpor
     assert torch.equal(m(x), ref(x)) and tiermem.tiered_of(m[0][0].weight) is None
 
 
-@pytest.mark.parametrize("transport", ["pinned"])
-def test_auto_mode_reads_single_token_forwards_in_place(tier, fake, transport):
+def test_auto_mode_reads_single_token_forwards_in_place(tier, fake):
     m = _model()
     ref = copy.deepcopy(m)
-    h = tier.wrap_module(m, budget="40%", max_group_bytes=1 * MiB, zero_copy_max_tokens=1, transport=transport)
+    h = tier.wrap_module(m, budget="40%", max_group_bytes=1 * MiB, zero_copy_max_tokens=1)
     big, one = torch.randn(8, 256), torch.randn(1, 256)
     assert torch.equal(m(big), ref(big)) and h._fwd_mode == "stream"
     h.drain()
@@ -101,14 +98,8 @@ def test_auto_mode_reads_single_token_forwards_in_place(tier, fake, transport):
     assert torch.equal(m(one), ref(one)) and h._fwd_mode == "zero_copy"
     assert tier.stats()["moved_bytes.all.h2d"] == before        # nothing moved: read in place
     streamed = [g for g in h._groups.values() if not g.pinned]
-    if transport == "um":
-        tts = [t for g in streamed for t in g.tiered]
-        assert all(not t.policy.read_mostly and not t.is_resident for t in tts)
-    else:   # the tensors point at their pinned home
-        assert all(fake.pointer_kind(t.data_ptr()) == "host" for g in streamed for t in g.tensors)
+    assert all(fake.pointer_kind(t.data_ptr()) == "host" for g in streamed for t in g.tensors)  # the pinned home
     assert torch.equal(m(big), ref(big)) and h._fwd_mode == "stream"
-    if transport == "um":
-        assert all(t.policy.read_mostly for g in streamed for t in g.tiered)
     h.unwrap()
     assert all(fake.pointer_kind(p.data_ptr()) == "unregistered" for p in m.parameters())
 
@@ -123,23 +114,55 @@ def test_adopting_twice_or_an_empty_module_is_refused(tier):
     h.unwrap()
 
 
-def test_um_transport_refuses_zero_copy(tier):
-    with pytest.raises(tiermem.TierMemError, match="transport='pinned'"):
-        tier.wrap_module(_model(), budget=0, transport="um")
-    m = _model()
-    h = tier.wrap_module(m, budget="40%", max_group_bytes=1 * MiB, transport="um")   # auto mode: always streams
-    m(torch.randn(1, 256))
-    assert h._fwd_mode == "stream"
-    h.unwrap()
-
-
-@pytest.mark.parametrize("transport", ["pinned"])
-def test_a_budget_of_zero_reads_everything_in_place(tier, transport):
+def test_a_budget_of_zero_reads_everything_in_place(tier):
     m = _model()
     ref = copy.deepcopy(m)
-    h = tier.wrap_module(m, budget=0, transport=transport)
+    h = tier.wrap_module(m, budget=0)
     assert h.plan.zero_copy_only and h.plan.pinned == frozenset()
     x = torch.randn(8, 256)
     assert torch.equal(m(x), ref(x)) and h._fwd_mode == "zero_copy"
     assert tier.stats()["resident_bytes.all.peak"] == 0 and tier.stats()["moved_bytes.all.h2d"] == 0
     h.unwrap()
+
+
+class _LM(nn.Module):
+    def __init__(self, vocab: int = 16384, h: int = 128, tied: bool = False):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, h)
+        self.layers = nn.Sequential(*[nn.Sequential(nn.Linear(h, 4 * h), nn.GELU(), nn.Linear(4 * h, h)) for _ in range(4)])
+        self.head = nn.Linear(h, vocab if tied else 1024, bias=False)
+        if tied:
+            self.head.weight = self.emb.weight
+
+    def forward(self, ids):
+        return self.head(self.layers(self.emb(ids)))
+
+
+def test_an_embedding_is_read_in_place_and_never_takes_a_slot(tier, fake):
+    torch.manual_seed(0)
+    m = _LM()
+    ref = copy.deepcopy(m)
+    h = tier.wrap_module(m, budget="30%", max_group_bytes=1 * MiB, mode="stream")
+    assert h.plan.in_place == {"emb"} and "emb" not in h.plan.pinned
+    assert h.plan.moved_bytes == h.plan.streamed_bytes - dict(h.plan.sizes)["emb"]
+    assert h._stream.slot_bytes < dict(h.plan.sizes)["emb"]        # the window is sized without it
+    ids = torch.randint(0, 16384, (2, 32))
+    with torch.no_grad():
+        m(ids)
+        before = tier.stats()["moved_bytes.all.h2d"]
+        assert torch.equal(m(ids), ref(ids))
+    assert tier.stats()["moved_bytes.all.h2d"] - before == h.plan.moved_bytes
+    h.unwrap()
+    # Tied to the head, the table is read whole: it streams like any group.
+    tied = _LM(tied=True)
+    h = tier.wrap_module(tied, budget="30%", max_group_bytes=1 * MiB, mode="stream")
+    assert h.plan.in_place == frozenset()
+    h.unwrap()
+
+
+def test_in_place_groups_are_pinned_last_with_what_the_budget_leaves():
+    sizes = [("emb", 100), ("l0", 20), ("l1", 20), ("head", 100)]
+    p = plan_residency(sizes, 160, lookahead=2, in_place={"emb"})
+    assert "head" in p.pinned and "emb" not in p.pinned and p.moved_bytes == 40 - sum(
+        n for g, n in sizes if g in p.pinned and g.startswith("l"))
+    assert plan_residency(sizes, 240, lookahead=2, in_place={"emb"}).pinned == {"emb", "l0", "l1", "head"}

@@ -13,6 +13,7 @@ __all__ = [
     "CUDAUnavailableError",
     "OutOfBudgetError",
     "CapExceededError",
+    "DeviceFullError",
     "RoleError",
     "WrapError",
     "ViewError",
@@ -82,3 +83,10 @@ class ViewError(TierMemError, TypeError):
 class BuildError(TierMemError):
     """A compiled part of tiermem (the torch allocator) cannot be built: no C compiler, no CUDA
     headers of the right version, or the compiler failed. The message says what to install."""
+
+
+class DeviceFullError(OutOfBudgetError):
+    """The device has too little free memory for a request tiermem checks before it starts
+    (``asked`` bytes needed, ``limit`` bytes free), e.g. restoring a module with ``unwrap()``."""
+
+    what = "free device memory"

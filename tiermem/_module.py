@@ -5,23 +5,25 @@
     print(handle.plan)
 
 NOTE [streaming plan]
-    Every module that owns parameters or buffers becomes one group: its tensors are adjacent
-    slices of one managed allocation, so a group moves in one CUDA call at link rate. The plan
-    keeps the largest groups resident for good, as many as fit in the budget after leaving a
-    streaming window; the other groups stream: before a module runs, the next streamed groups in
-    execution order are prefetched on a side stream into the window; after it runs, its streamed
-    groups are evicted. Pinning the largest groups leaves the smallest to stream, so the window
-    (the largest ``lookahead`` streamed groups together) is small and the pinned share large.
+    Every module that owns parameters or buffers becomes one group. The plan keeps the largest
+    groups resident for good (adjacent slices of one managed allocation each, never evicted), as
+    many as fit in the budget after leaving a streaming window; the other groups stream. Pinning
+    the largest groups leaves the smallest to stream, so the window (the largest ``lookahead``
+    streamed groups together) is small and the pinned share large.
 
-    Frozen weights are read-mostly with the host as preferred location: a prefetch makes a
-    device copy and the host copy stays valid, so eviction moves nothing (bench/bandwidth.py).
-    Collapsing those copies is a slow host-side driver call (~25 ms/GiB), so evictions run on a
-    worker thread once the module's kernels are done, while the main thread keeps queuing work.
+    Streamed groups live in one pinned host buffer, their home, whatever their ``requires_grad``
+    says: managed memory never holds more than the budget, so a model much bigger than the
+    device's real free memory is adopted as long as host memory holds it. Before a module runs,
+    the next streamed groups in execution order are copied from the home into device slots on
+    tiermem's H2D stream (the full link rate, no driver page work); after it runs, its tensors
+    point at their home again, which moves nothing.
 
     Streaming moves each streamed byte once per forward. For a forward of very few tokens (batch-1
     decode) each weight is read once anyway, so the streamed groups are instead read in place,
-    zero-copy, over the link (~51 GB/s for a kernel reading host pages); that needs their
-    read-mostly advice off, since a read of a read-mostly range makes a device copy.
+    zero-copy, over the link (~51 GB/s for a kernel reading pinned host pages, docs/facts.md).
+    A mixture-of-experts layer read in place reads only the experts its router picked. Groups
+    that only embeddings use are always read in place (a lookup reads the rows of its tokens),
+    take no slot, and are pinned only with the budget left once the rest is planned.
 
     The execution order is learned on the first forward (and again whenever a forward runs the
     modules in another order); until then groups come in on demand.
@@ -30,15 +32,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import queue
-import threading
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
-from ._errors import TierMemError
+from ._errors import DeviceFullError, TierMemError
 from ._limits import parse_bytes
-from .roles import Evict, Location, Role
+from .roles import Evict, Role
 
 if TYPE_CHECKING:
     from ._tensor import TieredTensor
@@ -62,6 +62,7 @@ class Plan:
     window: int                            # device bytes kept for streamed groups in flight
     zero_copy_only: bool                   # the budget cannot hold even the window: read in place
     lookahead: int = 1                     # streamed groups in flight (slots in the window)
+    in_place: frozenset[str] = frozenset()  # gathered from (embeddings): read in place, never streamed
 
     @property
     def pinned_bytes(self) -> int:
@@ -69,11 +70,18 @@ class Plan:
 
     @property
     def streamed_bytes(self) -> int:
+        """Bytes not resident: they live in pinned host memory."""
         return self.total - self.pinned_bytes
 
+    @property
+    def moved_bytes(self) -> int:
+        """Bytes a forward moves over the link: the streamed groups, less those read in place
+        (an embedding reads only the rows of its tokens)."""
+        return sum(n for g, n in self.sizes if g not in self.pinned and g not in self.in_place)
+
     def predicted_seconds(self, link_GBps: float = LINK_GBPS) -> float:
-        """Lower bound of one forward's transfer time: streamed bytes over the link rate."""
-        return self.streamed_bytes / (link_GBps * 1e9)
+        """Lower bound of one forward's transfer time: moved bytes over the link rate."""
+        return self.moved_bytes / (link_GBps * 1e9)
 
     def table(self, link_GBps: float = LINK_GBPS, limit: int = 12) -> str:
         gb = lambda n: f"{n / 1e9:8.3f} GB"  # noqa: E731
@@ -82,7 +90,8 @@ class Plan:
         lines = [f"budget {gb(self.budget)} of {gb(self.total)} weights: {len(self.pinned)} of {len(self.sizes)} groups "
                  f"resident ({gb(self.pinned_bytes)}), {gb(self.streamed_bytes)} streamed per forward {how}",
                  f"predicted transfer time per forward at {link_GBps:.1f} GB/s: {self.predicted_seconds(link_GBps) * 1e3:.1f} ms"]
-        rows = [(g, n, "resident" if g in self.pinned else "streamed") for g, n in self.sizes]
+        rows = [(g, n, "resident" if g in self.pinned else "in place" if g in self.in_place else "streamed")
+                for g, n in self.sizes]
         for g, n, what in rows[:limit]:
             lines.append(f"  {what:<9}{gb(n)}  {g}")
         if len(rows) > limit:
@@ -95,21 +104,41 @@ class Plan:
         return self.table()
 
 
-def plan_residency(sizes: Iterable[tuple[str, int]], budget: int, lookahead: int = 2) -> Plan:
+def plan_residency(sizes: Iterable[tuple[str, int]], budget: int, lookahead: int = 2,
+                   in_place: Iterable[str] = ()) -> Plan:
     """Choose the resident groups for ``budget`` bytes (NOTE [streaming plan]). Pure; no GPU.
 
     The window holds ``lookahead`` slots the size of the largest streamed group. For each k, the
     k largest groups are pinned, the window is sized for the rest, and smaller groups fill what
     budget is left; the k that pins the most bytes wins. If no window of ``lookahead`` slots fits,
-    fewer slots are tried before nothing streams and every group is read in place.
+    fewer slots are tried before nothing streams and every group is read in place. Groups named
+    in ``in_place`` (gathered from, like an embedding) need no slot: they are pinned last, with
+    the budget left over.
     """
     sizes = tuple((str(g), int(n)) for g, n in sizes)
+    gathered = frozenset(in_place)
     if lookahead < 1:
         raise TierMemError(f"lookahead must be at least 1, got {lookahead}")
     total = sum(n for _, n in sizes)
     if budget >= total:
-        return Plan(budget, total, sizes, frozenset(g for g, _ in sizes), 0, False, 0)
-    order = sorted(sizes, key=lambda x: -x[1])
+        return Plan(budget, total, sizes, frozenset(g for g, _ in sizes), 0, False, 0, gathered)
+    moving = [x for x in sizes if x[0] not in gathered]
+    plan = _plan_moving(sizes, moving, budget, lookahead, total)
+    room = budget - plan.pinned_bytes - plan.window
+    extra = []
+    for g, n in sorted((x for x in sizes if x[0] in gathered), key=lambda x: -x[1]):
+        if n <= room:
+            extra.append(g)
+            room -= n
+    return dataclasses.replace(plan, pinned=plan.pinned | frozenset(extra), in_place=gathered)
+
+
+def _plan_moving(sizes: tuple, moving: list[tuple[str, int]], budget: int, lookahead: int, total: int) -> Plan:
+    if not moving:
+        return Plan(budget, total, sizes, frozenset(), 0, False, 0)
+    if budget >= sum(n for _, n in moving):
+        return Plan(budget, total, sizes, frozenset(g for g, _ in moving), 0, False, 0)
+    order = sorted(moving, key=lambda x: -x[1])
     for la in range(lookahead, 0, -1):
         best: tuple[int, list[str], int] | None = None
         for k in range(len(order)):
@@ -181,151 +210,42 @@ class _Group:
     tensors: list[Any]            # the module's torch tensors (parameters and buffers)
     nbytes: int
     pinned: bool = False
-    tiered: list[Any] = dataclasses.field(default_factory=list)   # TieredTensors (pinned, and UM transport)
-    offset: int = 0               # pinned transport: where it starts in the pinned home
+    tiered: list[Any] = dataclasses.field(default_factory=list)   # TieredTensors of a resident group
+    offset: int = 0               # where a streamed group starts in the pinned home
     member_offsets: list[int] = dataclasses.field(default_factory=list)
-    transfer: Any = None          # UM transport: a prefetch in flight
-    evicting: bool = False        # UM transport: an eviction queued on the worker
+    in_slot: list[bool] = dataclasses.field(default_factory=list)   # members a slot serves while in use
+    gathered: bool = False        # only embeddings read it: read in place, never given a slot
 
 
-class _UMTransport:
-    """Streamed groups as read-mostly managed memory: prefetched ahead through Unified Memory,
-    evicted by collapsing the read-mostly copies (free over the link, ~25 ms/GiB of driver time,
-    which the driver serialises with the prefetches), read in place with read-mostly off."""
-
-    def __init__(self, owner: TieredModule, groups: list[_Group], async_evict: bool):
-        self.o = owner
-        self.tier = owner.tier
-        flat = [t for g in groups for t in g.tensors]
-        tts = _wrap_group(self.tier, flat, [f"{g.name}.{i}" for g in groups for i in range(len(g.tensors))],
-                          on_host=True, policy=None)
-        k = 0
-        for g in groups:
-            g.tiered = tts[k:k + len(g.tensors)]
-            k += len(g.tensors)
-        self.groups = groups
-        self._cv = threading.Condition()
-        self._in_window = 0
-        self._read_mostly = True
-        self._q: queue.Queue = queue.Queue()
-        self._worker = threading.Thread(target=self._evict_worker, name="tiermem-evict", daemon=True) if async_evict else None
-        if self._worker is not None:
-            self._worker.start()
-
-    def _resident(self, g: _Group) -> bool:
-        return all(t.is_resident for t in g.tiered)
-
-    def ensure(self, g: _Group) -> None:
-        if g.transfer is not None:
-            g.transfer.wait()       # the current stream waits on the device; the host goes on
-            g.transfer = None
-            return
-        if self._resident(g) and not g.evicting:
-            return
-        with self._cv:
-            while g.evicting or (self._in_window > 0 and self._in_window + g.nbytes > self.o.plan.window):
-                self._cv.wait()
-            self._in_window += g.nbytes
-        self.tier.prefetch(g.tiered)
-
-    def ahead(self, upcoming: list[_Group]) -> None:
-        batch = []
-        for g in upcoming:
-            if g.transfer is not None or g.evicting or self._resident(g):
-                continue
-            with self._cv:
-                if self._in_window + g.nbytes > self.o.plan.window:
-                    break
-                self._in_window += g.nbytes
-            batch.append(g)
-        if batch:   # adjacent in one allocation: the moves coalesce into few large calls
-            tr = self.tier.prefetch([t for g in batch for t in g.tiered], non_blocking=True)
-            for g in batch:
-                g.transfer = tr
-
-    def release(self, g: _Group) -> None:
-        if g.evicting:
-            return
-        be = self.tier.backend
-        done = be.new_event()
-        be.record(done, be.current_stream())   # after the module's kernels
-        g.evicting = True
-        if self._worker is not None:
-            self._q.put((g, done))
-        else:
-            self._evict_now(g, done)
-
-    def _evict_now(self, g: _Group, done: Any) -> None:
-        try:
-            self.tier.backend.synchronize(done)
-            self.tier.evict(g.tiered)
-        finally:
-            with self._cv:
-                g.evicting = False
-                self._in_window = max(0, self._in_window - g.nbytes)
-                self._cv.notify_all()
-
-    def _evict_worker(self) -> None:
-        while True:
-            item = self._q.get()
-            if item is None:
-                return
-            try:
-                self._evict_now(*item)
-            except Exception:  # a worker must not die silently: log and keep serving
-                log.exception("tiermem: eviction failed")
-
-    def drain(self) -> None:
-        with self._cv:
-            while any(g.evicting for g in self.groups):
-                self._cv.wait()
-        for g in self.groups:
-            if g.transfer is not None:
-                g.transfer.synchronize()
-                g.transfer = None
-
-    def set_mode(self, mode: str) -> None:
-        want_rm = mode == "stream"
-        if want_rm == self._read_mostly:
-            return
-        self.drain()
-        streamed = [t for g in self.groups for t in g.tiered]
-        self.tier.evict(streamed)
-        with self._cv:
-            self._in_window = 0
-        for t in streamed:
-            if t.role is Role.FROZEN_WEIGHT:
-                t.advise(read_mostly=want_rm)
-        self._read_mostly = want_rm
-
-    def close(self) -> None:
-        if self._worker is not None:
-            self._q.put(None)
-            self._worker.join()
-            self._worker = None
-        self.drain()
-        for g in self.groups:
-            for t in g.tiered:
-                self.tier.unwrap(t)
+def _versions(g: _Group) -> tuple[int, ...]:
+    # autograd's version counters: every in-place write through the tensor (an optimizer step,
+    # load_state_dict, a BatchNorm running-stat update) bumps them; rebinding .data does not.
+    return tuple(t._version for t in g.tensors)
 
 
 class _PinnedTransport:
-    """Streamed read-only groups in one pinned host buffer (their home, in execution order) and
+    """Streamed groups in one pinned host buffer (their home, in execution order) and
     ``lookahead`` device slots the size of the largest: the next groups are copied into free slots
     on tiermem's H2D stream while the current one runs, at the full link rate, with no driver page
     work (NOTE [streaming plan]). Outside a slot, a group's tensors point at their home, which the
-    GPU reads in place (zero-copy), so decode and unplanned reads need no move at all."""
+    GPU reads in place (zero-copy), so decode, unplanned reads and forwards that record gradients
+    need no move at all (NOTE [trainable weights in the pinned home])."""
 
     ALIGN = 256
 
-    def __init__(self, owner: TieredModule, groups: list[_Group], lookahead: int):
+    def __init__(self, owner: TieredModule, groups: list[_Group], lookahead: int, role: Role):
         self.o = owner
         self.tier = tier = owner.tier
+        self.role = role
         be = tier.backend
         off = 0
+        import torch
         for g in groups:
             g.offset = off
             g.member_offsets = []
+            # Buffers stay at home, read in place: a forward may write them (BatchNorm's running
+            # stats) without bumping their version counter, and they are small.
+            g.in_slot = [isinstance(t, torch.nn.Parameter) for t in g.tensors]
             n = 0
             for t in g.tensors:
                 g.member_offsets.append(n)
@@ -333,37 +253,52 @@ class _PinnedTransport:
             g.nbytes = n
             off += n
         self.groups = groups
-        self.home = be.host_alloc(max(off, 1))
-        self.slot_bytes = max(g.nbytes for g in groups)
+        self.size = max(off, 1)
+        self.slot_bytes = max((g.nbytes for g in groups if not g.gathered), default=0)
         # A plan with no room for the window never streams: everything is read in place.
-        self.nslots = 0 if owner.plan.zero_copy_only else owner.plan.lookahead
-        self.window = be.device_alloc(self.slot_bytes * self.nslots) if self.nslots else None
-        if self.nslots:
-            tier._reserve(self.slot_bytes * self.nslots, Role.FROZEN_WEIGHT)
-        self.origin: dict[int, Any] = {}
-        import torch
-        with torch.no_grad():
-            for g in groups:
-                for t in g.tensors:
-                    self.origin[id(t)] = t.device
-                home = self._views(g, None)
-                for t, v in zip(g.tensors, home):
-                    v.copy_(t)            # the GPU writes pinned pages straight over the link
-                for t, v in zip(g.tensors, home):
-                    t.data = v
+        self.nslots = 0 if owner.plan.zero_copy_only or not self.slot_bytes else owner.plan.lookahead
+        self.home: Any = None
+        self.window: Any = None
+        self.grad_home: Any = None
+        self._reserved = 0
+        self.origin: dict[int, Any] = {id(t): t.device for g in groups for t in g.tensors}
+        try:
+            self.home = be.host_alloc(self.size)
+            if self.nslots:
+                tier._reserve(self.slot_bytes * self.nslots, role)
+                self._reserved = self.slot_bytes * self.nslots
+                self.window = be.device_alloc(self._reserved)
+            with torch.no_grad():
+                for g in groups:
+                    for t, v in zip(g.tensors, self._views(g, None)):
+                        v.copy_(t)            # the GPU writes pinned pages straight over the link
+            if be.kind == "cuda":
+                torch.cuda.synchronize(tier.device)   # the home is whole before the originals may go
+        except BaseException:
+            self.discard()
+            raise
         self.occupant: list[_Group | None] = [None] * self.nslots
         self.ready: list[Any] = [None] * self.nslots
         self.freed: list[Any] = [None] * self.nslots
+        self.loaded: list[tuple[int, ...] | None] = [None] * self.nslots   # versions when copied in
         self.slot_of: dict[int, int] = {}
+        self.in_use: dict[int, tuple[int, ...]] = {}    # group -> versions when bound to its slot
         self.count = 0                 # streamed group uses so far: use c runs in slot c % nslots
 
-    def _views(self, g: _Group, slot: int | None) -> list[Any]:
+    def bind_home(self) -> None:
+        """Point every streamed tensor at its home (the adoption's last step: cannot fail)."""
+        for g in self.groups:
+            for t, v in zip(g.tensors, self._views(g, None)):
+                t.data = v
+
+    def _views(self, g: _Group, slot: int | None, base: Any = None) -> list[Any]:
         be = self.tier.backend
-        base = self.home.ptr + g.offset if slot is None else self.window.ptr + slot * self.slot_bytes
+        block = base if base is not None else (self.home if slot is None else self.window)
+        start = block.ptr + g.offset if slot is None else block.ptr + slot * self.slot_bytes
         out = []
         for t, o in zip(g.tensors, g.member_offsets):
             n = t.numel() * t.element_size()
-            raw = be.torch_view(base + o, n, self.home if slot is None else self.window)
+            raw = be.torch_view(start + o, n, block)
             out.append(raw.view(t.dtype).view(t.shape))
         return out
 
@@ -382,29 +317,34 @@ class _PinnedTransport:
         be.copy(self.window.ptr + slot * self.slot_bytes, self.home.ptr + g.offset, g.nbytes, side)
         be.record(end, side)
         with tier._lock:
-            tier._inflight.append(Transfer(tier, "h2d", side, start, end, [], g.nbytes, {Role.FROZEN_WEIGHT: g.nbytes}))
-        tier.accounting.on_move(Role.FROZEN_WEIGHT, "h2d", g.nbytes)
-        tier.accounting.count(Role.FROZEN_WEIGHT, "prefetch_ops")
+            tier._inflight.append(Transfer(tier, "h2d", side, start, end, [], g.nbytes, {self.role: g.nbytes}))
+        tier.accounting.on_move(self.role, "h2d", g.nbytes)
+        tier.accounting.count(self.role, "prefetch_ops")
         self.ready[slot] = end
         if self.occupant[slot] is not None:
             self.slot_of.pop(id(self.occupant[slot]), None)
         self.occupant[slot] = g
         self.slot_of[id(g)] = slot
+        self.loaded[slot] = _versions(g)
 
     def ensure(self, g: _Group) -> None:
         slot = self.count % self.nslots
         self.count += 1
-        if self.slot_of.get(id(g)) != slot:
-            self._load(g, slot)                      # not brought in ahead: bring it in now
+        now = _versions(g)
+        # Not brought in ahead, or written at home since (an optimizer step between forwards).
+        if self.slot_of.get(id(g)) != slot or self.loaded[slot] != now:
+            self._load(g, slot)
         be = self.tier.backend
         be.wait(be.current_stream(), self.ready[slot])
-        for t, v in zip(g.tensors, self._views(g, slot)):
-            t.data = v
+        for t, v, s in zip(g.tensors, self._views(g, slot), g.in_slot):
+            if s:
+                t.data = v
+        self.in_use[id(g)] = now
 
     def ahead(self, upcoming: list[_Group]) -> None:
         for d, g in enumerate(upcoming[: self.nslots - 1], start=0):
             slot = (self.count + d) % self.nslots
-            if self.occupant[slot] is g and self.slot_of.get(id(g)) == slot:
+            if self.occupant[slot] is g and self.slot_of.get(id(g)) == slot and self.loaded[slot] == _versions(g):
                 continue
             self._load(g, slot)
 
@@ -413,46 +353,113 @@ class _PinnedTransport:
         if slot is None:
             return
         be = self.tier.backend
+        home = self._views(g, None)
+        before = self.in_use.pop(id(g), None)
+        if before is not None and before != _versions(g):
+            # The forward wrote into the slot (a running-stat buffer, say): keep it at home. Later
+            # loads of this group read home on tiermem's stream, which waits for this copy.
+            for t, h, old, new, s in zip(g.tensors, home, before, _versions(g), g.in_slot):
+                if old != new and s:
+                    h.copy_(t.data)
+            done = be.new_event()
+            be.record(done, be.current_stream())
+            be.wait(self.tier._side("h2d"), done)
         ev = be.new_event()
         be.record(ev, be.current_stream())
         self.freed[slot] = ev
-        for t, v in zip(g.tensors, self._views(g, None)):
-            t.data = v                               # back to its home: correct to read, zero-copy
-        self.tier.accounting.count(Role.FROZEN_WEIGHT, "evict_ops")
-        self.tier.accounting.count(Role.FROZEN_WEIGHT, "evict_clean_ops")
+        for t, v, s in zip(g.tensors, home, g.in_slot):
+            if s:
+                t.data = v                           # back to its home: correct to read, zero-copy
+        self.tier.accounting.count(self.role, "evict_ops")
+        self.tier.accounting.count(self.role, "evict_clean_ops")
+
+    def offload_grad(self, g: _Group, i: int, p: Any) -> None:
+        """A streamed parameter's gradient lives in pinned host memory beside its home, so a
+        backward through the module keeps no more device memory than the budget allows
+        (NOTE [trainable weights in the pinned home]). Runs in autograd's post-accumulate hook."""
+        grad = p.grad
+        if grad is None:
+            return
+        if self.grad_home is None:
+            self.grad_home = self.tier.backend.host_alloc(self.size)
+        view = self._views(g, None, base=self.grad_home)[i]
+        if grad.data_ptr() == view.data_ptr():
+            return                                    # accumulated in place, at home already
+        view.copy_(grad)
+        p.grad = view
 
     def drain(self) -> None:
         self.tier.synchronize()
 
-    def set_mode(self, mode: str) -> None:
-        pass   # the tensors point at their pinned home between uses: zero-copy needs no change
-
-    def close(self) -> None:
+    def restored(self, device_of: Callable[[Any], Any]) -> list[tuple[Any, Any, Any]]:
+        """(tensor, plain copy, plain grad or None) for every streamed tensor, on the device
+        ``device_of(tensor)`` names; binds nothing, so a failure here changes nothing."""
         import torch
         self.tier.synchronize()
+        out = []
         with torch.no_grad():
             for g in self.groups:
                 for t, v in zip(g.tensors, self._views(g, None)):
-                    plain = torch.empty(t.shape, dtype=t.dtype, device=self.origin[id(t)])
+                    plain = torch.empty(t.shape, dtype=t.dtype, device=device_of(t))
                     plain.copy_(v)
-                    t.data = plain
-        torch.cuda.synchronize() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+                    grad = getattr(t, "grad", None)
+                    if grad is not None and (self._in_grad_home(grad) or grad.device != plain.device):
+                        grad = grad.to(plain.device, copy=True)
+                    else:
+                        grad = None
+                    out.append((t, plain, grad))
+        return out
+
+    def _in_grad_home(self, x: Any) -> bool:
+        if self.grad_home is None:
+            return False
+        p = x.data_ptr()
+        return self.grad_home.ptr <= p < self.grad_home.ptr + self.size
+
+    def discard(self) -> None:
+        """Give back the window, the home and the gradients' home. The caller has rebound every
+        tensor away from them first (or never bound any)."""
+        if self.tier.backend.kind == "cuda":
+            import torch
+            torch.cuda.synchronize(self.tier.device)
         if self.window is not None:
-            self.tier._unreserve(self.slot_bytes * self.nslots, Role.FROZEN_WEIGHT)
             self.window.release()
-        self.home.release()
+            self.window = None
+        if self._reserved:
+            self.tier._unreserve(self._reserved, self.role)
+            self._reserved = 0
+        for name in ("home", "grad_home"):
+            block = getattr(self, name)
+            if block is not None:
+                block.release()
+                setattr(self, name, None)
+
+
+# NOTE [trainable weights in the pinned home]
+#     transformers builds every parameter with requires_grad=True, also for inference, so the
+#     flag says nothing about the use. The use decides: a forward under torch.no_grad() or
+#     inference_mode() only reads the weights and streams them through the slots; a forward that
+#     records gradients reads the streamed weights in place from their pinned home (zero-copy,
+#     ~51 GB/s), because autograd saves the weights (and views of them, e.g. the transposed
+#     weight a linear layer saves) for backward, and a slot is overwritten by the next group long
+#     before backward reads it: the gradients would be silently wrong. The home stays put, so what
+#     autograd saved is right whenever backward runs. A streamed parameter's gradient is moved to
+#     pinned host memory beside its home as soon as autograd has accumulated it, so backward keeps
+#     no more device memory than the budget allows; optimizers then update weights and read
+#     gradients in place. Writes to a weight bump its version counter; a slot loaded before the
+#     write is loaded again, and a write made in a slot during a forward is copied home. Writes
+#     through ``.data`` bypass the version counter and are not seen. Training within a budget at
+#     speed is wrap_training's job (it plans gradients and optimizer states too); this path is
+#     correct and never refuses.
 
 
 class TieredModule:
     """Handle of a module adopted by :func:`wrap_module`: its plan, its mode, and unwrap()."""
 
     def __init__(self, tier: Tier, module: Any, budget: int | str | None, *, mode: str = "auto",
-                 transport: str = "auto", lookahead: int = LOOKAHEAD, zero_copy_max_tokens: int = 16,
-                 async_evict: bool = True, max_group_bytes: int = MAX_GROUP):
+                 lookahead: int = LOOKAHEAD, zero_copy_max_tokens: int = 16, max_group_bytes: int = MAX_GROUP):
         if mode not in ("auto", "stream", "zero_copy"):
             raise TierMemError(f"mode must be 'auto', 'stream' or 'zero_copy', got {mode!r}")
-        if transport not in ("auto", "pinned", "um"):
-            raise TierMemError(f"transport must be 'auto', 'pinned' or 'um', got {transport!r}")
         if getattr(module, "_tiermem_handle", None) is not None:
             raise TierMemError("this module is already adopted by tiermem; unwrap it first")
         self.tier = tier
@@ -462,22 +469,65 @@ class TieredModule:
         found = module_groups(module, max_group_bytes)
         if not found:
             raise TierMemError("this module has no parameters or buffers to tier")
+        from ._torch import _check
         for _, _, own in found:
             for _, t in own:
-                from ._torch import _check
                 _check(tier, t)
         sizes = [(mname, sum(_span(t) for _, t in own)) for mname, _, own in found]
         total = sum(n for _, n in sizes)
-        self.budget = total if budget is None else parse_bytes(budget, total=total, what="module budget")
-        self.plan = plan_residency(sizes, self.budget, lookahead)
+        asked = total if budget is None else parse_bytes(budget, total=total, what="module budget")
+        self.budget = self._within_device(asked, [t for _, _, own in found for _, t in own])
+        self.plan = plan_residency(sizes, self.budget, lookahead, in_place=_gathered(module, found))
         self.lookahead = max(self.plan.lookahead, 1)
-        self._old_budget = tier.budget
-        tier.set_budget(self.budget)       # before any fill: adoption itself stays within budget
-        self._groups = {mname: _Group(mname, [t for _, t in own], n, pinned=mname in self.plan.pinned)
+        self._groups = {mname: _Group(mname, [t for _, t in own], n, pinned=mname in self.plan.pinned,
+                                      gathered=mname in self.plan.in_place)
                         for (mname, _, own), (_, n) in zip(found, sizes)}
         self._unit_groups: dict[int, list[_Group]] = {id(m): [self._groups[mname]] for mname, m, _ in found}
-        pinned = [g for g in self._groups.values() if g.pinned]
         streamed = [g for g in self._groups.values() if not g.pinned]
+        self._trainable = any(t.requires_grad for g in streamed for t in g.tensors)
+        self.transport = "pinned"
+        self._stream: _PinnedTransport | None = None
+        self._hooks: list[Any] = []
+        self._trace: list[int] = []
+        self._recording = True
+        self._pos = -1
+        self._fwd_mode = "stream"
+        self._old_budget = tier.budget
+        # NOTE [all or nothing]
+        #     Adoption, like unwrap, either completes or leaves the module exactly as it was, with
+        #     every byte it took given back and the tier's budget restored. The original tensors
+        #     stay referenced until the adoption is done (a failure rebinds them), and the streamed
+        #     tensors are bound to their home only in the last step, which cannot fail. unwrap makes
+        #     every plain copy before it rebinds anything, after checking the device has room.
+        originals = [(t, t.data) for g in self._groups.values() for t in g.tensors]
+        try:
+            self._adopt(found, streamed)
+        except BaseException:
+            self._rollback(originals)
+            raise
+
+    def _within_device(self, asked: int, tensors: list[Any]) -> int:
+        """The budget the device can really hold: resident groups live in managed memory, which
+        the cap keeps within the device's real free memory (NOTE [managed cap]); asking for more
+        would be refused there. Weights already on this device count as room: they are freed once
+        adopted. A budget that must shrink says so, and the plan streams the rest."""
+        be = self.tier.backend
+        room = be.guard.limit - be.guard.reserved
+        on_device = sum(t.numel() * t.element_size() for t in tensors
+                        if t.device.type == "cuda" and t.device.index == self.tier.device)
+        free = be.mem_info()[0] + on_device
+        fit = max(0, min(room, free))
+        if asked > fit:
+            log.warning("tiermem: a module budget of %s bytes does not fit this device (%s bytes of managed room, "
+                        "%s free); planning for %s bytes, the rest streams from pinned host memory",
+                        f"{asked:,}", f"{room:,}", f"{free:,}", f"{fit:,}")
+            return fit
+        return asked
+
+    def _adopt(self, found: list, streamed: list[_Group]) -> None:
+        tier, module = self.tier, self.module
+        tier.set_budget(self.budget)       # before any fill: adoption itself stays within budget
+        pinned = [g for g in self._groups.values() if g.pinned]
         if pinned:
             flat = [t for g in pinned for t in g.tensors]
             role = Role.WEIGHT if any(t.requires_grad for t in flat) else Role.FROZEN_WEIGHT
@@ -487,20 +537,9 @@ class TieredModule:
             for g in pinned:
                 g.tiered = tts[k:k + len(g.tensors)]
                 k += len(g.tensors)
-        frozen = not any(t.requires_grad for g in streamed for t in g.tensors)
-        self.transport = ("pinned" if frozen else "um") if transport == "auto" else transport
-        if self.transport == "pinned" and not frozen:
-            raise TierMemError("the pinned transport streams read-only weights; some require grad (use transport='um')")
-        if self.transport == "um" and (mode == "zero_copy" or self.plan.zero_copy_only):
-            # Measured on the H100: kernels reading host-preferred, accessed-by managed pages got
-            # them migrated to the device (a later read ran at 446 GB/s), so the budget would not
-            # hold. Pinned host memory cannot migrate.
-            raise TierMemError("zero-copy reads need transport='pinned': the driver migrates managed pages "
-                               "that kernels read in place, so the budget would not hold")
-        self._stream: Any = None
         if streamed:
-            self._stream = (_PinnedTransport(self, streamed, self.lookahead) if self.transport == "pinned"
-                            else _UMTransport(self, streamed, async_evict))
+            self._stream = _PinnedTransport(self, streamed, self.lookahead,
+                                            Role.WEIGHT if self._trainable else Role.FROZEN_WEIGHT)
         # A module that uses a tensor of a group outside its own subtree (tied weights) needs that
         # group too: it gets hooks of its own.
         owner = {id(t): g for g in self._groups.values() for t in g.tensors}
@@ -518,20 +557,53 @@ class TieredModule:
         pinned_tts = [t for g in pinned for t in g.tiered]
         if pinned_tts:
             tier.prefetch(pinned_tts).synchronize()
-        self._trace: list[int] = []
-        self._recording = True
-        self._pos = -1
-        self._fwd_mode = "stream"
         self._units = [m for m in module.modules() if id(m) in self._unit_groups]
         self._hooks = [module.register_forward_pre_hook(self._root_pre, with_kwargs=True),
                        module.register_forward_hook(self._root_post)]
         for i, m in enumerate(self._units):
             self._hooks.append(m.register_forward_pre_hook(lambda mod, args, i=i: self._pre(i)))
             self._hooks.append(m.register_forward_hook(lambda mod, args, out, i=i: self._post(i)))
+        if self._stream is not None:
+            for g in streamed:
+                for i, t in enumerate(g.tensors):
+                    if t.requires_grad and hasattr(t, "register_post_accumulate_grad_hook"):
+                        self._hooks.append(t.register_post_accumulate_grad_hook(
+                            lambda p, g=g, i=i: self._stream.offload_grad(g, i, p)))
+            self._stream.bind_home()       # the last step; it cannot fail
         module._tiermem_handle = weakref.ref(self)
+
+    def _rollback(self, originals: list[tuple[Any, Any]]) -> None:
+        """Undo a failed adoption: the module's tensors get their original data back, and every
+        byte tiermem took for them is given back. Must not raise over the adoption's error."""
+        from ._torch import _ATTR
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        for t, data in originals:
+            t.data = data
+            if hasattr(t, _ATTR):
+                delattr(t, _ATTR)
+        for g in self._groups.values():
+            for tt in g.tiered:
+                tt._b.bindings = []
+                tt.free()
+            g.tiered = []
+        if self._stream is not None:
+            self._stream.discard()
+            self._stream = None
+        self.tier.set_budget(self._old_budget)
+        self._groups.clear()
 
     # -- forward hooks ------------------------------------------------------------------------------
     def _tokens(self, args: tuple, kwargs: dict) -> int | None:
+        # Hugging Face models take their tokens by name; the other integer tensors they get
+        # (attention mask, cache positions) span the whole sequence, not the new tokens.
+        ids = kwargs.get("input_ids")
+        if ids is not None and hasattr(ids, "numel"):
+            return int(ids.numel())
+        emb = kwargs.get("inputs_embeds")
+        if emb is not None and hasattr(emb, "shape") and emb.dim() >= 2:
+            return int(emb.shape[:-1].numel())
         vals = list(args) + list(kwargs.values())
         for a in vals:
             if hasattr(a, "dtype") and hasattr(a, "shape") and not a.dtype.is_floating_point and a.dim() >= 1:
@@ -542,15 +614,13 @@ class TieredModule:
         return None
 
     def _root_pre(self, module: Any, args: tuple, kwargs: dict) -> None:
+        import torch
         mode = self.mode
-        if mode == "auto":
+        if self._stream is None or not self._stream.nslots or (self._trainable and torch.is_grad_enabled()):
+            mode = "zero_copy"       # NOTE [trainable weights in the pinned home]
+        elif mode == "auto":
             n = self._tokens(args, kwargs)
-            few = n is not None and n <= self.zero_copy_max_tokens
-            mode = "zero_copy" if few and self.transport == "pinned" else "stream"
-        if self.plan.zero_copy_only:
-            mode = "zero_copy"
-        if self._stream is not None and mode != self._fwd_mode:
-            self._stream.set_mode(mode)
+            mode = "zero_copy" if n is not None and n <= self.zero_copy_max_tokens else "stream"
         self._fwd_mode = mode
         self._pos = -1
 
@@ -565,7 +635,7 @@ class TieredModule:
         out: list[_Group] = []
         for j in range(self._pos + 1, len(self._trace)):
             for g in self._unit_groups[id(self._units[self._trace[j]])]:
-                if not g.pinned:
+                if not g.pinned and not g.gathered:
                     out.append(g)
             if len(out) >= self.lookahead:
                 break
@@ -583,7 +653,7 @@ class TieredModule:
             if g.pinned:
                 if not all(t.is_resident for t in g.tiered):
                     self.tier.prefetch(g.tiered)
-            elif self._fwd_mode == "stream":
+            elif self._fwd_mode == "stream" and not g.gathered:
                 self._stream.ensure(g)
         if self._fwd_mode == "stream" and not self._recording and self._stream is not None:
             self._stream.ahead(self._upcoming())
@@ -592,7 +662,7 @@ class TieredModule:
         if self._fwd_mode != "stream":
             return
         for g in self._unit_groups[id(self._units[i])]:
-            if not g.pinned:
+            if not g.pinned and not g.gathered:
                 self._stream.release(g)
 
     # -- lifecycle ------------------------------------------------------------------------------------
@@ -607,26 +677,98 @@ class TieredModule:
         """Group name -> its tensors (TieredTensors where tiermem holds them in managed memory)."""
         return {g.name: list(g.tiered or g.tensors) for g in self._groups.values()}
 
-    def unwrap(self) -> Any:
-        """Remove the hooks and give every tensor plain memory on its original device again."""
+    def unwrap(self, device: Any = None) -> Any:
+        """Give every tensor plain memory again and remove the hooks; returns the module.
+
+        ``device`` (e.g. "cpu") restores every tensor there; by default each goes back to the
+        device it came from. The device memory this needs is checked first: if it is not free,
+        :class:`DeviceFullError` (a MemoryError) is raised and nothing changes; ``unwrap("cpu")``
+        then restores onto the host. All or nothing: the plain copies are made before anything is
+        rebound.
+        """
+        import torch
+        if not self._groups:
+            raise TierMemError("this module was unwrapped already")
+        if device is not None:
+            device = torch.device(device)
+        origin: dict[int, Any] = {}
+        for g in self._groups.values():
+            for t, tt in zip(g.tensors, g.tiered):
+                origin[id(t)] = getattr(tt, "_origin_device", None)
+        if self._stream is not None:
+            origin.update(self._stream.origin)
+        dev_of = lambda t: device if device is not None else (origin.get(id(t)) or t.device)  # noqa: E731
+        self._check_room(dev_of)
+        if self._stream is not None:
+            self._stream.drain()
+        plain = list(self._stream.restored(dev_of)) if self._stream is not None else []
+        with torch.no_grad():
+            for g in self._groups.values():
+                if g.pinned:
+                    for t in g.tensors:
+                        p = torch.empty(t.shape, dtype=t.dtype, device=dev_of(t))
+                        p.copy_(t.data)
+                        grad = getattr(t, "grad", None)
+                        grad = grad.to(p.device, copy=True) if grad is not None and grad.device != p.device else None
+                        plain.append((t, p, grad))
+        # Everything is copied: from here on nothing can fail.
         for h in self._hooks:
             h.remove()
         self._hooks = []
-        if self._stream is not None:
-            self._stream.close()
-            self._stream = None
-        self.tier.synchronize()
-        for g in self._groups.values():
-            if g.pinned:
-                for t in g.tiered:
-                    self.tier.unwrap(t)
-        self._groups.clear()
-        self.tier.set_budget(self._old_budget)
+        self._rebind_plain(plain)
         self.module._tiermem_handle = None
         return self.module
 
+    def _rebind_plain(self, plain: list[tuple[Any, Any, Any]]) -> None:
+        from ._torch import _ATTR
+        for t, p, grad in plain:
+            t.data = p
+            if grad is not None:
+                t.grad = grad
+            if hasattr(t, _ATTR):
+                delattr(t, _ATTR)
+        self.tier.synchronize()
+        for g in self._groups.values():
+            for tt in g.tiered:
+                tt._b.bindings = []
+                tt.free()
+            g.tiered = []
+        if self._stream is not None:
+            self._stream.discard()
+            self._stream = None
+        self._groups.clear()
+        self.tier.set_budget(self._old_budget)
+
+    def _check_room(self, dev_of: Callable[[Any], Any]) -> None:
+        """Refuse, changing nothing, an unwrap whose plain copies do not fit their device."""
+        import torch
+        need = sum(t.numel() * t.element_size() for g in self._groups.values() for t in g.tensors
+                   if dev_of(t).type == "cuda")
+        if not need or self.tier.backend.kind != "cuda":
+            return
+        free = self.tier.backend.mem_info()[0]
+        if torch.cuda.is_initialized():
+            free += torch.cuda.memory_reserved(self.tier.device) - torch.cuda.memory_allocated(self.tier.device)
+        if need > free:
+            raise DeviceFullError(need, 0, free, hint="unwrap needs that much free device memory for the plain "
+                                   "copies and the device has less; call unwrap(device='cpu') to restore onto "
+                                   "the host, or free device memory first")
+
     def __repr__(self) -> str:
         return f"<TieredModule {type(self.module).__name__} ({self.transport}): {self.plan.table(limit=0)}>"
+
+
+def _gathered(module: Any, found: list) -> set[str]:
+    """The groups only embeddings use: a lookup reads the rows of its tokens, so reading them in
+    place moves a few KiB where a slot would move the whole table (NOTE [streaming plan])."""
+    import torch
+    owner = {id(t): mname for mname, _, own in found for _, t in own}
+    users: dict[str, list[Any]] = {}
+    for m in module.modules():
+        for t in list(m._parameters.values()) + list(m._buffers.values()):
+            if t is not None and id(t) in owner:
+                users.setdefault(owner[id(t)], []).append(m)
+    return {g for g, ms in users.items() if all(isinstance(m, torch.nn.Embedding) for m in ms)}
 
 
 def _span_bytes(nbytes: int) -> int:

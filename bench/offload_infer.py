@@ -1,323 +1,452 @@
-"""bench/offload_infer.py: a Llama-shaped fp16 model bigger than its budget, against its peers.
+"""bench/offload_infer.py: transformers models bigger than a really small GPU, as users load them.
 
-In one run, side by side, on one model (random weights built on the GPU; >= 6 GB by default):
-  resident          the model fully on the GPU (the ceiling)
-  pinned streamer   all weights in pinned host memory; the next block (embedding, each decoder
-                    layer, the head) is copied into one of two GPU slots on a side stream while
-                    the current one runs (the strongest simple peer)
-  tiermem           tier.wrap_module(model, budget): the largest groups stay resident, the rest
-                    stream ahead of use; single-token decode reads them in place (zero-copy)
-  accelerate        accelerate.cpu_offload(model, execution_device="cuda")
-Prefill is 1x128 tokens; decode is one new token with a KV cache. The PCIe bound is the bytes
-not resident under the budget over the measured pinned H2D rate. tiermem is swept over budgets
-(0/25/50/100% of the weights). Times are CUDA-event medians after a warm-up.
+For each architecture (Llama; Qwen2 with GQA and qkv bias; GPT-NeoX with fused QKV and parallel
+residual; Mixtral, a mixture of experts; Phi), a model of >= 5 GB fp16 is built from its config
+with random weights and transformers' default flags (requires_grad=True, eval mode), and run side
+by side in one process:
+  resident     the model fully on the GPU (the ceiling, and the reference tokens)
+  tiermem      tier.wrap_module(model, budget="25%") on a GPU made really small: before tiermem
+               starts, one cudaMalloc reservation takes all but budget + margin of the card, so
+               the driver really has only that much free (docs/facts.md)
+  accelerate   accelerate.cpu_offload(model), under the same reservation
+Prefill is one forward of 1x128 tokens; decode is 32 new tokens through generate() with the KV
+cache (greedy), timed as generate(33 tokens) - generate(1 token), per token. The bound of a
+forward is the bytes it must move (streamed, less embeddings read in place) over the pinned H2D
+rate measured in the same run. For the mixture of experts, decode is also set against the routed
+bound: the dense parts plus the streamed experts its router actually picked.
 
-    python bench/offload_infer.py [--weights-gb 6.2] [--budget 25%] [--reps 5]
-Writes bench/results/offload_infer-<device>-<date>.json and a plot of time per forward vs budget.
+    python bench/offload_infer.py [--archs llama,qwen2,gpt_neox,mixtral,phi] [--weights-gb 5.2]
+                                  [--budget 25%] [--margin-gb 2] [--no-small-gpu] [--no-accelerate]
+Writes bench/results/offload_infer-<device>-<date>.json and a plot of time against the bound.
 """
 from __future__ import annotations
 
 import argparse
 import gc
+import threading
+import time
 
 from _common import cuda_times, gbps, median, plot_path, progress, table, write_results
 
 GiB = 1 << 30
+ARCHS = ("llama", "qwen2", "gpt_neox", "mixtral", "phi")
 
 
-class PinnedStreamer:
-    """Hand-written peer: every block's weights in one pinned host buffer; two GPU slots; block
-    i+1 is copied into the free slot on a side stream while block i computes."""
+def arch_config(arch: str, weights_gb: float):
+    """A transformers config of ``arch`` whose fp16 weights come to about ``weights_gb`` GB: the
+    layer count is solved from the per-layer and fixed bytes of a shape typical of the family."""
+    import transformers as tf
+    if arch == "llama":
+        h, i, heads, kv, vocab = 4096, 11008, 32, 32, 32000
+        per = 2 * h * h + 2 * h * (h * kv // heads) + 3 * h * i
+        fixed = 2 * vocab * h
+        make = lambda n: tf.LlamaConfig(hidden_size=h, intermediate_size=i, num_hidden_layers=n, num_attention_heads=heads,  # noqa: E731
+                                        num_key_value_heads=kv, vocab_size=vocab, tie_word_embeddings=False)
+    elif arch == "qwen2":     # GQA 8:1 and bias on q, k, v; a large vocabulary
+        h, i, heads, kv, vocab = 2048, 11008, 16, 2, 151936
+        per = 2 * h * h + 2 * h * (h * kv // heads) + 3 * h * i
+        fixed = 2 * vocab * h
+        make = lambda n: tf.Qwen2Config(hidden_size=h, intermediate_size=i, num_hidden_layers=n, num_attention_heads=heads,  # noqa: E731
+                                        num_key_value_heads=kv, vocab_size=vocab, tie_word_embeddings=False)
+    elif arch == "gpt_neox":  # fused QKV, parallel residual (Pythia-2.8B's shape)
+        h, i, heads, vocab = 2560, 10240, 32, 50304
+        per = 4 * h * h + 2 * h * i
+        fixed = 2 * vocab * h
+        make = lambda n: tf.GPTNeoXConfig(hidden_size=h, intermediate_size=i, num_hidden_layers=n,  # noqa: E731
+                                          num_attention_heads=heads, vocab_size=vocab, use_parallel_residual=True)
+    elif arch == "mixtral":   # 8 experts, 2 routed per token
+        h, i, heads, kv, vocab, e = 2048, 2816, 16, 4, 32000, 8
+        per = 2 * h * h + 2 * h * (h * kv // heads) + e * 3 * h * i + h * e
+        fixed = 2 * vocab * h
+        make = lambda n: tf.MixtralConfig(hidden_size=h, intermediate_size=i, num_hidden_layers=n,  # noqa: E731
+                                          num_attention_heads=heads, num_key_value_heads=kv, vocab_size=vocab,
+                                          num_local_experts=e, num_experts_per_tok=2, tie_word_embeddings=False)
+    elif arch == "phi":       # Phi-2's shape: partial rotary, a biased head
+        h, i, heads, vocab = 2560, 10240, 32, 51200
+        per = 4 * h * h + 2 * h * i
+        fixed = 2 * vocab * h
+        make = lambda n: tf.PhiConfig(hidden_size=h, intermediate_size=i, num_hidden_layers=n,  # noqa: E731
+                                      num_attention_heads=heads, vocab_size=vocab)
+    else:
+        raise SystemExit(f"unknown architecture {arch!r}; choose from {', '.join(ARCHS)}")
+    layers = max(2, round((weights_gb * 1e9 / 2 - fixed) / per))
+    return make(layers)
 
-    def __init__(self, blocks, torch):
+
+def build(cfg):
+    """The model for ``cfg``, fp16 random weights built on the GPU, with transformers' defaults."""
+    import torch
+    import transformers as tf
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float16)
+    try:
+        with torch.device("cuda"):
+            torch.manual_seed(0)
+            model = tf.AutoModelForCausalLM.from_config(cfg)
+    finally:
+        torch.set_default_dtype(old)
+    model.eval()                              # as from_pretrained returns it; requires_grad stays True
+    model.generation_config.pad_token_id = 0
+    model.generation_config.eos_token_id = None   # random weights: always decode every token asked for
+    return model
+
+
+class FreeWatch:
+    """The smallest free device memory the driver reports, sampled every 2 ms on a thread (NVML,
+    so the samples need no CUDA context work on the timed stream)."""
+
+    def __init__(self):
+        try:
+            import pynvml
+            pynvml.nvmlInit()
+            self.nvml, self.h = pynvml, pynvml.nvmlDeviceGetHandleByIndex(0)
+        except Exception:   # no NVML: the CUDA runtime's figure, read from the thread
+            self.nvml = None
+        self.min_free = self.free()
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+
+    def free(self) -> int:
+        if self.nvml is None:
+            import torch
+            return int(torch.cuda.mem_get_info()[0])
+        return int(self.nvml.nvmlDeviceGetMemoryInfo(self.h).free)
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.002):
+            self.min_free = min(self.min_free, self.free())
+
+    def reset(self) -> None:
+        self.min_free = self.free()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._t.join()
+
+
+class Routing:
+    """Counts the experts a mixture-of-experts model's router picks in decode steps: the routed
+    bound's bytes. A module is an expert set when all its direct parameters are stacked along a
+    first dimension the size of its expert count and its forward gets the picked indices."""
+
+    def __init__(self, model, streamed: set[int]):
+        import torch
+        self.sets = []
+        for m in model.modules():
+            ps = list(m._parameters.values())
+            e = getattr(m, "num_experts", None)
+            if ps and isinstance(e, int) and all(p is not None and p.dim() == 3 and p.shape[0] == e for p in ps):
+                per = sum(p.numel() * p.element_size() for p in ps if id(p) in streamed) // e
+                self.sets.append((m, e, per))
+        self.routed = 0
+        self.steps = 0
+        self.hooks = [m.register_forward_pre_hook(self._hook(e, per)) for m, e, per in self.sets]
         self.torch = torch
-        self.blocks = blocks
-        self.tensors = [[t for t in list(b.parameters()) + list(b.buffers())] for b in blocks]
-        self.offsets, self.sizes = [], []
-        for ts in self.tensors:
-            offs, n = [], 0
-            for t in ts:
-                offs.append(n)
-                n += -(-t.numel() * t.element_size() // 256) * 256
-            self.offsets.append(offs)
-            self.sizes.append(n)
-        self.host = []
-        for ts, offs, n in zip(self.tensors, self.offsets, self.sizes):
-            h = torch.empty(n, dtype=torch.uint8, pin_memory=True)
-            for t, o in zip(ts, offs):
-                h[o:o + t.numel() * t.element_size()].copy_(t.detach().reshape(-1).view(torch.uint8))
-            self.host.append(h)
-        self.orig = [[t.data for t in ts] for ts in self.tensors]
-        big = max(self.sizes)
-        self.slots = [torch.empty(big, dtype=torch.uint8, device="cuda") for _ in range(2)]
-        self.side = torch.cuda.Stream()
-        self.ready = [None, None]
-        self.freed = [None, None]
-        self.slot_of: dict[int, int] = {}
-        self.hooks = []
-        for i, b in enumerate(blocks):
-            self.hooks.append(b.register_forward_pre_hook(lambda m, a, i=i: self._pre(i)))
-            self.hooks.append(b.register_forward_hook(lambda m, a, o, i=i: self._post(i)))
 
-    def _load(self, j: int, slot: int) -> None:
-        torch = self.torch
-        cur = torch.cuda.current_stream()
-        self.side.wait_stream(cur) if self.freed[slot] is None else self.side.wait_event(self.freed[slot])
-        with torch.cuda.stream(self.side):
-            self.slots[slot][: self.sizes[j]].copy_(self.host[j], non_blocking=True)
-            ev = torch.cuda.Event()
-            ev.record(self.side)
-        self.ready[slot] = ev
-        self.slot_of[j] = slot
+    def _hook(self, e: int, per: int):
+        def pre(mod, args):
+            hidden, index = args[0], args[1]
+            if hidden.shape[0] == 1:           # a decode step of one token
+                self.routed += int(self.torch.unique(index).numel()) * per
+        return pre
 
-    def _pre(self, i: int) -> None:
-        torch = self.torch
-        if i not in self.slot_of:
-            self._load(i, 0 if not self.slot_of else 1 - self.slot_of.get((i - 1) % len(self.blocks), 1))
-        s = self.slot_of[i]
-        torch.cuda.current_stream().wait_event(self.ready[s])
-        slot = self.slots[s]
-        for t, o in zip(self.tensors[i], self.offsets[i]):
-            n = t.numel() * t.element_size()
-            t.data = slot[o:o + n].view(t.dtype).view(t.shape)
-        j = (i + 1) % len(self.blocks)
-        other = 1 - s
-        self.slot_of.pop(j, None)
-        self._load(j, other)
-
-    def _post(self, i: int) -> None:
-        ev = self.torch.cuda.Event()
-        ev.record(self.torch.cuda.current_stream())
-        self.freed[self.slot_of[i]] = ev
+    @property
+    def expert_bytes(self) -> int:
+        return sum(e * per for _, e, per in self.sets)
 
     def remove(self) -> None:
         for h in self.hooks:
             h.remove()
-        for ts, orig in zip(self.tensors, self.orig):
-            for t, d in zip(ts, orig):
-                t.data = d
-        self.torch.cuda.synchronize()
+
+
+def timed_generate(model, ids, new: int, reps: int):
+    import torch
+    out = None
+
+    def run():
+        nonlocal out
+        out = model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False)
+    return median(cuda_times(run, reps, warmup=1)), out
+
+
+def measure(model, ids, reps: int, decode_tokens: int, dec_reps: int):
+    """(prefill s, decode s per token, generated tokens)."""
+    import torch
+    with torch.no_grad():
+        pre = median(cuda_times(lambda: model(ids, use_cache=False), reps, warmup=2))
+        t1, _ = timed_generate(model, ids, 1, dec_reps)
+        tn, out = timed_generate(model, ids, 1 + decode_tokens, dec_reps)
+    return pre, (tn - t1) / decode_tokens, out
+
+
+def measure_loop(model, ids, reps: int, decode_tokens: int):
+    """(prefill s, decode s per token) with a hand-written greedy loop over the KV cache, for a
+    peer whose hooks leave generate() no device to read (accelerate puts parameters on meta)."""
+    import torch
+    with torch.no_grad():
+        pre = median(cuda_times(lambda: model(ids, use_cache=False), reps, warmup=1))
+        out = model(ids, use_cache=True)
+        pkv, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        model(nxt, past_key_values=pkv, use_cache=True)
+
+        def steps():
+            nonlocal pkv, nxt
+            for _ in range(decode_tokens):
+                o = model(nxt, past_key_values=pkv, use_cache=True)
+                pkv, nxt = o.past_key_values, o.logits[:, -1:].argmax(-1)
+        t = cuda_times(steps, 1, warmup=0)[0]
+    return pre, t / decode_tokens
+
+
+def adoption_atomic(model, tier_cls, budget: str) -> bool:
+    """A wrap_module made to fail midway (after its resident groups took managed memory) leaves
+    the model's tensors, the tier's stats and the driver's free memory as they were."""
+    import torch
+    import tiermem
+    t = tier_cls(0)
+    before = [(p, p.data_ptr()) for p in model.parameters()]
+    sums = [float(p.float().sum()) for p in list(model.parameters())[:8]]
+    torch.cuda.synchronize()
+    stats, free = t.stats(), torch.cuda.mem_get_info()[0]
+    real = t.backend.host_alloc
+
+    def boom(*a, **k):
+        raise tiermem.CUDAError("cudaHostAlloc", 2, "cudaErrorMemoryAllocation")
+    t.backend.host_alloc = boom
+    try:
+        t.wrap_module(model, budget=budget)
+        ok = False
+    except tiermem.CUDAError:
+        ok = True
+    finally:
+        t.backend.host_alloc = real
+    gc.collect()
+    torch.cuda.synchronize()
+    ok &= all(p.data_ptr() == ptr and tiermem.tiered_of(p) is None for p, ptr in before)
+    ok &= sums == [float(p.float().sum()) for p in list(model.parameters())[:8]]
+    now = t.stats()
+    ok &= all(now[k] == v for k, v in stats.items() if k.endswith(".current"))
+    drift = abs(torch.cuda.mem_get_info()[0] - free)
+    ok &= drift <= 32 << 20
+    progress(f"  failed adoption: nothing left behind = {ok} (driver free memory drift {drift / 2**20:.1f} MiB)")
+    t.close()
+    return ok
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--weights-gb", type=float, default=6.2)
+    ap.add_argument("--archs", default=",".join(ARCHS))
+    ap.add_argument("--weights-gb", type=float, default=5.2)
     ap.add_argument("--budget", default="25%")
-    ap.add_argument("--sweep", default="0,25,50,100")
-    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--margin-gb", type=float, default=2.0, help="free memory left beside the budget (activations, KV cache, CUDA's own)")
+    ap.add_argument("--floor-gb", type=float, default=1.0, help="the free memory the run must never go below")
     ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--decode-tokens", type=int, default=32)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--no-small-gpu", action="store_true", help="skip the cudaMalloc reservation (an emulated budget only)")
     ap.add_argument("--no-accelerate", action="store_true")
+    ap.add_argument("--accelerate-decode-tokens", type=int, default=3)
     args = ap.parse_args()
 
     import torch
     import tiermem
-    from tiermem._demo import build_llama, llama_shape
 
-    torch.manual_seed(0)
-    reps = args.reps
+    archs = [a.strip() for a in args.archs.split(",") if a.strip()]
     metrics: dict = {}
     checks: dict = {}
-    raw: dict = {"tokens": args.tokens, "reps": reps}
+    raw: dict = {"tokens": args.tokens, "decode_tokens": args.decode_tokens, "reps": args.reps, "budget": args.budget,
+                 "margin_GB": args.margin_gb, "small_gpu": not args.no_small_gpu, "archs": {}}
 
-    # pinned H2D rate, measured here for the bound
     d = torch.randint(0, 256, (GiB,), dtype=torch.uint8, device="cuda")
     h = torch.empty(GiB, dtype=torch.uint8, pin_memory=True)
     h.copy_(d)
     link = gbps(GiB, median(cuda_times(lambda: d.copy_(h, non_blocking=True), 9)))
     metrics["pinned_h2d_GBps"] = link
     del d, h
+    watch = FreeWatch()
+    if not args.no_accelerate:
+        import accelerate
+        raw["accelerate_version"] = accelerate.__version__
+    import transformers
+    raw["transformers_version"] = transformers.__version__
 
-    progress(f"building the model (~{args.weights_gb} GB fp16) on the GPU")
-    shape = llama_shape(args.weights_gb)
-    model = build_llama(shape)
-    raw["shape"] = shape
-    W = sum(p.numel() * p.element_size() for p in model.parameters()) + sum(b.numel() * b.element_size() for b in model.buffers())
-    metrics["weights_GB"] = round(W / 1e9, 3)
-    ids = torch.randint(0, shape["vocab_size"], (1, args.tokens), device="cuda")
+    equal_all, small_all, within_all = True, True, True
+    min_free = None
+    atomic = None
+    for arch in archs:
+        r: dict = {}
+        progress(f"{arch}: building ~{args.weights_gb} GB fp16 on the GPU")
+        cfg = arch_config(arch, args.weights_gb)
+        model = build(cfg)
+        W = sum(p.numel() * p.element_size() for p in model.parameters())
+        r["weights_GB"] = round(W / 1e9, 3)
+        r["layers"] = cfg.num_hidden_layers
+        r["requires_grad_default"] = all(p.requires_grad for p in model.parameters())
+        ids = torch.randint(0, cfg.vocab_size, (1, args.tokens), device="cuda")
 
-    def prefill():
-        return model(ids, use_cache=False)
+        progress(f"{arch}: resident")
+        pre, dec, ref_tokens = measure(model, ids, args.reps, args.decode_tokens, 3)
+        r["resident"] = {"prefill_ms": pre * 1e3, "decode_ms_per_token": dec * 1e3}
+        with torch.no_grad():
+            ref_logits = model(ids, use_cache=False).logits
 
-    def decode_setup():
-        out = model(ids, use_cache=True)
-        return out.past_key_values, out.logits[:, -1:].argmax(-1)
-
-    def time_decode():
-        """Seconds per decode step: 3 warm-up steps, then 10 steps timed back to back."""
-        pkv, nxt = decode_setup()
-        first = model(nxt, past_key_values=pkv, use_cache=True).logits
-        for _ in range(3):
-            model(nxt, past_key_values=pkv, use_cache=True)
-        ts = cuda_times(lambda: [model(nxt, past_key_values=pkv, use_cache=True) for _ in range(10)], 1, warmup=0)
-        return ts[0] / 10, first
-
-    def time_prefill():
-        """(back-to-back, isolated) seconds per prefill. Back to back, 16 forwards per timed region,
-        is the steady state and can never beat the link; isolated forwards (a sync between them)
-        also gain what was prefetched for them while the previous one finished."""
-        b2b = median(cuda_times(lambda: [prefill() for _ in range(16)], 3, warmup=1)) / 16
-        return b2b, median(cuda_times(prefill, reps))
-
-    results: dict[str, dict] = {}
-    with torch.no_grad():
-        progress("resident")
-        ref = prefill().logits
-        b2b, iso = time_prefill()
-        results["resident"] = {"prefill_ms": b2b * 1e3, "prefill_isolated_ms": iso * 1e3}
-        t, ref_dec = time_decode()
-        results["resident"]["decode_ms"] = t * 1e3
-
-        # ---- tiermem, swept over budgets --------------------------------------------------------
-        sweep = [float(x) for x in args.sweep.split(",")]
-        main_pct = float(args.budget.rstrip("%"))
-        if main_pct not in sweep:
-            sweep.append(main_pct)
-        configs = [("pinned transport, groups<=160MiB, lookahead 3 (default)", dict()),
-                   ("pinned transport, groups<=512MiB, lookahead 2", dict(transport="pinned", max_group_bytes=512 << 20, lookahead=2)),
-                   ("UM transport, groups<=160MiB, lookahead 3", dict(transport="um", mode="stream"))]
-        tm: dict[str, dict] = {}
-        equal_all, within_all = True, True
-        for name, cfg in configs:
-            for pct in sweep:
-                if name != configs[0][0] and pct != main_pct:
-                    continue          # the other configurations only at the main budget
-                key = f"{name} @ {pct:g}%"
-                progress(f"tiermem {key}")
-                gc.collect()
-                torch.cuda.empty_cache()
-                tier = tiermem.Tier(0, cap=int(W * 1.15) + GiB)
-                hd = tier.wrap_module(model, budget=f"{pct}%", **cfg)
-                torch.cuda.empty_cache()
-                prefill()                                   # learns the execution order
-                before = tier.stats()
-                b2b, iso = time_prefill()
-                ms = b2b * 1e3
-                hd.drain()
-                after = tier.stats()
-                moved = (after["moved_bytes.all.h2d"] - before["moved_bytes.all.h2d"]) / (4 * 16 + reps + 1)
-                eq = bool(torch.equal(prefill().logits, ref))
-                dec_ms, dec_first = time_decode()
-                eq_dec = bool(torch.equal(dec_first, ref_dec))
-                hd.drain()
-                # Are the streamed weights still on the host after decode read them in place? A
-                # read at HBM speed would mean the driver moved them behind the budget's back.
-                big = max((t for g in hd._groups.values() if not g.pinned for t in g.tensors),
-                          key=lambda t: t.numel(), default=None)
-                after_read = gbps(big.numel() * big.element_size(), median(cuda_times(lambda: big.float().sum(), 3))) if big is not None else None
-                peak = tier.stats()["resident_bytes.all.peak"]
-                bound = hd.plan.streamed_bytes / (link * 1e9) * 1e3
-                tm[key] = {"budget_pct": pct, "budget_GB": hd.budget / 1e9, "prefill_ms": ms, "prefill_isolated_ms": iso * 1e3,
-                           "decode_ms": dec_ms * 1e3, "streamed_read_after_decode_GBps": after_read,
-                           "bound_ms": bound, "streamed_GB": hd.plan.streamed_bytes / 1e9,
-                           "moved_GB_per_forward": moved / 1e9, "resident_peak_GB": peak / 1e9,
-                           "within_budget": peak <= hd.budget, "logits_equal": eq, "decode_logits_equal": eq_dec,
-                           "groups": len(hd.plan.sizes), "pinned_groups": len(hd.plan.pinned), "window_GB": hd.plan.window / 1e9,
-                           "zero_copy_only": hd.plan.zero_copy_only}
-                progress(f"  {tm[key]}")
-                equal_all &= eq and eq_dec
-                within_all &= peak <= hd.budget
-                hd.unwrap()
-                tier.close()
-                del tier, hd
-        raw["tiermem"] = tm
-        # The headline uses tiermem's defaults (the first configuration); the others are reported.
-        best = f"{configs[0][0]} @ {main_pct:g}%"
-        raw["tiermem_main_config"] = best
-        main = tm[best]
-
-        # ---- pinned streamer ----------------------------------------------------------------------
-        progress("pinned streamer")
+        model.cpu()                               # a model bigger than the GPU starts on the host
         gc.collect()
         torch.cuda.empty_cache()
-        inner = model.model
-        blocks = [inner.embed_tokens, *inner.layers, inner.norm, model.lm_head]
-        ps = PinnedStreamer(blocks, torch)
-        prefill()
-        b2b, iso = time_prefill()
-        results["pinned_streamer"] = {"prefill_ms": b2b * 1e3, "prefill_isolated_ms": iso * 1e3}
-        checks["pinned_streamer_logits_equal"] = bool(torch.equal(prefill().logits, ref))
-        t, _ = time_decode()
-        results["pinned_streamer"]["decode_ms"] = t * 1e3
-        ps.remove()
-        del ps
-        gc.collect()
-        torch.cuda.empty_cache()
+        budget = tiermem.parse_bytes(args.budget, total=W)
+        blob = None
+        if not args.no_small_gpu:
+            free, _ = torch.cuda.mem_get_info()
+            keep = budget + int(args.margin_gb * 1e9)
+            blob = torch.empty(max(0, free - keep), dtype=torch.uint8, device="cuda")
+            r["free_after_reservation_GB"] = round(torch.cuda.mem_get_info()[0] / 1e9, 3)
+            progress(f"{arch}: reservation in place; the driver has {r['free_after_reservation_GB']} GB free "
+                     f"for a {W / 1e9:.2f} GB model")
+            small_all &= torch.cuda.mem_get_info()[0] < W
+        if atomic is None:
+            atomic = adoption_atomic(model, tiermem.Tier, args.budget)
 
-        # ---- accelerate ---------------------------------------------------------------------------
+        progress(f"{arch}: tiermem at {args.budget}")
+        watch.reset()
+        tier = tiermem.Tier(0)                    # the default cap: the memory free now
+        hd = tier.wrap_module(model, budget=args.budget)
+        streamed = {id(p) for g in hd._groups.values() if not g.pinned for p in g.tensors}
+        routing = Routing(model, streamed)
+        pre, dec, tokens = measure(model, ids, args.reps, args.decode_tokens, 3)
+        with torch.no_grad():
+            logits_eq = bool(torch.equal(model(ids, use_cache=False).logits, ref_logits))
+        hd.drain()
+        s = tier.stats()
+        bound = hd.plan.moved_bytes / (link * 1e9)
+        eq = bool(torch.equal(tokens, ref_tokens))
+        r["tiermem"] = {"prefill_ms": pre * 1e3, "decode_ms_per_token": dec * 1e3, "bound_ms": bound * 1e3,
+                        "budget_GB": hd.budget / 1e9, "streamed_GB": hd.plan.streamed_bytes / 1e9,
+                        "moved_GB_per_forward": hd.plan.moved_bytes / 1e9, "in_place_groups": sorted(hd.plan.in_place),
+                        "groups": len(hd.plan.sizes), "pinned_groups": len(hd.plan.pinned),
+                        "window_GB": hd.plan.window / 1e9, "lookahead": hd.plan.lookahead,
+                        "resident_peak_GB": s["resident_bytes.all.peak"] / 1e9,
+                        "managed_reserved_GB": tier.backend.guard.reserved / 1e9, "cap_GB": tier.backend.guard.limit / 1e9,
+                        "tokens_equal_resident": eq, "prefill_logits_equal_resident": logits_eq,
+                        "min_free_GB": watch.min_free / 1e9}
+        within_all &= s["resident_bytes.all.peak"] <= hd.budget and tier.backend.guard.reserved <= tier.backend.guard.limit
+        if routing.sets:
+            steps = 4 * args.decode_tokens       # decode steps hooked: the warm-up and 3 timed generate() calls
+            routed_per_token = routing.routed / steps
+            dense_moved = hd.plan.moved_bytes
+            streamed_experts = routing.expert_bytes
+            r["tiermem"]["moe"] = {"expert_sets": len(routing.sets), "streamed_expert_GB": streamed_experts / 1e9,
+                                   "routed_expert_GB_per_token": routed_per_token / 1e9,
+                                   "routed_bound_ms": (dense_moved - streamed_experts + routed_per_token) / (link * 1e9) * 1e3}
+        routing.remove()
+        equal_all &= eq
+        progress(f"{arch}: tiermem prefill {pre * 1e3:.1f} ms (bound {bound * 1e3:.1f}), decode {dec * 1e3:.1f} ms/token, "
+                 f"tokens equal {eq}, min free {watch.min_free / 1e9:.2f} GB")
+        hd.unwrap()
+        tier.close()
+        del hd, tier
+        gc.collect()
+
         if not args.no_accelerate:
-            progress("accelerate cpu_offload")
+            progress(f"{arch}: accelerate cpu_offload")
             import accelerate
             accelerate.cpu_offload(model, execution_device=torch.device("cuda", 0))
-            gc.collect()
-            torch.cuda.empty_cache()
-            results["accelerate"] = {"prefill_ms": median(cuda_times(prefill, max(2, reps // 2))) * 1e3}
-            checks["accelerate_logits_equal"] = bool(torch.equal(prefill().logits, ref))
-            raw["accelerate_version"] = accelerate.__version__
+            k = args.accelerate_decode_tokens
+            pre_a, dec_a = measure_loop(model, ids, 2, k)
+            r["accelerate"] = {"prefill_ms": pre_a * 1e3, "decode_ms_per_token": dec_a * 1e3, "decode_tokens": k}
+            progress(f"{arch}: accelerate prefill {pre_a * 1e3:.0f} ms, decode {dec_a * 1e3:.0f} ms/token")
+        min_free = watch.min_free if min_free is None else min(min_free, watch.min_free)
+        del model, blob
+        gc.collect()
+        torch.cuda.empty_cache()
+        raw["archs"][arch] = r
 
-    for name, r in results.items():
-        r["prefill_ms"] = round(r["prefill_ms"], 2)
-        if "prefill_isolated_ms" in r:
-            r["prefill_isolated_ms"] = round(r["prefill_isolated_ms"], 2)
-        if "decode_ms" in r:
-            r["decode_ms"] = round(r["decode_ms"], 2)
-    raw["systems"] = results
-    metrics.update({
-        "budget_GB": round(main["budget_GB"], 3),
-        "prefill_ms": round(main["prefill_ms"], 2),
-        "bound_ms": round(main["bound_ms"], 2),
-        "prefill_vs_bound": round(main["prefill_ms"] / main["bound_ms"], 3),
-        "prefill_isolated_ms": round(main["prefill_isolated_ms"], 2),
-        "pinned_streamer_ms": results["pinned_streamer"]["prefill_ms"],
-        "prefill_vs_pinned_streamer": round(main["prefill_ms"] / results["pinned_streamer"]["prefill_ms"], 3),
-        "resident_ms": results["resident"]["prefill_ms"],
-        "decode_ms": round(main["decode_ms"], 2),
-        "decode_vs_bound": round(main["decode_ms"] / main["bound_ms"], 3),
-        "resident_decode_ms": results["resident"]["decode_ms"],
-        "pinned_streamer_decode_ms": results["pinned_streamer"]["decode_ms"],
-        "streamed_GB": round(main["streamed_GB"], 3),
-    })
-    if "accelerate" in results:
-        metrics["accelerate_ms"] = results["accelerate"]["prefill_ms"]
-        metrics["accelerate_over_tiermem"] = round(results["accelerate"]["prefill_ms"] / main["prefill_ms"], 2)
-    checks["logits_equal_resident"] = equal_all
+    watch.stop()
+    rows = []
+    pv, dv, ao = {}, {}, {}
+    for arch, r in raw["archs"].items():
+        t = r["tiermem"]
+        pv[arch] = round(t["prefill_ms"] / t["bound_ms"], 3)
+        dv[arch] = round(t["decode_ms_per_token"] / t["bound_ms"], 3)
+        metrics[f"prefill_vs_bound.{arch}"] = pv[arch]
+        metrics[f"decode_vs_bound.{arch}"] = dv[arch]
+        if "accelerate" in r:
+            ao[arch] = round(r["accelerate"]["prefill_ms"] / t["prefill_ms"], 2)
+            metrics[f"accelerate_over_tiermem.{arch}"] = ao[arch]
+            metrics[f"accelerate_over_tiermem_decode.{arch}"] = round(
+                r["accelerate"]["decode_ms_per_token"] / t["decode_ms_per_token"], 2)
+        if "moe" in t:
+            metrics["moe_decode_vs_dense_bound"] = round(t["decode_ms_per_token"] / t["bound_ms"], 3)
+            metrics["moe_decode_vs_routed_bound"] = round(t["decode_ms_per_token"] / t["moe"]["routed_bound_ms"], 3)
+        rows.append([arch, r["weights_GB"], round(r["resident"]["prefill_ms"], 1), round(t["prefill_ms"], 1),
+                     round(t["bound_ms"], 1), pv[arch], round(r["resident"]["decode_ms_per_token"], 2),
+                     round(t["decode_ms_per_token"], 2), dv[arch],
+                     round(r["accelerate"]["prefill_ms"]) if "accelerate" in r else "-", ao.get(arch, "-"),
+                     t["tokens_equal_resident"]])
+    metrics["architectures"] = len(raw["archs"])
+    metrics["prefill_vs_bound_worst"] = max(pv.values())
+    metrics["decode_vs_bound_worst"] = max(dv.values())
+    if ao:
+        metrics["accelerate_over_tiermem_min"] = min(ao.values())
+    metrics["min_free_GB"] = round(min_free / 1e9, 3)
+    metrics["margin_GB"] = args.margin_gb
+    if "llama" in raw["archs"]:          # the keys of the single-model bench before it, from Llama
+        r = raw["archs"]["llama"]
+        t = r["tiermem"]
+        metrics.update({"weights_GB": r["weights_GB"], "budget_GB": round(t["budget_GB"], 3),
+                        "prefill_ms": round(t["prefill_ms"], 2), "bound_ms": round(t["bound_ms"], 2),
+                        "prefill_vs_bound": pv["llama"], "decode_ms": round(t["decode_ms_per_token"], 2),
+                        "decode_vs_bound": dv["llama"], "resident_ms": round(r["resident"]["prefill_ms"], 2),
+                        "resident_decode_ms": round(r["resident"]["decode_ms_per_token"], 2),
+                        "streamed_GB": round(t["streamed_GB"], 3)})
+        if "accelerate" in r:
+            metrics["accelerate_ms"] = round(r["accelerate"]["prefill_ms"], 1)
+            metrics["accelerate_over_tiermem"] = ao["llama"]
+    checks["tokens_equal_resident_all"] = equal_all
+    checks["real_small_gpu"] = (not args.no_small_gpu) and small_all
+    checks["adoption_atomic"] = bool(atomic)
     checks["resident_within_budget"] = within_all
-    checks["prefill_vs_bound_goal"] = metrics["prefill_vs_bound"] <= 1.10
-    checks["prefill_vs_pinned_streamer_goal"] = metrics["prefill_vs_pinned_streamer"] <= 0.90
-    if "accelerate_over_tiermem" in metrics:
-        checks["accelerate_over_tiermem_goal"] = metrics["accelerate_over_tiermem"] >= 7
+    checks["min_free_above_floor"] = min_free >= args.floor_gb * 1e9
+    metrics["floor_GB"] = args.floor_gb
+    checks["prefill_vs_bound_goal"] = metrics["prefill_vs_bound_worst"] <= 1.10
+    checks["decode_vs_bound_goal"] = metrics["decode_vs_bound_worst"] <= 1.15
+    if ao:
+        checks["accelerate_over_tiermem_goal"] = metrics["accelerate_over_tiermem_min"] >= 7
+    if "moe_decode_vs_dense_bound" in metrics:
+        checks["moe_decode_goal"] = metrics["moe_decode_vs_dense_bound"] <= 0.6
 
     print()
-    rows = [[k, v["prefill_ms"], v.get("decode_ms", "-")] for k, v in results.items()]
-    rows += [[f"tiermem {k}", round(v["prefill_ms"], 2), round(v["decode_ms"], 2)] for k, v in tm.items()]
-    print(table(rows, ["system", "prefill ms", "decode ms"]))
+    print(table(rows, ["arch", "GB", "res pre ms", "tm pre ms", "bound ms", "pre/bound", "res dec ms", "tm dec ms",
+                       "dec/bound", "acc pre ms", "acc/tm", "tokens eq"]))
     print()
-    print(f"PCIe bound at {main['budget_pct']:g}% budget: {main['streamed_GB']:.2f} GB not resident / {link} GB/s = {main['bound_ms']:.1f} ms")
     print(table([[k, v] for k, v in metrics.items()], ["metric", "value"]))
     print(table([[k, v] for k, v in checks.items()], ["check", "ok"]))
-    png = plot(tm, results, configs[0][0])
+    png = plot(raw["archs"])
     write_results("offload_infer", metrics, checks, raw, extra_files=[png] if png else [])
 
 
-def plot(tm: dict, results: dict, sweep_name: str) -> str | None:
+def plot(archs: dict) -> str | None:
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    pts = sorted((v["budget_pct"], v["prefill_ms"], v["decode_ms"], v["bound_ms"]) for k, v in tm.items() if k.startswith(sweep_name))
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
-    for ax, idx, what in ((axes[0], 1, "prefill"), (axes[1], 2, "decode")):
-        x = [p[0] for p in pts]
-        ax.plot(x, [p[idx] for p in pts], "o-", color="#369", label="tiermem")
-        ax.plot(x, [p[3] for p in pts], "--", color="#999", label="PCIe bound (streamed bytes)")
-        for name, color in (("resident", "#2a2"), ("pinned_streamer", "#c80"), ("accelerate", "#c33")):
-            if name in results and f"{what}_ms" in results[name]:
-                ax.axhline(results[name][f"{what}_ms"], color=color, ls=":", label=name.replace("_", " "))
-        ax.set_xlabel("device budget, % of weights")
-        ax.set_ylabel(f"{what} ms per forward")
+    names = list(archs)
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for ax, key, what in ((axes[0], "prefill_ms", "prefill 1x128"), (axes[1], "decode_ms_per_token", "decode, per token")):
+        x = range(len(names))
+        w = 0.2
+        series = [("resident", "#2a2"), ("tiermem", "#369"), ("accelerate", "#c33")]
+        for k, (sysname, color) in enumerate(series):
+            ys = [archs[a][sysname][key] if sysname in archs[a] else 0 for a in names]
+            ax.bar([i + (k - 1) * w for i in x], ys, w, color=color, label=sysname)
+        ax.scatter([i for i in x], [archs[a]["tiermem"]["bound_ms"] for a in names], marker="_", s=400, color="k",
+                   label="PCIe bound (bytes moved / pinned H2D)", zorder=3)
+        ax.set_xticks(list(x), names)
         ax.set_yscale("log")
-        ax.set_title(f"{what}: time per forward vs budget")
+        ax.set_ylabel("ms")
+        ax.set_title(f"{what}: 25% of the weights on a really small GPU")
         ax.legend(fontsize=7)
     fig.tight_layout()
     path = plot_path("offload_infer")

@@ -10,26 +10,27 @@ pytestmark = pytest.mark.gpu
 KiB, MiB = 1 << 10, 1 << 20
 
 
-def _llama():
+def _llama(frozen: bool = True):
     import torch
     transformers = pytest.importorskip("transformers")
     cfg = transformers.LlamaConfig(hidden_size=512, intermediate_size=1408, num_hidden_layers=4, num_attention_heads=8,
                                    num_key_value_heads=4, vocab_size=4096, max_position_embeddings=512)
     torch.manual_seed(0)
     with torch.device("cuda"):
-        model = transformers.LlamaForCausalLM(cfg).half().eval().requires_grad_(False)
-    return model, cfg
+        model = transformers.LlamaForCausalLM(cfg).half().eval()
+    return model.requires_grad_(not frozen), cfg
 
 
-@pytest.mark.parametrize("transport", ["pinned", "um"])
-def test_transformers_model_streams_within_budget_bitwise_equal(transport):
+@pytest.mark.parametrize("frozen", [True, False], ids=["frozen", "default_flags"])
+def test_transformers_model_streams_within_budget_bitwise_equal(frozen):
     import torch
     import tiermem
     from tiermem import _cuda
-    model, cfg = _llama()
+    model, cfg = _llama(frozen)
     ref = copy.deepcopy(model)
+    role = "frozen_weight" if frozen else "weight"
     t = tiermem.Tier(0, cap="1GiB")
-    h = t.wrap_module(model, budget="30%", max_group_bytes=2 * MiB, mode="stream", transport=transport, lookahead=2)
+    h = t.wrap_module(model, budget="30%", max_group_bytes=2 * MiB, mode="stream", lookahead=2)
     assert 0 < len(h.plan.pinned) < len(h.plan.sizes) and not h.plan.zero_copy_only
     ids = torch.randint(0, cfg.vocab_size, (1, 64), device="cuda")
     with torch.no_grad():
@@ -39,24 +40,23 @@ def test_transformers_model_streams_within_budget_bitwise_equal(transport):
     h.drain()
     s = t.stats()
     assert s["resident_bytes.all.peak"] <= h.budget
-    assert s["moved_bytes.frozen_weight.h2d"] >= 2 * h.plan.streamed_bytes * 0.9
-    assert s["ops.frozen_weight.evict_clean"] > 0 and s["moved_bytes.frozen_weight.d2h"] == 0
+    assert s[f"moved_bytes.{role}.h2d"] >= 2 * h.plan.moved_bytes * 0.9
+    assert s[f"ops.{role}.evict_clean"] > 0 and s[f"moved_bytes.{role}.d2h"] == 0
     kinds = {_cuda.pointer_kind(p.data_ptr()) for p in model.parameters()}
-    assert kinds == ({"managed", "host"} if transport == "pinned" else {"managed"})   # host: the pinned home
+    assert kinds == {"managed", "host"}      # host: the pinned home
     h.unwrap()
     assert _cuda.pointer_kind(next(model.parameters()).data_ptr()) == "device"
     with torch.no_grad():
         assert torch.equal(model(ids).logits, want)
 
 
-@pytest.mark.parametrize("transport", ["pinned"])
-def test_decode_reads_streamed_weights_in_place(transport):
+def test_decode_reads_streamed_weights_in_place():
     import torch
     import tiermem
     model, cfg = _llama()
     ref = copy.deepcopy(model)
     t = tiermem.Tier(0, cap="1GiB")
-    h = t.wrap_module(model, budget="30%", max_group_bytes=2 * MiB, transport=transport, lookahead=2)   # mode auto
+    h = t.wrap_module(model, budget="30%", max_group_bytes=2 * MiB, lookahead=2)   # mode auto
     ids = torch.randint(0, cfg.vocab_size, (1, 32), device="cuda")
     with torch.no_grad():
         out, out_ref = model(ids, use_cache=True), ref(ids, use_cache=True)
@@ -102,9 +102,9 @@ def test_sequential_and_custom_module_and_single_layer():
     cus = Custom().cuda().requires_grad_(False)
     t = tiermem.Tier(0, cap="512MiB")
     x = torch.randn(16, 512, device="cuda")
-    for model, inp, transport in ((seq, x, "um"), (cus, x[:, :256], "pinned")):
+    for model, inp in ((seq, x), (cus, x[:, :256])):
         want = model(inp)
-        h = t.wrap_module(model, budget="40%", max_group_bytes=1 * MiB, mode="stream", transport=transport, lookahead=2)
+        h = t.wrap_module(model, budget="40%", max_group_bytes=1 * MiB, mode="stream", lookahead=2)
         for _ in range(3):
             assert torch.equal(model(inp), want)
         h.drain()
@@ -117,3 +117,126 @@ def test_sequential_and_custom_module_and_single_layer():
     assert tiermem.tiered_of(seq[3].weight) is not None and tiermem.tiered_of(seq[2].weight) is None
     assert torch.equal(seq(x), want)
     h.unwrap()
+
+
+def test_default_flags_no_grad_forward_streams_then_a_training_step_has_right_gradients():
+    """transformers' defaults (requires_grad=True): inference streams on the read-only path; a
+    forward that records gradients reads in place and gives bitwise the resident gradients
+    (NOTE [trainable weights in the pinned home])."""
+    import torch
+    import tiermem
+    from tiermem import _cuda
+    model, cfg = _llama(frozen=False)
+    model.float()                                  # fp32 so the SGD step below is exact to compare
+    ref = copy.deepcopy(model)
+    t = tiermem.Tier(0, cap="1GiB")
+    h = t.wrap_module(model, budget="30%", max_group_bytes=2 * MiB, lookahead=2)
+    ids = torch.randint(0, cfg.vocab_size, (2, 64), device="cuda")
+    with torch.no_grad():
+        for _ in range(2):
+            before = t.stats()["moved_bytes.weight.h2d"]
+            assert torch.equal(model(ids).logits, ref(ids).logits)
+            assert h._fwd_mode == "stream" and t.stats()["moved_bytes.weight.h2d"] > before
+    for step in range(2):
+        loss = model(ids, labels=ids).loss
+        want = ref(ids, labels=ids).loss
+        assert h._fwd_mode == "zero_copy" and torch.equal(loss, want)
+        loss.backward()
+        want.backward()
+        streamed = {id(p) for g in h._groups.values() if not g.pinned for p in g.tensors}
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert torch.equal(p.grad, q.grad), name
+            if id(p) in streamed:
+                assert _cuda.pointer_kind(p.grad.data_ptr()) == "host", name   # beside its pinned home
+        for m in (model, ref):
+            torch.optim.SGD(m.parameters(), lr=1e-2).step()
+            m.zero_grad()
+    with torch.no_grad():                          # the steps' writes reach the next streamed forward
+        assert torch.equal(model(ids).logits, ref(ids).logits) and h._fwd_mode == "stream"
+    assert t.stats()["resident_bytes.all.peak"] <= h.budget
+    h.unwrap()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p, q)
+
+
+def _take_device(keep: int):
+    """All but ``keep`` bytes of the card in one plain cudaMalloc reservation (docs/facts.md: a
+    really small GPU)."""
+    import torch
+    free, _ = torch.cuda.mem_get_info()
+    return torch.empty(max(0, free - keep), dtype=torch.uint8, device="cuda")
+
+
+def test_a_model_bigger_than_the_really_small_gpu_runs_generate():
+    import gc
+    import torch
+    import tiermem
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.Qwen2Config(hidden_size=1024, intermediate_size=4096, num_hidden_layers=8, num_attention_heads=16,
+                                   num_key_value_heads=2, vocab_size=32000, max_position_embeddings=512)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = transformers.Qwen2ForCausalLM(cfg).half().eval()     # requires_grad=True, as users get it
+    model.generation_config.pad_token_id = 0
+    ids = torch.randint(0, cfg.vocab_size, (1, 32), device="cuda")
+    with torch.no_grad():
+        want = model.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=None)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    model.cpu()
+    gc.collect()
+    torch.cuda.empty_cache()
+    blob = _take_device(weights // 2)             # the card now has half the model's size free
+    try:
+        free, _ = torch.cuda.mem_get_info()
+        assert free < weights
+        t = tiermem.Tier(0)                       # the default cap: the memory free now
+        h = t.wrap_module(model, budget="25%")
+        assert t.backend.guard.reserved <= free
+        with torch.no_grad():
+            got = model.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=None)
+        assert torch.equal(got, want)
+        assert t.stats()["resident_bytes.all.peak"] <= h.budget
+        with pytest.raises(tiermem.DeviceFullError, match="device='cpu'"):
+            h.unwrap()                            # the plain model would not fit: refused, nothing changed
+        with torch.no_grad():
+            assert torch.equal(model.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=None), want)
+        h.unwrap(device="cpu")
+        assert all(p.device.type == "cpu" for p in model.parameters())
+        t.close()
+    finally:
+        del blob
+        torch.cuda.empty_cache()
+
+
+def test_a_failed_adoption_leaves_nothing_behind(monkeypatch):
+    """A wrap_module that fails midway (after its resident groups took managed memory) leaves the
+    model's tensors, the tier's stats and the driver's free memory as they were."""
+    import torch
+    import tiermem
+    model, cfg = _llama(frozen=False)
+    t = tiermem.Tier(0, cap="1GiB")
+    ids = torch.randint(0, cfg.vocab_size, (1, 16), device="cuda")
+    with torch.no_grad():
+        want = model(ids).logits
+    h = t.wrap_module(model, budget="30%", max_group_bytes=2 * MiB)   # streams and events exist from here on
+    h.unwrap()
+    t.backend.release_cached()
+    torch.cuda.synchronize()
+    tensors = [(p, p.data_ptr(), p.detach().clone()) for p in model.parameters()]
+    stats, free = t.stats(), torch.cuda.mem_get_info()[0]
+
+    def boom(*a, **k):
+        raise tiermem.CUDAError("cudaHostAlloc", 2, "cudaErrorMemoryAllocation")
+    monkeypatch.setattr(t.backend, "host_alloc", boom)
+    with pytest.raises(tiermem.CUDAError, match="cudaErrorMemoryAllocation"):
+        t.wrap_module(model, budget="30%", max_group_bytes=2 * MiB)
+    monkeypatch.undo()
+    torch.cuda.synchronize()
+    for p, ptr, data in tensors:
+        assert p.data_ptr() == ptr and torch.equal(p.data, data) and tiermem.tiered_of(p) is None
+    now = t.stats()
+    assert {k: v for k, v in now.items() if k.endswith(".current")} == {k: v for k, v in stats.items() if k.endswith(".current")}
+    assert abs(torch.cuda.mem_get_info()[0] - free) <= 8 * MiB
+    assert t.budget is None and getattr(model, "_tiermem_handle", None) is None
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, want)

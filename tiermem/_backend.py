@@ -216,12 +216,14 @@ class CudaBackend:
         return Block(mp.ptr, nbytes, pool_key, mp)
 
     def release_cached(self) -> int:
-        """Free every pool's cached blocks; returns the bytes given back to the driver."""
+        """Free every pool's cached blocks, the pinned pool's too; returns the managed bytes given
+        back to the driver."""
         before = self.guard.reserved
         with self._lock:
             pools = list(self._pools.values())
         for p in pools:
             p.free_all_blocks()
+        self._pinned.free_all_blocks()   # pinned homes are large: host memory goes back too
         return before - self.guard.reserved
 
     def pool_bytes(self) -> dict[str, int]:

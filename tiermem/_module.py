@@ -267,7 +267,8 @@ class _PinnedTransport:
             if self.nslots:
                 tier._reserve(self.slot_bytes * self.nslots, role)
                 self._reserved = self.slot_bytes * self.nslots
-                self.window = be.device_alloc(self._reserved)
+                # Straight from the driver, so unwrap (or a failed adoption) gives it back.
+                self.window = be.device_alloc(self._reserved, pooled=False)
             with torch.no_grad():
                 for g in groups:
                     for t, v in zip(g.tensors, self._views(g, None)):
@@ -433,6 +434,7 @@ class _PinnedTransport:
             if block is not None:
                 block.release()
                 setattr(self, name, None)
+        self.tier.backend.release_cached()   # the pinned pool keeps what it is given back
 
 
 # NOTE [trainable weights in the pinned home]
@@ -537,6 +539,7 @@ class TieredModule:
             for g in pinned:
                 g.tiered = tts[k:k + len(g.tensors)]
                 k += len(g.tensors)
+            del tts    # a traceback keeps this frame: only the groups may hold the buffers
         if streamed:
             self._stream = _PinnedTransport(self, streamed, self.lookahead,
                                             Role.WEIGHT if self._trainable else Role.FROZEN_WEIGHT)
@@ -593,6 +596,7 @@ class TieredModule:
             self._stream = None
         self.tier.set_budget(self._old_budget)
         self._groups.clear()
+        self.tier.backend.release_cached()   # the freed groups' managed memory back to the driver
 
     # -- forward hooks ------------------------------------------------------------------------------
     def _tokens(self, args: tuple, kwargs: dict) -> int | None:

@@ -1,6 +1,6 @@
 """Probe: is ~50 GB/s into managed pages a per-copy-engine limit that splitting beats?
 
-FACTS.md: pinned -> cudaMalloc memory runs at ~55 GB/s, pinned -> device-resident managed pages at
+docs/facts.md: pinned -> cudaMalloc memory runs at ~55 GB/s, pinned -> device-resident managed pages at
 ~50, a migration prefetch at ~49.5. This times 1 GiB of random data each way, split into k equal
 pieces on k streams (k = 1, 2, 4), into and out of cudaMalloc memory and device-resident managed
 pages, and a migration prefetch split the same way; plus torch's copy_ from the pinned buffer

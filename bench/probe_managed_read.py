@@ -1,5 +1,5 @@
 """Exploration for issue 3: copies out of device-resident managed memory run at ~52 GB/s where the
-same copy out of cudaMalloc memory runs at ~55 (shared/FACTS.md). Does how the managed pages were
+same copy out of cudaMalloc memory runs at ~55 (docs/facts.md). Does how the managed pages were
 populated or advised change that, and does it change what the discard after it costs?
 1 GiB managed at a time, 1 GiB pinned. Writes $OUT/probe_managed_read.json.
 """

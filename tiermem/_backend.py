@@ -237,7 +237,7 @@ class CudaBackend:
 
     def device_alloc(self, nbytes: int, pooled: bool = True) -> Block:
         """Plain device memory: copies from pinned memory into it run at the full link rate, ~9%
-        faster than into managed pages (shared/FACTS.md). From CuPy's default pool, or with
+        faster than into managed pages (docs/facts.md). From CuPy's default pool, or with
         ``pooled=False`` straight from the driver, to which ``release()`` then gives it back
         (cudaFree waits for the device's queued work). Raises MemoryError when the device is full."""
         if not pooled:

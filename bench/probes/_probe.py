@@ -1,4 +1,4 @@
-"""Helpers the path probes share (bench/probe_paths*.py): sections that keep going after an
+"""Helpers the path probes share (probe_paths*.py): sections that keep going after an
 error, CUDA-event timing on a side stream, managed buffers filled on the GPU, checksums."""
 import json
 import os

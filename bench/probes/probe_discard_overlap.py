@@ -20,6 +20,7 @@ import statistics
 import threading
 import time
 
+from _path import RESULTS  # bench/ and the repository on sys.path
 import cupy as cp
 import numpy as np
 import torch
@@ -174,6 +175,6 @@ for how in ("ce", "sm"):
     R.setdefault("in_intact", {})[how] = bool(torch.equal(mv, dev))
     record(f"in_{how}", times, {"dp_then_copy": parts})
 
-dest = os.environ.get("OUT") or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+dest = os.environ.get("OUT") or RESULTS
 with open(os.path.join(dest, "probe_discard_overlap.json"), "w") as f:
     json.dump(R, f, indent=1)

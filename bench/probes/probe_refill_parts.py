@@ -2,7 +2,7 @@
 
 bench/bandwidth.py's prefetch_in_shadow (a 22-member activation group copied from its shadows back
 into its parked pages) runs at ~0.89 of pinned H2D, where one 1 GiB copy into device-resident
-managed pages runs at ~0.96 (bench/results/probe_h2d_split-*.json). This times, in one process,
+managed pages runs at ~0.96 (probe_h2d_split.py). This times, in one process,
 interleaved, on random data:
   tier          tier.prefetch(group) from the shadow into its parked pages (the bench's figure)
   raw22         the same 22 cudaMemcpyAsync calls (same pointers), without tiermem's bookkeeping
@@ -13,7 +13,7 @@ interleaved, on random data:
   one_copy_dap  the same after discard-and-prefetch made its pages
 and the host time of the tier.prefetch call. Medians of CUDA events after a warm-up.
 
-    python bench/probe_refill_parts.py [reps]
+    python bench/probes/probe_refill_parts.py [reps]
 """
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ import gc
 import sys
 import time
 
+import _path  # noqa: F401  (bench/ and the repository on sys.path)
 from _common import gbps, median, progress, table, write_results
 
 GiB = 1 << 30

@@ -14,6 +14,7 @@ import os
 import statistics
 import time
 
+from _path import RESULTS  # bench/ and the repository on sys.path
 import torch
 
 from _common import progress
@@ -70,6 +71,6 @@ for name, fn in release.items():
                "free_gain_per_byte": round(free0, 3), "all_release_ms": [round(x, 2) for x in rel]}
     progress(f"{name}: {R[name]}")
 
-dest = os.environ.get("OUT") or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+dest = os.environ.get("OUT") or RESULTS
 with open(os.path.join(dest, "probe_release.json"), "w") as f:
     json.dump(R, f, indent=1)

@@ -5,8 +5,9 @@ managed memory runs (UM prefetch, batched prefetch, explicit copies to pinned me
 read-mostly collapse, zero-copy reads and writes), whether device memory comes back after
 eviction, and how the CUDA range/pointer queries answer. Managed memory stays at 3 GiB at most.
 
-    python bench/probe_paths.py  ->  $OUT/probe_paths.json (or bench/results/)
+    python bench/probes/probe_paths2.py  ->  $OUT/probe_paths2.json (or bench/results/)
 """
+from _path import RESULTS  # bench/ and the repository on sys.path
 from _probe import *  # noqa: F401,F403  (shared helpers and R)
 from _probe import R, section
 
@@ -176,7 +177,7 @@ def _():
     return out
 
 
-dest = os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")
+dest = os.environ.get("OUT") or RESULTS
 os.makedirs(dest, exist_ok=True)
 with open(os.path.join(dest, "probe_paths2.json"), "w") as f:
     json.dump(R, f, indent=1, default=str)

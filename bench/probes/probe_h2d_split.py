@@ -7,12 +7,13 @@ pages, and a migration prefetch split the same way; plus torch's copy_ from the 
 (viewed as a CUDA tensor) into the managed one, a kernel that pulls over the link. Rounds are
 interleaved; medians of CUDA events after a warm-up.
 
-    python bench/probe_h2d_split.py [reps]
+    python bench/probes/probe_h2d_split.py [reps]
 """
 from __future__ import annotations
 
 import sys
 
+import _path  # noqa: F401  (bench/ and the repository on sys.path)
 from _common import gbps, median, progress, table, write_results
 
 GiB = 1 << 30

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 
+from _path import RESULTS  # bench/ and the repository on sys.path
 import torch
 
 from _common import gbps, progress
@@ -80,6 +81,6 @@ for ev_name, ev, rf in cases:
     R[key] = {"evict": outs, "refill": ins, "intact": ok}
     progress(f"{key}: {R[key]}")
 
-dest = os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")
+dest = os.environ.get("OUT") or RESULTS
 with open(os.path.join(dest, "probe_refill2.json"), "w") as f:
     json.dump(R, f, indent=1)

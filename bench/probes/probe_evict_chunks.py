@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 
+from _path import RESULTS  # bench/ and the repository on sys.path
 import torch
 
 from _common import gbps, progress
@@ -69,6 +70,6 @@ for name, mk in (("interleaved", interleaved), ("lagged", lagged)):
             ok = ok and bool(torch.equal(view, ref))
         R[f"{name}_{ch >> 20}MiB"] = {"evict": ev, "refill": rf, "intact": ok}
         progress(f"{name} {ch >> 20} MiB: {R[f'{name}_{ch >> 20}MiB']}")
-dest = os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")
+dest = os.environ.get("OUT") or RESULTS
 with open(os.path.join(dest, "probe_evict_chunks.json"), "w") as f:
     json.dump(R, f, indent=1)

@@ -1,5 +1,5 @@
-"""Probe: which part of a read-mostly prefetch-in is slow on this machine (README, "Prefetch-in of the
-read-mostly group missed its goal this session")?
+"""Probe: which part of a read-mostly prefetch-in is slow on this machine (docs/data-paths.md,
+"Frozen weights and read-mostly")?
 
 One 1 GiB managed range of random data, host-resident before each timed prefetch to the device,
 under four kinds of advice. Each variant is timed twice, in interleaved rounds, in one process.
@@ -10,13 +10,14 @@ under four kinds of advice. Each variant is timed twice, in interleaved rounds, 
                what bench/bandwidth.py's prefetch_in times
 Medians of CUDA events after a warm-up. Writes bench/results/probe_rm_prefetch-<device>-<date>.json.
 
-    python bench/probe_rm_prefetch.py [reps]
+    python bench/probes/probe_rm_prefetch.py [reps]
 """
 from __future__ import annotations
 
 import gc
 import sys
 
+import _path  # noqa: F401  (bench/ and the repository on sys.path)
 from _common import cuda_times, gbps, median, progress, table, write_results
 
 GiB = 1 << 30

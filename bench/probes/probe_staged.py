@@ -19,6 +19,7 @@ import statistics
 import time
 
 import numpy as np
+from _path import RESULTS  # bench/ and the repository on sys.path
 import torch
 
 from _common import progress
@@ -157,6 +158,6 @@ run("in_direct", in_direct, evicted, in_ok)
 for slot in (64 * MiB, 128 * MiB, 256 * MiB):
     run(f"in_staged_ring_{slot >> 20}", in_ring(slot), evicted, in_ok)
 
-dest = os.environ.get("OUT") or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+dest = os.environ.get("OUT") or RESULTS
 with open(os.path.join(dest, "probe_staged.json"), "w") as f:
     json.dump(R, f, indent=1)

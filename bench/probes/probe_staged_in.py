@@ -16,12 +16,13 @@ never waits on a managed-page write. 1 GiB of random bytes, into device-resident
 Rounds are interleaved; medians of CUDA events after a warm-up; every staged variant's bytes are
 checked against the source.
 
-    python bench/probe_staged_in.py [reps]
+    python bench/probes/probe_staged_in.py [reps]
 """
 from __future__ import annotations
 
 import sys
 
+import _path  # noqa: F401  (bench/ and the repository on sys.path)
 from _common import gbps, median, progress, table, write_results
 
 GiB, MiB = 1 << 30, 1 << 20

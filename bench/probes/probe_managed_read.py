@@ -10,6 +10,7 @@ import os
 import statistics
 import time
 
+from _path import RESULTS  # bench/ and the repository on sys.path
 import torch
 
 from _common import progress
@@ -116,6 +117,6 @@ for how in ("prefetch", "first_touch", "discard_prefetch", "pref_device", "acces
     del m
     torch.cuda.synchronize()
 
-dest = os.environ.get("OUT") or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+dest = os.environ.get("OUT") or RESULTS
 with open(os.path.join(dest, "probe_managed_read.json"), "w") as f:
     json.dump(R, f, indent=1)

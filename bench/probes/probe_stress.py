@@ -1,14 +1,14 @@
-"""Probe for the stress test's rare mismatch (README "Known issue"): the same random operations as
-tests/test_gpu_stress.py, over many seeds, with every backend call logged and a device copy of
-each tensor's expected bytes. On a mismatch it reports which bytes differ, what they hold now
-(zeros, an older version of the same tensor, another tensor's data) and every logged move that
-touched the tensor's range since it was last written.
+"""Probe for the stress test's rare mismatch (docs/data-paths.md, "The data-loss bug"): the same
+random operations as tests/test_gpu_stress.py, over many seeds, with every backend call logged
+and a device copy of each tensor's expected bytes. On a mismatch it reports which bytes differ,
+what they hold now (zeros, an older version of the same tensor, another tensor's data) and
+every logged move that touched the tensor's range since it was last written.
 
 Since 8a4afbe the engine itself drains the stream around every discard (NOTE [discard fence] in
 tiermem/_backend.py), so every variant now runs fenced; the figures without the fence are in
-the closing note of issue 3 and in README "Known issue (resolved)".
+the closing note of issue 3 and in docs/data-paths.md, "The data-loss bug".
 
-Usage: python bench/probe_stress.py [seconds] [variant]   (variants: see VARIANTS)
+Usage: python bench/probes/probe_stress.py [seconds] [variant]   (variants: see VARIANTS)
 """
 from __future__ import annotations
 
@@ -19,8 +19,7 @@ import random
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
+from _path import RESULTS  # bench/ and the repository on sys.path
 
 KiB, MiB = 1 << 10, 1 << 20
 SIZES = [4 * KiB, 64 * KiB, 1 * MiB, 2 * MiB, 3 * MiB + 8, 8 * MiB]
@@ -264,7 +263,7 @@ def main() -> None:
             bad.append({"seed": seed, **m})
         seed += 1
     out = {"variant": variant_name, "seeds": seeds, "mismatches": bad}
-    d = os.environ.get("OUT", os.path.join(HERE, "results"))
+    d = os.environ.get("OUT", RESULTS)
     with open(os.path.join(d, f"probe_stress-{variant_name}.json"), "w") as f:
         json.dump(out, f, indent=1, default=str)
     print(f"{variant_name}: {len(bad)} mismatches in {len(seeds)} seeds x 10,000 ops")

@@ -19,6 +19,7 @@ import os
 import statistics
 import time
 
+from _path import RESULTS  # bench/ and the repository on sys.path
 import torch
 
 from _common import progress
@@ -137,6 +138,6 @@ for piece in (64 * MiB, 128 * MiB, 256 * MiB, 512 * MiB):
     run(f"pipe_{piece >> 20}", pipe(piece))
 
 R["device"] = torch.cuda.get_device_name()
-dest = os.environ.get("OUT") or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+dest = os.environ.get("OUT") or RESULTS
 with open(os.path.join(dest, "probe_discard_cost.json"), "w") as f:
     json.dump(R, f, indent=1)

@@ -7,6 +7,7 @@ import gc
 import json
 import os
 
+from _path import RESULTS  # bench/ and the repository on sys.path
 import torch
 
 from _common import cuda_times, gbps, median, progress
@@ -169,7 +170,7 @@ R["zero_copy_f32_copy_to_device"] = gbps(N, median(cuda_times(lambda: d.view(tor
 R["zero_copy_f32_sum_again"] = gbps(N, median(cuda_times(lambda: zv.sum(), 5)))
 progress(f"zero-copy {R}")
 
-dest = os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")
+dest = os.environ.get("OUT") or RESULTS
 with open(os.path.join(dest, "probe_refill.json"), "w") as f:
     json.dump(R, f, indent=1)
 print(json.dumps(R, indent=1))

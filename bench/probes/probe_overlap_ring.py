@@ -14,12 +14,13 @@ other managed pages, with tiermem's real StagingRing and CudaBackend:
 
 Rounds interleaved; CUDA-event medians after a warm-up; bytes checked after the last round.
 
-    python bench/probe_overlap_ring.py [reps]
+    python bench/probes/probe_overlap_ring.py [reps]
 """
 from __future__ import annotations
 
 import sys
 
+import _path  # noqa: F401  (bench/ and the repository on sys.path)
 from _common import gbps, median, progress, table, write_results
 
 GiB = 1 << 30

@@ -1,10 +1,10 @@
 """Probe: is the shadow round trip (copy out to pinned, discard, discard-and-prefetch back, copy in)
 byte-exact when its calls follow each other on one stream with no host wait? The stress test's
-rare mismatches (README "Known issue") all came from that sequence: zeros, on the device, right
-after an eviction that was still in flight. Each variant does many round trips on 2-8 MiB managed
-buffers and checks both the shadow and the data that came back.
+rare mismatches (docs/data-paths.md, "The data-loss bug") all came from that sequence: zeros, on
+the device, right after an eviction that was still in flight. Each variant does many round trips
+on 2-8 MiB managed buffers and checks both the shadow and the data that came back.
 
-Usage: python bench/probe_discard.py [seconds per variant]
+Usage: python bench/probes/probe_discard.py [seconds per variant]
 """
 from __future__ import annotations
 
@@ -14,8 +14,7 @@ import random
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
+from _path import RESULTS  # bench/ and the repository on sys.path
 
 MiB = 1 << 20
 NBUF = 16
@@ -126,7 +125,7 @@ def main() -> None:
         out[var] = {"round_trips": trips, "shadow_bad": shadow_bad, "data_bad": data_bad,
                     "data_bad_all_zero": zero_bad, "seconds": round(time.perf_counter() - t0, 1)}
         print(var, out[var], flush=True)
-    d = os.environ.get("OUT", os.path.join(HERE, "results"))
+    d = os.environ.get("OUT", RESULTS)
     with open(os.path.join(d, "probe_discard.json"), "w") as f:
         json.dump({"device": torch.cuda.get_device_name(0), "variants": out}, f, indent=1)
 

@@ -18,7 +18,7 @@ NOTE [discard fence]
     cudaMemDiscardBatchAsync and cudaMemDiscardAndPrefetchBatchAsync are stream-ordered on paper,
     but on the H100 (driver 580.159.04) a range that was copied out, discarded and refilled while
     other managed-memory work was still queued on the stream sometimes came back as zeros: the
-    pinned copy was right, the refilled device pages were not (bench/probe_stress.py, "bounce":
+    pinned copy was right, the refilled device pages were not (bench/probes/probe_stress.py, "bounce":
     about 5 bad reads in 10,000 operations; tests/test_gpu_stress.py saw 1 in ~20 runs). Draining
     the stream on the host before and after each discard removed every one of them (0 in 8
     seeds against ~40 expected; waiting only after the discard, or only after the refill, did

@@ -1,8 +1,8 @@
 """What every bench shares: CUDA-event timing, progress lines, the table, and the results file.
 
 Results go to bench/results/<bench>-<device>-<yyyymmdd>.json with the keys bench, device, commit,
-date, metrics (name -> number), checks (name -> bool) and raw (anything else). On the lent GPU
-machine the same files are also written under $OUT, the folder that comes back.
+date, metrics (name -> number), checks (name -> bool) and raw (anything else). With $OUT set, the
+same files are also written there, for runs whose results are collected from one folder.
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def progress(msg: str) -> None:
 
 
 def commit() -> str:
-    """The commit being measured: $TIERMEM_COMMIT (the lent machine gets no .git), else git."""
+    """The commit being measured: $TIERMEM_COMMIT (a copied tree has no .git), else git."""
     c = os.environ.get("TIERMEM_COMMIT")
     if c:
         return c

@@ -20,7 +20,7 @@ refill through the shadow is also timed with ``release=True``, the path that giv
 to the driver at once, which is what every eviction did before parking.
 
 Times are CUDA-event medians after a warm-up, on random data. Total managed memory stays at
-3 GiB or less (shared/FACTS.md). Writes bench/results/bandwidth-<device>-<date>.json and .png.
+3 GiB or less (docs/facts.md). Writes bench/results/bandwidth-<device>-<date>.json and .png.
 
     python bench/bandwidth.py [--size-gib 1] [--reps 5] [--no-reclaim]
 """
@@ -157,7 +157,7 @@ def main() -> None:
     metrics["um_fault_in_GBps"] = gbps(N, median(cuda_times(lambda: mf.sum(), reps, setup=to_host)))
     checks["um_baseline_intact"] = bool(torch.equal(mv, d))
     # The ceiling for anything that lands in managed pages: one copy from pinned memory into
-    # device-resident managed pages (shared/FACTS.md: ~50 GB/s, where cudaMalloc memory takes 55).
+    # device-resident managed pages (docs/facts.md: ~50 GB/s, where cudaMalloc memory takes 55).
     to_dev()
     metrics["pinned_h2d_managed_GBps"] = gbps(N, median(cuda_times(lambda: _cuda.memcpy_async(m.ptr, h.data_ptr(), N, cur()), reps)))
     checks["managed_ceiling_intact"] = bool(torch.equal(mv, d))
@@ -535,7 +535,7 @@ def reclaim(tier, torch) -> dict:
     """Fill the GPU with cudaMalloc until 3 GiB are free, make 2 GiB of managed memory resident,
     evict it, then ask cudaMalloc for 1 GiB more than is free: it succeeds only if evicted pages
     come back to other allocators.
-    cudaMemGetInfo cannot tell (free memory does not rise after eviction, shared/FACTS.md), but a
+    cudaMemGetInfo cannot tell (free memory does not rise after eviction, docs/facts.md), but a
     cudaMalloc that succeeds, quickly and with the evicted data intact, can.
     Paths: "copy" (shadow eviction with release=True), "um" (Unified Memory's write-back),
     "parked" (a shadow eviction under the budget, pages kept: expected to fail unless the driver

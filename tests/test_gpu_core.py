@@ -1,5 +1,5 @@
 """GPU tests of the core: real advice, views, modules, round trips, the CuPy allocator, the cap,
-threads. Every Tier here caps managed memory at a few GiB (shared/FACTS.md safety rule)."""
+threads. Every Tier here caps managed memory at a few GiB (docs/facts.md safety rule)."""
 from __future__ import annotations
 
 import copy

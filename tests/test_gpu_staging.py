@@ -78,7 +78,7 @@ def test_trim_gives_the_ring_back_to_the_driver():
     free_before, _ = torch.cuda.mem_get_info()
     assert t.trim() == 256 * MiB and t.staging_bytes == 0
     free_after, _ = torch.cuda.mem_get_info()
-    # cudaMalloc memory, unlike managed pages, shows in the free figure (shared/FACTS.md)
+    # cudaMalloc memory, unlike managed pages, shows in the free figure (docs/facts.md)
     assert free_after - free_before >= 250 * MiB
     assert torch.equal(x.torch(), ref)
     t.close()

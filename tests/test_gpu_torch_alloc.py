@@ -2,7 +2,7 @@
 advice per role, a training step whose backward allocates managed gradients, tensors that
 outlive the block, the cap, nesting and threads, and one CUDA runtime per process.
 
-Safety (shared/FACTS.md): the allocator's cap is 1 GiB for this module, and each test asks for
+Safety (docs/facts.md): the allocator's cap is 1 GiB for this module, and each test asks for
 a few MiB."""
 from __future__ import annotations
 

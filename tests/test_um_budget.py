@@ -99,7 +99,7 @@ def test_bad_budget():
 
 @pytest.mark.gpu
 def test_gpu_training_step_stays_within_the_estimate():
-    """Safety (shared/FACTS.md): a few MiB of managed memory, the allocator's cap at 1 GiB."""
+    """Safety (docs/facts.md): a few MiB of managed memory, the allocator's cap at 1 GiB."""
     import torch
 
     import tiermem

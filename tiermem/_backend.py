@@ -18,7 +18,7 @@ NOTE [discard fence]
     cudaMemDiscardBatchAsync and cudaMemDiscardAndPrefetchBatchAsync are stream-ordered on paper,
     but on the H100 (driver 580.159.04) a range that was copied out, discarded and refilled while
     other managed-memory work was still queued on the stream sometimes came back as zeros: the
-    pinned copy was right, the refilled device pages were not (bench/probe_stress.py, "bounce":
+    pinned copy was right, the refilled device pages were not (bench/probes/probe_stress.py, "bounce":
     about 5 bad reads in 10,000 operations; tests/test_gpu_stress.py saw 1 in ~20 runs). Draining
     the stream on the host before and after each discard removed every one of them (0 in 8
     seeds against ~40 expected; waiting only after the discard, or only after the refill, did
@@ -239,7 +239,7 @@ class CudaBackend:
 
     def device_alloc(self, nbytes: int, pooled: bool = True) -> Block:
         """Plain device memory: copies from pinned memory into it run at the full link rate, ~9%
-        faster than into managed pages (shared/FACTS.md). From CuPy's default pool, or with
+        faster than into managed pages (docs/facts.md). From CuPy's default pool, or with
         ``pooled=False`` straight from the driver, to which ``release()`` then gives it back
         (cudaFree waits for the device's queued work). Raises MemoryError when the device is full."""
         if not pooled:

@@ -5,7 +5,7 @@ status and the CUDA error name. Nothing else in tiermem talks to CUDA: the engin
 backend object (``_backend.CudaBackend``), which goes through here.
 
 Why cuda-bindings and not CuPy's runtime module: CuPy built for CUDA 13 turns every location into
-a device, so it cannot advise or prefetch to the host (shared/FACTS.md). Locations here are real
+a device, so it cannot advise or prefetch to the host (docs/facts.md). Locations here are real
 ``cudaMemLocation`` values of type Host or Device.
 
 Streams are plain integers (a ``cudaStream_t`` value), so torch's and CuPy's streams can be passed

@@ -3,7 +3,7 @@
 NOTE [managed cap]
     Managed memory can be allocated beyond what the GPU holds; the driver then pages it in and
     out. On shared, virtualised GPU machines a process that oversubscribes managed memory can hang
-    the GPU for everyone (shared/FACTS.md). So tiermem refuses any managed allocation that would
+    the GPU for everyone (docs/facts.md). So tiermem refuses any managed allocation that would
     take its total past a cap. By default the cap is the device memory that was free when tiermem
     started on that device, so all managed memory can be resident at once. A larger cap is an
     explicit opt-in: ``allow_oversubscribe=True`` (or TIERMEM_ALLOW_OVERSUBSCRIBE=1) together

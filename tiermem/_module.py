@@ -48,7 +48,7 @@ __all__ = ["Plan", "plan_residency", "TieredModule", "wrap_module", "module_grou
 
 log = logging.getLogger("tiermem")
 
-LINK_GBPS = 55.0  # pinned H2D on the H100 machine (shared/FACTS.md); plans quote time at this rate
+LINK_GBPS = 55.0  # pinned H2D on the H100 machine (docs/facts.md); plans quote time at this rate
 
 
 @dataclasses.dataclass(frozen=True)

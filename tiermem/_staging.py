@@ -4,7 +4,7 @@ NOTE [staging ring]
     A copy between pinned host memory and device-resident managed pages runs at 0.92-0.93 of
     the same copy to or from cudaMalloc memory on the H100 (47.5-50.8 against 51.7-54.7 GB/s in,
     52.2 against 55.1 out; bench/results/probe_staged_in-*.json). Splitting it over streams, or
-    pulling it in with a kernel, did not close the gap (bench/probe_h2d_split.py). A copy between
+    pulling it in with a kernel, did not close the gap (bench/probes/probe_h2d_split.py). A copy between
     cudaMalloc memory and managed pages on the device runs at ~1.4 TB/s, though. So the shadow
     copies go through a ring of cudaMalloc slots (two of 32 MiB): on the way in, tiermem's stream
     copies a slot's worth from the shadows into slot i over the link while a second stream copies

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 
 __all__ = ["SavedRecord", "StepTrace", "TrainPlan", "plan_training"]
 
-LINK_GBPS = 55.0   # pinned copies each way on the H100 machine (shared/FACTS.md)
+LINK_GBPS = 55.0   # pinned copies each way on the H100 machine (docs/facts.md)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,7 +13,7 @@ then comes back by page faults, unless the caller prefetches.
     budget.detach(handles)
 
 NOTE [UM residency estimate]
-    Free memory does not drop back when managed pages leave the device (shared/FACTS.md), so
+    Free memory does not drop back when managed pages leave the device (docs/facts.md), so
     residency is *estimated*, per whole segment, in stream order:
 
     - a segment is counted on the device from the moment it is first seen (torch made it to use

@@ -6,7 +6,7 @@ engine never looks at module or type names: it looks a role up in a :class:`Poli
 
 NOTE [default policies]
     The defaults follow each role's access pattern, the link figures measured on the H100 machine
-    (shared/FACTS.md, bench/results/probe_paths*.json) and, for the four roles a training step
+    (docs/facts.md, bench/results/probe_paths*.json) and, for the four roles a training step
     has, bench/advice_study.py (bench/results/advice_study-*.json: ResNet-50 and a GPT-2-style
     model, one advice on one role at a time, under a budget of half the footprint, where data
     comes back by page faults):

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import gc
 import threading
-import time
 
 from _common import cuda_times, gbps, median, plot_path, progress, table, write_results
 
@@ -161,7 +160,6 @@ class Routing:
 
 
 def timed_generate(model, ids, new: int, reps: int):
-    import torch
     out = None
 
     def run():
@@ -250,7 +248,6 @@ def main() -> None:
     args = ap.parse_args()
 
     import torch
-    import tiermem
 
     archs = [a.strip() for a in args.archs.split(",") if a.strip()]
     metrics: dict = {}
@@ -275,6 +272,27 @@ def main() -> None:
     min_free = None
     atomic = None
     for arch in archs:
+        try:
+            atomic = run_arch(arch, args, link, watch, raw, atomic)
+        except Exception:   # one architecture's failure is reported; the others still run
+            import traceback
+            traceback.print_exc()
+            raw.setdefault("failed", []).append(arch)
+            gc.collect()
+            torch.cuda.empty_cache()
+        equal_all &= raw["archs"].get(arch, {}).get("tiermem", {}).get("tokens_equal_resident", False)
+        small_all &= raw["archs"].get(arch, {}).get("small", False) or args.no_small_gpu
+        within_all &= raw["archs"].get(arch, {}).get("within", False)
+        mf = raw["archs"].get(arch, {}).get("min_free", None)
+        if mf is not None:
+            min_free = mf if min_free is None else min(min_free, mf)
+    finish(args, metrics, checks, raw, equal_all, small_all, within_all, min_free, atomic, watch)
+
+
+def run_arch(arch, args, link, watch, raw, atomic):
+    import torch
+    import tiermem
+    if True:
         r: dict = {}
         progress(f"{arch}: building ~{args.weights_gb} GB fp16 on the GPU")
         cfg = arch_config(arch, args.weights_gb)
@@ -303,7 +321,7 @@ def main() -> None:
             r["free_after_reservation_GB"] = round(torch.cuda.mem_get_info()[0] / 1e9, 3)
             progress(f"{arch}: reservation in place; the driver has {r['free_after_reservation_GB']} GB free "
                      f"for a {W / 1e9:.2f} GB model")
-            small_all &= torch.cuda.mem_get_info()[0] < W
+            r["small"] = torch.cuda.mem_get_info()[0] < W
         if atomic is None:
             atomic = adoption_atomic(model, tiermem.Tier, args.budget)
 
@@ -329,7 +347,7 @@ def main() -> None:
                         "managed_reserved_GB": tier.backend.guard.reserved / 1e9, "cap_GB": tier.backend.guard.limit / 1e9,
                         "tokens_equal_resident": eq, "prefill_logits_equal_resident": logits_eq,
                         "min_free_GB": watch.min_free / 1e9}
-        within_all &= s["resident_bytes.all.peak"] <= hd.budget and tier.backend.guard.reserved <= tier.backend.guard.limit
+        r["within"] = s["resident_bytes.all.peak"] <= hd.budget and tier.backend.guard.reserved <= tier.backend.guard.limit
         if routing.sets:
             steps = 4 * args.decode_tokens       # decode steps hooked: the warm-up and 3 timed generate() calls
             routed_per_token = routing.routed / steps
@@ -339,7 +357,6 @@ def main() -> None:
                                    "routed_expert_GB_per_token": routed_per_token / 1e9,
                                    "routed_bound_ms": (dense_moved - streamed_experts + routed_per_token) / (link * 1e9) * 1e3}
         routing.remove()
-        equal_all &= eq
         progress(f"{arch}: tiermem prefill {pre * 1e3:.1f} ms (bound {bound * 1e3:.1f}), decode {dec * 1e3:.1f} ms/token, "
                  f"tokens equal {eq}, min free {watch.min_free / 1e9:.2f} GB")
         hd.unwrap()
@@ -355,12 +372,15 @@ def main() -> None:
             pre_a, dec_a = measure_loop(model, ids, 2, k)
             r["accelerate"] = {"prefill_ms": pre_a * 1e3, "decode_ms_per_token": dec_a * 1e3, "decode_tokens": k}
             progress(f"{arch}: accelerate prefill {pre_a * 1e3:.0f} ms, decode {dec_a * 1e3:.0f} ms/token")
-        min_free = watch.min_free if min_free is None else min(min_free, watch.min_free)
+        r["min_free"] = watch.min_free
         del model, blob
         gc.collect()
         torch.cuda.empty_cache()
         raw["archs"][arch] = r
+    return atomic
 
+
+def finish(args, metrics, checks, raw, equal_all, small_all, within_all, min_free, atomic, watch):
     watch.stop()
     rows = []
     pv, dv, ao = {}, {}, {}

@@ -336,11 +336,11 @@ def run_arch(arch, args, link, watch, raw, atomic):
             logits_eq = bool(torch.equal(model(ids, use_cache=False).logits, ref_logits))
         hd.drain()
         s = tier.stats()
-        bound = hd.plan.moved_bytes / (link * 1e9)
+        bound = hd.moved_bytes / (link * 1e9)
         eq = bool(torch.equal(tokens, ref_tokens))
         r["tiermem"] = {"prefill_ms": pre * 1e3, "decode_ms_per_token": dec * 1e3, "bound_ms": bound * 1e3,
                         "budget_GB": hd.budget / 1e9, "streamed_GB": hd.plan.streamed_bytes / 1e9,
-                        "moved_GB_per_forward": hd.plan.moved_bytes / 1e9, "in_place_groups": sorted(hd.plan.in_place),
+                        "moved_GB_per_forward": hd.moved_bytes / 1e9, "in_place_groups": sorted(hd.plan.in_place),
                         "groups": len(hd.plan.sizes), "pinned_groups": len(hd.plan.pinned),
                         "window_GB": hd.plan.window / 1e9, "lookahead": hd.plan.lookahead,
                         "resident_peak_GB": s["resident_bytes.all.peak"] / 1e9,
@@ -351,7 +351,7 @@ def run_arch(arch, args, link, watch, raw, atomic):
         if routing.sets:
             steps = 4 * args.decode_tokens       # decode steps hooked: the warm-up and 3 timed generate() calls
             routed_per_token = routing.routed / steps
-            dense_moved = hd.plan.moved_bytes
+            dense_moved = hd.moved_bytes
             streamed_experts = routing.expert_bytes
             r["tiermem"]["moe"] = {"expert_sets": len(routing.sets), "streamed_expert_GB": streamed_experts / 1e9,
                                    "routed_expert_GB_per_token": routed_per_token / 1e9,

@@ -50,7 +50,7 @@ def test_transformers_model_streams_within_budget_bitwise_equal(frozen):
         assert torch.equal(model(ids).logits, want)
 
 
-def test_decode_reads_streamed_weights_in_place():
+def test_decode_streams_and_weights_rest_at_home():
     import torch
     import tiermem
     model, cfg = _llama()
@@ -68,9 +68,9 @@ def test_decode_reads_streamed_weights_in_place():
             d_ref = ref(nxt, past_key_values=out_ref.past_key_values, use_cache=True)
             assert torch.equal(d.logits, d_ref.logits)
             nxt = d.logits.argmax(-1)
-    assert h._fwd_mode == "zero_copy"
+    assert h._fwd_mode == "decode"
     after = t.stats()
-    assert after["moved_bytes.all.h2d"] == before["moved_bytes.all.h2d"]   # read in place: nothing prefetched
+    assert after["moved_bytes.all.h2d"] > before["moved_bytes.all.h2d"]    # dense groups stream in a decode too
     assert after["resident_bytes.all.peak"] <= h.budget
     # ... and still in place: a read of a streamed weight runs at link speed, not HBM speed
     big = max((p for g in h._groups.values() if not g.pinned for p in g.tensors), key=lambda p: p.numel())
@@ -197,10 +197,10 @@ def test_a_model_bigger_than_the_really_small_gpu_runs_generate():
         assert torch.equal(got, want)
         assert t.stats()["resident_bytes.all.peak"] <= h.budget
         with pytest.raises(tiermem.DeviceFullError, match="device='cpu'"):
-            h.unwrap()                            # the plain model would not fit: refused, nothing changed
+            h.unwrap(device="cuda")               # the plain model would not fit: refused, nothing changed
         with torch.no_grad():
             assert torch.equal(model.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=None), want)
-        h.unwrap(device="cpu")
+        h.unwrap()                                # back where it came from: the host
         assert all(p.device.type == "cpu" for p in model.parameters())
         t.close()
     finally:

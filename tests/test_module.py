@@ -87,19 +87,48 @@ def test_streamed_module_is_bitwise_equal_and_within_budget(tier, fake):
     assert torch.equal(m(x), ref(x)) and tiermem.tiered_of(m[0][0].weight) is None
 
 
-def test_auto_mode_reads_single_token_forwards_in_place(tier, fake):
-    m = _model()
+class _Experts(nn.Module):
+    def __init__(self, e: int = 8, h: int = 64):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(e, h, h) / h ** 0.5)
+
+    def forward(self, x, idx):
+        return sum(x @ self.w[i] for i in idx.tolist())
+
+
+class _MoE(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lins = nn.ModuleList(nn.Linear(64, 64) for _ in range(4))
+        self.experts = nn.ModuleList(_Experts() for _ in range(4))
+
+    def forward(self, x, idx):
+        for lin, ex in zip(self.lins, self.experts):
+            x = ex(lin(x), idx)
+        return x
+
+
+def test_few_token_forwards_stream_dense_groups_and_read_stacked_experts_in_place(tier, fake):
+    torch.manual_seed(0)
+    m = _MoE().requires_grad_(False)
     ref = copy.deepcopy(m)
-    h = tier.wrap_module(m, budget="40%", max_group_bytes=1 * MiB, zero_copy_max_tokens=1)
-    big, one = torch.randn(8, 256), torch.randn(1, 256)
-    assert torch.equal(m(big), ref(big)) and h._fwd_mode == "stream"
+    h = tier.wrap_module(m, budget="30%", max_group_bytes=64 << 10, zero_copy_max_tokens=2)
+    experts = [g for g in h._groups.values() if g.stacked]
+    assert len(experts) == 4 and not any(g.stacked for g in h._groups.values() if g.name.startswith("lins"))
+    assert all(not g.pinned for g in experts)
+    x, idx = torch.randn(1, 64), torch.tensor([1, 5])
+    assert torch.equal(m(x, idx), ref(x, idx))                  # learns the order
     h.drain()
+    dense = sum(g.nbytes for g in h._groups.values() if not g.pinned and not g.stacked)
     before = tier.stats()["moved_bytes.all.h2d"]
-    assert torch.equal(m(one), ref(one)) and h._fwd_mode == "zero_copy"
-    assert tier.stats()["moved_bytes.all.h2d"] == before        # nothing moved: read in place
-    streamed = [g for g in h._groups.values() if not g.pinned]
-    assert all(fake.pointer_kind(t.data_ptr()) == "host" for g in streamed for t in g.tensors)  # the pinned home
-    assert torch.equal(m(big), ref(big)) and h._fwd_mode == "stream"
+    assert torch.equal(m(x, idx), ref(x, idx)) and h._fwd_mode == "decode"
+    moved = tier.stats()["moved_bytes.all.h2d"] - before
+    assert 0 < moved <= dense                                    # the dense groups; no expert was copied
+    assert all(fake.pointer_kind(t.data_ptr()) == "host" for g in experts for t in g.tensors)
+    big, many = torch.randn(8, 64), torch.arange(8)
+    before = tier.stats()["moved_bytes.all.h2d"]
+    assert torch.equal(m(big, many), ref(big, many)) and h._fwd_mode == "stream"
+    assert tier.stats()["moved_bytes.all.h2d"] - before >= sum(g.nbytes for g in experts)   # a prefill streams them
     h.unwrap()
     assert all(fake.pointer_kind(p.data_ptr()) == "unregistered" for p in m.parameters())
 

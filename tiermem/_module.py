@@ -18,12 +18,15 @@ NOTE [streaming plan]
     tiermem's H2D stream (the full link rate, no driver page work); after it runs, its tensors
     point at their home again, which moves nothing.
 
-    Streaming moves each streamed byte once per forward. For a forward of very few tokens (batch-1
-    decode) each weight is read once anyway, so the streamed groups are instead read in place,
-    zero-copy, over the link (~51 GB/s for a kernel reading pinned host pages, docs/facts.md).
-    A mixture-of-experts layer read in place reads only the experts its router picked. Groups
-    that only embeddings use are always read in place (a lookup reads the rows of its tokens),
-    take no slot, and are pinned only with the budget left once the rest is planned.
+    Streaming moves each streamed byte once per forward, at the link rate. Reading in place,
+    zero-copy, moves only what kernels read, at ~51 GB/s (docs/facts.md), and batch-1 GEMV
+    kernels reading host pages reached only 1.18-1.24x the link bound on five architectures
+    (bench/results/offload_infer-*.json, first run of this design), so dense groups stream in
+    every forward. Two kinds of group are read in place instead: groups that only embeddings use
+    (a lookup reads the rows of its tokens; they take no slot and are pinned only with the budget
+    left once the rest is planned), and, in a forward of few tokens (``zero_copy_max_tokens``,
+    a decode step), groups of stacked expert weights, of which a decode reads only the experts
+    its router picked. mode="zero_copy" reads every streamed group in place.
 
     The execution order is learned on the first forward (and again whenever a forward runs the
     modules in another order); until then groups come in on demand.
@@ -215,6 +218,13 @@ class _Group:
     member_offsets: list[int] = dataclasses.field(default_factory=list)
     in_slot: list[bool] = dataclasses.field(default_factory=list)   # members a slot serves while in use
     gathered: bool = False        # only embeddings read it: read in place, never given a slot
+    stacked: bool = False         # one slice per expert: a decode reads it in place (routed experts only)
+
+    def slot_in(self, mode: str) -> bool:
+        """Whether a forward in ``mode`` brings this (streamed) group into a slot."""
+        if self.gathered or mode == "zero_copy":
+            return False
+        return mode == "stream" or not self.stacked
 
 
 def _versions(g: _Group) -> tuple[int, ...]:
@@ -482,7 +492,7 @@ class TieredModule:
         self.plan = plan_residency(sizes, self.budget, lookahead, in_place=_gathered(module, found))
         self.lookahead = max(self.plan.lookahead, 1)
         self._groups = {mname: _Group(mname, [t for _, t in own], n, pinned=mname in self.plan.pinned,
-                                      gathered=mname in self.plan.in_place)
+                                      gathered=mname in self.plan.in_place, stacked=_stacked([t for _, t in own]))
                         for (mname, _, own), (_, n) in zip(found, sizes)}
         self._unit_groups: dict[int, list[_Group]] = {id(m): [self._groups[mname]] for mname, m, _ in found}
         streamed = [g for g in self._groups.values() if not g.pinned]
@@ -624,14 +634,14 @@ class TieredModule:
             mode = "zero_copy"       # NOTE [trainable weights in the pinned home]
         elif mode == "auto":
             n = self._tokens(args, kwargs)
-            mode = "zero_copy" if n is not None and n <= self.zero_copy_max_tokens else "stream"
+            mode = "decode" if n is not None and n <= self.zero_copy_max_tokens else "stream"
         self._fwd_mode = mode
         self._pos = -1
 
     def _root_post(self, module: Any, args: tuple, out: Any) -> None:
         if self._recording and self._trace:
             self._recording = False
-        if self._fwd_mode == "stream" and not self._recording and self._stream is not None:
+        if self._fwd_mode != "zero_copy" and not self._recording and self._stream is not None:
             self._pos = -1
             self._stream.ahead(self._upcoming())   # the first streamed groups of the next forward
 
@@ -639,7 +649,7 @@ class TieredModule:
         out: list[_Group] = []
         for j in range(self._pos + 1, len(self._trace)):
             for g in self._unit_groups[id(self._units[self._trace[j]])]:
-                if not g.pinned and not g.gathered:
+                if not g.pinned and g.slot_in(self._fwd_mode):
                     out.append(g)
             if len(out) >= self.lookahead:
                 break
@@ -657,16 +667,16 @@ class TieredModule:
             if g.pinned:
                 if not all(t.is_resident for t in g.tiered):
                     self.tier.prefetch(g.tiered)
-            elif self._fwd_mode == "stream" and not g.gathered:
+            elif g.slot_in(self._fwd_mode):
                 self._stream.ensure(g)
-        if self._fwd_mode == "stream" and not self._recording and self._stream is not None:
+        if self._fwd_mode != "zero_copy" and not self._recording and self._stream is not None:
             self._stream.ahead(self._upcoming())
 
     def _post(self, i: int) -> None:
-        if self._fwd_mode != "stream":
+        if self._fwd_mode == "zero_copy":
             return
         for g in self._unit_groups[id(self._units[i])]:
-            if not g.pinned and not g.gathered:
+            if not g.pinned and g.slot_in(self._fwd_mode):
                 self._stream.release(g)
 
     # -- lifecycle ------------------------------------------------------------------------------------
@@ -675,6 +685,12 @@ class TieredModule:
         if self._stream is not None:
             self._stream.drain()
         self.tier.synchronize()
+
+    @property
+    def moved_bytes(self) -> int:
+        """Bytes a streaming forward copies over the link: the streamed groups in their pinned
+        home's layout (256-byte aligned), less those read in place."""
+        return sum(g.nbytes for g in self._groups.values() if not g.pinned and not g.gathered)
 
     @property
     def groups(self) -> dict[str, list[Any]]:
@@ -760,6 +776,14 @@ class TieredModule:
 
     def __repr__(self) -> str:
         return f"<TieredModule {type(self.module).__name__} ({self.transport}): {self.plan.table(limit=0)}>"
+
+
+def _stacked(tensors: list[Any]) -> bool:
+    """Parameters stacked along one leading dimension, a slice per expert (a mixture-of-experts
+    layer's expert weights): a forward of few tokens indexes the slices its router picked."""
+    import torch
+    ps = [t for t in tensors if isinstance(t, torch.nn.Parameter)]
+    return bool(ps) and all(p.dim() >= 3 and p.shape[0] == ps[0].shape[0] > 1 for p in ps)
 
 
 def _gathered(module: Any, found: list) -> set[str]:

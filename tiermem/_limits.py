@@ -51,7 +51,9 @@ def _parse(value: int | float | str, what: str, max_percent: float | None) -> tu
     else:
         m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*(%|[a-zA-Z]*)\s*", str(value))
         if not m or (m.group(2).lower() not in _UNITS and m.group(2) != "%"):
-            raise ConfigError(f"{what}={value!r} is not a size: use bytes, '4GiB', '1.5GB' or '25%'")
+            why = "sizes are not negative" if re.fullmatch(r"\s*-\s*[0-9.]+\s*%?[a-zA-Z]*\s*", str(value)) else \
+                "use bytes, '4GiB', '1.5GB' or '25%'"
+            raise ConfigError(f"{what}={value!r} is not a size: {why}")
         unit = m.group(2).lower()
         percent = unit == "%"
         num = float(m.group(1)) * (1 if percent else _UNITS[unit])

@@ -55,6 +55,7 @@ import functools
 import itertools
 import logging
 import math
+import numbers
 import threading
 import weakref
 from collections.abc import Iterable, Mapping
@@ -172,7 +173,7 @@ class Tier:
         # a bad setting says what is wrong with it, not that there is no GPU.
         if backend is not None and (cap is not None or allow_oversubscribe is not None):
             raise ConfigError("cap and allow_oversubscribe belong to the backend; pass them when you build it")
-        if device is not None and (isinstance(device, bool) or not isinstance(device, int)):
+        if device is not None and (isinstance(device, bool) or not isinstance(device, numbers.Integral)):
             raise ConfigTypeError(f"device must be a CUDA device index (an int) or None, got {device!r}")
         if device is not None and device < 0:
             raise ConfigError(f"device must be a CUDA device index >= 0, got {device}")

@@ -15,8 +15,9 @@ from ._train import TieredTraining
 from ._trainplan import StepTrace, TrainPlan, plan_training
 from ._cuda import Capabilities, RangeInfo
 from ._cupy import current_role, using_role
-from ._errors import (BuildError, CapExceededError, CUDAError, CUDAOutOfMemoryError, CUDAUnavailableError, DeviceFullError,
-                      OutOfBudgetError, RoleError, TierMemError, ViewError, WrapError)
+from ._errors import (BuildError, CapExceededError, ConfigError, ConfigTypeError, CUDAError, CUDAOutOfMemoryError,
+                      CUDAUnavailableError, DeviceFullError, OutOfBudgetError, RoleError, TierMemError, ViewError,
+                      WrapError)
 from ._limits import parse_bytes
 from ._tensor import TieredTensor
 from ._tier import Tier
@@ -34,7 +35,7 @@ __all__ = [
     "configure", "default_tier", "empty", "wrap", "wrap_module", "wrap_training", "TieredTraining", "TrainPlan",
     "StepTrace", "plan_training", "unwrap", "TieredModule", "Plan", "plan_residency", "tiered_of", "prefetch", "evict", "allocator",
     "using_role", "current_role", "policy_override", "stats", "memory_summary", "synchronize", "parse_bytes",
-    "TierMemError", "CUDAError", "CUDAOutOfMemoryError", "CUDAUnavailableError", "OutOfBudgetError", "CapExceededError", "DeviceFullError", "RoleError",
+    "TierMemError", "ConfigError", "ConfigTypeError", "CUDAError", "CUDAOutOfMemoryError", "CUDAUnavailableError", "OutOfBudgetError", "CapExceededError", "DeviceFullError", "RoleError",
     "WrapError", "ViewError", "BuildError", "__version__",
     "torch_allocations", "TorchAllocations", "is_managed", "torch_allocator_stats", "TorchAllocatorStats",
     "torch_managed_allocations", "ManagedAllocation", "set_torch_managed_cap", "build_torch_allocator",

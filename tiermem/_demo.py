@@ -73,7 +73,7 @@ def _dry_run(weights_gb: float, budget: str, why: str) -> int:
     shape = llama_shape(weights_gb)
     groups = llama_groups(shape)
     total = sum(n for _, n in groups)
-    b = parse_bytes(budget, total=total, what="budget")
+    b = parse_bytes(budget, total=total, what="budget", max_percent=100)
     plan = plan_residency(groups, b, LOOKAHEAD)   # the plan wrap_module would make
     print(f"DRY RUN: no model is built and nothing runs ({why}).")
     print(f"Llama-shaped fp16 model: hidden {shape['hidden_size']}, {shape['num_hidden_layers']} layers, "

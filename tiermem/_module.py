@@ -39,7 +39,7 @@ import weakref
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
-from ._errors import DeviceFullError, TierMemError
+from ._errors import ConfigError, DeviceFullError, WrapError
 from ._limits import parse_bytes
 from .roles import Evict, Role
 
@@ -121,7 +121,7 @@ def plan_residency(sizes: Iterable[tuple[str, int]], budget: int, lookahead: int
     sizes = tuple((str(g), int(n)) for g, n in sizes)
     gathered = frozenset(in_place)
     if lookahead < 1:
-        raise TierMemError(f"lookahead must be at least 1, got {lookahead}")
+        raise ConfigError(f"lookahead must be at least 1, got {lookahead}")
     total = sum(n for _, n in sizes)
     if budget >= total:
         return Plan(budget, total, sizes, frozenset(g for g, _ in sizes), 0, False, 0, gathered)
@@ -483,23 +483,23 @@ class TieredModule:
     def __init__(self, tier: Tier, module: Any, budget: int | str | None, *, mode: str = "auto",
                  lookahead: int = LOOKAHEAD, zero_copy_max_tokens: int = 16, max_group_bytes: int = MAX_GROUP):
         if mode not in ("auto", "stream", "zero_copy"):
-            raise TierMemError(f"mode must be 'auto', 'stream' or 'zero_copy', got {mode!r}")
+            raise ConfigError(f"mode must be 'auto', 'stream' or 'zero_copy', got {mode!r}")
         if getattr(module, "_tiermem_handle", None) is not None:
-            raise TierMemError("this module is already adopted by tiermem; unwrap it first")
+            raise WrapError("this module is already adopted by tiermem; unwrap it first")
         self.tier = tier
         self.module = module
         self.mode = mode
         self.zero_copy_max_tokens = zero_copy_max_tokens
         found = module_groups(module, max_group_bytes)
         if not found:
-            raise TierMemError("this module has no parameters or buffers to tier")
+            raise WrapError("this module has no parameters or buffers to tier")
         from ._torch import _check
         for _, _, own in found:
             for _, t in own:
                 _check(tier, t)
         sizes = [(mname, sum(_span(t) for _, t in own)) for mname, _, own in found]
         total = sum(n for _, n in sizes)
-        asked = total if budget is None else parse_bytes(budget, total=total, what="module budget")
+        asked = total if budget is None else parse_bytes(budget, total=total, what="module budget", max_percent=100)
         self.budget = self._within_device(asked, [t for _, _, own in found for _, t in own])
         self.plan = plan_residency(sizes, self.budget, lookahead, in_place=_gathered(module, found))
         self.lookahead = max(self.plan.lookahead, 1)
@@ -720,7 +720,7 @@ class TieredModule:
         """
         import torch
         if not self._groups:
-            raise TierMemError("this module was unwrapped already")
+            raise WrapError("this module was unwrapped already")
         if device is not None:
             device = torch.device(device)
         origin: dict[int, Any] = {}

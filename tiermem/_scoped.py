@@ -186,6 +186,12 @@ class ArrayResidency:
                 continue
             if not settled:
                 tier._set_policy(b, None, {**IN_PLACE, "read_only": False})
+            rng = tier._range(b)
+            if tier.backend.range_info(*rng).last_prefetch is not Location.HOST:
+                # Left by an eviction that moved nothing (a read-mostly collapse): a prefetch to
+                # the host, where every page already is, makes the range say so, so that
+                # _verify can tell a later prefetch to the device.
+                tier.backend.prefetch([rng], Location.HOST, tier._um_side("d2h"))
             self.in_place.add(b)
 
     def _verify(self) -> None:
@@ -370,6 +376,12 @@ def _data_ptr(x: Any) -> int | None:
     return None
 
 
+def _token_of(x: Any) -> _ViewToken | None:
+    """The view token a CuPy array's memory object owns, if it is on tiermem memory."""
+    owner = getattr(getattr(getattr(x, "data", None), "mem", None), "_owner", None)
+    return owner if isinstance(owner, _ViewToken) else None
+
+
 def buffer_of(tier: Tier, x: Any) -> _Buffer:
     """The buffer behind ``x``: a TieredTensor, or an array on memory from ``tier`` (a CuPy array
     from its allocator, a view of a TieredTensor). Raises TierMemError for anything else."""
@@ -377,6 +389,8 @@ def buffer_of(tier: Tier, x: Any) -> _Buffer:
         b = x._b
     elif isinstance(x, _Buffer):
         b = x
+    elif (tok := _token_of(x)) is not None:
+        b = tok.buffer
     else:
         ptr = _data_ptr(x)
         found = tier.owner_of(ptr) if ptr is not None else None
@@ -386,7 +400,7 @@ def buffer_of(tier: Tier, x: Any) -> _Buffer:
                 "under cupy.cuda.using_allocator(tier.allocator()) or pass TieredTensors")
         b = found
     if b.tier is not tier:
-        raise TierMemError(f"{x!r} belongs to another Tier")
+        raise TierMemError(f"{type(x).__name__} at {b.ptr:#x} belongs to another Tier")
     return b
 
 
@@ -394,11 +408,8 @@ def tier_of_array(x: Any) -> Tier | None:
     """The Tier whose memory ``x`` is on, from the view token CuPy's memory object owns, if any."""
     if isinstance(x, TieredTensor):
         return x.tier
-    mem = getattr(getattr(x, "data", None), "mem", None)
-    owner = getattr(mem, "_owner", None)
-    if isinstance(owner, _ViewToken):
-        return owner.buffer.tier
-    return None
+    tok = _token_of(x)
+    return tok.buffer.tier if tok is not None else None
 
 
 def use(*arrays: Any, stream: Any = None, tier: Tier | None = None) -> ArrayUse:

@@ -97,10 +97,10 @@ def test_evicted_array_is_advised_in_place_and_the_books_stay_within_budget(btie
 
 
 def test_new_array_pages_wait_for_the_eviction_that_made_their_room(btier, fake):
-    a, b = Arr(btier), Arr(btier)
+    held = [Arr(btier), Arr(btier)]
     fake.calls.clear()
     fake.waits.clear()
-    Arr(btier)
+    held.append(Arr(btier))
     d2h, h2d = stream(btier, "d2h"), stream(btier, "h2d")
     evict_at = next(i for i, c in enumerate(fake.calls) if c[0] == "prefetch" and c[2] is Location.HOST)
     place_at = next(i for i, c in enumerate(fake.calls) if c[0] == "prefetch" and c[2] is Location.DEVICE)

@@ -66,8 +66,8 @@ NOTE [read-only scopes]
     at ~9-15 GB/s. The next check gives them plain IN_PLACE advice again, since a read-mostly
     range read in place would grow duplicates on the device behind tiermem's back. A write to
     such an array breaks the promise without breaking the data (the driver collapses the copies
-    onto the device, at a cost), but its eviction then leaves it on the device while the books
-    say host, until the next prefetch or eviction.
+    onto the device, at a cost); its collapse then leaves the pages on the device, and the
+    check's prefetch to the host (``_settle``) moves them as a write-back would.
 """
 from __future__ import annotations
 

@@ -88,7 +88,7 @@ def test_evicted_array_is_advised_in_place_and_the_books_stay_within_budget(btie
     a, b, c = three(btier)
     assert (a.buf.where, b.buf.where, c.buf.where) == (Location.HOST, Location.DEVICE, Location.DEVICE)
     st = fake.state[a.ptr]
-    assert (st.preferred, st.read_mostly, st.accessed_by) == (Location.HOST, False, {Location.DEVICE})
+    assert (st.preferred, st.read_mostly, st.accessed_by) == (Location.HOST, False, {Location.DEVICE, Location.HOST})
     assert fake.state[b.ptr].preferred is Location.DEVICE or fake.state[b.ptr].preferred is None
     s = btier.stats()
     assert s["resident_bytes.all.current"] == 2 * A and s["resident_bytes.all.peak"] == 2 * A

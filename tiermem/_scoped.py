@@ -17,7 +17,7 @@ NOTE [allocator arrays in place]
     kernel that touches it faults it back to the device (~6.8 GB/s on the H100), and tiermem's
     books still say "host": the budget held only in the books (issue 21).
     So an evicted allocator array gets advice to live on the host and be used in place: preferred
-    location host, accessed-by the device, no read-mostly (``IN_PLACE``). A kernel that touches it
+    location host, accessed-by the device (and the host), no read-mostly (``IN_PLACE``). A kernel that touches it
     then reads and writes the host pages over the link (~50 GB/s for reads) without migrating
     them, and it stays where the books say. It comes back to the device when named in
     :meth:`Tier.use` (or prefetched), at the prefetch rate (~49 GB/s in large calls). The advice
@@ -89,8 +89,11 @@ __all__ = ["ArrayUse", "ArrayResidency", "residency", "use", "IN_PLACE"]
 
 log = logging.getLogger("tiermem")
 
-# The advice an evicted allocator array gets (NOTE [allocator arrays in place]).
-IN_PLACE = {"preferred_location": Location.HOST, "accessed_by_device": True, "read_mostly": False}
+# The advice an evicted allocator array gets (NOTE [allocator arrays in place]). Accessed-by the
+# host too: Unified Memory's write-back of such a range ran at 14.6 GB/s on the H100 against
+# 9.0-9.4 without it (shared/FACTS.md), and every later eviction of the array is one.
+IN_PLACE = {"preferred_location": Location.HOST, "accessed_by_device": True, "accessed_by_host": True,
+            "read_mostly": False}
 
 _states: weakref.WeakKeyDictionary[Any, ArrayResidency] = weakref.WeakKeyDictionary()
 _states_lock = threading.Lock()
@@ -184,14 +187,14 @@ class ArrayResidency:
             settled = _in_place(b) and not b.policy.read_only
             if settled and b in self.in_place:
                 continue
+            collapsed = b.policy.read_mostly
             if not settled:
                 tier._set_policy(b, None, {**IN_PLACE, "read_only": False})
-            rng = tier._range(b)
-            if tier.backend.range_info(*rng).last_prefetch is not Location.HOST:
-                # Left by an eviction that moved nothing (a read-mostly collapse): a prefetch to
-                # the host, where every page already is, makes the range say so, so that
-                # _verify can tell a later prefetch to the device.
-                tier.backend.prefetch([rng], Location.HOST, tier._um_side("d2h"))
+            if collapsed:
+                # A read-mostly collapse moved nothing and left the range's last prefetch at the
+                # device: a prefetch to the host, where every page already is, makes it say host,
+                # so that _verify can tell a later prefetch to the device (NOTE [read-only scopes]).
+                tier.backend.prefetch([tier._range(b)], Location.HOST, tier._um_side("d2h"))
             self.in_place.add(b)
 
     def _verify(self) -> None:

@@ -114,9 +114,10 @@ def test_new_array_pages_wait_for_the_eviction_that_made_their_room(btier, fake)
 def test_workspace_arrays_never_evict_and_overflow_in_place(btier, fake):
     a, b = Arr(btier, role="workspace"), Arr(btier, role="workspace")
     c = Arr(btier, role="workspace")
-    assert (a.buf.where, b.buf.where, c.buf.where) == (Location.DEVICE, Location.DEVICE, None)
+    assert (a.buf.where, b.buf.where, c.buf.where) == (Location.DEVICE, Location.DEVICE, Location.HOST)
     assert fake.state[c.ptr].preferred is Location.HOST
     assert btier.stats()["resident_bytes.all.current"] == 2 * A
+    assert extra(btier) == none_extra(residency__in_place_bytes__current=A)
     assert not [x for x in calls(fake, "prefetch") if x[2] is Location.HOST]
 
 
@@ -227,6 +228,18 @@ def test_use_that_cannot_fit_raises_and_pins_nothing(btier):
     with pytest.raises(TierMemError, match="closed"):
         with h:
             pass
+
+
+def test_new_array_that_only_pinned_arrays_could_make_room_for_goes_in_place(btier, fake):
+    a, b, c = three(btier)
+    with btier.use(b, c):
+        d = Arr(btier)
+        assert (b.buf.where, c.buf.where, d.buf.where) == (Location.DEVICE, Location.DEVICE, Location.HOST)
+    assert fake.state[d.ptr].preferred is Location.HOST
+    assert extra(btier) == none_extra(residency__in_place_bytes__current=2 * A, use__calls=1)
+    with btier.use(d):              # and it comes in like any other
+        assert d.buf.where is Location.DEVICE
+    assert btier.stats()["moved_bytes.all.h2d"] == A
 
 
 def test_dropped_handle_unpins(btier):

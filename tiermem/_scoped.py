@@ -124,6 +124,7 @@ class ArrayResidency:
         self.in_place: weakref.WeakSet[_Buffer] = weakref.WeakSet()   # evicted, advised IN_PLACE
         self.handles: weakref.WeakSet[ArrayUse] = weakref.WeakSet()   # open ArrayUse handles
         self._stream: int | None = None
+        self._settled_at = -1         # the evictions count at the last _settle
         self._warned = False
         tier.accounting.add_refresher(self._refresh_for_stats)
 
@@ -148,18 +149,29 @@ class ArrayResidency:
             budget = tier.budget
             # _place_new_group leaves host-preferred and never-prefetched buffers unplaced.
             places = buf.policy.preferred_location is not Location.HOST and buf.policy.prefetch is not Prefetch.NEVER
+            fits = True
             if budget is not None and places and tier._held() + buf.span > budget:
                 self._check(exclude={buf})
                 before = set(tier._inflight)
                 try:
                     tier._make_room(buf.span, exclude={buf} | self.pinned())
                 except OutOfBudgetError:
-                    pass   # _place_new reads it in place instead (zero-copy), as for any buffer
+                    fits = False
                 for tr in tier._inflight:
                     if tr not in before:
                         tr.wait(None)   # the placement's stream waits for the current one
                 self._settle()
-            tier._place_new(buf)
+            if fits:
+                tier._place_new(buf)
+            else:
+                # What _place_new does with a buffer that cannot fit (it is used in place from
+                # the host), done here since _place_new would evict arrays open handles pin. Its
+                # first touch puts its pages on the host.
+                tier._set_policy(buf, None, IN_PLACE)
+                buf.where = Location.HOST
+                buf.host_valid = True
+                self.in_place.add(buf)
+                self._count_in_place()
             self._settle()
         return buf, buf.token(internal=False)
 
@@ -175,6 +187,10 @@ class ArrayResidency:
         """Give allocator arrays that tiermem evicted since the last call the IN_PLACE advice
         (arrays a read-only scope made read-mostly lose it here too)."""
         tier = self.tier
+        evictions = tier.accounting.all.evict_ops
+        if evictions == self._settled_at:
+            return      # nothing was evicted since the last call: a malloc's common case is O(1)
+        self._settled_at = evictions
         if not tier.backend.capabilities().supports("advise"):
             if not self._warned and any(b.where is Location.HOST for b in list(self.arrays)):
                 self._warned = True
@@ -224,8 +240,11 @@ class ArrayResidency:
         if back:
             log.info("tiermem: %d evicted CuPy arrays (%d bytes) came back to the device behind tiermem's back",
                      len(back), sum(b.span for b, _ in back))
-        tier.accounting.set_extra("residency.in_place_bytes.current",
-                                  sum(b.nbytes for b in list(self.in_place) if b.where is Location.HOST))
+        self._count_in_place()
+
+    def _count_in_place(self) -> None:
+        self.tier.accounting.set_extra("residency.in_place_bytes.current",
+                                       sum(b.nbytes for b in list(self.in_place) if b.where is Location.HOST))
 
     def _check(self, exclude: Iterable[_Buffer] = ()) -> None:
         """A budget check: settle, verify, and evict the coldest to fit if over the budget."""
@@ -294,7 +313,7 @@ class ArrayResidency:
             handle._transfer = tr
             tier.accounting.count_extra("use.calls")
             tier.accounting.count_extra("use.bytes", tr.nbytes)
-            self._verify()    # in_place_bytes.current follows the arrays that just came in
+            self._count_in_place()     # the arrays that just came in are in place no more
         return handle
 
 

@@ -188,6 +188,20 @@ def test_use_orders_moves_after_evictions_and_the_stream_after_moves(btier, fake
     assert s["moved_bytes.activation.h2d"] == A and s["resident_bytes.all.current"] == 2 * A
 
 
+def test_use_moves_wait_for_the_overrun_evictions_too(btier, fake):
+    a, b, c, d = (Arr(btier) for _ in range(4))
+    fake.prefetch([(a.ptr, A)], Location.DEVICE, 0)           # over the budget by one array
+    fake.waits.clear()
+    fake.events_pending = True      # moves still running: a finished one needs no wait
+    with btier.use(b):
+        pass
+    fake.events_pending = False
+    side, d2h = residency(btier)._stream, stream(btier, "d2h")
+    assert (c.buf.where, d.buf.where) == (Location.HOST, Location.HOST)    # one for the overrun, one for b
+    assert fake.waits.count((side, d2h)) == 2
+    assert btier.stats()["residency.budget_overruns"] == 1
+
+
 def test_use_of_resident_arrays_moves_nothing(btier, fake):
     a, b = Arr(btier), Arr(btier)
     n = len(fake.calls)

@@ -72,6 +72,7 @@ NOTE [read-only scopes]
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import weakref
 from collections.abc import Iterable
@@ -151,8 +152,8 @@ class ArrayResidency:
             places = buf.policy.preferred_location is not Location.HOST and buf.policy.prefetch is not Prefetch.NEVER
             fits = True
             if budget is not None and places and tier._held() + buf.span > budget:
-                self._check(exclude={buf})
                 before = set(tier._inflight)
+                self._check(exclude={buf})
                 try:
                     tier._make_room(buf.span, exclude={buf} | self.pinned())
                 except OutOfBudgetError:
@@ -280,20 +281,25 @@ class ArrayResidency:
 
     def use(self, items: Iterable[Any], stream: Any = None, read_only: bool = False) -> ArrayUse:
         tier = self.tier
+        items = list(items)
         bufs: list[_Buffer] = []
         for x in items:
             b = buffer_of(tier, x)
             if b not in bufs:
                 bufs.append(b)
+        # CuPy arrays are used on CuPy's current stream, which differs from torch's where a
+        # program set one (the backend's current stream is torch's once torch runs CUDA).
+        if stream is None and any(_token_of(x) is not None for x in items):
+            stream = _cupy_stream()
         with tier._lock:
             tier._reap()
-            handle = ArrayUse(self, bufs)
+            handle = ArrayUse(self, bufs, stream)
             self.handles.add(handle)     # pinned from here on: the check below must not evict them
             try:
+                before = set(tier._inflight)
                 self._check(exclude=set(bufs))
                 todo = [b for b in bufs if b.where is not Location.DEVICE or b.in_shadow]
                 need = sum(b.span for b in todo if not b.parked)
-                before = set(tier._inflight)
                 tier._make_room(need, exclude=set(bufs) | self.pinned())
                 evictions = [tr for tr in tier._inflight if tr not in before]
                 self._settle()
@@ -316,7 +322,6 @@ class ArrayResidency:
             self._count_in_place()     # the arrays that just came in are in place no more
         return handle
 
-
     def _read_mostly(self, bufs: list[_Buffer]) -> None:
         """NOTE [read-only scopes]: in-place arrays a scope only reads come in as read-mostly
         duplicates, so that their eviction collapses them onto the host copy and moves nothing."""
@@ -334,9 +339,10 @@ class ArrayUse:
     budget checks never evict its arrays. Not thread-safe: one thread uses one handle.
     """
 
-    def __init__(self, state: ArrayResidency, bufs: list[_Buffer]):
+    def __init__(self, state: ArrayResidency, bufs: list[_Buffer], stream: Any = None):
         self._state = state
         self._bufs = bufs
+        self._stream = stream
         self._transfer: Transfer | None = None
         self.closed = False
 
@@ -354,9 +360,11 @@ class ArrayUse:
         return self._transfer is None or self._transfer.done()
 
     def wait(self, stream: Any = None) -> None:
-        """Make ``stream`` (default: the current stream) wait for the moves, on the device."""
+        """Make ``stream`` wait for the moves, on the device. Default: the stream given to
+        :meth:`Tier.use`, else CuPy's current stream where CuPy arrays were named, else the
+        current stream."""
         if self._transfer is not None:
-            self._transfer.wait(stream)
+            self._transfer.wait(stream if stream is not None else self._stream)
 
     def synchronize(self) -> None:
         """Block the host until the moves are done."""
@@ -382,6 +390,12 @@ class ArrayUse:
     def __repr__(self) -> str:
         state = "closed" if self.closed else ("done" if self.done() else "moving")
         return f"<ArrayUse {len(self._bufs)} arrays {self.nbytes:,} bytes {state}>"
+
+
+def _cupy_stream() -> int | None:
+    """CuPy's current stream in this thread, or None if CuPy is not loaded."""
+    cupy = sys.modules.get("cupy")
+    return None if cupy is None else int(cupy.cuda.get_current_stream().ptr)
 
 
 def _data_ptr(x: Any) -> int | None:

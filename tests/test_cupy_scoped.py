@@ -324,3 +324,18 @@ def test_stats_keys_are_documented():
     for key in EXTRA_KEYS:
         head = key.rsplit(".", 1)[0] if key.startswith("residency.faulted_back") else key
         assert head in (_stats.__doc__ or ""), key
+
+
+def test_handles_of_cupy_arrays_order_cupys_current_stream(btier, fake, monkeypatch):
+    a, b, c = three(btier)
+    current = SimpleNamespace(ptr=77)
+    cupy = SimpleNamespace(cuda=SimpleNamespace(get_current_stream=lambda: current))
+    monkeypatch.setitem(__import__("sys").modules, "cupy", cupy)
+    h = btier.use(a)
+    current.ptr = 78                 # CuPy's current stream changed since: the wait follows it
+    with h:
+        assert fake.waits[-1] == (78, stream(btier, "h2d"))
+    t = btier.empty(A, "uint8", role="activation")
+    t.evict()
+    with btier.use(t):               # a TieredTensor alone: the backend's current stream
+        assert fake.waits[-1] == (0, stream(btier, "h2d"))

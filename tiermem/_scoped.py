@@ -289,11 +289,12 @@ class ArrayResidency:
                 bufs.append(b)
         # CuPy arrays are used on CuPy's current stream, which differs from torch's where a
         # program set one (the backend's current stream is torch's once torch runs CUDA).
-        if stream is None and any(_token_of(x) is not None for x in items):
+        on_cupy = stream is None and any(_token_of(x) is not None for x in items)
+        if on_cupy:
             stream = _cupy_stream()
         with tier._lock:
             tier._reap()
-            handle = ArrayUse(self, bufs, stream)
+            handle = ArrayUse(self, bufs, _CUPY if on_cupy else stream)
             self.handles.add(handle)     # pinned from here on: the check below must not evict them
             try:
                 before = set(tier._inflight)
@@ -361,10 +362,13 @@ class ArrayUse:
 
     def wait(self, stream: Any = None) -> None:
         """Make ``stream`` wait for the moves, on the device. Default: the stream given to
-        :meth:`Tier.use`, else CuPy's current stream where CuPy arrays were named, else the
-        current stream."""
-        if self._transfer is not None:
-            self._transfer.wait(stream if stream is not None else self._stream)
+        :meth:`Tier.use`, else CuPy's current stream (at this call) where CuPy arrays were named,
+        else the current stream."""
+        if self._transfer is None:
+            return
+        if stream is None:
+            stream = _cupy_stream() if self._stream is _CUPY else self._stream
+        self._transfer.wait(stream)
 
     def synchronize(self) -> None:
         """Block the host until the moves are done."""
@@ -390,6 +394,9 @@ class ArrayUse:
     def __repr__(self) -> str:
         state = "closed" if self.closed else ("done" if self.done() else "moving")
         return f"<ArrayUse {len(self._bufs)} arrays {self.nbytes:,} bytes {state}>"
+
+
+_CUPY = object()   # an ArrayUse's stream: CuPy's current one when it is waited on
 
 
 def _cupy_stream() -> int | None:

@@ -1,8 +1,9 @@
 """bench/cupy_budget.py: CuPy arrays 3x a device budget, four ways, side by side (issue 21).
 
 Twelve float32 arrays of 256 MiB (3 GiB) under a 1 GiB budget, by default. A pass applies one op
-to every array in turn: "update" (``a *= 1.0001``, every array dirty) or "read" (``sums[i] =
-a.sum()``, nothing written). Modes:
+to every array in turn: "update" (``a *= 1.0001``, every array dirty), "read" (``sums[i] =
+a.sum()``, nothing written), or "reuse" (four such sums of each array in a row: kernels that
+read their data more than once, as a blocked product does). Modes:
 
   managed    plain CuPy on cudaMallocManaged under the same budget: the first budget/size - 1
              arrays stay on the device, the others are pushed to the host with a plain Unified
@@ -10,7 +11,7 @@ a.sum()``, nothing written). Modes:
   unhinted   tiermem's allocator (role "activation"), no hints: what tiermem does on its own
   scoped     tiermem with Tier.use, pipelined: the next array's moves start while this one
              computes; what fits beside the two in flight stays held (read_only=True for the
-             read op)
+             read and reuse ops)
   streamer   a hand-written pinned-host streamer in CuPy: pinned host arrays, two device slots,
              copies in and out on side streams
 
@@ -32,7 +33,7 @@ Writes bench/results/cupy_budget-<device>-<yyyymmdd>.json. Managed memory stays 
 process, one process at a time.
 
     python bench/cupy_budget.py [--budget-mib 1024] [--arrays 12] [--array-mib 256] [--passes 6]
-                                [--ops update,read] [--modes managed,unhinted,scoped,streamer]
+                                [--ops update,read,reuse] [--modes managed,unhinted,scoped,streamer]
 """
 from __future__ import annotations
 
@@ -47,7 +48,8 @@ from _common import progress, table, write_results
 
 MiB = 1 << 20
 MODES = ("managed", "unhinted", "scoped", "streamer")
-OPS = ("update", "read")
+OPS = ("update", "read", "reuse")
+REUSE = 4
 
 # Random, never-zero float32 from (index, seed), written in place (no temporaries).
 FILL = ("uint32 seed", "float32 x",
@@ -75,6 +77,7 @@ class Run:
         self.fill_k(cupy.uint32(1), warm)
         warm *= cupy.float32(1.0001)
         self.sums[0] = warm.sum()
+        self.sums[...] = 0
         del warm
         cupy.get_default_memory_pool().free_all_blocks()
         cupy.cuda.Device().synchronize()
@@ -114,8 +117,11 @@ class Run:
     def op(self, x, i: int) -> None:
         if self.args.op == "update":
             x *= self.cupy.float32(1.0001)
-        else:
+        elif self.args.op == "read":
             self.sums[i] = x.sum()
+        else:
+            for _ in range(REUSE):
+                self.sums[i] += x.sum()
 
     def passes(self, one_pass, on_pass_end=None) -> list[float]:
         """Seconds per pass from CUDA events on the current stream; the first pass is a warm-up."""
@@ -153,6 +159,11 @@ class Run:
             ok = ok and bool(cp.array_equal(got, ref))
             if self.args.op == "read":
                 ok = ok and bool(cp.allclose(self.sums[i], ref.sum(), rtol=1e-6, atol=0))
+            elif self.args.op == "reuse":
+                acc, one = cp.zeros((), cp.float32), ref.sum()
+                for _ in range(REUSE * self.args.passes):
+                    acc += one
+                ok = ok and bool(cp.allclose(self.sums[i], acc, rtol=1e-5, atol=0))
         return ok
 
 
@@ -203,7 +214,7 @@ def run_tiermem(r: Run, scoped: bool) -> dict:
             r.fill(x, i)
             xs.append(x)
             r.driver_used()
-        ro = r.args.op == "read"
+        ro = r.args.op != "update"
 
         # What a user who knows the pass is a cyclic scan writes: hold what fits beside the two
         # arrays in flight (open handles pin their arrays), and pipeline the rest; a plain LRU
@@ -415,7 +426,7 @@ def main() -> None:
     ap.add_argument("--arrays", type=int, default=12)
     ap.add_argument("--array-mib", type=int, default=256)
     ap.add_argument("--passes", type=int, default=6, help="passes per mode; the first is a warm-up")
-    ap.add_argument("--ops", default="update,read")
+    ap.add_argument("--ops", default=",".join(OPS))
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--probe-reads", type=int, default=20)
     ap.add_argument("--child", choices=MODES + ("probe",), help=argparse.SUPPRESS)

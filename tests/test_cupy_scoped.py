@@ -339,3 +339,11 @@ def test_handles_of_cupy_arrays_order_cupys_current_stream(btier, fake, monkeypa
     t.evict()
     with btier.use(t):               # a TieredTensor alone: the backend's current stream
         assert fake.waits[-1] == (0, stream(btier, "h2d"))
+
+
+def test_stats_answer_when_a_refresher_fails(tier, caplog):
+    def broken():
+        raise RuntimeError("driver query failed")
+    tier.accounting.add_refresher(broken)
+    s = tier.stats()
+    assert s["use.calls"] == 0 and "driver query failed" in caplog.text

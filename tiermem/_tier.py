@@ -1028,8 +1028,9 @@ class Tier:
         """Bring ``arrays`` (CuPy arrays from this Tier's allocator, or TieredTensors) to the device
         ahead of use, on tiermem's stream, evicting the coldest to hold the budget (raises
         :class:`OutOfBudgetError` if they cannot all fit). Returns an :class:`ArrayUse` handle:
-        the moves start at once; ``with handle:`` makes the current stream wait for them on the
-        device, and until the block ends budget checks never evict them. Make the next block's
+        the moves start at once; ``with handle:`` makes ``stream`` (default: CuPy's current
+        stream for CuPy arrays, else the current stream) wait for them on the device, and until
+        the block ends budget checks never evict them. Make the next block's
         handle inside this block's ``with`` to overlap its moves with this block's kernels.
         ``read_only=True`` promises the block only reads them: they then leave the device again
         without moving a byte. NOTE [scoped moves] and NOTE [read-only scopes] in _scoped.py."""

@@ -53,7 +53,7 @@ rng = np.random.default_rng(0)
 w64 = W.get().astype(np.float64)
 worst = 0.0
 for x, y in zip(X, Y):
-    pick = np.sort(rng.choice(rows, 8, replace=False))
+    pick = cupy.asarray(np.sort(rng.choice(rows, 8, replace=False)))
     want = x[pick].get().astype(np.float64) @ w64
     worst = max(worst, float(np.max(np.abs(y[pick].get() - want))))
 assert worst < 1e-3, f"Y differs from NumPy by {worst}"

@@ -379,7 +379,10 @@ class ArrayUse:
         """Let budget checks evict these arrays again (they stay resident until one needs room)."""
         if not self.closed:
             self.closed = True
-            self._state.handles.discard(self)
+            tier = self._state._tier()
+            if tier is not None:
+                with tier._lock:     # another thread may be reading the pins in a budget check
+                    self._state.handles.discard(self)
             self._bufs = []
 
     def __enter__(self) -> ArrayUse:

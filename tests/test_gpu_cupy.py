@@ -24,8 +24,8 @@ FILL = ("uint32 seed", "float32 x",
         "h ^= h >> 15; x = 1.0f + (float)(h & 0xffffff) / 16777216.0f;", "tiermem_test_fill")
 
 # Run in a fresh process: the driver's figure (cudaMemGetInfo) counts device pages the process
-# ever took and has not handed on, so only a process with no earlier managed memory measures
-# this workload alone (shared/FACTS.md, "Residency accounting").
+# ever took, so only a process with no earlier managed memory measures this workload alone
+# (shared/FACTS.md, "Residency accounting").
 _DRIVER = r"""
 import json, sys
 import cupy
@@ -88,10 +88,13 @@ def test_residency_stats_agree_with_the_driver_after_kernels_touch_evicted_array
                        f"{r['faulted_back'] / MiB:.1f}, overruns {r['overruns']}" for r in res["rows"])
     print(report)
     for r in res["rows"]:
-        # The driver never takes device pages back (FACTS.md): its figure is the most tiermem ever
-        # held at once, which under a full budget is what it holds now.
-        assert abs(r["driver"] - r["resident"]) <= max(0.05 * r["resident"], 64 * MiB), report
-        assert r["resident"] <= res["budget"] and r["peak"] <= res["budget"], report
+        # The driver did not take device pages back on the H100 (shared/FACTS.md); it hands them
+        # on. So its figure lies between what tiermem holds now and the most it held at once
+        # (resident_bytes peak): arrays that kernels faulted back behind the books would take
+        # it above the peak.
+        tol = max(0.05 * r["peak"], 64 * MiB)
+        assert r["resident"] - tol <= r["driver"] <= r["peak"] + tol, report
+        assert r["resident"] <= r["peak"] <= res["budget"], report
         assert r["faulted_back"] == 0 and r["overruns"] == 0, report
 
 

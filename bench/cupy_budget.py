@@ -16,7 +16,7 @@ read their data more than once, as a blocked product does). Modes:
              copies in and out on side streams
 
 Each mode and op runs in a fresh process: the driver's figure (cudaMemGetInfo) never takes
-device pages back (shared/FACTS.md, "Residency accounting"), so only a process with no earlier
+device pages back (bench/results/probe_release-*.json), so only a process with no earlier
 managed memory measures one workload's device use. Per mode: time per pass (CUDA events, a
 warm-up pass, the median of the rest; random data, never zeros), bytes each way (tiermem's
 counters, and the PCIe counters where NVML has them), the bound (bytes that must cross the link
@@ -248,7 +248,8 @@ def run_tiermem(r: Run, scoped: bool) -> dict:
             s = tier.stats()
             now = pcie()
             driver = r.driver_used()
-            rows.append({"pass": p, "driver": driver, "held": s["resident_bytes.all.current"] + s["staging_bytes.current"],
+            rows.append({"pass": p, "driver": driver,
+                         "held": s["resident_bytes.all.current"] + s["staging_bytes.current"],
                          "resident_peak": s["resident_bytes.all.peak"] + s["staging_bytes.current"],
                          "h2d": s["moved_bytes.all.h2d"] - last["s"]["moved_bytes.all.h2d"],
                          "d2h": s["moved_bytes.all.d2h"] - last["s"]["moved_bytes.all.d2h"],
@@ -398,7 +399,8 @@ def probe(args: argparse.Namespace) -> None:
                                    "gbps_max": round(max(rates), 1), "driver_growth": grew,
                                    "preferred_location": str(info.preferred_location),
                                    "last_prefetch": str(info.last_prefetch), "migrates": migrated}
-        progress(f"probe: in-place {what}s x{reps}: {rates[0]:.1f} -> {rates[-1]:.1f} GB/s, driver +{grew / MiB:.0f} MiB"
+        progress(f"probe: in-place {what}s x{reps}: {rates[0]:.1f} -> {rates[-1]:.1f} GB/s, "
+                 f"driver +{grew / MiB:.0f} MiB"
                  f" -> {'MIGRATES' if migrated else 'stays on the host'}")
     print("RESULT " + json.dumps(res), flush=True)
 
@@ -423,7 +425,8 @@ def spawn(argv: list[str]) -> dict | None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--budget-mib", type=int, default=1024)
     ap.add_argument("--arrays", type=int, default=12)
     ap.add_argument("--array-mib", type=int, default=256)
@@ -468,7 +471,7 @@ def main() -> None:
         for mode, m in modes.items():
             err = None
             if "rows" in m:
-                # The driver did not take pages back on the H100, it hands them on (FACTS.md):
+                # The driver did not take pages back on the H100 (probe_release-*.json), it hands them on:
                 # its figure lies between what tiermem holds now and the most it held at once
                 # (the peak). Arrays faulted back behind the books would take it above the peak.
                 timed = m["rows"][1:] or m["rows"]

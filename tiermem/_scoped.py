@@ -17,9 +17,9 @@ NOTE [allocator arrays in place]
     kernel that touches it faults it back to the device (~6.8 GB/s on the H100), and tiermem's
     books still say "host": the budget held only in the books (issue 21).
     So an evicted allocator array gets advice to live on the host and be used in place: preferred
-    location host, accessed-by the device (and the host), no read-mostly (``IN_PLACE``). A kernel that touches it
-    then reads and writes the host pages over the link (~50 GB/s for reads) without migrating
-    them, and it stays where the books say. It comes back to the device when named in
+    location host, accessed-by the device (and the host), no read-mostly (``IN_PLACE``). A kernel
+    that touches it then reads and writes the host pages over the link (~50 GB/s for reads)
+    without migrating them, and it stays where the books say. It comes back to the device when named in
     :meth:`Tier.use` (or prefetched), at the prefetch rate (~49 GB/s in large calls). The advice
     stays: from its first eviction on, the array's home is the host.
     What can still bring it back behind tiermem's back, and what tiermem does about each:
@@ -47,13 +47,16 @@ NOTE [scoped moves]
     never chosen. The moves of allocator arrays do not wait for the caller's stream: they go
     through Unified Memory, which keeps every address valid, so a kernel still running on one
     reads right data either way, and the next block's moves overlap this block's kernels. They
-    do wait, on the device, for the evictions that made their room: the driver hands the evicted
-    pages on instead of taking new ones, so its figure stays within the budget plus the
-    evictions still in flight. TieredTensors may move through their shadows (their address
-    changes), so a call that names one orders its moves after the caller's stream, as
-    ``Tier.prefetch`` does. The caller's stream waits for the moves, on the device, when the
-    handle is entered (or ``wait``-ed); the host never blocks, except where a TieredTensor's
-    shadow move discards pages (NOTE [discard fence] in _backend.py).
+    do wait, on the device, for the evictions that made their room, as a new array's placement
+    does: the driver then hands the evicted pages on instead of taking new ones. It did not take
+    pages back on the H100 (free memory gained nothing from an eviction or a discard:
+    bench/results/probe_release-*.json), so its figure (cudaMemGetInfo) is a high-water mark,
+    and with that ordering it lies between ``resident_bytes`` now and their peak.
+    TieredTensors may move through their shadows (their address changes), so a call that names
+    one orders its moves after the caller's stream, as ``Tier.prefetch`` does. The caller's
+    stream waits for the moves, on the device, when the handle is entered (or ``wait``-ed); the
+    host never blocks, except where a TieredTensor's shadow move discards pages (NOTE [discard
+    fence] in _backend.py).
     A dirty allocator array leaves the device through Unified Memory's write-back (~9-15 GB/s):
     it must keep its address, and the fast eviction paths move data to a new one. For arrays a
     pass touches once, leaving them in place is faster than naming them.
@@ -92,7 +95,7 @@ log = logging.getLogger("tiermem")
 
 # The advice an evicted allocator array gets (NOTE [allocator arrays in place]). Accessed-by the
 # host too: Unified Memory's write-back of such a range ran at 14.6 GB/s on the H100 against
-# 9.0-9.4 without it (shared/FACTS.md), and every later eviction of the array is one.
+# 9.0-9.4 without it (measured on the H100 machine), and every later eviction of the array is one.
 IN_PLACE = {"preferred_location": Location.HOST, "accessed_by_device": True, "accessed_by_host": True,
             "read_mostly": False}
 

@@ -15,6 +15,7 @@ from ._train import TieredTraining
 from ._trainplan import StepTrace, TrainPlan, plan_training
 from ._cuda import Capabilities, RangeInfo
 from ._cupy import current_role, using_role
+from ._scoped import ArrayUse, use
 from ._errors import (BuildError, CapExceededError, ConfigError, ConfigTypeError, CUDAError, CUDAOutOfMemoryError,
                       CUDAUnavailableError, DeviceFullError, OutOfBudgetError, RoleError, TierMemError, ViewError,
                       WrapError)
@@ -34,7 +35,7 @@ __all__ = [
     "DEFAULT_POLICIES", "Capabilities", "RangeInfo",
     "configure", "default_tier", "empty", "wrap", "wrap_module", "wrap_training", "TieredTraining", "TrainPlan",
     "StepTrace", "plan_training", "unwrap", "TieredModule", "Plan", "plan_residency", "tiered_of", "prefetch", "evict", "allocator",
-    "using_role", "current_role", "policy_override", "stats", "memory_summary", "synchronize", "parse_bytes",
+    "using_role", "current_role", "use", "ArrayUse", "policy_override", "stats", "memory_summary", "synchronize", "parse_bytes",
     "TierMemError", "ConfigError", "ConfigTypeError", "CUDAError", "CUDAOutOfMemoryError", "CUDAUnavailableError", "OutOfBudgetError", "CapExceededError", "DeviceFullError", "RoleError",
     "WrapError", "ViewError", "BuildError", "__version__",
     "torch_allocations", "TorchAllocations", "is_managed", "torch_allocator_stats", "TorchAllocatorStats",

@@ -1042,6 +1042,24 @@ class Tier:
         from ._cupy import make_allocator
         return make_allocator(self, role)
 
+    def use(self, *arrays: Any, stream: Any = None, read_only: bool = False) -> Any:
+        """Bring ``arrays`` (CuPy arrays from this Tier's allocator, or TieredTensors) to the device
+        ahead of use, on tiermem's stream, evicting the coldest to hold the budget (raises
+        :class:`OutOfBudgetError` if they cannot all fit). Returns an :class:`ArrayUse` handle:
+        the moves start at once; ``with handle:`` makes ``stream`` (default: CuPy's current
+        stream for CuPy arrays, else the current stream) wait for them on the device, and until
+        the block ends budget checks never evict them. Make the next block's
+        handle inside this block's ``with`` to overlap its moves with this block's kernels.
+        ``read_only=True`` promises the block only reads them: they then leave the device again
+        without moving a byte. NOTE [scoped moves] and NOTE [read-only scopes] in _scoped.py."""
+        from ._scoped import residency
+        return residency(self).use(arrays, stream, read_only)
+
+    def owner_of(self, ptr: int) -> Any:
+        """The live internal buffer whose managed range (or shadow) holds address ``ptr``, or None.
+        For integrations that get raw pointers back (the CuPy allocator's arrays)."""
+        return self._owner_of(int(ptr))
+
     # -- telemetry ------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         """The flat stats dict; keys are documented in tiermem/_stats.py."""

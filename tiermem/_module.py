@@ -90,8 +90,10 @@ class Plan:
         gb = lambda n: f"{n / 1e9:8.3f} GB"  # noqa: E731
         how = ("(read in place, zero-copy)" if self.zero_copy_only else
                f"through a {gb(self.window).strip()} window of {self.lookahead} slot(s)")
+        here = self.streamed_bytes - self.moved_bytes
         lines = [f"budget {gb(self.budget)} of {gb(self.total)} weights: {len(self.pinned)} of {len(self.sizes)} groups "
-                 f"resident ({gb(self.pinned_bytes)}), {gb(self.streamed_bytes)} streamed per forward {how}",
+                 f"resident ({gb(self.pinned_bytes)}), {gb(self.moved_bytes)} streamed per forward {how}"
+                 + (f", {gb(here).strip()} read in place (embeddings)" if here else ""),
                  f"predicted transfer time per forward at {link_GBps:.1f} GB/s: {self.predicted_seconds(link_GBps) * 1e3:.1f} ms"]
         rows = [(g, n, "resident" if g in self.pinned else "in place" if g in self.in_place else "streamed")
                 for g, n in self.sizes]

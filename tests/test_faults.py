@@ -618,3 +618,58 @@ def test_fault_injection_fires_once_at_the_nth_call_and_counting_fails_nothing()
     t.empty(2 * MiB, "uint8", role="activation")     # once only
     with pytest.raises(ValueError):
         fake.fail_at(0)
+
+
+# -- the bugs the sweep found, one test each ------------------------------------------------------
+
+def nth(fake: FakeBackend, op: Callable[[], Any], call: str, occurrence: int = 1) -> int:
+    """The index (1-based) of the ``occurrence``-th ``call`` that ``op`` makes, counted on ``fake``."""
+    with fake.counting() as seen:
+        op()
+    return [i for i, c in enumerate(seen, 1) if c == call][occurrence - 1]
+
+
+def twin(build: Callable[[FakeBackend], tuple]) -> tuple:
+    """Build the same set-up twice: one to count calls on (its operation is run), one to fail."""
+    return build(FakeBackend(total=1 << 30)), build(FakeBackend(total=1 << 30))
+
+
+def test_fault_a_failed_eviction_leaves_every_tensor_on_the_device_with_its_bytes():
+    """The first tensor's copies went into the staging ring, not all of them on to its shadow yet,
+    when the second one's shadow could not be allocated: it used to be marked as in its shadow."""
+    def build(fake):
+        t = tiermem.Tier(backend=fake)
+        (a, da), (b, db) = filled(t, 4 * MiB), filled(t, 2 * MiB)
+        return fake, t, [a, b], [da, db]
+    (f0, t0, tts0, _), (fake, t, tts, data) = twin(build)
+    fake.fail_at(nth(f0, lambda: t0.evict(tts0), "host_alloc", 2), "oom")   # the second shadow
+    with pytest.raises(tiermem.CUDAOutOfMemoryError):
+        t.evict(tts)
+    assert fake.fired[1] == "host_alloc"
+    for tt, d in zip(tts, data):
+        assert (tt.location, tt.in_shadow) == (Location.DEVICE, False)
+        assert np.array_equal(tt_bytes(fake, tt), d)
+    assert t.resident_bytes == 6 * MiB
+    t.evict(tts)
+    for tt, d in zip(tts, data):
+        assert tt.in_shadow and np.array_equal(t_bytes(tt.torch()), d)
+
+
+def test_fault_a_wrapped_parameter_stays_with_its_data_when_an_eviction_or_refill_fails():
+    def build(fake):
+        t = tiermem.Tier(backend=fake, staging="off")
+        p = param(2 * MiB)
+        return fake, t, p, t.wrap(p), t_bytes(p).copy()
+    (f0, t0, p0, tt0, _), (fake, t, p, tt, data) = twin(build)
+    fake.fail_at(nth(f0, lambda: t0.evict(tt0), "copy"), "interrupt")
+    with pytest.raises(KeyboardInterrupt):
+        t.evict(tt)
+    assert p.data_ptr() == tt.data_ptr and not tt.in_shadow and np.array_equal(t_bytes(p), data)
+    t.evict(tt)
+    assert p.data_ptr() == tt._b.shadow.ptr
+    fake.fail_at(nth(f0, lambda: t0.prefetch(tt0), "torch_view"))
+    with pytest.raises(tiermem.CUDAError):
+        t.prefetch(tt)
+    assert p.data_ptr() == tt._b.shadow.ptr and tt.in_shadow and np.array_equal(t_bytes(p), data)
+    t.prefetch(tt)
+    assert p.data_ptr() == tt.data_ptr and np.array_equal(t_bytes(p), data)

@@ -34,6 +34,7 @@ import tiermem
 from fakes import FAULT_KINDS, FakeBackend, _FakeBlock
 from helpers import MiB
 from tiermem import Location, TierMemError
+from tiermem._staging import StagingRing
 from tiermem._tier import _SharedBlock
 from tiermem._torch import tiered_of
 
@@ -496,6 +497,8 @@ def check_books(tier: tiermem.Tier, fake: FakeBackend) -> None:
     shadows = sum(b.shadow.nbytes for b in bufs if b.shadow is not None)
     assert live["pinned"] == shadows == tier._shadow_bytes
     assert live["device"] == tier.staging_bytes
+    for ring in tier._staging.rings.values():
+        assert ring is None or not ring.allocated or ring._stream is not None, "a ring without its stream"
     assert tier._parked == sum(b.span for b in bufs if b.parked)
     assert tier._resident == sum(b.span for b in bufs if b.where is Location.DEVICE or b.parked)
     s = tier.stats()
@@ -718,3 +721,14 @@ def test_fault_a_failed_wrap_leaves_the_model_as_it_was(kind):
     assert fake.live()["managed"] == 0 and t.resident_bytes == 0
     t.wrap(lin.weight)
     assert tiered_of(lin.weight) is not None and torch.equal(lin(x), want)
+
+
+def test_fault_a_ring_whose_stream_cannot_be_made_is_not_allocated():
+    ring = StagingRing(FakeBackend())
+    ring.backend.fail_at(1)
+    with pytest.raises(tiermem.CUDAError):
+        ring.allocate()
+    assert ring.backend.fired[1] == "new_stream"
+    assert not ring.allocated and ring.backend.live()["device"] == 0
+    ring.allocate()
+    assert ring.allocated and ring._stream is not None

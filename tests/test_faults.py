@@ -460,6 +460,21 @@ def trim(fake):
 
 
 @scene
+def trim_read_only(fake):
+    """A read-only parked tensor's pages hold its data: its refill copies nothing. Given back
+    with a small tensor's pages (discard, then migration), then refilled."""
+    t = tiermem.Tier(backend=fake, budget=64 * MiB, staging="off")
+    sc = Scene(t, lambda: None)
+    x = resident(t, sc, (2 * MiB,), read_only=True) + resident(t, sc, (5000,))
+    t.evict(x)
+    t.prefetch(x)
+    t.evict(x)                  # parked, and intact
+    sc.op = t.trim
+    sc.again = lambda: t.prefetch(x)
+    return sc
+
+
+@scene
 def close(fake):
     t, sc = parked_with_rings(fake)
     t.evict([sc.tts[-1][0]], non_blocking=True)
@@ -732,3 +747,23 @@ def test_fault_a_ring_whose_stream_cannot_be_made_is_not_allocated():
     assert not ring.allocated and ring.backend.live()["device"] == 0
     ring.allocate()
     assert ring.allocated and ring._stream is not None
+
+
+def test_fault_a_read_only_tensor_whose_pages_went_back_is_refilled_from_its_shadow():
+    """Parked pages of a read-only tensor (whole pages) and of a small one went back in one
+    trim; the small one's migration failed after the discard. The read-only tensor used to stay
+    parked, its refill then copied nothing into discarded pages."""
+    def build(fake):
+        t = tiermem.Tier(backend=fake, budget=64 * MiB, staging="off")
+        (a, da), (b, _) = filled(t, 2 * MiB, read_only=True), filled(t, 5000)
+        t.evict([a, b])
+        t.prefetch([a, b])
+        t.evict([a, b])
+        return fake, t, a, da, b
+    (f0, t0, *keep0), (fake, t, a, data, _) = twin(build)
+    fake.fail_at(nth(f0, t0.trim, "prefetch"))
+    with pytest.raises(tiermem.CUDAError):
+        t.trim()
+    assert not a.parked and a.in_shadow
+    t.prefetch(a)
+    assert np.array_equal(tt_bytes(fake, a), data)

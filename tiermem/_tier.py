@@ -980,6 +980,9 @@ class Tier:
         if whole:
             self._quiesce()
             self.backend.discard(coalesce((b.block.alloc, b.ptr, b.span) for b in whole), side)
+            # At once, before the next call can fail: a parked buffer whose pages are gone must
+            # not stay parked, or a read-only one would be refilled from the pages (``_intact``).
+            self._gave_back(whole)
         shared = [b for b in chosen if not b.owns_pages]
         if shared:
             # Pages shared with other buffers cannot be discarded; Unified Memory moves them to
@@ -988,10 +991,13 @@ class Tier:
             self.backend.prefetch(coalesce((b.block.alloc, *self._range(b)) for b in shared), Location.HOST, side)
             for b in shared:
                 self.accounting.on_move(b.role, "d2h", b.nbytes)
-        for b in chosen:
+            self._gave_back(shared)
+        return freed
+
+    def _gave_back(self, bufs: list[_Buffer]) -> None:
+        for b in bufs:
             self._unpark(b, pages_gone=True)
             self.accounting.count(b.role, "park_release_ops")
-        return freed
 
     # -- views and bindings -----------------------------------------------------------------------
     def _rebind(self, b: _Buffer, shadow: bool) -> None:

@@ -475,6 +475,21 @@ def trim_read_only(fake):
 
 
 @scene
+def view_bring_back_wrapped(fake):
+    """A wrapped parameter in its shadow, no room in the budget: a view brings it back into host
+    pages, and the parameter follows."""
+    t = tiermem.Tier(backend=fake, budget=2 * MiB)
+    sc = Scene(t, lambda: None)
+    p = param(2 * MiB)
+    sc.tensors.append((p, t_bytes(p).copy()))
+    tt = t.wrap(p)
+    t.evict(tt)
+    held_tt(sc, *filled(t, 2 * MiB, role="workspace"))   # takes the parked pages; never evicted
+    sc.op = lambda: tt.torch(writable=False)
+    return sc
+
+
+@scene
 def close(fake):
     t, sc = parked_with_rings(fake)
     t.evict([sc.tts[-1][0]], non_blocking=True)
@@ -767,3 +782,21 @@ def test_fault_a_read_only_tensor_whose_pages_went_back_is_refilled_from_its_sha
     assert not a.parked and a.in_shadow
     t.prefetch(a)
     assert np.array_equal(tt_bytes(fake, a), data)
+
+
+def test_fault_a_wrapped_parameter_brought_back_into_host_pages_follows_only_once_it_is_there():
+    def build(fake):
+        t = tiermem.Tier(backend=fake, budget=2 * MiB)
+        p = param(2 * MiB)
+        data = t_bytes(p).copy()
+        tt = t.wrap(p)
+        t.evict(tt)
+        w = t.empty(2 * MiB, "uint8", role="workspace")    # takes the parked pages; never evicted
+        return fake, t, p, tt, data, w
+    (f0, t0, p0, tt0, _, w0), (fake, t, p, tt, data, w) = twin(build)
+    fake.fail_at(nth(f0, lambda: tt0.torch(), "torch_view"))
+    with pytest.raises(tiermem.CUDAError):
+        tt.torch()
+    assert p.data_ptr() == (tt._b.shadow.ptr if tt.in_shadow else tt.data_ptr)
+    assert np.array_equal(t_bytes(p), data)
+    assert np.array_equal(t_bytes(tt.torch()), data) and p.data_ptr() == tt.data_ptr

@@ -1059,8 +1059,8 @@ class Tier:
             ev = self.backend.new_event()
             self.backend.record(ev, side)
             self.backend.synchronize(ev)
+            self._rebind(b, shadow=False)   # first: if it fails, the data is still where they point
             b.in_shadow = False
-            self._rebind(b, shadow=False)
 
     # -- integrations ---------------------------------------------------------------------------
     def wrap(self, tensor: Any, role: Role | str = Role.WEIGHT, **kwargs: Any) -> TieredTensor:

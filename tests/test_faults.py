@@ -800,3 +800,24 @@ def test_fault_a_wrapped_parameter_brought_back_into_host_pages_follows_only_onc
     assert p.data_ptr() == (tt._b.shadow.ptr if tt.in_shadow else tt.data_ptr)
     assert np.array_equal(t_bytes(p), data)
     assert np.array_equal(t_bytes(tt.torch()), data) and p.data_ptr() == tt.data_ptr
+
+
+class _LateInterrupt(FakeBackend):
+    """Ctrl-C lands just as the discard returns, its work done (Python runs signal handlers
+    between bytecodes, so it can)."""
+
+    def discard(self, ranges, stream):
+        super().discard(ranges, stream)
+        raise KeyboardInterrupt("landed as the discard returned")
+
+
+def test_fault_an_interrupt_landing_as_the_discard_returns_keeps_the_eviction():
+    fake = _LateInterrupt(total=1 << 30)
+    t = tiermem.Tier(backend=fake, staging="off")
+    tt, data = filled(t, 2 * MiB)
+    with pytest.raises(KeyboardInterrupt):
+        t.evict(tt)
+    assert tt.in_shadow and t.resident_bytes == 0       # the pages are gone: the data is in the shadow
+    assert np.array_equal(tt_bytes(fake, tt), data)
+    check_books(t, fake)
+    assert np.array_equal(t_bytes(tt.torch()), data)

@@ -59,7 +59,9 @@ NOTE [failed moves]
     data (a refill never writes a shadow, an eviction's copies only write shadows), and because
     between two backend calls every counter agrees with every buffer's state. Shadows a failed
     eviction allocated stay with their buffers (counted, and marked stale): the next eviction
-    uses them. A failure after the discard leaves the eviction done. The error is raised as it
+    uses them. A failure of the discard itself, or after it, leaves the eviction done: the
+    discard may have dropped the pages (a Ctrl-C can land just as it returns), and the data is
+    in the shadows, whose copies the stream runs before the discard. The error is raised as it
     came: tiermem's CUDAError with the call and the CUDA error's name, or the KeyboardInterrupt.
 """
 from __future__ import annotations
@@ -803,8 +805,10 @@ class Tier:
             stage.close()     # before the discards: their fence drains tiermem's stream
         if discards:
             self._quiesce()
-            be.discard(coalesce((b.block.alloc, b.ptr, b.span) for b in discards), side)
+            # Before the call: one that fails, or a Ctrl-C that lands as it returns, may have
+            # dropped the pages already, and the shadows hold the data (NOTE [failed moves]).
             discarded.append(True)
+            be.discard(coalesce((b.block.alloc, b.ptr, b.span) for b in discards), side)
         for r, n in moved.items():
             self.accounting.on_move(r, "d2h", n)
         tr = self._finish("d2h", todo, cur, side, start, moved, non_blocking)

@@ -13,9 +13,10 @@ Failure injection (what tests/test_faults.py sweeps; any other test may use it):
     len(seen), seen[0]             # how many, and the first one's name ("new_event", ...)
     fake.fired                     # the (n, call name, kind) of the last failure that fired
 
-The faultable calls are the backend methods in ``FAULTABLE`` (every one that a real CUDA call
-stands behind). A failure is raised when the call starts, before it has any effect, as a CUDA
-call that returns an error does. Its kind is one of ``FAULT_KINDS``:
+The faultable calls are the backend methods in ``tiermem._backend.FAULTABLE`` (every one that a
+real CUDA call stands behind), counted by a ``tiermem._backend.FaultInjector`` (``fake.faults``;
+the real backend takes the same injector, NOTE [failure injection] in _backend.py). A failure is
+raised when the call starts, before it has any effect. Its kind is one of ``FAULT_KINDS``:
 
     "cuda"       CUDAError("<call>", 719, "cudaErrorLaunchFailure"): a sticky device error;
     "oom"        CUDAOutOfMemoryError("<call>", 2, "cudaErrorMemoryAllocation");
@@ -35,19 +36,15 @@ from typing import Any
 
 import numpy as np
 
-from tiermem._backend import LARGE, Block, HostBlock
+from tiermem._backend import FAULTABLE, LARGE, Block, FaultInjector, HostBlock
 from tiermem._cuda import Capabilities, RangeInfo
-from tiermem._errors import CUDAError, CUDAOutOfMemoryError, ViewError
+from tiermem._errors import CUDAOutOfMemoryError, ViewError
 from tiermem._limits import CapGuard, resolve_cap
 from tiermem.roles import Advice, Location
 
 POISON = 0xDB
 
-# Every backend method that stands for a CUDA call that can fail (see the module docstring).
-FAULTABLE = ("allocate", "host_alloc", "device_alloc", "advise", "prefetch", "discard", "discard_and_prefetch",
-             "copy", "range_info", "new_stream", "new_event", "record", "wait", "query", "synchronize",
-             "elapsed_ms", "torch_view")
-FAULT_KINDS = ("cuda", "oom", "interrupt")
+FAULT_KINDS = FaultInjector.KINDS
 # What fresh memory holds: random bytes, repeated (drawing new ones for every allocation made
 # the fault sweep's thousands of tiers slow).
 _NOISE = np.random.default_rng(0xDB).integers(0, 256, size=(1 << 20) + 4099, dtype=np.uint8)
@@ -96,47 +93,30 @@ class FakeBackend:
         self.events_pending = False    # query() then says no event is done yet (the work is, here)
         self.waits: list[tuple[int, int | None]] = []   # (waiting stream, stream the event was recorded on)
         self._live = {"managed": 0, "pinned": 0, "device": 0}
-        self._fault: tuple[int, str] | None = None   # (calls left before the failing one, kind)
-        self._seen: list[str] | None = None           # names of faultable calls, while counting
-        self.fired: tuple[int, str, str] | None = None
+        self.faults = FaultInjector()
 
     # -- failure injection (see the module docstring) ------------------------------------------
     def fail_at(self, n: int, kind: str = "cuda") -> None:
         """Make the ``n``-th faultable call from now (1-based) fail once with ``kind``."""
-        if n < 1 or kind not in FAULT_KINDS:
-            raise ValueError(f"fail_at(n >= 1, kind in {FAULT_KINDS}), got ({n}, {kind!r})")
-        self._fault, self.fired = (n, kind), None
-        self._armed_at = n
+        self.faults.fail_at(n, kind)
 
     def disarm(self) -> None:
-        self._fault = None
+        self.faults.disarm()
+
+    @property
+    def fired(self) -> tuple[int, str, str] | None:
+        return self.faults.fired
 
     @contextlib.contextmanager
     def counting(self):
         """Record the names of the faultable calls made inside the block (nothing fails)."""
-        seen: list[str] = []
-        old, self._fault, self._seen = self._fault, None, seen
+        inj, seen = self.faults, []
+        armed = (inj._left, inj._n, inj._kind)
+        inj._left, inj.seen = None, seen
         try:
             yield seen
         finally:
-            self._fault, self._seen = old, None
-
-    def _fault_point(self, call: str) -> None:
-        if self._seen is not None:
-            self._seen.append(call)
-        if self._fault is None:
-            return
-        left, kind = self._fault
-        if left > 1:
-            self._fault = (left - 1, kind)
-            return
-        self._fault = None
-        self.fired = (self._armed_at, call, kind)
-        if kind == "interrupt":
-            raise KeyboardInterrupt(f"injected at {call}")
-        if kind == "oom":
-            raise CUDAOutOfMemoryError(call, 2, "cudaErrorMemoryAllocation")
-        raise CUDAError(call, 719, "cudaErrorLaunchFailure")
+            (inj._left, inj._n, inj._kind), inj.seen = armed, None
 
     def live(self) -> dict[str, int]:
         """Bytes of live allocations by kind: managed, pinned, device."""
@@ -320,7 +300,7 @@ class FakeBackend:
 def _faultable(name: str, fn: Any) -> Any:
     @functools.wraps(fn)
     def call(self: FakeBackend, *args: Any, **kwargs: Any) -> Any:
-        self._fault_point(name)
+        self.faults(name)
         return fn(self, *args, **kwargs)
     return call
 

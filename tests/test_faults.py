@@ -821,3 +821,24 @@ def test_fault_an_interrupt_landing_as_the_discard_returns_keeps_the_eviction():
     assert np.array_equal(tt_bytes(fake, tt), data)
     check_books(t, fake)
     assert np.array_equal(t_bytes(tt.torch()), data)
+
+
+def test_fault_injection_in_the_real_backend_is_there_only_while_set():
+    """The CUDA backend's hook (NOTE [failure injection]) needs no GPU to check: the injector
+    raises before the method's body runs."""
+    from tiermem._backend import FAULTABLE, CudaBackend, FaultInjector, inject_faults
+    plain = {n: CudaBackend.__dict__[n] for n in FAULTABLE}
+    inj = FaultInjector()
+    inject_faults(inj)
+    try:
+        assert all(CudaBackend.__dict__[n] is not plain[n] for n in FAULTABLE)
+        inj.fail_at(1, "interrupt")
+        with pytest.raises(KeyboardInterrupt):
+            object.__new__(CudaBackend).copy(0, 0, 0, 0)
+        assert (inj.fired, inj.calls, inj.injected) == ((1, "copy", "interrupt"), 1, 1)
+        inj.fail_at(1, "oom")
+        with pytest.raises(tiermem.CUDAOutOfMemoryError, match="cudaErrorMemoryAllocation"):
+            object.__new__(CudaBackend).allocate(1, "x")
+    finally:
+        inject_faults(None)
+    assert all(CudaBackend.__dict__[n] is plain[n] for n in FAULTABLE)

@@ -64,7 +64,7 @@ def _check(tier: Tier, tensor: Any) -> None:
 def wrap(tier: Tier, tensor: Any, role: Role | str = Role.WEIGHT, *, name: str | None = None,
          policy: Policy | None = None, **policy_changes: Any) -> TieredTensor:
     """Move ``tensor``'s data into tiered memory and rebind it there; see tiermem.wrap."""
-    torch = _torch()
+    _torch()                     # no torch: a clear error before anything else
     r = as_role(role)            # an unknown role raises before anything changes
     _check(tier, tensor)
     if r is Role.WEIGHT and not tensor.requires_grad:

@@ -842,3 +842,41 @@ def test_fault_injection_in_the_real_backend_is_there_only_while_set():
     finally:
         inject_faults(None)
     assert all(CudaBackend.__dict__[n] is plain[n] for n in FAULTABLE)
+
+
+# -- bench/soak.py's logic that needs no GPU -----------------------------------------------------------
+
+def _soak():
+    import importlib
+    import os
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+    return importlib.import_module("soak")
+
+
+def test_soak_arguments_and_their_limits():
+    soak = _soak()
+    a = soak.parse_args([])
+    assert (a.seeds, a.ops, a.minutes, a.keep_gb) == (1, 50_000, 3.0, 4.0)
+    a = soak.parse_args(["--seeds", "3", "--minutes", "2", "--seed", "7"])
+    assert (a.seed, a.seeds, a.minutes) == (7, 3, 2.0)
+    for bad in (["--seeds", "3", "--minutes", "4"], ["--minutes", "11"], ["--keep-gb", "1"], ["--ops", "0"],
+                ["--fault-rate", "1"]):
+        with pytest.raises(SystemExit):
+            soak.parse_args(bad)
+
+
+def test_soak_results_sum_the_seeds_and_check_every_promise():
+    soak = _soak()
+    seed = dict(ops=50_000, reads_checked=20_000, mismatches=0, faults_injected=900, faults_recovered=900,
+                train_steps=125, infer_forwards=333, unexpected_errors=0, seconds=100.0,
+                tiermem_leaked_bytes=0, driver_leaked_bytes=2 << 20, errors=[])
+    metrics, checks = soak.assemble([seed, dict(seed, driver_leaked_bytes=0)], 3.5e9)
+    assert (metrics["ops"], metrics["reads_checked"], metrics["faults_injected"], metrics["leaked_bytes"],
+            metrics["min_free_GB"], metrics["seeds"]) == (100_000, 40_000, 1800, 2 << 20, 3.5, 2)
+    assert checks == {"no_mismatch": True, "no_leak": True, "all_recovered": True}
+    for change, failed in ((dict(mismatches=1), "no_mismatch"), (dict(tiermem_leaked_bytes=4096), "no_leak"),
+                           (dict(driver_leaked_bytes=64 << 20), "no_leak"), (dict(faults_recovered=899), "all_recovered"),
+                           (dict(unexpected_errors=1), "all_recovered")):
+        _, checks = soak.assemble([dict(seed, **change)], 3.5e9)
+        assert [k for k, ok in checks.items() if not ok] == [failed], change

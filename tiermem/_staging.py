@@ -150,8 +150,10 @@ class Staging:
         try:
             r.allocate()
         except MemoryError as e:
+            # The message, not the error: a handler that keeps the record would keep the error's
+            # frames, and the buffers they hold, alive.
             log.warning("tiermem: no device memory for the %d-byte %s staging ring (%s); its shadow copies "
-                        "go direct from now on", r.nbytes, direction, e)
+                        "go direct from now on", r.nbytes, direction, str(e))
             self.rings[direction] = None
             self.refused += 1
             return False

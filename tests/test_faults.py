@@ -675,8 +675,13 @@ def test_fault(name, n, call, kind):
     run_case(name, n, call, kind)
 
 
+# unwrap of a bound tensor copies with torch alone: it makes no backend call that could fail.
+NO_CALLS = {"unwrap", "unwrap_evicted", "unwrap_parked"}
+
+
 def test_fault_sweep_covers_every_scene_with_500_pairs():
-    assert {c.values[0] for c in CASES} == set(SCENES)
+    assert {c.values[0] for c in CASES} == set(SCENES) - NO_CALLS
+    assert all(_calls(name) == [] for name in NO_CALLS)
     assert len(PAIRS) >= 500, len(PAIRS)
 
 

@@ -904,3 +904,21 @@ def test_soak_results_sum_the_seeds_and_check_every_promise():
                            (dict(unexpected_errors=1), "all_recovered")):
         _, checks = soak.assemble([dict(seed, **change)], 3.5e9)
         assert [k for k, ok in checks.items() if not ok] == [failed], change
+
+
+def test_fault_an_interrupt_landing_as_a_trims_discard_returns_leaves_nothing_parked():
+    """As above, for parked pages given back: a read-only tensor left parked on pages that were
+    discarded would be refilled from them, with nothing copied."""
+    fake = _LateInterrupt(total=1 << 30)
+    t = tiermem.Tier(backend=fake, budget=64 * MiB, staging="off")
+    a, data = filled(t, 2 * MiB, read_only=True)
+    t.evict(a)                  # under a budget: parked, no discard
+    t.prefetch(a)
+    t.evict(a)                  # parked, and intact: its refill would copy nothing
+    assert a.parked
+    with pytest.raises(KeyboardInterrupt):
+        t.trim()
+    assert not a.parked and a.in_shadow
+    check_books(t, fake)
+    t.prefetch(a)
+    assert np.array_equal(tt_bytes(fake, a), data)

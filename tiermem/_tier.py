@@ -725,7 +725,7 @@ class Tier:
         copies the caller must collapse (after releasing the lock). With ``park``, shadow
         evictions keep their pages (NOTE [parked pages]) instead of discarding them."""
         snap = self._snapshot(todo)
-        discarded: list[bool] = []    # once the discard is done, the eviction stands (NOTE [failed moves])
+        discarded: list[bool] = []    # once the discard is asked for, the eviction stands (NOTE [failed moves])
         try:
             return self._move_out_(todo, stream, non_blocking, force, park, grow_ring, discarded)
         except BaseException:
@@ -983,19 +983,20 @@ class Tier:
         whole = [b for b in chosen if b.owns_pages]
         if whole:
             self._quiesce()
-            self.backend.discard(coalesce((b.block.alloc, b.ptr, b.span) for b in whole), side)
-            # At once, before the next call can fail: a parked buffer whose pages are gone must
-            # not stay parked, or a read-only one would be refilled from the pages (``_intact``).
+            # Before the call, as an eviction counts its discard (NOTE [failed moves]): a parked
+            # buffer whose pages may be gone must not stay parked, or a read-only one would be
+            # refilled from those pages (``_intact``). Its data is in its shadow.
             self._gave_back(whole)
+            self.backend.discard(coalesce((b.block.alloc, b.ptr, b.span) for b in whole), side)
         shared = [b for b in chosen if not b.owns_pages]
         if shared:
             # Pages shared with other buffers cannot be discarded; Unified Memory moves them to
             # the host instead, as it evicts any small buffer (their contents are stale: the
             # data is in the shadow).
+            self._gave_back(shared)
             self.backend.prefetch(coalesce((b.block.alloc, *self._range(b)) for b in shared), Location.HOST, side)
             for b in shared:
                 self.accounting.on_move(b.role, "d2h", b.nbytes)
-            self._gave_back(shared)
         return freed
 
     def _gave_back(self, bufs: list[_Buffer]) -> None:

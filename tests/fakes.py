@@ -4,23 +4,50 @@ It implements tiermem's Backend interface with NumPy buffers and records every c
 double for the CUDA layer only: the engine under test (budget, policies, eviction paths, views,
 accounting) is the real one. To catch reads of discarded memory, a discard overwrites the range
 with a poison byte, as the driver is free to (its contents become indeterminate).
+
+Failure injection (what tests/test_faults.py sweeps; any other test may use it):
+
+    fake.fail_at(n, "cuda")        # the n-th faultable call from now (1-based) raises, once
+    with fake.counting() as seen:  # no failure: records the faultable calls an operation makes
+        tier.evict(tt)
+    len(seen), seen[0]             # how many, and the first one's name ("new_event", ...)
+    fake.fired                     # the (n, call name, kind) of the last failure that fired
+
+The faultable calls are the backend methods in ``tiermem._backend.FAULTABLE`` (every one that a
+real CUDA call stands behind), counted by a ``tiermem._backend.FaultInjector`` (``fake.faults``;
+the real backend takes the same injector, NOTE [failure injection] in _backend.py). A failure is
+raised when the call starts, before it has any effect. Its kind is one of ``FAULT_KINDS``:
+
+    "cuda"       CUDAError("<call>", 719, "cudaErrorLaunchFailure"): a sticky device error;
+    "oom"        CUDAOutOfMemoryError("<call>", 2, "cudaErrorMemoryAllocation");
+    "interrupt"  KeyboardInterrupt (Ctrl-C arriving while the call runs).
+
+``live()`` gives the bytes of live managed, pinned and device allocations, to compare with what
+the Tier believes it holds (a leak shows as a difference).
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import functools
 import itertools
 import threading
 from typing import Any
 
 import numpy as np
 
-from tiermem._backend import LARGE, Block, HostBlock
+from tiermem._backend import FAULTABLE, LARGE, Block, FaultInjector, HostBlock
 from tiermem._cuda import Capabilities, RangeInfo
 from tiermem._errors import CUDAOutOfMemoryError, ViewError
 from tiermem._limits import CapGuard, resolve_cap
 from tiermem.roles import Advice, Location
 
 POISON = 0xDB
+
+FAULT_KINDS = FaultInjector.KINDS
+# What fresh memory holds: random bytes, repeated (drawing new ones for every allocation made
+# the fault sweep's thousands of tiers slow).
+_NOISE = np.random.default_rng(0xDB).integers(0, 256, size=(1 << 20) + 4099, dtype=np.uint8)
 
 
 class _Held(np.ndarray):
@@ -65,6 +92,36 @@ class FakeBackend:
         self.device_full = False       # device_alloc then fails as cudaMalloc does on a full device
         self.events_pending = False    # query() then says no event is done yet (the work is, here)
         self.waits: list[tuple[int, int | None]] = []   # (waiting stream, stream the event was recorded on)
+        self._live = {"managed": 0, "pinned": 0, "device": 0}
+        self.faults = FaultInjector()
+
+    # -- failure injection (see the module docstring) ------------------------------------------
+    def fail_at(self, n: int, kind: str = "cuda") -> None:
+        """Make the ``n``-th faultable call from now (1-based) fail once with ``kind``."""
+        self.faults.fail_at(n, kind)
+
+    def disarm(self) -> None:
+        self.faults.disarm()
+
+    @property
+    def fired(self) -> tuple[int, str, str] | None:
+        return self.faults.fired
+
+    @contextlib.contextmanager
+    def counting(self):
+        """Record the names of the faultable calls made inside the block (nothing fails)."""
+        inj, seen = self.faults, []
+        armed = (inj._left, inj._n, inj._kind)
+        inj._left, inj.seen = None, seen
+        try:
+            yield seen
+        finally:
+            (inj._left, inj._n, inj._kind), inj.seen = armed, None
+
+    def live(self) -> dict[str, int]:
+        """Bytes of live allocations by kind: managed, pinned, device."""
+        with self._lock:
+            return dict(self._live)
 
     # -- memory ---------------------------------------------------------------------------------
     def capabilities(self) -> Capabilities:
@@ -76,13 +133,14 @@ class FakeBackend:
     def _new(self, nbytes: int, kind: str) -> tuple[int, np.ndarray]:
         # Large allocations come back 2 MiB-aligned, as the driver's do (probe_paths.json).
         align = 2 << 20 if nbytes >= 2 << 20 else 512
-        raw = np.random.randint(0, 256, size=max(nbytes, 1) + align, dtype=np.uint8)  # uninitialised is not zero
+        raw = np.resize(_NOISE, max(nbytes, 1) + align)  # uninitialised is not zero
         off = (-raw.ctypes.data) % align
         arr = raw[off:off + max(nbytes, 1)]
         ptr = arr.ctypes.data
         with self._lock:
             self._arrays[ptr] = arr
             self._kind[ptr] = kind
+            self._live[kind] += nbytes
             if kind == "managed":
                 self.state[ptr] = _State()
         return ptr, arr
@@ -98,7 +156,9 @@ class FakeBackend:
     def _free(self, ptr: int, nbytes: int, managed: bool) -> None:
         with self._lock:
             self._arrays.pop(ptr, None)
-            self._kind.pop(ptr, None)
+            kind = self._kind.pop(ptr, None)
+            if kind is not None:
+                self._live[kind] -= nbytes
             self.state.pop(ptr, None)
             if managed:
                 self.live_blocks -= 1
@@ -235,6 +295,18 @@ class FakeBackend:
 
     def dlpack_device(self) -> tuple[int, int]:
         return (1, 0)   # kDLCPU: the fake's memory is host memory
+
+
+def _faultable(name: str, fn: Any) -> Any:
+    @functools.wraps(fn)
+    def call(self: FakeBackend, *args: Any, **kwargs: Any) -> Any:
+        self.faults(name)
+        return fn(self, *args, **kwargs)
+    return call
+
+
+for _name in FAULTABLE:
+    setattr(FakeBackend, _name, _faultable(_name, getattr(FakeBackend, _name)))
 
 
 class _FakeBlock(Block):

@@ -42,11 +42,12 @@ from typing import Any, Protocol
 
 from . import _cuda
 from ._cuda import Capabilities, RangeInfo
-from ._errors import CapExceededError, CUDAUnavailableError, ViewError
+from ._errors import CapExceededError, CUDAError, CUDAOutOfMemoryError, CUDAUnavailableError, ViewError
 from ._limits import CapGuard, resolve_cap
 from .roles import Advice, Location
 
-__all__ = ["Backend", "Block", "HostBlock", "CudaBackend", "LARGE", "round_request"]
+__all__ = ["Backend", "Block", "HostBlock", "CudaBackend", "LARGE", "round_request", "FAULTABLE", "FaultInjector",
+           "inject_faults"]
 
 LARGE = 2 << 20      # see NOTE [size classes]
 SMALL_ALIGN = 512    # CuPy's own rounding
@@ -329,3 +330,90 @@ class CudaBackend:
 
     def dlpack_device(self) -> tuple[int, int]:
         return (2, self.device)  # kDLCUDA: what torch accepts (NOTE [dlpack] in _tensor.py)
+
+
+# -- failure injection, for tests and the soak (NOTE [failure injection]) ------------------------
+
+# NOTE [failure injection]
+# Every backend method that stands for a CUDA call that can fail is in ``FAULTABLE``. A
+# :class:`FaultInjector` counts calls to them and fails the n-th once: with tiermem's CUDAError
+# carrying a real CUDA error name (cudaErrorLaunchFailure), an out-of-memory error, or a
+# KeyboardInterrupt (Ctrl-C arriving while the call runs). The failure is raised as the call
+# starts, before it has any effect. tests/fakes.py's FakeBackend has one built in;
+# ``inject_faults(injector)`` puts one in front of every CudaBackend method until
+# ``inject_faults(None)``. The hook replaces the class's methods only while it is set, so
+# it costs nothing when off. Not thread-safe: set it while no other thread uses a backend.
+
+FAULTABLE = ("allocate", "host_alloc", "device_alloc", "advise", "prefetch", "discard", "discard_and_prefetch",
+             "copy", "range_info", "new_stream", "new_event", "record", "wait", "query", "synchronize",
+             "elapsed_ms", "torch_view")
+
+
+class FaultInjector:
+    """Fails the n-th faultable backend call from ``fail_at`` on, once (NOTE [failure injection]).
+
+    ``kind`` is "cuda" (CUDAError, cudaErrorLaunchFailure), "oom" (CUDAOutOfMemoryError,
+    cudaErrorMemoryAllocation) or "interrupt" (KeyboardInterrupt). ``calls`` counts every
+    faultable call seen; ``seen``, while a list, records their names; ``fired`` is (n, call,
+    kind) of the last failure raised, ``injected`` how many were raised in all."""
+
+    KINDS = ("cuda", "oom", "interrupt")
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.injected = 0
+        self.fired: tuple[int, str, str] | None = None
+        self.seen: list[str] | None = None
+        self._left: int | None = None
+        self._n = 0
+        self._kind = "cuda"
+
+    @property
+    def armed(self) -> bool:
+        return self._left is not None
+
+    def fail_at(self, n: int, kind: str = "cuda") -> None:
+        if n < 1 or kind not in self.KINDS:
+            raise ValueError(f"fail_at(n >= 1, kind in {self.KINDS}), got ({n}, {kind!r})")
+        self._left, self._n, self._kind, self.fired = n, n, kind, None
+
+    def disarm(self) -> None:
+        self._left = None
+
+    def __call__(self, call: str) -> None:
+        self.calls += 1
+        if self.seen is not None:
+            self.seen.append(call)
+        if self._left is None:
+            return
+        self._left -= 1
+        if self._left > 0:
+            return
+        self._left = None
+        self.fired = (self._n, call, self._kind)
+        self.injected += 1
+        if self._kind == "interrupt":
+            raise KeyboardInterrupt(f"injected at {call}")
+        if self._kind == "oom":
+            raise CUDAOutOfMemoryError(call, 2, "cudaErrorMemoryAllocation")
+        raise CUDAError(call, 719, "cudaErrorLaunchFailure")
+
+
+def faultable(name: str, method: Any, hook: Any) -> Any:
+    """``method`` with ``hook(name)`` called first (the hook raises to fail the call)."""
+    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        hook(name)
+        return method(self, *args, **kwargs)
+    call.__name__ = call.__qualname__ = name
+    call.__doc__ = method.__doc__
+    return call
+
+
+_PLAIN = {name: getattr(CudaBackend, name) for name in FAULTABLE}
+
+
+def inject_faults(hook: Any) -> None:
+    """Call ``hook(name)`` (a :class:`FaultInjector`, or any callable that may raise) before every
+    faultable method of every CudaBackend; None takes it away again (NOTE [failure injection])."""
+    for name, method in _PLAIN.items():
+        setattr(CudaBackend, name, method if hook is None else faultable(name, method, hook))

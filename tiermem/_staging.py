@@ -75,10 +75,12 @@ class StagingRing:
     def allocate(self) -> None:
         """Take the ring's device memory; raises MemoryError (the driver's) if there is none."""
         if self.mem is None:
-            # From the driver, not a pool: trim() is there to hand device memory to others.
-            self.mem = self.backend.device_alloc(self.nbytes, pooled=False)
+            # The stream first: memory taken before a stream that then failed would leave a ring
+            # that is allocated but has no stream of its own (tests/test_faults.py).
             if self._stream is None:
                 self._stream = self.backend.new_stream()
+            # From the driver, not a pool: trim() is there to hand device memory to others.
+            self.mem = self.backend.device_alloc(self.nbytes, pooled=False)
 
     def release(self, side: int) -> None:
         """Give the memory back to the driver once the work queued on ``side`` (which is after
@@ -154,8 +156,10 @@ class Staging:
         try:
             r.allocate()
         except MemoryError as e:
+            # The message, not the error: a handler that keeps the record would keep the error's
+            # frames, and the buffers they hold, alive.
             log.warning("tiermem: no device memory for the %d-byte %s staging ring (%s); its shadow copies "
-                        "go direct from now on", r.nbytes, direction, e)
+                        "go direct from now on", r.nbytes, direction, str(e))
             self.rings[direction] = None
             self.refused += 1
             return False

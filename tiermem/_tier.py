@@ -47,6 +47,22 @@ NOTE [parked pages]
     that cost ~4% of its time each way (bench/results/bandwidth-*.json, 0.90 against 0.94 for one
     1 GiB tensor). Their pages cannot be discarded, so giving them back moves them to the host,
     stale contents and all, and a refill without pages migrates them in before the copy.
+
+NOTE [failed moves]
+    Any CUDA call can fail, and Ctrl-C can arrive during any of them (tests/test_faults.py fails
+    each call of each operation in turn). A move that fails leaves every buffer as it found it,
+    with the budget's books matching, until the one call that destroys data: the discard of
+    managed pages whose data has been copied to the shadows. ``_move_in`` and ``_move_out``
+    snapshot the state of the buffers they move (``_MOVE_STATE``) and put it back when anything
+    before that discard fails, counters included (``_roll_back``); tensors tiermem bound follow
+    the data back. That is safe because until the discard the managed range still holds the
+    data (a refill never writes a shadow, an eviction's copies only write shadows), and because
+    between two backend calls every counter agrees with every buffer's state. Shadows a failed
+    eviction allocated stay with their buffers (counted, and marked stale): the next eviction
+    uses them. A failure of the discard itself, or after it, leaves the eviction done: the
+    discard may have dropped the pages (a Ctrl-C can land just as it returns), and the data is
+    in the shadows, whose copies the stream runs before the discard. The error is raised as it
+    came: tiermem's CUDAError with the call and the CUDA error's name, or the KeyboardInterrupt.
 """
 from __future__ import annotations
 
@@ -87,6 +103,9 @@ log = logging.getLogger("tiermem")
 # streams first (``_quiesce``; NOTE [discard fence] in _backend.py). Pinned copies (wrap_module's
 # and wrap_training's slots) have streams of their own, "h2d" and "d2h".
 UM_STREAMS = {"h2d": "um_h2d", "d2h": "um_d2h"}
+
+# What a move changes in a buffer, put back when it fails (NOTE [failed moves]).
+_MOVE_STATE = ("block", "ptr", "where", "shadow_valid", "in_shadow", "parked", "host_valid")
 
 
 @functools.lru_cache(maxsize=256)
@@ -562,10 +581,40 @@ class Tier:
                 return Transfer.done_now("h2d")
             return self._move_in(todo, stream, non_blocking, pairs)
 
+    @staticmethod
+    def _snapshot(bufs: Iterable[_Buffer]) -> list[tuple[_Buffer, tuple]]:
+        return [(b, tuple(getattr(b, f) for f in _MOVE_STATE)) for b in bufs]
+
+    def _roll_back(self, snap: list[tuple[_Buffer, tuple]]) -> None:
+        """Put the buffers of ``snap`` back as they were, with the counters (NOTE [failed
+        moves]): each buffer's held pages and parked pages go back to what they were."""
+        for b, vals in snap:
+            held = b.span if (b.where is Location.DEVICE or b.parked) else 0
+            parked = b.span if b.parked else 0
+            for f, v in zip(_MOVE_STATE, vals):
+                setattr(b, f, v)
+            d = (b.span if (b.where is Location.DEVICE or b.parked) else 0) - held
+            if d:
+                self._resident += d
+                self.accounting.on_resident(b.role, d)
+            self._parked += (b.span if b.parked else 0) - parked
+            if b.bindings:    # tensors tiermem bound follow the data back
+                self._rebind(b, shadow=b.in_shadow)
+
     def _move_in(self, todo: list[_Buffer], stream: Any, non_blocking: bool,
                  pairs: Mapping[_Buffer, _Buffer] | None = None) -> Transfer:
         """Enqueue the moves of ``todo`` to the device; ``pairs`` maps shadowed buffers to the
-        parked buffers whose pages they take (NOTE [parked pages])."""
+        parked buffers whose pages they take (NOTE [parked pages]). On failure, nothing moved
+        (NOTE [failed moves])."""
+        snap = self._snapshot([*todo, *(pairs.values() if pairs else ())])
+        try:
+            return self._move_in_(todo, stream, non_blocking, pairs)
+        except BaseException:
+            self._roll_back(snap)
+            raise
+
+    def _move_in_(self, todo: list[_Buffer], stream: Any, non_blocking: bool,
+                  pairs: Mapping[_Buffer, _Buffer] | None) -> Transfer:
         be = self.backend
         caps = be.capabilities()
         cur, side = self._stream(stream), self._um_side("h2d")
@@ -608,14 +657,14 @@ class Tier:
             self.accounting.count_many(collections.Counter(
                 {(r, "staged_h2d_bytes"): n for r, n in moved.items() if n}))
         for b in todo:
+            if b.in_shadow:    # first, so that a failure finds the buffer untouched (NOTE [failed moves])
+                self._rebind(b, shadow=False)
             was_host = b.where is Location.HOST and not b.in_shadow and b.host_valid
             if b.parked:   # its pages were counted all along
                 self._unpark(b, pages_gone=False)
                 b.where = Location.DEVICE
                 self.accounting.count(b.role, "refill_reuse_ops")
-            if b.in_shadow:
-                b.in_shadow = False
-                self._rebind(b, shadow=False)
+            b.in_shadow = False
             # A device write would invalidate host copies; only read-only buffers keep theirs.
             b.shadow_valid = b.shadow_valid and b.policy.read_only
             b.host_valid = b.policy.read_only and b.policy.read_mostly and (was_host or b.host_valid)
@@ -693,6 +742,17 @@ class Tier:
         """Enqueue the evictions of ``todo``; returns the transfer and the ranges whose read-mostly
         copies the caller must collapse (after releasing the lock). With ``park``, shadow
         evictions keep their pages (NOTE [parked pages]) instead of discarding them."""
+        snap = self._snapshot(todo)
+        discarded: list[bool] = []    # once the discard is asked for, the eviction stands (NOTE [failed moves])
+        try:
+            return self._move_out_(todo, stream, non_blocking, force, park, grow_ring, discarded)
+        except BaseException:
+            if not discarded:
+                self._roll_back(snap)
+            raise
+
+    def _move_out_(self, todo: list[_Buffer], stream: Any, non_blocking: bool, force: str | None,
+                   park: bool, grow_ring: bool, discarded: list[bool]) -> tuple[Transfer, list[tuple[int, int]]]:
         be = self.backend
         cur, side = self._stream(stream), self._um_side("d2h")
         start = self._begin(todo, cur, side)
@@ -763,6 +823,9 @@ class Tier:
             stage.close()     # before the discards: their fence drains tiermem's stream
         if discards:
             self._quiesce()
+            # Before the call: one that fails, or a Ctrl-C that lands as it returns, may have
+            # dropped the pages already, and the shadows hold the data (NOTE [failed moves]).
+            discarded.append(True)
             be.discard(coalesce((b.block.alloc, b.ptr, b.span) for b in discards), side)
         for r, n in moved.items():
             self.accounting.on_move(r, "d2h", n)
@@ -938,19 +1001,26 @@ class Tier:
         whole = [b for b in chosen if b.owns_pages]
         if whole:
             self._quiesce()
+            # Before the call, as an eviction counts its discard (NOTE [failed moves]): a parked
+            # buffer whose pages may be gone must not stay parked, or a read-only one would be
+            # refilled from those pages (``_intact``). Its data is in its shadow.
+            self._gave_back(whole)
             self.backend.discard(coalesce((b.block.alloc, b.ptr, b.span) for b in whole), side)
         shared = [b for b in chosen if not b.owns_pages]
         if shared:
             # Pages shared with other buffers cannot be discarded; Unified Memory moves them to
             # the host instead, as it evicts any small buffer (their contents are stale: the
             # data is in the shadow).
+            self._gave_back(shared)
             self.backend.prefetch(coalesce((b.block.alloc, *self._range(b)) for b in shared), Location.HOST, side)
             for b in shared:
                 self.accounting.on_move(b.role, "d2h", b.nbytes)
-        for b in chosen:
+        return freed
+
+    def _gave_back(self, bufs: list[_Buffer]) -> None:
+        for b in bufs:
             self._unpark(b, pages_gone=True)
             self.accounting.count(b.role, "park_release_ops")
-        return freed
 
     # -- views and bindings -----------------------------------------------------------------------
     def _rebind(self, b: _Buffer, shadow: bool) -> None:
@@ -1012,8 +1082,8 @@ class Tier:
             ev = self.backend.new_event()
             self.backend.record(ev, side)
             self.backend.synchronize(ev)
+            self._rebind(b, shadow=False)   # first: if it fails, the data is still where they point
             b.in_shadow = False
-            self._rebind(b, shadow=False)
 
     # -- integrations ---------------------------------------------------------------------------
     def wrap(self, tensor: Any, role: Role | str = Role.WEIGHT, **kwargs: Any) -> TieredTensor:

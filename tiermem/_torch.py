@@ -7,7 +7,9 @@ gradients arrive as usual.
 """
 from __future__ import annotations
 
+import contextlib
 import weakref
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from . import _dtypes
@@ -76,7 +78,7 @@ def _check(tier: Tier, tensor: Any) -> None:
 def wrap(tier: Tier, tensor: Any, role: Role | str = Role.WEIGHT, *, name: str | None = None,
          policy: Policy | None = None, **policy_changes: Any) -> TieredTensor:
     """Move ``tensor``'s data into tiered memory and rebind it there; see tiermem.wrap."""
-    torch = _torch()
+    _torch()                     # no torch: a clear error before anything else
     r = as_role(role)            # an unknown role raises before anything changes
     _check(tier, tensor)
     if r is Role.WEIGHT and not tensor.requires_grad:
@@ -85,7 +87,36 @@ def wrap(tier: Tier, tensor: Any, role: Role | str = Role.WEIGHT, *, name: str |
     nbytes = tensor.numel() * tensor.element_size()
     buf = tier._new_buffer(nbytes, r, pol, {}, name)
     tt = TieredTensor(buf, tuple(tensor.shape), _dtypes.canonical(tensor.dtype))
+    with _undone_on_error([tt], [tensor]):
+        _adopt(tier, tt, tensor, pol)
+    return tt
 
+
+@contextlib.contextmanager
+def _undone_on_error(tts: list[TieredTensor], tensors: list[Any]) -> Iterator[None]:
+    """A wrap that fails (a CUDA error, an interrupt) leaves its tensors as they were: bound to
+    their own memory again, not wrapped, and the tiered buffers freed (NOTE [failed moves] in
+    _tier.py). Their own memory is untouched: a wrap copies out of it and only rebinds."""
+    old = [t.data for t in tensors]
+    try:
+        yield
+    except BaseException:
+        for t, data in zip(tensors, old):
+            tt = getattr(t, _ATTR, None)
+            if tt is not None and any(tt is x for x in tts):
+                t.data = data
+                delattr(t, _ATTR)
+        for tt in tts:
+            if not tt.freed:
+                tt._b.bindings = []
+                tt.free()
+        raise
+
+
+def _adopt(tier: Tier, tt: TieredTensor, tensor: Any, pol: Policy) -> None:
+    """Fill ``tt`` from ``tensor`` and bind ``tensor`` to it (the body of :func:`wrap`)."""
+    torch = _torch()
+    buf = tt._b
     # Fill from the device side: a host-side first touch of managed memory runs at ~2 GB/s.
     # No read-mostly while filling: a write to a read-mostly range collapses its duplicates.
     tier._apply_advice(buf, Policy(preferred_location=Location.DEVICE))
@@ -108,7 +139,6 @@ def wrap(tier: Tier, tensor: Any, role: Role | str = Role.WEIGHT, *, name: str |
         # Host-preferred data leaves the device through Unified Memory so that its host pages hold
         # it: prefetches of it then run at link rate and read-mostly eviction moves nothing.
         tier.evict([buf], _path="um")
-    return tt
 
 
 def _fill_and_bind(tier: Tier, tt: TieredTensor, tensor: Any) -> None:
@@ -175,12 +205,13 @@ def wrap_group(tier: Tier, tensors: list[Any], role: Role | str, *, names: list[
             else Policy(preferred_location=Location.DEVICE))
     specs = [(tuple(t.shape), _dtypes.canonical(t.dtype)) for t in tensors]
     tts = tier.empty_group(specs, role=r, names=names, policy=fill)
-    with torch.no_grad():
-        for tt, t in zip(tts, tensors):
-            _fill_and_bind(tier, tt, t)
-    for tt in tts:
-        tt.advise(policy=pol)
-        if tt._b.where is not Location.DEVICE:
-            tt._b.where = Location.HOST
-            tt._b.host_valid = True      # its host pages hold the data
+    with _undone_on_error(tts, tensors):
+        with torch.no_grad():
+            for tt, t in zip(tts, tensors):
+                _fill_and_bind(tier, tt, t)
+        for tt in tts:
+            tt.advise(policy=pol)
+            if tt._b.where is not Location.DEVICE:
+                tt._b.where = Location.HOST
+                tt._b.host_valid = True      # its host pages hold the data
     return tts

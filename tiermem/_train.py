@@ -571,6 +571,12 @@ class TieredTraining:
             for d in ("h2d", "d2h"):
                 self.moved[d] += self.swap.moved[d]
         if not ok:
+            # A step that raised (in forward, or part-way through backward) leaves no gradients:
+            # the next step would add its own to them. Blocks whose backward had finished took
+            # their optimizer step already, as in any step (NOTE [training transport]).
+            for b in self.blocks:
+                for p in b.trainable:
+                    p.grad = None
             return
         self.steps += 1
         self.last_peak = torch.cuda.max_memory_reserved(self.dev)

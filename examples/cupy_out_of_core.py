@@ -63,6 +63,9 @@ print(f"{seconds * 1e3:.1f} ms for {args.blocks} blocks; max |error| {worst:.2e}
 print(f"moved in {s['moved_bytes.all.h2d'] >> 20} MiB, out {s['moved_bytes.all.d2h'] >> 20} MiB; "
       f"resident {s['resident_bytes.all.current'] >> 20} MiB (peak {s['resident_bytes.all.peak'] >> 20}) "
       f"of a {args.budget_mib} MiB budget; in place {s['residency.in_place_bytes.current'] >> 20} MiB; "
+      f"device pages the driver keeps for evicted blocks {s['residency.retained_bytes.current'] >> 20} MiB; "
       f"budget overruns {s['residency.budget_overruns']}")
-assert s["resident_bytes.all.peak"] <= budget
+# The budget held for live data, and nothing came back to the device behind tiermem's books.
+assert s["resident_bytes.all.peak"] <= budget, "the budget did not hold"
+assert s["residency.budget_overruns"] == 0 and s["residency.faulted_back_count"] == 0
 print(tier.memory_summary())

@@ -65,12 +65,14 @@ def extra(tier):
     s = tier.stats()
     return {k: s[k] for k in ("residency.budget_overruns", "residency.budget_overrun_bytes",
                               "residency.faulted_back_count", "residency.faulted_back_bytes",
-                              "residency.in_place_bytes.current", "use.calls", "use.bytes")}
+                              "residency.in_place_bytes.current", "residency.retained_bytes.current",
+                              "use.calls", "use.bytes")}
 
 
 def none_extra(**changes):
     out = {"residency.budget_overruns": 0, "residency.budget_overrun_bytes": 0, "residency.faulted_back_count": 0,
-           "residency.faulted_back_bytes": 0, "residency.in_place_bytes.current": 0, "use.calls": 0, "use.bytes": 0}
+           "residency.faulted_back_bytes": 0, "residency.in_place_bytes.current": 0,
+           "residency.retained_bytes.current": 0, "use.calls": 0, "use.bytes": 0}
     out.update({k.replace("__", "."): v for k, v in changes.items()})
     return out
 
@@ -93,7 +95,7 @@ def test_evicted_array_is_advised_in_place_and_the_books_stay_within_budget(btie
     s = btier.stats()
     assert s["resident_bytes.all.current"] == 2 * A and s["resident_bytes.all.peak"] == 2 * A
     assert s["ops.activation.evict_um"] == 1 and s["ops.activation.evict_budget"] == 1
-    assert extra(btier) == none_extra(residency__in_place_bytes__current=A)
+    assert extra(btier) == none_extra(residency__retained_bytes__current=A, residency__in_place_bytes__current=A)
 
 
 def test_new_array_pages_wait_for_the_eviction_that_made_their_room(btier, fake):
@@ -137,7 +139,8 @@ def test_array_prefetched_behind_tiermems_back_is_remarked_then_evicted_at_the_n
         pass
     assert (a.buf.where, b.buf.where, c.buf.where) == (Location.DEVICE, Location.HOST, Location.DEVICE)
     assert btier.stats()["resident_bytes.all.current"] == 2 * A
-    assert extra(btier) == none_extra(residency__faulted_back_count=1, residency__faulted_back_bytes=A,
+    assert extra(btier) == none_extra(residency__retained_bytes__current=A,
+                                      residency__faulted_back_count=1, residency__faulted_back_bytes=A,
                                       residency__budget_overruns=1, residency__budget_overrun_bytes=A,
                                       residency__in_place_bytes__current=A, use__calls=1)
     assert fake.state[b.ptr].preferred is Location.HOST
@@ -161,7 +164,7 @@ def test_in_place_arrays_untouched_by_others_stay_host(btier, fake):
     for _ in range(3):
         btier.stats()
     assert a.buf.where is Location.HOST
-    assert extra(btier) == none_extra(residency__in_place_bytes__current=A)
+    assert extra(btier) == none_extra(residency__retained_bytes__current=A, residency__in_place_bytes__current=A)
 
 
 # -- Tier.use -----------------------------------------------------------------------------------------
@@ -183,7 +186,8 @@ def test_use_orders_moves_after_evictions_and_the_stream_after_moves(btier, fake
         assert entered is h
         assert fake.waits[-1] == (0, h2d)
     assert h.closed and h.nbytes == A
-    assert extra(btier) == none_extra(residency__in_place_bytes__current=A, use__calls=1, use__bytes=A)
+    assert extra(btier) == none_extra(residency__retained_bytes__current=A,
+                                      residency__in_place_bytes__current=A, use__calls=1, use__bytes=A)
     s = btier.stats()
     assert s["moved_bytes.activation.h2d"] == A and s["resident_bytes.all.current"] == 2 * A
 
@@ -250,7 +254,8 @@ def test_new_array_that_only_pinned_arrays_could_make_room_for_goes_in_place(bti
         d = Arr(btier)
         assert (b.buf.where, c.buf.where, d.buf.where) == (Location.DEVICE, Location.DEVICE, Location.HOST)
     assert fake.state[d.ptr].preferred is Location.HOST
-    assert extra(btier) == none_extra(residency__in_place_bytes__current=2 * A, use__calls=1)
+    assert extra(btier) == none_extra(residency__retained_bytes__current=A,
+                                      residency__in_place_bytes__current=2 * A, use__calls=1)
     with btier.use(d):              # and it comes in like any other
         assert d.buf.where is Location.DEVICE
     assert btier.stats()["moved_bytes.all.h2d"] == A
@@ -347,3 +352,154 @@ def test_stats_answer_when_a_refresher_fails(tier, caplog):
     tier.accounting.add_refresher(broken)
     s = tier.stats()
     assert s["use.calls"] == 0 and "driver query failed" in caplog.text
+
+
+# -- fences, once, retained pages (issue 21, second round) --------------------------------------
+
+class SyncLog:
+    """Wraps the fake's synchronize so that a test sees when the host waited on which event, in
+    order with the fake's other calls (the fake does all work at once, so a wait never blocks)."""
+
+    def __init__(self, fake):
+        self.fake = fake
+        inner = fake.synchronize
+
+        def synchronize(event):
+            fake.calls.append(("synchronize", event))
+            inner(event)
+        fake.synchronize = synchronize
+
+
+def test_collapse_waits_for_the_fence_of_the_scope_that_read_the_array(btier, fake):
+    a, b, c = three(btier)
+    SyncLog(fake)
+    h = btier.use(a, read_only=True)
+    with h:
+        pass
+    fence = a.buf.fence
+    assert fence is not None and fence.stream == 0      # recorded on the stream the block used
+    fake.events_pending = True                          # the block's kernels are still queued
+    fake.calls.clear()
+    with btier.use(b, c):                               # pressure: a collapses
+        pass
+    waited = fake.calls.index(("synchronize", fence))
+    unset = next(i for i, x in enumerate(fake.calls)
+                 if x[0] == "advise" and x[1] == a.ptr and x[3] == "read_mostly" and x[4] is False)
+    assert waited < unset
+    # Read-mostly was lent for the stay: one unset, not set again, and the books follow.
+    assert not [x for x in calls(fake, "advise") if x[1] == a.ptr and x[3] == "read_mostly" and x[4]]
+    assert not fake.state[a.ptr].read_mostly and not a.buf.policy.read_mostly
+    assert a.buf.where is Location.HOST and a.buf in residency(btier).in_place
+
+
+def test_collapse_does_not_wait_for_a_fence_already_passed(btier, fake):
+    a, b, c = three(btier)
+    SyncLog(fake)
+    with btier.use(a, read_only=True):
+        pass
+    fake.calls.clear()
+    with btier.use(b, c):
+        pass
+    assert not calls(fake, "synchronize")
+
+
+def test_read_only_scope_lends_read_mostly_with_one_advice_call(btier, fake):
+    a, b, c = three(btier)
+    fake.calls.clear()
+    with btier.use(a, read_only=True):
+        mine = [x for x in calls(fake, "advise") if x[1] == a.ptr]
+        assert mine == [("advise", a.ptr, A, "read_mostly", True, Location.DEVICE)]
+        assert a.buf.read_mostly_while_resident and a.buf.host_valid
+
+
+def test_writable_scope_collapses_a_resident_read_only_copy_before_bringing_it_in(btier, fake):
+    a, b, c = three(btier)
+    with btier.use(a, read_only=True):
+        pass
+    fake.calls.clear()
+    with btier.use(a):                      # may write: a plain page, not a duplicate
+        assert a.buf.where is Location.DEVICE and not a.buf.read_mostly_while_resident
+        assert not fake.state[a.ptr].read_mostly and not a.buf.host_valid
+    kinds = [(x[0], x[3], x[4]) if x[0] == "advise" else (x[0], x[2]) for x in fake.calls
+             if x[0] in ("advise", "prefetch") and x[1] in (a.ptr, ((a.ptr, A),))]
+    assert kinds.index(("advise", "read_mostly", False)) < kinds.index(("prefetch", Location.DEVICE))
+
+
+def test_once_leaves_in_place_arrays_in_place_and_pins_resident_ones(btier, fake):
+    a, b, c = three(btier)                  # a in place; b, c resident
+    ref = a.fill(1)
+    fake.calls.clear()
+    with btier.use(a, b, once=True) as h:
+        assert h.nbytes == 0 and a.buf.where is Location.HOST
+        assert residency(btier).pinned() == {a.buf, b.buf}
+        d = Arr(btier)                       # pressure: c goes, b is pinned
+        assert (b.buf.where, c.buf.where, d.buf.where) == (Location.DEVICE, Location.HOST, Location.DEVICE)
+    assert not [x for x in calls(fake, "prefetch") if x[2] is Location.DEVICE and x[1] == ((a.ptr, A),)]
+    assert np.array_equal(a.read(), ref)
+    s = btier.stats()
+    assert s["use.calls"] == 1 and s["use.bytes"] == 0 and s["residency.in_place_bytes.current"] == 2 * A
+
+
+def test_once_still_brings_a_tiered_tensor_out_of_its_shadow(btier, fake):
+    t = btier.empty(A, "uint8", role="activation")
+    Arr(btier), Arr(btier)                   # t evicted through its shadow
+    assert t.in_shadow
+    with btier.use(t, once=True):
+        assert t.location is Location.DEVICE and not t.in_shadow
+
+
+def test_retained_bytes_count_arrays_that_had_device_pages_and_left(btier, fake):
+    a, b, c = three(btier)                   # all three placed; a left
+    assert btier.stats()["residency.retained_bytes.current"] == A
+    with btier.use(a):                       # a back (its own pages), b out
+        pass
+    s = btier.stats()
+    assert s["residency.retained_bytes.current"] == A and s["resident_bytes.all.current"] == 2 * A
+    with btier.use(a, c):
+        pass
+    # An array that never had device pages (born in place under pinned arrays) retains none.
+    with btier.use(a, c):
+        d = Arr(btier)
+    assert d.buf.where is Location.HOST and d.buf not in residency(btier).backed
+    s = btier.stats()
+    assert s["residency.retained_bytes.current"] == A     # b only
+    # The driver's figure: live data plus retained pages, every array that has been on the device.
+    assert s["resident_bytes.all.current"] + s["residency.retained_bytes.current"] == 3 * A
+    del b
+    gc.collect()
+    assert btier.stats()["residency.retained_bytes.current"] == 0
+
+
+def test_a_small_array_that_does_not_fit_gets_no_advice_and_is_never_faulted_back(btier, fake):
+    a, b = Arr(btier), Arr(btier)
+    with btier.use(a, b):
+        fake.calls.clear()
+        small = Arr(btier, nbytes=512)
+        assert small.buf.where is Location.HOST
+        # Its role's advice only (as every new array gets), never the in-place one: that would
+        # move its neighbours' pages to the host too.
+        assert not [x for x in calls(fake, "advise") if x[1] == small.ptr and x[5] is Location.HOST and x[4]]
+    fake.prefetch([(small.ptr, 512)], Location.DEVICE, 0)     # its page, placed by a neighbour
+    s = btier.stats()
+    assert s["residency.faulted_back_count"] == 0 and s["residency.budget_overruns"] == 0
+
+
+def test_a_small_array_over_the_budget_evicts_nothing(btier, fake):
+    a, b = Arr(btier), Arr(btier)               # the budget is full, nothing pinned
+    before = btier.stats()
+    fake.calls.clear()
+    small = Arr(btier, nbytes=4096)
+    s = btier.stats()
+    assert (a.buf.where, b.buf.where, small.buf.where) == (Location.DEVICE, Location.DEVICE, Location.HOST)
+    assert s["ops.all.evict"] == before["ops.all.evict"] and not calls(fake, "prefetch")
+    assert s["resident_bytes.all.current"] == 2 * A
+
+
+def test_module_level_use_takes_what_tier_use_takes(btier, fake):
+    a, b, c = three(btier)
+    with tiermem.use(a, read_only=True, tier=btier):
+        assert fake.state[a.ptr].read_mostly
+    with tiermem.use(a, b, once=True) as h:        # the Tier found from the array's token
+        assert h.nbytes == 0
+    import inspect
+    assert set(inspect.signature(btier.use).parameters) <= set(inspect.signature(tiermem.use).parameters)

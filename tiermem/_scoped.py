@@ -3,11 +3,14 @@
     cupy.cuda.set_allocator(tier.allocator())
     with tier.using_role("activation"):          # arrays tiermem may evict (workspace never is)
         blocks = [cupy.random.random(n, dtype=cupy.float32) for _ in range(12)]
-    nxt = tier.use(blocks[0])                      # the moves start now, on tiermem's stream
+    nxt = tier.use(blocks[0], read_only=True)      # the moves start now, on tiermem's stream
     for i, a in enumerate(blocks):
         with nxt:                                  # the current stream waits for them (an event)
             if i + 1 < len(blocks):
-                nxt = tier.use(blocks[i + 1])      # next block in flight while this one computes
+                nxt = tier.use(blocks[i + 1], read_only=True)   # in flight while this one computes
+            y = a @ w                              # a block read many times: worth moving
+    for a in blocks:
+        with tier.use(a, once=True):               # touched once: evicted ones are used in place
             a *= 1.0001
 
 NOTE [allocator arrays in place]
@@ -40,6 +43,32 @@ NOTE [allocator arrays in place]
     Checks: at a CuPy allocation that would take tiermem over the budget, at :meth:`Tier.use`,
     and (re-marking only, never moving memory) in :meth:`Tier.stats`.
 
+NOTE [retained pages]
+    The driver does not take a managed range's device pages back when its data leaves the device.
+    On the H100 (bench/cupy_budget.py's probe, bench/results/cupy_budget-h100-20261123.json):
+    a 256 MiB array placed, then prefetched to the host, left the driver's used memory
+    (cudaMemGetInfo) 256 MiB up, and a second array placed after it took 256 MiB more
+    (``driver_reuses_evicted_pages: false``); a discard gave nothing back either
+    (probe_release-*.json, ``free_gain_per_byte: 0.0``). The pages stay with the range: the same
+    array brought in again took none (the driver's figure stayed flat over every scoped pass). They
+    are not lost to other allocators: a cudaMalloc 1 GiB beyond free memory succeeded after an
+    eviction, and even with the data still resident, in 0.14-0.63 s (probe_paths2-*.json,
+    "reclaim"): the driver evicts managed pages on demand. And tiermem cannot give them back
+    itself: an allocator array's address is fixed (only cudaFree of the range would).
+    So there are two honest figures, and tiermem keeps both:
+      - ``resident_bytes``: live data tiermem placed on the device, what the budget limits;
+      - ``residency.retained_bytes``: the spans of allocator arrays that have had device pages
+        (placed, brought in by :meth:`Tier.use`, or found faulted back) and whose data is now
+        elsewhere. Not under the budget: no data of tiermem's is in them.
+    The driver's used memory, less a baseline taken in a fresh process, is then resident +
+    staging + retained bytes. Not counted: pages of arrays already freed whose blocks the pool
+    caches for reuse (``managed.pool_cached_bytes`` bounds them), pages shared by arrays under
+    2 MiB, and evicted TieredTensors' ranges (their discards leave pages too).
+    What this means for the budget: it holds for live data; the driver's figure rises to every
+    byte that has ever been on the device, as it does for plain managed memory (bench
+    "managed" rows: 3 GiB for 3 GiB of arrays under a 1 GiB budget). Arrays read or written in
+    place (NOTE [touched once]) never take device pages, so they add nothing to it.
+
 NOTE [scoped moves]
     ``Tier.use(a, b)`` brings the named arrays in through :meth:`Tier.prefetch` (one batched
     prefetch, ~49 GB/s) after making room in the budget through ``Tier._make_room``, which evicts
@@ -47,11 +76,9 @@ NOTE [scoped moves]
     never chosen. The moves of allocator arrays do not wait for the caller's stream: they go
     through Unified Memory, which keeps every address valid, so a kernel still running on one
     reads right data either way, and the next block's moves overlap this block's kernels. They
-    do wait, on the device, for the evictions that made their room, as a new array's placement
-    does: the driver then hands the evicted pages on instead of taking new ones. It did not take
-    pages back on the H100 (free memory gained nothing from an eviction or a discard:
-    bench/results/probe_release-*.json), so its figure (cudaMemGetInfo) is a high-water mark,
-    and with that ordering it lies between ``resident_bytes`` now and their peak.
+    do wait, on the device, for the evictions that made their room, so that the data on the
+    device never exceeds the budget. (The driver does not hand the evicted pages on: NOTE
+    [retained pages].)
     TieredTensors may move through their shadows (their address changes), so a call that names
     one orders its moves after the caller's stream, as ``Tier.prefetch`` does. The caller's
     stream waits for the moves, on the device, when the handle is entered (or ``wait``-ed); the
@@ -59,18 +86,57 @@ NOTE [scoped moves]
     fence] in _backend.py).
     A dirty allocator array leaves the device through Unified Memory's write-back (~9-15 GB/s):
     it must keep its address, and the fast eviction paths move data to a new one. For arrays a
-    pass touches once, leaving them in place is faster than naming them.
+    pass touches once, leaving them in place is faster than naming them (NOTE [touched once]).
+
+NOTE [touched once]
+    ``Tier.use(..., once=True)`` says the block touches each named array's bytes about once, as a
+    pass over an array set does. Arrays in place on the host then stay there: the block's kernels
+    read and write them over the link, and nothing is moved, evicted or left on the device
+    (NOTE [retained pages]). Resident ones are pinned as usual; TieredTensors in their shadow
+    still come in (their managed range holds no data). On the H100 at ce315cd
+    (bench/results/cupy_budget-h100-20261123.json, 12 arrays of 256 MiB, 1 GiB budget):
+      - update (``a *= 1.0001``): in place 57.6 ms a pass ("unhinted", 2.25 GiB each way over
+        the link); the same arrays brought in and written back 360 ms ("scoped"): Unified
+        Memory's write-back of dirty pages runs at ~9.5 GB/s (probe_refill-*.json,
+        ``um_group_evict_um``), so a dirty array at a fixed address costs ~5x its bytes at link
+        rate to leave, and no scoped move can reach 1.15x of the link bound. In place reads and
+        writes share the link both ways (~40 GB/s each way: the in-place write probe), which
+        is 1.2x the two-way bound at the measured 91 GB/s total.
+      - read (``a.sum()``): in place 48.6 ms for 2.25 GiB (1.23x the bound, which counts the
+        2 GiB beyond the budget); the read probe ran at 47.5 GB/s against ~53 for pinned copies,
+        so in-place reads land near 1.1x when exactly the bytes beyond the budget are read.
+    Reading in place pays the link once per read, so for arrays a block reads several times
+    (a blocked product's operand, the bench's "reuse") naming them without ``once`` is faster.
 
 NOTE [read-only scopes]
     ``Tier.use(..., read_only=True)`` promises that the block only reads the named arrays. Those
-    that live in place on the host come in as read-mostly duplicates (policy read_mostly and
-    read_only): the host pages stay, and their later eviction is tiermem's "collapse" path, a
-    host-side advice call that moves nothing over the link, where a write-back moves every byte
-    at ~9-15 GB/s. The next check gives them plain IN_PLACE advice again, since a read-mostly
-    range read in place would grow duplicates on the device behind tiermem's back. A write to
-    such an array breaks the promise without breaking the data (the driver collapses the copies
-    onto the device, at a cost); its collapse then leaves the pages on the device, and the
-    check's prefetch to the host (``_settle``) moves them as a write-back would.
+    that live in place on the host come in as read-mostly duplicates: one advice call (the range
+    already has IN_PLACE advice), then the prefetch. The host pages stay valid, and their later
+    eviction is tiermem's "collapse" path, a host-side call that unsets read-mostly and moves
+    nothing over the link (~27 ms per GiB of host time: probe_refill-*.json,
+    ``rm_tiermem_evict_s``), where a write-back moves every byte at ~9.5 GB/s. Read-mostly is
+    lent for the stay on the device only (``_Buffer.read_mostly_while_resident``): the collapse
+    leaves plain IN_PLACE advice, since a read-mostly range that a later kernel writes in place
+    would collapse onto the device behind the books, and ``_settle`` makes the books follow. A
+    block that may write and names an array still resident as a read-only duplicate first
+    collapses it, then brings it in as plain pages. A write inside a read-only block breaks the
+    promise without breaking the data: the driver collapses the copies onto the device, at a
+    cost, the collapse at eviction then leaves them there, and ``_verify`` finds the array on the
+    device (its last prefetch went there) and re-marks it resident.
+
+NOTE [collapse fence]
+    The collapse is a host-side driver call, not ordered on any stream. At ce315cd it ran as
+    soon as a budget check chose the victim, while the kernels that read it were often still
+    queued (the host runs ahead of the device). Those kernels then found no device copy,
+    faulted, and read-mostly duplicated the pages back one fault at a time, against the next
+    collapse: a read-only pipeline over 12 arrays of 256 MiB took 3.17 s a pass, 80x the link
+    bound (bench/results/cupy_budget-h100-20261123.json, "scoped/read"). Now a handle records an
+    event on its stream when it closes (``_Buffer.fence``: every kernel the block enqueued
+    there is before it), and the collapse first waits for it on the host. In a pipeline the
+    victim is the block before last, so the wait is short; the host then collapses while the
+    next block's prefetch runs on the link. Kernels that read an array outside any scope, or on
+    another stream, are not covered: a collapse may still race them (values stay right; only
+    time is lost).
 """
 from __future__ import annotations
 
@@ -83,7 +149,7 @@ from typing import TYPE_CHECKING, Any
 
 from ._errors import OutOfBudgetError, TierMemError
 from ._tensor import TieredTensor, _Buffer, _ViewToken
-from .roles import Location, Prefetch, Role, as_role
+from .roles import Advice, Location, Prefetch, Role, as_role
 
 if TYPE_CHECKING:
     from ._tier import Tier
@@ -127,6 +193,9 @@ class ArrayResidency:
         self.arrays: weakref.WeakSet[_Buffer] = weakref.WeakSet()     # made by the allocator
         self.in_place: weakref.WeakSet[_Buffer] = weakref.WeakSet()   # evicted, advised IN_PLACE
         self.handles: weakref.WeakSet[ArrayUse] = weakref.WeakSet()   # open ArrayUse handles
+        # Arrays whose range has had device pages: the driver keeps them once the data leaves
+        # (NOTE [retained pages]).
+        self.backed: weakref.WeakSet[_Buffer] = weakref.WeakSet()
         self._stream: int | None = None
         self._settled_at = -1         # the evictions count at the last _settle
         self._warned = False
@@ -154,7 +223,11 @@ class ArrayResidency:
             # _place_new_group leaves host-preferred and never-prefetched buffers unplaced.
             places = buf.policy.preferred_location is not Location.HOST and buf.policy.prefetch is not Prefetch.NEVER
             fits = True
-            if budget is not None and places and tier._held() + buf.span > budget:
+            if budget is not None and places and tier._held() + buf.span > budget and not buf.owns_pages:
+                # Under 2 MiB (a reduction's output, an index): evicting a whole array to make room
+                # for it, or a check of every in-place range, would cost far more than the bytes.
+                fits = False
+            elif budget is not None and places and tier._held() + buf.span > budget:
                 before = set(tier._inflight)
                 self._check(exclude={buf})
                 try:
@@ -167,7 +240,8 @@ class ArrayResidency:
                 self._settle()
             if fits:
                 tier._place_new(buf)
-            else:
+                self._mark_backed([buf])
+            elif buf.owns_pages:
                 # What _place_new does with a buffer that cannot fit (it is used in place from
                 # the host), done here since _place_new would evict arrays open handles pin. Its
                 # first touch puts its pages on the host.
@@ -176,6 +250,14 @@ class ArrayResidency:
                 buf.host_valid = True
                 self.in_place.add(buf)
                 self._count_in_place()
+            else:
+                # Under 2 MiB it shares pages with its neighbours (NOTE [size classes]): advice
+                # would move theirs too, so it gets none, and a kernel may place it on the device
+                # unseen (at most a 2 MiB page). Advised in place, it was re-marked "faulted back"
+                # at every later check on the H100 (the page's last prefetch was the device's):
+                # nine budget overruns a pass in bench/results/cupy_budget-h100-20261123.json.
+                buf.where = Location.HOST
+                buf.host_valid = True
             self._settle()
         return buf, buf.token(internal=False)
 
@@ -203,6 +285,16 @@ class ArrayResidency:
             return
         for b in list(self.arrays):
             if b.where is not Location.HOST or not b.owns_pages or b.in_shadow:
+                continue
+            if b.read_mostly_while_resident and b.host_valid:
+                # Its eviction was a collapse that also unset read-mostly (NOTE [read-only
+                # scopes]): the range has IN_PLACE advice again, only the books follow. The range's
+                # last prefetch still says "device" (the scope's); one to the host, where every
+                # page is, moves nothing and lets _verify tell a later prefetch to the device.
+                b.read_mostly_while_resident = False
+                b.policy = b.policy.replace(**IN_PLACE, read_only=False)
+                tier.backend.prefetch([tier._range(b)], Location.HOST, tier._um_side("d2h"))
+                self.in_place.add(b)
                 continue
             settled = _in_place(b) and not b.policy.read_only
             if settled and b in self.in_place:
@@ -237,6 +329,7 @@ class ArrayResidency:
             b.where = Location.DEVICE
             b.host_valid = False
             b.last_use = next(tier._tick)
+            self._mark_backed([b])
             tier._resident += b.span
             tier.accounting.on_resident(b.role, b.span)
             tier.accounting.count_extra("residency.faulted_back_count")
@@ -247,8 +340,17 @@ class ArrayResidency:
         self._count_in_place()
 
     def _count_in_place(self) -> None:
-        self.tier.accounting.set_extra("residency.in_place_bytes.current",
-                                       sum(b.nbytes for b in list(self.in_place) if b.where is Location.HOST))
+        acc = self.tier.accounting
+        acc.set_extra("residency.in_place_bytes.current",
+                      sum(b.nbytes for b in list(self.in_place) if b.where is Location.HOST))
+        acc.set_extra("residency.retained_bytes.current",
+                      sum(b.span for b in list(self.backed) if b.where is not Location.DEVICE))
+
+    def _mark_backed(self, bufs: Iterable[_Buffer]) -> None:
+        """NOTE [retained pages]: these arrays have device pages now, and their range keeps them."""
+        for b in bufs:
+            if b.owns_pages and b.where is Location.DEVICE and b in self.arrays:   # not TieredTensors
+                self.backed.add(b)
 
     def _check(self, exclude: Iterable[_Buffer] = ()) -> None:
         """A budget check: settle, verify, and evict the coldest to fit if over the budget."""
@@ -273,7 +375,7 @@ class ArrayResidency:
             return
         with tier._lock:
             self._settle()
-            self._verify()
+            self._verify()     # recounts in-place and retained bytes
 
     # -- scoped moves -----------------------------------------------------------------------------
     def side_stream(self) -> int:
@@ -282,7 +384,7 @@ class ArrayResidency:
             self._stream = self.tier.backend.new_stream()
         return self._stream
 
-    def use(self, items: Iterable[Any], stream: Any = None, read_only: bool = False) -> ArrayUse:
+    def use(self, items: Iterable[Any], stream: Any = None, read_only: bool = False, once: bool = False) -> ArrayUse:
         tier = self.tier
         items = list(items)
         bufs: list[_Buffer] = []
@@ -300,9 +402,19 @@ class ArrayResidency:
             handle = ArrayUse(self, bufs, _CUPY if on_cupy else stream)
             self.handles.add(handle)     # pinned from here on: the check below must not evict them
             try:
+                lent = [b for b in bufs if b.read_mostly_while_resident and b.where is Location.DEVICE]
+                if lent and not read_only:
+                    # Resident read-mostly copies, named by a block that may write: a write would
+                    # collapse them onto the device behind the books. They go (a collapse, nothing
+                    # over the link) and come back below as plain pages.
+                    tier.evict(lent, non_blocking=True)
                 before = set(tier._inflight)
                 self._check(exclude=set(bufs))
                 todo = [b for b in bufs if b.where is not Location.DEVICE or b.in_shadow]
+                stay = set()
+                if once:    # NOTE [touched once]: what lives in place is used there
+                    stay = {b for b in todo if not b.in_shadow and b in self.in_place}
+                    todo = [b for b in todo if b not in stay]
                 need = sum(b.span for b in todo if not b.parked)
                 tier._make_room(need, exclude=set(bufs) | self.pinned())
                 evictions = [tr for tr in tier._inflight if tr not in before]
@@ -314,13 +426,14 @@ class ArrayResidency:
                     side = self.side_stream()
                     for tr in evictions:
                         tr.wait(side)
-                    tr = tier.prefetch(bufs, stream=side, non_blocking=True)
+                    tr = tier.prefetch([b for b in bufs if b not in stay], stream=side, non_blocking=True)
                 else:
-                    tr = tier.prefetch(bufs, stream=stream, non_blocking=True)
+                    tr = tier.prefetch([b for b in bufs if b not in stay], stream=stream, non_blocking=True)
             except BaseException:
                 handle.close()
                 raise
             handle._transfer = tr
+            self._mark_backed(todo)
             tier.accounting.count_extra("use.calls")
             tier.accounting.count_extra("use.bytes", tr.nbytes)
             self._count_in_place()     # the arrays that just came in are in place no more
@@ -328,10 +441,18 @@ class ArrayResidency:
 
     def _read_mostly(self, bufs: list[_Buffer]) -> None:
         """NOTE [read-only scopes]: in-place arrays a scope only reads come in as read-mostly
-        duplicates, so that their eviction collapses them onto the host copy and moves nothing."""
+        duplicates, so that their eviction collapses them onto the host copy and moves nothing.
+        One advice call: the range has IN_PLACE advice already, and only read-mostly changes."""
+        tier = self.tier
+        if not tier.backend.capabilities().supports("advise"):
+            return
         for b in bufs:
-            if b.where is Location.HOST and b.host_valid:
-                self.tier._set_policy(b, None, {**IN_PLACE, "read_mostly": True, "read_only": True})
+            if b.where is Location.HOST and b.host_valid and _in_place(b):
+                b.policy = b.policy.replace(read_mostly=True, read_only=True)
+                b.read_mostly_while_resident = True
+                tier.backend.advise(*tier._range(b), Advice("read_mostly", True, Location.DEVICE))
+                tier.accounting.count(b.role, "advice_applied")
+
 
 
 class ArrayUse:
@@ -379,13 +500,21 @@ class ArrayUse:
             self._transfer.synchronize()
 
     def close(self) -> None:
-        """Let budget checks evict these arrays again (they stay resident until one needs room)."""
+        """Let budget checks evict these arrays again (they stay resident until one needs room).
+        Records the fence their collapse waits for (NOTE [collapse fence])."""
         if not self.closed:
             self.closed = True
             tier = self._state._tier()
             if tier is not None:
                 with tier._lock:     # another thread may be reading the pins in a budget check
                     self._state.handles.discard(self)
+                    if self._bufs:
+                        be = tier.backend
+                        stream = _cupy_stream() if self._stream is _CUPY else self._stream
+                        fence = be.new_event()
+                        be.record(fence, tier._stream(stream))
+                        for b in self._bufs:
+                            b.fence = fence
             self._bufs = []
 
     def __enter__(self) -> ArrayUse:
@@ -461,13 +590,15 @@ def tier_of_array(x: Any) -> Tier | None:
     return tok.buffer.tier if tok is not None else None
 
 
-def use(*arrays: Any, stream: Any = None, tier: Tier | None = None) -> ArrayUse:
+def use(*arrays: Any, stream: Any = None, read_only: bool = False, once: bool = False,
+        tier: Tier | None = None) -> ArrayUse:
     """Bring ``arrays`` (CuPy arrays from a tiermem allocator, or TieredTensors) to the device
-    ahead of use, making room in the budget; see :meth:`Tier.use`. The Tier is ``tier``, else the
-    first array's, else the default one."""
+    ahead of use, making room in the budget; :meth:`Tier.use` says what ``stream``,
+    ``read_only`` and ``once`` do. The Tier is ``tier``, else the first array's, else the
+    default one."""
     if tier is None:
         tier = next((t for t in map(tier_of_array, arrays) if t is not None), None)
     if tier is None:
         from ._api import default_tier
         tier = default_tier()
-    return tier.use(*arrays, stream=stream)
+    return tier.use(*arrays, stream=stream, read_only=read_only, once=once)

@@ -52,6 +52,10 @@ Keys that belong to no role (NOTE [allocator arrays in place] in _scoped.py):
                                                       their bytes; re-marked resident when found
     residency.in_place_bytes.current                  bytes of evicted allocator arrays that kernels read
                                                       and write in place on the host, without migrating
+    residency.retained_bytes.current                  device pages the driver keeps for allocator arrays
+                                                      whose data left the device (NOTE [retained pages]):
+                                                      not live data and not under the budget; the driver's
+                                                      used memory is resident + staging + retained bytes
     use.calls, use.bytes                              Tier.use scopes, and the bytes they brought in
 """
 from __future__ import annotations
@@ -70,7 +74,8 @@ log = logging.getLogger("tiermem")
 
 # The flat keys that belong to no role, documented above.
 EXTRA_KEYS = ("residency.budget_overruns", "residency.budget_overrun_bytes", "residency.faulted_back_count",
-              "residency.faulted_back_bytes", "residency.in_place_bytes.current", "use.calls", "use.bytes")
+              "residency.faulted_back_bytes", "residency.in_place_bytes.current", "residency.retained_bytes.current",
+              "use.calls", "use.bytes")
 
 
 @dataclasses.dataclass

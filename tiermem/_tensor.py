@@ -75,6 +75,10 @@ class _Buffer:
         self.parked = False                 # in the shadow, but the range's device pages are kept
                                             # for the next refill (NOTE [parked pages] in _tier.py)
         self.host_valid = False             # a read-mostly host copy in the managed range is current
+        self.read_mostly_while_resident = False   # lent read-mostly by a read-only scope: its
+                                            # collapse unsets it (NOTE [read-only scopes], _scoped.py)
+        self.fence: Any = None              # event after the last scope that used it; a collapse
+                                            # waits for it (NOTE [collapse fence] in _scoped.py)
         self.tokens: weakref.WeakSet[_ViewToken] = weakref.WeakSet()
         self.bindings: list[weakref.ref] = []
         self.last_use = 0

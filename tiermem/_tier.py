@@ -714,10 +714,16 @@ class Tier:
             tr, collapse = self._move_out(todo, stream, non_blocking, _path, park, grow_ring=not _for_room)
         # Collapsing read-mostly copies is a host-side driver call that takes ~25 ms per GiB
         # (bench/results/probe_refill-*.json); it runs outside the lock so that other threads can
-        # keep enqueuing moves meanwhile. It moves no data.
-        for ptr, n in collapse:
+        # keep enqueuing moves meanwhile. It moves no data. It is not stream-ordered, so it first
+        # waits for the kernels a buffer's fence covers (NOTE [collapse fence] in _scoped.py).
+        fences = {id(f): f for *_, f in collapse if f is not None}
+        for f in fences.values():
+            if not self.backend.query(f):
+                self.backend.synchronize(f)
+        for ptr, n, again, _ in collapse:
             self.backend.advise(ptr, n, Advice("read_mostly", False, Location.DEVICE))
-            self.backend.advise(ptr, n, Advice("read_mostly", True, Location.DEVICE))
+            if again:
+                self.backend.advise(ptr, n, Advice("read_mostly", True, Location.DEVICE))
         return tr
 
     def _evict_path(self, b: _Buffer, park: bool = False) -> str:
@@ -738,9 +744,10 @@ class Tier:
 
     def _move_out(self, todo: list[_Buffer], stream: Any, non_blocking: bool,
                   force: str | None = None, park: bool = False,
-                  grow_ring: bool = True) -> tuple[Transfer, list[tuple[int, int]]]:
+                  grow_ring: bool = True) -> tuple[Transfer, list[tuple[int, int, bool, Any]]]:
         """Enqueue the evictions of ``todo``; returns the transfer and the ranges whose read-mostly
-        copies the caller must collapse (after releasing the lock). With ``park``, shadow
+        copies the caller must collapse (after releasing the lock), each with whether read-mostly
+        is set again and the fence to wait for first. With ``park``, shadow
         evictions keep their pages (NOTE [parked pages]) instead of discarding them."""
         snap = self._snapshot(todo)
         discarded: list[bool] = []    # once the discard is asked for, the eviction stands (NOTE [failed moves])
@@ -778,10 +785,11 @@ class Tier:
                 ops[b.role, "prefetch_skipped"] += 1
             elif path == "collapse":
                 # Unset read-mostly: the copies collapse onto the preferred location, the host,
-                # whose copy is current, so nothing moves; then read-mostly is set again. (A
+                # whose copy is current, so nothing moves; then read-mostly is set again, unless
+                # a read-only scope only lent it (NOTE [read-only scopes] in _scoped.py). (A
                 # device write to a read-only buffer breaks that promise; see Policy.read_only.)
                 collapse.append(b)
-                ops[b.role, "advice_applied"] += 2
+                ops[b.role, "advice_applied"] += 1 if b.read_mostly_while_resident else 2
                 ops[b.role, "evict_clean_ops"] += 1
             elif path == "discard":
                 if park:
@@ -830,7 +838,15 @@ class Tier:
         for r, n in moved.items():
             self.accounting.on_move(r, "d2h", n)
         tr = self._finish("d2h", todo, cur, side, start, moved, non_blocking)
-        return tr, coalesce((b.block.alloc, *self._range(b)) for b in collapse)
+        # (range, set read-mostly again, fence): a buffer lent read-mostly for a read-only scope
+        # keeps it only while resident (NOTE [read-only scopes] in _scoped.py). A group's members
+        # still collapse in one call where they share both.
+        same: dict[tuple[bool, int], tuple[bool, Any, list[_Buffer]]] = {}
+        for b in collapse:
+            again = not b.read_mostly_while_resident
+            same.setdefault((again, id(b.fence)), (again, b.fence, []))[2].append(b)
+        return tr, [(p, n, again, fence) for again, fence, bs in same.values()
+                    for p, n in coalesce((b.block.alloc, *self._range(b)) for b in bs)]
 
     def _make_room(self, need: int, exclude: set[_Buffer]) -> None:
         """Make ``need`` more bytes fit the budget: give parked pages back first (NOTE [parked
@@ -1112,7 +1128,7 @@ class Tier:
         from ._cupy import make_allocator
         return make_allocator(self, role)
 
-    def use(self, *arrays: Any, stream: Any = None, read_only: bool = False) -> Any:
+    def use(self, *arrays: Any, stream: Any = None, read_only: bool = False, once: bool = False) -> Any:
         """Bring ``arrays`` (CuPy arrays from this Tier's allocator, or TieredTensors) to the device
         ahead of use, on tiermem's stream, evicting the coldest to hold the budget (raises
         :class:`OutOfBudgetError` if they cannot all fit). Returns an :class:`ArrayUse` handle:
@@ -1121,9 +1137,12 @@ class Tier:
         the block ends budget checks never evict them. Make the next block's
         handle inside this block's ``with`` to overlap its moves with this block's kernels.
         ``read_only=True`` promises the block only reads them: they then leave the device again
-        without moving a byte. NOTE [scoped moves] and NOTE [read-only scopes] in _scoped.py."""
+        without moving a byte. ``once=True`` says the block touches each array's bytes about once
+        (a streaming pass): arrays that live in place on the host then stay there and kernels use
+        them over the link, which is as fast as moving them and leaves nothing to evict (NOTE
+        [touched once]). NOTE [scoped moves] and NOTE [read-only scopes] in _scoped.py."""
         from ._scoped import residency
-        return residency(self).use(arrays, stream, read_only)
+        return residency(self).use(arrays, stream, read_only, once)
 
     def owner_of(self, ptr: int) -> Any:
         """The live internal buffer whose managed range (or shadow) holds address ``ptr``, or None.

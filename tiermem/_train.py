@@ -47,8 +47,10 @@ from typing import TYPE_CHECKING, Any
 from ._errors import ConfigError, ConfigTypeError, TierMemError, WrapError
 from ._limits import check_bytes, parse_bytes
 from ._module import module_groups
+from ._recompute import Recompute, repeated_layers
+from ._steptime import StepClock
 from ._swap import ActivationSwap
-from ._trainplan import SavedRecord, StepTrace, TrainPlan, plan_training
+from ._trainplan import DUPLEX_GBPS, LINK_GBPS, MODES, SavedRecord, Segment, StepTrace, TrainPlan, plan_training
 from .roles import Evict, Location, Prefetch, Role
 
 if TYPE_CHECKING:
@@ -106,8 +108,8 @@ class _Slot:
     last: int = 0
 
 
-def check_options(budget: int | str, *, lookahead: int = 2, **_: Any) -> None:
-    """Raise :class:`ConfigError` for a bad budget or lookahead of :func:`wrap_training`. Needs no
+def check_options(budget: int | str, *, lookahead: int = 2, mode: str = "auto", **_: Any) -> None:
+    """Raise :class:`ConfigError` for a bad budget, lookahead or mode of :func:`wrap_training`. Needs no
     GPU, so tiermem.wrap_training checks them before it looks for one; it takes all of
     wrap_training's options, and the others are checked where they are used."""
     check_bytes(budget, what="training budget", max_percent=100, positive=True)
@@ -115,6 +117,8 @@ def check_options(budget: int | str, *, lookahead: int = 2, **_: Any) -> None:
         raise ConfigTypeError(f"lookahead must be an int, got {lookahead!r}")
     if lookahead < 1:
         raise ConfigError(f"lookahead must be at least 1, got {lookahead}")
+    if mode not in MODES:
+        raise ConfigError(f"mode must be one of {MODES}, got {mode!r}")
 
 
 class TieredTraining:
@@ -124,15 +128,21 @@ class TieredTraining:
     ahead of use (the slots are ``lookahead + 1``). ``min_swap``: saved storages smaller than this
     stay on the device. ``window``: bytes of activation copies in flight each way (default
     budget/32). ``swap=False`` never swaps activations. ``margin``: bytes the plan leaves free
-    (default budget/8).
+    (default budget/8). ``recompute``: the modules the plan may recompute in backward (NOTE
+    [recompute]); True (default) takes the model's repeated layers, False none. ``mode``: "auto",
+    "swap" or "recompute" (plan_training). ``link_GBps`` / ``duplex_GBps``: the link rates the
+    plan predicts with, each way and both at once (default: the H100 machine's).
     """
 
     def __init__(self, tier: Tier, model: Any, optimizer: Any, budget: int | str, *, lookahead: int = 2,
                  min_swap: int = 1 << 20, window: int | None = None, swap: bool = True,
-                 block_bytes: int = BLOCK_BYTES, margin: int | None = None):
+                 block_bytes: int = BLOCK_BYTES, margin: int | None = None, recompute: Any = True,
+                 mode: str = "auto", link_GBps: float | None = None, duplex_GBps: float | None = None):
         import torch
         self.torch = torch
-        check_options(budget, lookahead=lookahead)
+        check_options(budget, lookahead=lookahead, mode=mode)
+        self.mode = mode
+        self.link = (link_GBps or LINK_GBPS, duplex_GBps or DUPLEX_GBPS)
         if getattr(model, "_tiermem_handle", None) is not None:
             raise WrapError("this model is already adopted by tiermem; unwrap it first")
         self.tier, self.model, self.opt = tier, model, optimizer
@@ -200,7 +210,21 @@ class TieredTraining:
         self.swap = ActivationSwap(tier, self.params, min_swap=min_swap, window=window) if swap else None
         if self.swap is not None:
             self.swap.on_param = self._on_param_read
-        self.plan: TrainPlan | None = None
+        segs = repeated_layers(model) if recompute is True else list(recompute) if recompute else []
+        self.recompute = Recompute(segs) if self.swap is not None and segs else None
+        seg_mods = [{id(m) for m in sg.modules()} for sg in segs]
+        # the segment each block sits in (forward hooks of blocks inside a recompute need it)
+        self._seg_of_block = {b.index: i for i, ids in enumerate(seg_mods) for b in self.blocks if id(b.module) in ids}
+        if self.recompute is not None:
+            self.swap.recompute = self.recompute
+            self.recompute.param_ref = self.swap._param_ref
+            self.recompute.on_segment = self._on_segment
+        self.clock = StepClock(cuda=True)
+        self._marks: dict[str, Any] = {}
+        self._timed: list[tuple[Any, Any]] = []      # (start, end) events of planned steps
+        self.step_seconds: list[float] = []          # wall time of each planned step, in order
+        self._visible: tuple[int, ...] = ()          # the plan's records in the swap's order
+        self._plan: TrainPlan | None = None
         self.trace: StepTrace | None = None
         self._order: list[int] = []            # blocks in forward order, from the traced step
         self._need: list[int] = []             # swapped storages in backward-read order
@@ -359,7 +383,10 @@ class TieredTraining:
                                f"(nesting deeper than lookahead={self.lookahead}); raise lookahead")
         s = b.slot
         be = self.tier.backend
-        be.wait(be.current_stream(), s.ready)
+        if self._tracing:
+            self.clock.stall(lambda: be.wait(be.current_stream(), s.ready))   # NOTE [step time model]
+        else:
+            be.wait(be.current_stream(), s.ready)
         s.busy = True
         self._clock += 1
         s.last = self._clock
@@ -392,6 +419,11 @@ class TieredTraining:
             return
         pos = self._order.index(b.index) if b.index in self._order else len(self._order)
         upcoming = self._order[pos + 1:] if not self._tracing else []
+        if self._replaying():
+            # A recompute inside backward (NOTE [recompute]): bring in the rest of its segment,
+            # not the blocks after it, which backward is done with.
+            seg = self._seg_of_block.get(b.index)
+            upcoming = [i for i in upcoming if self._seg_of_block.get(i) == seg]
         self._ensure(b, states=False, upcoming=upcoming)
         if upcoming:
             self._ahead(upcoming)
@@ -400,17 +432,28 @@ class TieredTraining:
         if not self._in_step:
             return
         torch = self.torch
-        if not b.resident and b.slot is not None:
+        replay = self._replaying()
+        # A block entered for backward and recomputed inside it keeps its slot until its step.
+        if not b.resident and b.slot is not None and not b.entered:
             s = b.slot
             s.busy = False
             s.free = self.tier.backend.new_event()
             self.tier.backend.record(s.free, self.tier.backend.current_stream())
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() and not replay:
             t = _first_grad_tensor(out)
             if t is not None:
                 t.register_hook(lambda g, b=b: self._bwd_enter(b))
 
+    def _replaying(self) -> bool:
+        return self.recompute is not None and self.recompute.replay is not None
+
+    def _on_segment(self, i: int, start: bool) -> None:
+        if self._in_step and self._tracing:
+            self._marks[("seg", i, start)] = self.clock.mark()
+
     def _bwd_enter(self, b: _Block) -> None:
+        if not self._backward and self._in_step and self._tracing:
+            self._marks["bwd"] = self.clock.mark()
         self._backward = True
         if b.resident or b.entered:
             return
@@ -463,6 +506,16 @@ class TieredTraining:
     def _step_block(self, b: _Block) -> None:
         tier, be = self.tier, self.tier.backend
         s = b.slot
+        if not any(id(p) in self._got for p in b.trainable):
+            # No gradient reached the block (frozen, or unused this step): nothing changes it, so
+            # nothing is written back; its home is still current.
+            b.stepped = True
+            for p in b.trainable:
+                p.grad = None
+            s.free = be.new_event()
+            be.record(s.free, be.current_stream())
+            s.busy = False
+            return
         for p in b.trainable:
             if id(p) not in self._got:
                 p.grad = None     # no gradient reached it: the optimizer skips it, as it would resident
@@ -525,11 +578,21 @@ class TieredTraining:
         for b in self.blocks:
             b.entered, b.stepped, b.waiting = False, False, 0
         torch.cuda.reset_peak_memory_stats(self.dev)
+        planned = not self._tracing and self._plan is not None
+        self._collect_times()
+        self.clock.reset()
+        self._marks = {"start": self.clock.mark()}
+        if self.recompute is not None:
+            self.recompute.begin(self._plan.recompute if planned else frozenset())
         if self.swap is not None:
-            if self._tracing or self.plan is None:
+            self.swap.clock = None if planned else self.clock
+            if not planned:
                 self.swap.begin(None, frozenset(), [])
             else:
-                self.swap.begin(self.trace.key, self.plan.keep, list(self._need))
+                # the plan in the swap's own saving order (StepTrace.visible)
+                vis = self._visible
+                self.swap.begin(tuple(self.trace.saved[r].nbytes for r in vis),
+                                frozenset(k for k, r in enumerate(vis) if r in self._plan.keep), list(self._need))
         hooks = (torch.autograd.graph.saved_tensors_hooks(self.swap.pack, self.swap.unpack)
                  if self.swap is not None and self._swapping() else contextlib.nullcontext())
         ok = False
@@ -544,7 +607,8 @@ class TieredTraining:
                 self._in_step = False
 
     def _swapping(self) -> bool:
-        return self._tracing or self.plan is None or self.plan.swapped_bytes > 0
+        p = self._plan
+        return self._tracing or p is None or p.swapped_bytes > 0 or bool(p.recompute)
 
     def _finish_step(self, ok: bool) -> None:
         torch = self.torch
@@ -572,6 +636,9 @@ class TieredTraining:
                 self.moved[d] += self.swap.moved[d]
         if not ok:
             return
+        self._marks["end"] = self.clock.mark()
+        if not self._tracing and self._plan is not None:
+            self._timed.append((self.clock._marks[self._marks["start"]], self.clock._marks[self._marks["end"]]))
         self.steps += 1
         self.last_peak = torch.cuda.max_memory_reserved(self.dev)
         diverged = self.swap is not None and self.swap.diverged
@@ -582,21 +649,69 @@ class TieredTraining:
             log.info("tiermem: the step's saved tensors changed (another shape?); tracing the next step")
             self._tracing = True
 
+    # -- timing (NOTE [step time model]) ----------------------------------------------------------
+    @property
+    def plan(self) -> TrainPlan | None:
+        """The plan of the steps after the traced one, with the median measured step time of
+        those run so far (read without waiting for the GPU)."""
+        self._collect_times()
+        return self._plan
+
+    def _collect_times(self) -> None:
+        done = [(a, b) for a, b in self._timed if b.query()]
+        if not done:
+            return
+        self._timed = [x for x in self._timed if x not in done]
+        self.step_seconds += [a.elapsed_time(b) / 1e3 for a, b in done]
+        # the first planned step allocates what the plan keeps: not a steady step
+        xs = sorted(self.step_seconds[1:] or self.step_seconds)
+        if self._plan is not None:
+            self._plan = dataclasses.replace(self._plan, measured_s=xs[len(xs) // 2])
+
+    def _timed_trace(self) -> tuple[list[SavedRecord], tuple[Segment, ...], dict[str, float]]:
+        clk, m = self.clock, self._marks
+        bwd = m.get("bwd", m["end"])
+        times = {"fwd_s": clk.compute(m["start"], bwd), "bwd_s": clk.compute(bwd, m["end"]),
+                 "step_s": clk.between(m["start"], m["end"])}
+        segs = []
+        if self.recompute is not None:
+            for i in range(len(self.recompute.segments)):
+                a, b = m.get(("seg", i, True)), m.get(("seg", i, False))
+                if a is None or b is None:
+                    continue       # not run (or run without gradients) in the traced step
+                blocks = tuple(j for j in self._order if self._seg_of_block.get(j) == i)
+                segs.append(Segment(i, clk.compute(a, b), self.recompute.input_bytes.get(i, 0), blocks))
+        saved = []
+        for i, n, u, seg, sm, um in (self.swap.timed_records() if self.swap is not None else []):
+            a = m.get(("seg", seg, True))
+            rs = clk.compute(a, sm) if a is not None and sm >= 0 else 0.0
+            us = clk.between(bwd, um) if um >= 0 else -1.0
+            saved.append(SavedRecord(i, n, u, seg, rs, us))
+        return saved, tuple(segs), times
+
     def _replan(self, floor: int) -> None:
         recs = self.swap.records() if self.swap is not None else []
-        saved = tuple(SavedRecord(i, n, u) for i, n, u in recs)
-        self._need = [i for i, _, u in sorted(recs, key=lambda r: (r[2] < 0, r[2])) if u >= 0]
+        saved, segments, times = self._timed_trace()
         floor = max(floor - self.outside, 0)
         self.floor = floor
         old_slot = self.slot_bytes
         new_slot = _aligned(self._slot_bytes())
         floor += self.nslots * max(new_slot - old_slot, 0)     # the slots grow to hold states
-        self.trace = StepTrace(saved, tuple(b.p_bytes for b in self.blocks),
+        self.trace = StepTrace(tuple(saved), tuple(b.p_bytes for b in self.blocks),
                                tuple(b.s_bytes for b in self.blocks), floor,
-                               frozenset(b.index for b in self.blocks if b.resident))
+                               frozenset(b.index for b in self.blocks if b.resident),
+                               segments=segments, saves=tuple(self.swap.events) if self.swap is not None else (),
+                               slots=self.nslots, **times)
         margin = self.budget // 8 if self.margin is None else self.margin
-        plan = plan_training(self.trace, self.budget, margin=margin)
-        self.plan = plan
+        plan = plan_training(self.trace, self.budget, margin=margin, mode=self.mode,
+                             link_GBps=self.link[0], duplex_GBps=self.link[1])
+        self._plan = plan
+        self._visible = plan.visible
+        pos = {r: k for k, r in enumerate(plan.visible)}
+        # swapped storages in the order backward first read them, as positions in the swap's order
+        self._need = [pos[i] for i, _, u in sorted(recs, key=lambda r: (r[2] < 0, r[2]))
+                      if u >= 0 and i in pos and i not in plan.keep]
+        self._timed, self.step_seconds = [], []
         self._tracing = False
         for i in sorted(plan.resident_blocks):
             if not self.blocks[i].resident:
@@ -604,12 +719,14 @@ class TieredTraining:
         self._alloc_slots()
         self._set_cap()
         self.torch.cuda.empty_cache()
-        if not plan.streamed_blocks and plan.swapped_bytes == 0:
+        if not plan.streamed_blocks and plan.swapped_bytes == 0 and not plan.recompute:
             # In capacity: nothing moves, so no hook is needed, and a module with hooks takes
             # torch's slower call path. Steps are then plain steps on managed memory.
             for h in self._hooks:
                 h.remove()
             self._hooks = []
+            if self.recompute is not None:
+                self.recompute.remove()
         log.info("tiermem: %s", plan.table())
 
     def _make_resident(self, b: _Block) -> None:
@@ -671,6 +788,8 @@ class TieredTraining:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        if self.recompute is not None:
+            self.recompute.remove()
         torch.cuda.synchronize(self.dev)
         torch.cuda.set_per_process_memory_fraction(self._old_fraction, self.dev)
         for s in self.slots:
@@ -706,7 +825,7 @@ class TieredTraining:
         return self.model
 
     def __repr__(self) -> str:
-        plan = self.plan.table() if self.plan is not None else "not planned yet (the first step is traced)"
+        plan = self._plan.table() if self._plan is not None else "not planned yet (the first step is traced)"
         return f"<TieredTraining {type(self.model).__name__}, {len(self.blocks)} blocks: {plan}>"
 
 

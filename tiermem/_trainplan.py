@@ -211,7 +211,7 @@ class TrainPlan:
 
     def choices(self) -> dict[int, str]:
         """Each saved record's fate: "keep", "swap" or "recompute"."""
-        vis = set(self.visible) if self.visible else set(range(len(self.record_bytes)))
+        vis = set(self.visible) if self.visible or self.recompute else set(range(len(self.record_bytes)))
         return {i: ("keep" if i in self.keep else "swap" if i in vis else "recompute")
                 for i in range(len(self.record_bytes))}
 

@@ -48,11 +48,14 @@ NOTE [step time model]
                 R: the recomputed segments' forward seconds
 
     F and B are the traced step's forward and backward (block optimizer steps included) less the
-    time the compute stream waited for a copy. L is one direction's rate, D both at once
-    (docs/facts.md: 55 GB/s each way, 91 GB/s together on the H100 machine). Overlap inside a
-    phase is taken as perfect; what is not (a copy back that backward waits for at its start, a
-    swap-out the window makes the host wait for) is what ``plan_error`` in bench/train_budget.py
-    measures.
+    time the compute stream waited for a copy. L is one direction's rate, D both at once. Two
+    large copies reach 55 GB/s each way and 91 GB/s together on the H100 machine (docs/facts.md),
+    but a training step's many block-sized copies do not overlap that well: the swap-only plan
+    ran at 1.00x of (in + out) / 55 GB/s and 1.66x of the two-way bound
+    (bench/results/train_budget-h100-20261122.json). D therefore defaults to L, one shared link;
+    a caller who measured better passes its own. Overlap inside a phase is taken as perfect; what
+    is not (a copy back that backward waits for at its start, a swap-out the window makes the
+    host wait for) is what ``plan_error`` in bench/train_budget.py measures.
 """
 from __future__ import annotations
 
@@ -64,7 +67,7 @@ from ._errors import ConfigError
 __all__ = ["SavedRecord", "Segment", "StepTrace", "TrainPlan", "plan_training"]
 
 LINK_GBPS = 55.0     # pinned copies each way on the H100 machine (docs/facts.md)
-DUPLEX_GBPS = 91.0   # both directions at once, in total (docs/facts.md)
+DUPLEX_GBPS = LINK_GBPS   # both directions at once, in total, as a step sees it (NOTE [step time model])
 MODES = ("auto", "swap", "recompute")
 
 

@@ -177,3 +177,32 @@ def test_repeated_layers_finds_the_largest_module_list_and_begin_checks_indices(
         rc.begin(frozenset({3}))
     rc.remove()
     assert not model.layers[0]._forward_pre_hooks
+
+
+def test_a_transformers_decoder_recomputes_bitwise_with_attention_dropout():
+    # Decoder layers take keyword inputs (the mask, position embeddings) and draw attention
+    # dropout: the recompute must hold the former and replay the latter.
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.Qwen2Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                                   num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+                                   attention_dropout=0.2, use_cache=False)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = transformers.Qwen2ForCausalLM(cfg).train()
+    ids = torch.randint(0, 256, (2, 24))
+
+    def run(hooks):
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(3)
+        ctx = (torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack) if hooks is not None
+               else torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t))
+        with ctx:
+            loss = model(input_ids=ids, use_cache=False).logits.float().logsumexp(-1).mean()
+            loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters()]
+    want_loss, want = run(None)
+    swap, rc = _hooks(model, {0, 2})
+    assert rc.segments == list(model.model.layers)
+    got_loss, got = run(swap)
+    assert torch.equal(got_loss, want_loss)
+    assert all(torch.equal(g, w) for g, w in zip(got, want))

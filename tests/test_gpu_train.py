@@ -320,3 +320,35 @@ def test_the_automatic_plan_is_timed_from_the_trace_and_measured_after():
     assert plan.measured_s is not None and len(train.step_seconds) == len(batches) - 1
     assert "measured" in plan.table() and "segment" in plan.table()
     _cleanup(tier, train)
+
+
+def test_bf16_states_cross_the_link_at_half_the_bytes_and_train_close_to_resident():
+    torch = _setup()
+    from tiermem.models import GPTConfig
+    batches = _batches(GPTConfig(**CFG), 8)
+    want, _ = _resident_losses(batches)
+    _cleanup()
+    tier, model, opt, train, c = _tiered(BUDGET, mode="swap", states_bf16=True)
+    got, peaks = _train_losses(train, model, batches[:-1])
+    streamed = [b for b in train.blocks if not b.resident and b.states]
+    assert streamed
+    for b in streamed:
+        assert b.home_state_views[0].dtype == torch.bfloat16
+        assert b.h_bytes <= b.s_bytes // 2 + 256 * len(b.states)
+    key = "moved_bytes.optimizer_state.{}"
+    before = {d: tier.stats()[key.format(d)] for d in ("h2d", "d2h")}
+    more, _ = _train_losses(train, model, batches[-1:])
+    after = {d: tier.stats()[key.format(d)] for d in ("h2d", "d2h")}
+    moved = sum(b.h_bytes for b in streamed)
+    assert after["d2h"] - before["d2h"] == moved           # each streamed block's states out once, in bf16
+    assert after["h2d"] - before["h2d"] >= moved
+    got += more
+    assert max(peaks) <= BUDGET
+    # rounded moments: close to the resident losses, not bitwise
+    assert max(abs(g - w) / abs(w) for g, w in zip(got, want)) < 0.02, (got, want)
+    train.unwrap()
+    for st in opt.state.values():
+        for v in st.values():
+            if torch.is_tensor(v) and v.dim() > 0:
+                assert v.dtype == torch.float32 and v.is_cuda
+    _cleanup(tier)

@@ -233,3 +233,16 @@ def test_the_chosen_plan_fits_and_is_never_predicted_slower_than_swap_only_or_re
     assert sum(t.saved[i].nbytes for i, c in ch.items() if c == "recompute") == p.recomputed_bytes
     assert all(t.saved[i].segment in p.recompute for i, c in ch.items() if c == "recompute")
     assert set(p.keep) <= set(p.visible)
+
+
+def test_bf16_states_halve_the_state_bytes_moved_but_not_the_device_bytes_of_a_resident_block():
+    t = seg_trace(nseg=0, per=0)
+    t16 = StepTrace(t.saved, t.block_param_bytes, t.block_state_bytes, t.floor_peak,
+                    block_state_moved=tuple(s // 2 for s in t.block_state_bytes))
+    p32 = plan_training(t, 100 * MiB, margin=0)
+    p16 = plan_training(t16, 100 * MiB, margin=0)
+    assert p32.h2d_bytes - p16.h2d_bytes == 4 * 10 * MiB           # 20 MiB of states per block, halved
+    assert p32.d2h_bytes - p16.d2h_bytes == 4 * 10 * MiB
+    # residency still costs the fp32 states on the device
+    r16 = plan_training(t16, 100 * MiB + 30 * MiB, margin=0)
+    assert r16.resident_block_bytes == 30 * MiB

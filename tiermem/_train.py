@@ -82,6 +82,8 @@ class _Block:
     g_bytes: int = 0
     states: list[tuple[Any, str, int]] = dataclasses.field(default_factory=list)   # (param, key, offset)
     s_bytes: int = 0
+    h_off: list[int] = dataclasses.field(default_factory=list)   # states' offsets in the home
+    h_bytes: int = 0              # states' bytes in the home: what crosses the link (NOTE [bf16 states])
     home_p: Any = None
     home_s: Any = None
     home_views: list[Any] = dataclasses.field(default_factory=list)
@@ -102,6 +104,7 @@ class _Slot:
     occupant: _Block | None = None
     has_params: bool = False
     has_states: bool = False
+    cast_pending: bool = False    # bf16 states copied in, not yet widened (NOTE [bf16 states])
     ready: Any = None             # event: the fill is done
     free: Any = None              # event: the last user (compute or write-back) is done
     busy: bool = False
@@ -132,17 +135,21 @@ class TieredTraining:
     [recompute]); True (default) takes the model's repeated layers, False none. ``mode``: "auto",
     "swap" or "recompute" (plan_training). ``link_GBps`` / ``duplex_GBps``: the link rates the
     plan predicts with, each way and both at once (default: the H100 machine's).
+    ``states_bf16=True`` keeps streamed blocks' optimizer states in bf16 at home, halving the
+    bytes they move (NOTE [bf16 states]); off by default, since it rounds the moments each step.
     """
 
     def __init__(self, tier: Tier, model: Any, optimizer: Any, budget: int | str, *, lookahead: int = 2,
                  min_swap: int = 1 << 20, window: int | None = None, swap: bool = True,
                  block_bytes: int = BLOCK_BYTES, margin: int | None = None, recompute: Any = True,
-                 mode: str = "auto", link_GBps: float | None = None, duplex_GBps: float | None = None):
+                 mode: str = "auto", link_GBps: float | None = None, duplex_GBps: float | None = None,
+                 states_bf16: bool = False):
         import torch
         self.torch = torch
         check_options(budget, lookahead=lookahead, mode=mode)
         self.mode = mode
         self.link = (link_GBps or LINK_GBPS, duplex_GBps or DUPLEX_GBPS)
+        self.states_bf16 = bool(states_bf16)
         if getattr(model, "_tiermem_handle", None) is not None:
             raise WrapError("this model is already adopted by tiermem; unwrap it first")
         self.tier, self.model, self.opt = tier, model, optimizer
@@ -262,7 +269,9 @@ class TieredTraining:
 
     def _slot_bytes(self) -> int:
         streamed = [b for b in self.blocks if not b.resident]
-        return max((b.p_bytes + b.g_bytes + b.s_bytes for b in streamed), default=0)
+        # with bf16 states the slot also holds their narrow copy, the link's side of the cast
+        return max((b.p_bytes + b.g_bytes + b.s_bytes + (b.h_bytes if self.states_bf16 else 0) for b in streamed),
+                   default=0)
 
     def _alloc_slots(self) -> None:
         torch = self.torch
@@ -286,12 +295,29 @@ class TieredTraining:
             items = [(p, o) for p, o in zip(b.params, b.p_off)]
         elif what == "g":
             items = [(p, o) for p, o in zip(b.trainable, b.g_off)]
+        elif what == "h":
+            # the states as they cross the link and live at home (NOTE [bf16 states])
+            dt = self.torch.bfloat16 if self.states_bf16 else None
+            for (p, _, _), o in zip(b.states, b.h_off):
+                d = dt or p.dtype
+                n = p.numel() * d.itemsize
+                out.append(be.torch_view(base + o, n, owner).view(d).view(p.shape))
+            return out
         else:
             items = [(p, o) for p, _, o in b.states]
         for p, o in items:
             n = p.numel() * p.element_size()
             out.append(be.torch_view(base + o, n, owner).view(p.dtype).view(p.shape))
         return out
+
+    def _stage_views(self, s: _Slot, b: _Block) -> list[Any]:
+        """The slot's bf16 copy of ``b``'s states, after its fp32 states."""
+        key = (s.index, b.index, "stage")
+        v = self._view_cache.get(key)
+        if v is None:
+            v = self._views(s.ptr + b.p_bytes + b.g_bytes + b.s_bytes, b, self._slot_mem, "h")
+            self._view_cache[key] = v
+        return v
 
     def _slot_views(self, s: _Slot, b: _Block) -> tuple[list, list, list]:
         key = (s.index, b.index)
@@ -334,7 +360,7 @@ class TieredTraining:
         if b.states:
             self._bind_states(b, b.home_state_views)
         b.slot = None
-        s.occupant, s.has_params, s.has_states = None, False, False
+        s.occupant, s.has_params, s.has_states, s.cast_pending = None, False, False, False
 
     def _pick_slot(self, protect: set[int]) -> _Slot | None:
         free = [s for s in self.slots if not s.busy and (s.occupant is None or s.occupant.index not in protect)]
@@ -370,9 +396,11 @@ class TieredTraining:
             self._count("h2d", Role.WEIGHT, b.p_bytes)
             s.has_params = True
         if states and b.states and not s.has_states:
-            be.copy(s.ptr + b.p_bytes + b.g_bytes, b.home_s.ptr, b.s_bytes, side)
-            self._count("h2d", Role.OPTIMIZER_STATE, b.s_bytes)
+            at = b.p_bytes + b.g_bytes + (b.s_bytes if self.states_bf16 else 0)
+            be.copy(s.ptr + at, b.home_s.ptr, b.h_bytes, side)
+            self._count("h2d", Role.OPTIMIZER_STATE, b.h_bytes)
             s.has_states = True
+            s.cast_pending = self.states_bf16
         s.ready = be.new_event()
         be.record(s.ready, side)
         return True
@@ -395,6 +423,11 @@ class TieredTraining:
             for p, v in zip(b.params, pv):
                 self._bind(p, v)
         if states and b.states:
+            if s.cast_pending:
+                with self.torch.no_grad():      # widen on the compute stream, after the copy in
+                    for v, h in zip(sv, self._stage_views(s, b)):
+                        v.copy_(h)
+                s.cast_pending = False
             self._bind_states(b, sv)
         return s
 
@@ -531,8 +564,18 @@ class TieredTraining:
         be.copy(b.home_p.ptr, s.ptr, b.p_bytes, side)
         self._count("d2h", Role.WEIGHT, b.p_bytes)
         if b.states and s.has_states:
-            be.copy(b.home_s.ptr, s.ptr + b.p_bytes + b.g_bytes, b.s_bytes, side)
-            self._count("d2h", Role.OPTIMIZER_STATE, b.s_bytes)
+            at = b.p_bytes + b.g_bytes
+            if self.states_bf16:
+                # narrow on the compute stream, before the copy out waits for it
+                with self.torch.no_grad():
+                    for h, v in zip(self._stage_views(s, b), self._slot_views(s, b)[2]):
+                        h.copy_(v)
+                dep = be.new_event()
+                be.record(dep, cur)
+                be.wait(side, dep)
+                at += b.s_bytes
+            be.copy(b.home_s.ptr, s.ptr + at, b.h_bytes, side)
+            self._count("d2h", Role.OPTIMIZER_STATE, b.h_bytes)
         done = be.new_event()
         be.record(done, side)
         b.home_ready = s.free = done
@@ -553,14 +596,19 @@ class TieredTraining:
         b.s_bytes = off
         if not off:
             return
-        b.home_s = self.tier.backend.host_alloc(off)
-        b.home_state_views = self._views(b.home_s.ptr, b, b.home_s, "s")
+        h = 0
+        for p, _, _ in b.states:
+            b.h_off.append(h)
+            h += _aligned(p.numel() * (2 if self.states_bf16 else p.element_size()))
+        b.h_bytes = h
+        b.home_s = self.tier.backend.host_alloc(h)
+        b.home_state_views = self._views(b.home_s.ptr, b, b.home_s, "h")
         with torch.no_grad():
             for (p, key, _), hv in zip(b.states, b.home_state_views):
                 hv.copy_(self.opt.state[p][key])
         torch.cuda.current_stream(self.dev).synchronize()
         self._bind_states(b, b.home_state_views)
-        self._count("d2h", Role.OPTIMIZER_STATE, b.s_bytes)
+        self._count("d2h", Role.OPTIMIZER_STATE, b.h_bytes)
 
     # -- steps -------------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -700,6 +748,7 @@ class TieredTraining:
         self.trace = StepTrace(tuple(saved), tuple(b.p_bytes for b in self.blocks),
                                tuple(b.s_bytes for b in self.blocks), floor,
                                frozenset(b.index for b in self.blocks if b.resident),
+                               block_state_moved=tuple(b.h_bytes for b in self.blocks),
                                segments=segments, saves=tuple(self.swap.events) if self.swap is not None else (),
                                slots=self.nslots, **times)
         margin = self.budget // 8 if self.margin is None else self.margin
@@ -799,7 +848,7 @@ class TieredTraining:
         with torch.no_grad():
             for b in self.blocks:
                 for p, key, _ in b.states:
-                    self.opt.state[p][key] = self.opt.state[p][key].clone()
+                    self.opt.state[p][key] = self.opt.state[p][key].to(p.dtype, copy=True)   # bf16 homes
                 for p in b.params:
                     if b.resident:
                         self.tier.unwrap(p)

@@ -56,6 +56,18 @@ NOTE [step time model]
     a caller who measured better passes its own. Overlap inside a phase is taken as perfect; what
     is not (a copy back that backward waits for at its start, a swap-out the window makes the
     host wait for) is what ``plan_error`` in bench/train_budget.py measures.
+
+NOTE [bf16 states]
+    Optimizer states are the largest thing a streamed block moves: AdamW's two fp32 moments are
+    16 of the 28 bytes per parameter a step moves in and out. With ``states_bf16=True``
+    (wrap_training; off by default) a streamed block's states live at home in bf16 and cross the
+    link in bf16: the slot holds the fp32 states the optimizer steps and a bf16 copy beside them;
+    after the copy in, the compute stream widens bf16 to fp32, and after the block's step it
+    narrows fp32 to bf16 before the copy out. The optimizer's arithmetic stays fp32; what changes
+    is that the moments are rounded to bf16 (8 bits of mantissa, round to nearest) once per step,
+    so losses no longer equal the resident run's bit for bit. Resident blocks keep fp32 states.
+    The plan counts the bytes that move (``block_state_moved``) apart from the device bytes a
+    resident block's states take (``block_state_bytes``).
 """
 from __future__ import annotations
 
@@ -111,6 +123,8 @@ class StepTrace:
     bwd_s: float = 0.0                     # backward compute, block optimizer steps included
     step_s: float = 0.0                    # the traced step's wall time, waits included
     slots: int = 3                         # device slots streamed blocks go through
+    block_state_moved: tuple[int, ...] = ()   # state bytes a streamed block moves each way, if not
+                                              # block_state_bytes (NOTE [bf16 states])
 
     @property
     def saved_bytes(self) -> int:
@@ -162,6 +176,7 @@ class TrainPlan:
     segment_of: tuple[int, ...] = ()        # each record's segment (SavedRecord.segment)
     record_bytes: tuple[int, ...] = ()
     alternatives: tuple[tuple[str, float], ...] = ()   # (what, predicted seconds) of plans not chosen
+    block_state_moved: tuple[int, ...] = ()    # as StepTrace.block_state_moved
     measured_s: float | None = None         # median wall time of the planned steps so far
 
     @property
@@ -178,7 +193,8 @@ class TrainPlan:
 
     def _streamed(self) -> tuple[int, int]:
         s = self.streamed_blocks
-        return sum(self.block_param_bytes[i] for i in s), sum(self.block_state_bytes[i] for i in s)
+        st = self.block_state_moved or self.block_state_bytes
+        return sum(self.block_param_bytes[i] for i in s), sum(st[i] for i in s)
 
     @property
     def h2d_bytes(self) -> int:
@@ -382,5 +398,5 @@ def _fill(trace: StepTrace, budget: int, margin: int, can_reside: Sequence[bool]
                      visible=visible, recomputed_bytes=recomputed, held_bytes=held, reload_bytes=reload,
                      fwd_s=trace.fwd_s, bwd_s=trace.bwd_s, recompute_s=sum(segs[i].fwd_s for i in rc),
                      link_GBps=link_GBps, duplex_GBps=duplex_GBps, mode=mode, segments=trace.segments,
-                     segment_of=tuple(r.segment for r in trace.saved),
+                     segment_of=tuple(r.segment for r in trace.saved), block_state_moved=trace.block_state_moved,
                      record_bytes=tuple(r.nbytes for r in trace.saved))

@@ -664,18 +664,20 @@ def plot_matrix(out, path):
     fig, axes = plt.subplots(1, len(mx), figsize=(6 * len(mx), 4), squeeze=False)
     for ax, (name, cell) in zip(axes[0], mx.items()):
         runs = cell["runs"]
-        labels, vals = [], []
+        labels, vals, colors = [], [], []
         for k in ("resident", "fsdp2_offload", "save_on_cpu", "checkpoint"):
             if "step_ms" in runs.get(k, {}):
                 labels.append(k.replace("_", " "))
                 vals.append(runs[k]["step_ms"])
+                colors.append("gray")
         for tag, _ in BUDGET_FRACTIONS:
-            for label in ("swap_only", "plan"):
+            for label, color in (("swap_only", "C0"), ("plan", "C1"), ("plan_bf16_states", "C2")):
                 r = runs.get(f"tiermem_{label}@{tag}", {})
                 if "step_ms" in r:
                     labels.append(f"tiermem {label.replace('_', ' ')} 1/{tag}")
                     vals.append(r["step_ms"])
-        ax.barh(range(len(vals)), vals, color=["gray"] * 4 + ["C0", "C1"] * 3)
+                    colors.append(color)
+        ax.barh(range(len(vals)), vals, color=colors)
         ax.set_yticks(range(len(vals)), labels, fontsize=8)
         ax.invert_yaxis()
         ax.set_xlabel("step time (ms)")

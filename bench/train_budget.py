@@ -162,30 +162,38 @@ def tiermem_run(torch, tiermem, build, loss_fn, batches, budget, label, **kw):
         torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     tier = shared_tier(tiermem)
     train = tier.wrap_training(model, opt, budget, **kw)
-    st = Stepper(torch, model, opt, loss_fn, train=train)
-    peaks = []
-    for i, bt in enumerate(batches):
-        st.step(bt)
-        peaks.append(train.resident_peak())
-        if i in (0, len(batches) - 1) or (i + 1) % 10 == 0:
-            progress(f"  {label}: step {i + 1}/{len(batches)} {st.times[-1] * 1e3:.1f} ms")
-    torch.cuda.synchronize()
-    plan = train.plan
-    info = {"plan": plan.table() if plan else None, "resident_peak_bytes": max(peaks),
-            "report": train.report(), "moved_last": st.moved[-1], "floor_bytes": train.floor,
-            "streamed_blocks": len(plan.streamed_blocks) if plan else -1,
-            "swapped_bytes": plan.swapped_bytes if plan else -1,
-            "recomputed_bytes": plan.recomputed_bytes if plan else -1,
-            "recomputed_segments": len(plan.recompute) if plan else -1,
-            "predicted_ms": plan.predicted_seconds() * 1e3 if plan else None,
-            "plan_measured_ms": plan.measured_s * 1e3 if plan and plan.measured_s is not None else None,
-            "alternatives": list(plan.alternatives) if plan else [],
-            "trace_fwd_ms": train.trace.fwd_s * 1e3 if train.trace else None,
-            "trace_bwd_ms": train.trace.bwd_s * 1e3 if train.trace else None}
-    res = Result(st)
-    train.unwrap()
-    del train, st, model, opt
-    free()
+    try:
+        st = Stepper(torch, model, opt, loss_fn, train=train)
+        peaks = []
+        for i, bt in enumerate(batches):
+            st.step(bt)
+            peaks.append(train.resident_peak())
+            if i in (0, len(batches) - 1) or (i + 1) % 10 == 0:
+                progress(f"  {label}: step {i + 1}/{len(batches)} {st.times[-1] * 1e3:.1f} ms")
+        torch.cuda.synchronize()
+        plan = train.plan
+        info = {"plan": plan.table() if plan else None, "resident_peak_bytes": max(peaks),
+                "report": train.report(), "moved_last": st.moved[-1], "floor_bytes": train.floor,
+                "streamed_blocks": len(plan.streamed_blocks) if plan else -1,
+                "swapped_bytes": plan.swapped_bytes if plan else -1,
+                "recomputed_bytes": plan.recomputed_bytes if plan else -1,
+                "recomputed_segments": len(plan.recompute) if plan else -1,
+                "predicted_ms": plan.predicted_seconds() * 1e3 if plan else None,
+                "plan_measured_ms": plan.measured_s * 1e3 if plan and plan.measured_s is not None else None,
+                "alternatives": list(plan.alternatives) if plan else [],
+                "trace_fwd_ms": train.trace.fwd_s * 1e3 if train.trace else None,
+                "trace_bwd_ms": train.trace.bwd_s * 1e3 if train.trace else None}
+        res = Result(st)
+    finally:
+        # a failed run (out of memory at the smallest budget) must not leave its cap and hooks
+        # on the runs after it
+        try:
+            train.unwrap()
+        except Exception as e:
+            progress(f"  unwrap after failure: {e!r}")
+            torch.cuda.set_per_process_memory_fraction(1.0)
+        st = train = model = opt = None
+        free()
     return res, info
 
 

@@ -317,7 +317,8 @@ def test_the_automatic_plan_is_timed_from_the_trace_and_measured_after():
     inside = [r for r in tr.saved if r.segment >= 0]
     assert inside and all(0 <= r.recompute_s <= tr.segments[r.segment].fwd_s + 1e-6 for r in inside)
     assert all(r.use_s >= 0 for r in tr.saved if r.use >= 0)
-    assert plan.measured_s is not None and len(train.step_seconds) == len(batches) - 1
+    # every step after the traced one is timed (fewer if a step's saves diverged and it traced again)
+    assert plan.measured_s is not None and 1 <= len(train.step_seconds) <= len(batches) - 1
     assert "measured" in plan.table() and "segment" in plan.table()
     _cleanup(tier, train)
 

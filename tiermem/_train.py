@@ -431,11 +431,12 @@ class TieredTraining:
             self._bind_states(b, sv)
         return s
 
-    def _ahead(self, order: list[int]) -> None:
-        """Fill slots with the next streamed blocks of ``order`` (blocks' indices, next first)."""
+    def _ahead(self, order: list[int], states: bool | None = None) -> None:
+        """Fill slots with the next streamed blocks of ``order`` (blocks' indices, next first),
+        with their states in backward unless ``states`` says otherwise."""
         nxt = [i for i in order if not self.blocks[i].resident][: self.lookahead]
         for i in nxt:
-            if not self._fill(self.blocks[i], states=self._backward, protect=set(nxt)):
+            if not self._fill(self.blocks[i], states=self._backward if states is None else states, protect=set(nxt)):
                 break
 
     def _count(self, direction: str, role: Role, n: int) -> None:
@@ -459,7 +460,8 @@ class TieredTraining:
             upcoming = [i for i in upcoming if self._seg_of_block.get(i) == seg]
         self._ensure(b, states=False, upcoming=upcoming)
         if upcoming:
-            self._ahead(upcoming)
+            # a recompute needs parameters only; states come with each block's own backward
+            self._ahead(upcoming, states=False if self._replaying() else None)
 
     def _fwd_post(self, b: _Block, out: Any) -> None:
         if not self._in_step:

@@ -11,7 +11,7 @@ NOTE [activation swap]
       - a storage the plan keeps (NOTE [training plan]), or one under ``min_swap`` bytes: kept;
       - the rest: copied to a pinned host arena on tiermem's D2H stream as soon as it is saved,
         and copied back on the H2D stream ahead of backward's need, in the order the traced step
-        read them (in the first step: latest saved first).
+        read them (before a plan: latest saved first).
 
     The device storage of a swapped tensor is held until its copy has finished, then dropped, so
     torch's allocator reuses it. Holding is bounded: past ``window`` bytes in flight the host

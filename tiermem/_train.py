@@ -2,7 +2,7 @@
 
     train = tier.wrap_training(model, optimizer, budget="2GiB")
     for x, y in batches:
-        with train.step():                 # the first step is traced, then planned
+        with train.step():                 # the first steps are traced, then planned
             loss = loss_fn(model(x), y)
             loss.backward()                # each block's optimizer step runs inside backward
     print(train.plan)                      # what stays on the device, what moves, predicted time
@@ -236,6 +236,7 @@ class TieredTraining:
         self._order: list[int] = []            # blocks in forward order, from the traced step
         self._need: list[int] = []             # swapped storages in backward-read order
         self._tracing = True
+        self._warmed = False                   # the first step ran (see _finish_step)
         self._in_step = False
         self._backward = False
         self._got = set()
@@ -692,7 +693,16 @@ class TieredTraining:
         self.steps += 1
         self.last_peak = torch.cuda.max_memory_reserved(self.dev)
         diverged = self.swap is not None and self.swap.diverged
-        if self._tracing:
+        if self._tracing and not self._warmed:
+            # The first step pays once for what later steps reuse (the optimizer's states and
+            # their pinned homes, the swap's pinned arena, torch's first cudaMallocs): timed, it
+            # would make compute look several times slower (NOTE [step time model]). The slots
+            # grow to hold states now, and the next step, moving everything again, is traced.
+            self._warmed = True
+            self._alloc_slots()
+            self._set_cap()
+            torch.cuda.empty_cache()
+        elif self._tracing:
             # Reserved, not allocated: the cap applies to what torch reserves, fragmentation included.
             self._replan(torch.cuda.max_memory_reserved(self.dev))
         elif diverged:
@@ -876,7 +886,7 @@ class TieredTraining:
         return self.model
 
     def __repr__(self) -> str:
-        plan = self._plan.table() if self._plan is not None else "not planned yet (the first step is traced)"
+        plan = self._plan.table() if self._plan is not None else "not planned yet (the first steps are traced)"
         return f"<TieredTraining {type(self.model).__name__}, {len(self.blocks)} blocks: {plan}>"
 
 

@@ -1,7 +1,8 @@
 """The training plan: what one step keeps on the device and what it moves, from a traced step.
 
 NOTE [training plan]
-    As in Zhang et al. 2019 (arXiv 1903.06631), the first step is traced: every tensor autograd
+    As in Zhang et al. 2019 (arXiv 1903.06631), a step is traced (the second: the first pays
+    one-time costs, NOTE [step time model]): every tensor autograd
     saves for backward (its size, the order it was saved in, the order backward first reads it)
     and the peak of torch's caching allocator while everything that can move did move: every
     block's parameters and optimizer states streamed through the slots, every saved activation
@@ -48,7 +49,11 @@ NOTE [step time model]
                 R: the recomputed segments' forward seconds
 
     F and B are the traced step's forward and backward (block optimizer steps included) less the
-    time the compute stream waited for a copy. L is one direction's rate, D both at once. Two
+    time the compute stream waited for a copy. The traced step is the second: the first creates
+    the optimizer's states and their pinned homes, the swap's pinned arena (cudaHostAlloc, ~1 s
+    per GB) and torch's cached blocks, and took 5.3 s against 0.25 s for a steady step
+    (bench/results/train_budget-h100-20261122.log); the GPU idles through those, and its clock
+    would charge them to compute. L is one direction's rate, D both at once. Two
     large copies reach 55 GB/s each way and 91 GB/s together on the H100 machine (docs/facts.md),
     but a training step's many block-sized copies do not overlap that well: the swap-only plan
     ran at 1.00x of (in + out) / 55 GB/s and 1.66x of the two-way bound

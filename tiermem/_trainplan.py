@@ -29,7 +29,8 @@ NOTE [training plan]
 
       - each recomputed segment costs its forward again in backward (timed in the trace, stalls
         excluded), its inputs held on the device from its forward to its backward, and one
-        segment's saved tensors at once while its backward runs;
+        segment's saved tensors at once while its backward runs, less the largest of them,
+        which the traced step's floor held already while backward read it;
       - it saves twice its saved bytes over the link, and the device bytes those would need if kept.
 
     Segments are tried in order of link time saved per recompute second; for every prefix of that
@@ -366,8 +367,13 @@ def _fill(trace: StepTrace, budget: int, margin: int, can_reside: Sequence[bool]
     segs = {sg.index: sg for sg in trace.segments}
     held = 0
     if rc:
-        inner = [sum(r.nbytes for r in trace.saved if r.segment == i and r.index not in vis) for i in rc]
-        held = sum(segs[i].input_bytes for i in rc) + max(inner)
+        # A recompute brings back its whole segment's saves at once, where the traced step held
+        # at least the largest of them while backward read it: the floor has that one already.
+        extra = []
+        for i in rc:
+            inner = [r.nbytes for r in trace.saved if r.segment == i and r.index not in vis]
+            extra.append(sum(inner) - max(inner, default=0))
+        held = sum(segs[i].input_bytes for i in rc) + max(extra)
         if held > left:
             return None
         left -= held

@@ -485,6 +485,9 @@ def with_checkpointing(torch, model):
     import torch.nn as nn
     from torch.utils.checkpoint import checkpoint
     from tiermem._recompute import repeated_layers
+    if hasattr(model, "gradient_checkpointing_enable"):     # a transformers model: its own switch
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return model
     layers = repeated_layers(model)
 
     class AC(nn.Module):

@@ -355,7 +355,7 @@ class TieredTraining:
         b = s.occupant
         be = self.tier.backend
         if b.home_ready is not None and not self._backward:
-            be.wait(be.current_stream(), b.home_ready)
+            self._wait(b.home_ready)
         for p, v in zip(b.params, b.home_views):
             self._bind(p, v)
         if b.states:
@@ -412,10 +412,7 @@ class TieredTraining:
                                f"(nesting deeper than lookahead={self.lookahead}); raise lookahead")
         s = b.slot
         be = self.tier.backend
-        if self._tracing:
-            self.clock.stall(lambda: be.wait(be.current_stream(), s.ready))   # NOTE [step time model]
-        else:
-            be.wait(be.current_stream(), s.ready)
+        self._wait(s.ready)
         s.busy = True
         self._clock += 1
         s.last = self._clock
@@ -479,6 +476,15 @@ class TieredTraining:
             t = _first_grad_tensor(out)
             if t is not None:
                 t.register_hook(lambda g, b=b: self._bwd_enter(b))
+
+    def _wait(self, event: Any) -> None:
+        """The compute stream waits for a copy; timed as a stall in a traced step, so the plan
+        does not count it as compute (NOTE [step time model])."""
+        be = self.tier.backend
+        if self._tracing and self._in_step:
+            self.clock.stall(lambda: be.wait(be.current_stream(), event))
+        else:
+            be.wait(be.current_stream(), event)
 
     def _replaying(self) -> bool:
         return self.recompute is not None and self.recompute.replay is not None
@@ -670,7 +676,7 @@ class TieredTraining:
                 b.slot.busy = False
         be = self.tier.backend
         for b in self._written:
-            be.wait(be.current_stream(), b.home_ready)   # this step's write-backs; see _unbind_slot
+            self._wait(b.home_ready)   # this step's write-backs; see _unbind_slot
         self._backward = False
         res = [p for b in self.blocks if b.resident for p in b.trainable if p.grad is not None]
         if ok and res:

@@ -353,7 +353,6 @@ class TieredTraining:
         serialise the next block's backward behind this block's write-back; the step's end waits
         for every write-back instead."""
         b = s.occupant
-        be = self.tier.backend
         if b.home_ready is not None and not self._backward:
             self._wait(b.home_ready)
         for p, v in zip(b.params, b.home_views):
@@ -411,7 +410,6 @@ class TieredTraining:
             raise TierMemError(f"no free slot for block {b.name}: every slot is in use "
                                f"(nesting deeper than lookahead={self.lookahead}); raise lookahead")
         s = b.slot
-        be = self.tier.backend
         self._wait(s.ready)
         s.busy = True
         self._clock += 1
@@ -674,7 +672,6 @@ class TieredTraining:
                 self._step_block(b)
             elif b.slot is not None:
                 b.slot.busy = False
-        be = self.tier.backend
         for b in self._written:
             self._wait(b.home_ready)   # this step's write-backs; see _unbind_slot
         self._backward = False

@@ -245,6 +245,14 @@ class ActivationSwap:
     def on_param(self, p: Any) -> None:
         """Called when backward reads a streamed parameter (the training handle loads it)."""
 
+    def _host_wait(self, event: Any) -> None:
+        """The host waits for a copy. While timing, marks around it measure how long the compute
+        stream ran dry meanwhile: link time, not compute (NOTE [step time model])."""
+        if self.clock is not None:
+            self.clock.stall(lambda: self.tier.backend.synchronize(event))
+        else:
+            self.tier.backend.synchronize(event)
+
     # -- moves -------------------------------------------------------------------------------------
     def _out(self, s: _Saved, st: Any, ptr: int) -> None:
         tier, be = self.tier, self.tier.backend
@@ -271,7 +279,7 @@ class ActivationSwap:
             if not be.query(s.out_event):
                 if not block:
                     return
-                be.synchronize(s.out_event)
+                self._host_wait(s.out_event)
             self.out_q.popleft()
             self.out_bytes -= s.nbytes
             # Its address may be handed out again now: a new storage there is a new save.
@@ -284,7 +292,7 @@ class ActivationSwap:
         import torch
         tier, be = self.tier, self.tier.backend
         if s.out_event is not None and not be.query(s.out_event):
-            be.synchronize(s.out_event)
+            self._host_wait(s.out_event)
         # Allocated on the compute stream; the copy waits for that stream so the memory's last
         # user there is done, and the compute stream waits for the copy before reading it.
         s.dev = torch.empty(s.nbytes, dtype=torch.uint8, device=f"cuda:{tier.device}")

@@ -36,12 +36,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from ._errors import DeviceFullError, TierMemError
+from ._errors import CheckpointError, DeviceFullError, TierMemError
 from ._limits import parse_bytes
-from .roles import Evict, Role
+from ._load import FileTensor, Reader, host_bytes
+from .roles import Evict, Location, Policy, Role
 
 if TYPE_CHECKING:
     from ._tensor import TieredTensor
@@ -272,7 +273,7 @@ class _PinnedTransport:
         self.grad_home: Any = None
         self._view_cache: dict[tuple[int, int | None, bool], list[Any]] = {}
         self._reserved = 0
-        self.origin: dict[int, Any] = {id(t): t.device for g in groups for t in g.tensors}
+        self.origin: dict[int, Any] = {id(t): _origin(t) for g in groups for t in g.tensors}
         try:
             self.home = be.host_alloc(self.size)
             if self.nslots:
@@ -281,9 +282,16 @@ class _PinnedTransport:
                 # Straight from the driver, so unwrap (or a failed adoption) gives it back.
                 self.window = be.device_alloc(self._reserved, pooled=False)
             with torch.no_grad():
+                reads = []
                 for g in groups:
-                    for t, v in zip(g.tensors, self._views(g, None)):
-                        v.copy_(t)            # the GPU writes pinned pages straight over the link
+                    for t, v, o in zip(g.tensors, self._views(g, None), g.member_offsets):
+                        src = owner._sources.get(id(t), t)
+                        if isinstance(src, FileTensor):   # straight from the file (NOTE [reading a checkpoint])
+                            reads.append((src, host_bytes(self.home.ptr + g.offset + o, src.nbytes)))
+                        else:
+                            v.copy_(_materialize(src))    # the GPU writes pinned pages straight over the link
+                if reads:
+                    Reader.shared().read(reads)
             if be.kind == "cuda":
                 torch.cuda.synchronize(tier.device)   # the home is whole before the originals may go
         except BaseException:
@@ -481,7 +489,8 @@ class TieredModule:
     """Handle of a module adopted by :func:`wrap_module`: its plan, its mode, and unwrap()."""
 
     def __init__(self, tier: Tier, module: Any, budget: int | str | None, *, mode: str = "auto",
-                 lookahead: int = LOOKAHEAD, zero_copy_max_tokens: int = 16, max_group_bytes: int = MAX_GROUP):
+                 lookahead: int = LOOKAHEAD, zero_copy_max_tokens: int = 16, max_group_bytes: int = MAX_GROUP,
+                 weights: Mapping[str, Any] | None = None):
         if mode not in ("auto", "stream", "zero_copy"):
             raise TierMemError(f"mode must be 'auto', 'stream' or 'zero_copy', got {mode!r}")
         if getattr(module, "_tiermem_handle", None) is not None:
@@ -490,13 +499,29 @@ class TieredModule:
         self.module = module
         self.mode = mode
         self.zero_copy_max_tokens = zero_copy_max_tokens
+        # A meta tensor cannot be rebound to memory (torch refuses set_data across the two), so
+        # the module gets a memory-less stand-in in its place first (NOTE [weight source]); a
+        # failure puts the meta tensors back.
+        swaps = _stand_ins(module) if weights is not None else []
+        try:
+            self._setup(module, budget, lookahead, max_group_bytes, weights, {id(new) for *_, new in swaps})
+        except BaseException:
+            for owner, name, old, _ in reversed(swaps):
+                owner[name] = old
+            raise
+
+    def _setup(self, module: Any, budget: int | str | None, lookahead: int, max_group_bytes: int,
+               weights: Mapping[str, Any] | None, empty: set[int]) -> None:
+        tier = self.tier
         found = module_groups(module, max_group_bytes)
         if not found:
             raise TierMemError("this module has no parameters or buffers to tier")
         from ._torch import _check
+        self._sources = _sources(module, found, weights, empty)     # NOTE [weight source]
         for _, _, own in found:
             for _, t in own:
-                _check(tier, t)
+                if id(t) not in empty:
+                    _check(tier, t)
         sizes = [(mname, sum(_span(t) for _, t in own)) for mname, _, own in found]
         total = sum(n for _, n in sizes)
         asked = total if budget is None else parse_bytes(budget, total=total, what="module budget")
@@ -555,8 +580,12 @@ class TieredModule:
         if pinned:
             flat = [t for g in pinned for t in g.tensors]
             role = Role.WEIGHT if any(t.requires_grad for t in flat) else Role.FROZEN_WEIGHT
-            tts = _wrap_group(tier, flat, [f"{g.name}.{i}" for g in pinned for i in range(len(g.tensors))],
-                              on_host=False, policy=tier.policies[role].replace(evict=Evict.NEVER))
+            names = [f"{g.name}.{i}" for g in pinned for i in range(len(g.tensors))]
+            policy = tier.policies[role].replace(evict=Evict.NEVER)
+            if self._sources:
+                tts = _wrap_from(tier, flat, [self._sources.get(id(t)) for t in flat], names, policy)
+            else:
+                tts = _wrap_group(tier, flat, names, on_host=False, policy=policy)
             k = 0
             for g in pinned:
                 g.tiered = tts[k:k + len(g.tensors)]
@@ -824,6 +853,121 @@ def _span(t: Any) -> int:
 def _wrap_group(tier: Tier, tensors: list[Any], names: list[str], on_host: bool, policy: Any) -> list[TieredTensor]:
     from ._torch import wrap_group
     return wrap_group(tier, tensors, Role.WEIGHT, names=names, on_host=on_host, policy=policy)
+
+
+# NOTE [weight source]
+#     ``weights`` (a Mapping from the module's state-dict names to tensors, or to the FileTensors of
+#     a Checkpoint) gives each tensor's bytes in place of the tensor itself, so a module built on
+#     the meta device (no memory) can be adopted: resident groups are filled from the source one
+#     tensor at a time, streamed groups are written straight into their pinned home (a checkpoint's
+#     bytes are read from the file into it, NOTE [reading a checkpoint]), and no full host copy of
+#     the model is ever made. A tensor known under several names (tied weights) takes the first of
+#     its names the source has. A tensor the source lacks keeps its own bytes; a meta tensor the
+#     source lacks is refused before anything is allocated, as is a source tensor whose shape or
+#     dtype is not the module's (convert the source first; load_pretrained does with ``dtype=``).
+#     A meta tensor had no device of its own: unwrap restores it onto the host (or the device
+#     asked for). Adoption stays all or nothing (NOTE [all or nothing]).
+
+
+def _stand_ins(module: Any) -> list[tuple[dict, str, Any, Any]]:
+    """Give every meta parameter and buffer of ``module`` a stand-in of its shape and dtype that
+    holds one element (an expanded host tensor), which adoption then rebinds to real memory;
+    (container, name, meta tensor, stand-in) each. A tensor under several names (tied weights)
+    gets one stand-in."""
+    import torch
+    made: dict[int, Any] = {}
+    out = []
+    for m in module.modules():
+        for box in (m._parameters, m._buffers):
+            for name, t in list(box.items()):
+                if t is None or not t.is_meta:
+                    continue
+                new = made.get(id(t))
+                if new is None:
+                    one = torch.empty((), dtype=t.dtype) if t.dim() == 0 else torch.empty(1, dtype=t.dtype).expand(t.shape)
+                    new = torch.nn.Parameter(one, requires_grad=t.requires_grad) if isinstance(t, torch.nn.Parameter) else one
+                    made[id(t)] = new
+                box[name] = new
+                out.append((box, name, t, new))
+    return out
+
+
+def _sources(module: Any, found: list, weights: Mapping[str, Any] | None, empty: set[int]) -> dict[int, Any]:
+    """id(tensor) -> its source in ``weights`` (NOTE [weight source]); checked, allocates nothing."""
+    if weights is None:
+        return {}
+    names: dict[int, list[str]] = {}
+    for n, t in list(module.named_parameters(remove_duplicate=False)) + list(module.named_buffers(remove_duplicate=False)):
+        names.setdefault(id(t), []).append(n)
+    out: dict[int, Any] = {}
+    missing, bad = [], []
+    for _, _, own in found:
+        for n, t in own:
+            aliases = names.get(id(t), [n])
+            name = next((a for a in aliases if a in weights), None)
+            if name is None:
+                if id(t) in empty:
+                    missing.append(" = ".join(aliases))
+                continue
+            src = weights[name]
+            shape, dtype = tuple(src.shape), _dtype_name(src.dtype)
+            if shape != tuple(t.shape) or dtype != _dtype_name(t.dtype):
+                bad.append(f"{name}: {dtype} {list(shape)} where the module has {_dtype_name(t.dtype)} {list(t.shape)}")
+                continue
+            out[id(t)] = src
+    where = getattr(weights, "path", "")
+    if missing:
+        raise CheckpointError(f"the weights lack {len(missing)} tensor(s) the module needs (and has no data for): "
+                              f"{', '.join(missing[:6])}{' ...' if len(missing) > 6 else ''}", where)
+    if bad:
+        raise CheckpointError(f"{len(bad)} tensor(s) in the weights do not match the module: {'; '.join(bad[:4])}"
+                              f"{' ...' if len(bad) > 4 else ''}", where)
+    return out
+
+
+def _dtype_name(dt: Any) -> str:
+    from ._dtypes import canonical
+    return canonical(dt)
+
+
+def _origin(t: Any) -> Any:
+    """Where unwrap puts a tensor back by default: its own device (a meta tensor's stand-in is on
+    the host)."""
+    return t.device
+
+
+def _materialize(src: Any) -> Any:
+    """A source's data as a torch tensor: the tensor itself, or a checkpoint tensor read now."""
+    import torch
+    return src if isinstance(src, torch.Tensor) else src.tensor()
+
+
+def _wrap_from(tier: Tier, tensors: list[Any], sources: list[Any], names: list[str], policy: Policy) -> list[TieredTensor]:
+    """wrap_group's steps (one managed allocation, filled from the device side, each tensor rebound)
+    with each tensor's bytes taken from its source (or itself), read one tensor at a time, so the
+    host never holds more than one tensor of a resident group (NOTE [weight source])."""
+    import torch
+    from ._dtypes import canonical
+    from ._torch import _fill_and_bind
+    role = Role.WEIGHT if any(t.requires_grad for t in tensors) else Role.FROZEN_WEIGHT
+    specs = [(tuple(t.shape), canonical(t.dtype)) for t in tensors]
+    tts = tier.empty_group(specs, role=role, names=names, policy=Policy(preferred_location=Location.DEVICE))
+    try:
+        with torch.no_grad():
+            for tt, t, src in zip(tts, tensors, sources):
+                home = _origin(t)
+                if src is not None:
+                    t.data = _materialize(src)   # the caller's rollback rebinds the original on failure
+                _fill_and_bind(tier, tt, t)
+                tt._origin_device = home
+        for tt in tts:
+            tt.advise(policy=policy)
+    except BaseException:
+        for tt in tts:
+            tt._b.bindings = []
+            tt.free()
+        raise
+    return tts
 
 
 def wrap_module(tier: Tier, module: Any, budget: int | str | None = None, **kwargs: Any) -> TieredModule:

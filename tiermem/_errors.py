@@ -19,6 +19,7 @@ __all__ = [
     "ViewError",
     "BuildError",
     "CheckpointError",
+    "HostBudgetError",
 ]
 
 
@@ -101,3 +102,9 @@ class CheckpointError(TierMemError, ValueError):
     def __init__(self, msg: str, path: str = ""):
         self.path = str(path)
         super().__init__(msg)
+
+
+class HostBudgetError(OutOfBudgetError):
+    """The pinned host memory a module needs does not fit its ``host_budget`` (NOTE [disk tier])."""
+
+    what = "host budget"

@@ -285,3 +285,87 @@ def empty_weights() -> Iterator[None]:
         yield
     finally:
         nn.Module.register_parameter = old
+
+
+class Loaded(tuple):
+    """(model, handle) from :func:`load_pretrained`; also ``.model`` and ``.handle``."""
+
+    def __new__(cls, model: Any, handle: Any) -> Loaded:
+        return super().__new__(cls, (model, handle))
+
+    model = property(lambda self: self[0])
+    handle = property(lambda self: self[1])
+
+
+def _torch_dtype(dt: Any) -> Any:
+    import torch
+    if dt is None or isinstance(dt, torch.dtype):
+        return dt
+    if str(dt) == "auto":
+        return None
+    return _dtypes.to_torch(str(dt))
+
+
+def load_pretrained(path: str | os.PathLike, budget: int | str | None = None, host_budget: int | str | None = None,
+                    dtype: Any = None, *, tier: Any = None, model_class: Any = None, **kwargs: Any) -> Loaded:
+    """A transformers causal LM from a local checkpoint folder (``config.json`` plus safetensors, as
+    ``save_pretrained`` writes them), ready to run within ``budget`` bytes of device memory
+    (bytes, "8GB", or a share of its weights like "25%"); returns ``(model, handle)``.
+
+    The model is built on the meta device and each tensor is read from the files straight into
+    its tiermem home (NOTE [reading a checkpoint], NOTE [weight source]): resident groups into
+    device memory, streamed groups into pinned host memory, and with ``host_budget`` (bytes) the
+    groups the pinned home cannot hold stay in the files and are read from disk ahead of use
+    (NOTE [disk tier]). No full host copy of the model is made. ``dtype`` (a torch dtype or its
+    name) converts floating tensors as they are read; by default the model takes the dtype of
+    its config (else of the checkpoint) and a tensor of another dtype is refused. A bad
+    checkpoint raises :class:`CheckpointError` (a ValueError) with nothing left allocated.
+    ``model_class`` (default ``transformers.AutoModelForCausalLM``) builds the model from its
+    config; other keyword arguments go to :func:`tiermem.wrap_module` (``mode``, ``lookahead``...);
+    ``tier`` defaults to the default Tier.
+    """
+    import torch
+    try:
+        import transformers
+    except ImportError as e:
+        raise TierMemError("load_pretrained needs transformers; pip install transformers") from e
+    path = os.fspath(path)
+    ckpt = Checkpoint(path)
+    if not os.path.isdir(path) or not os.path.exists(os.path.join(path, "config.json")):
+        raise CheckpointError(f"{path} has no config.json: load_pretrained takes a folder as save_pretrained "
+                              "writes it", path)
+    config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
+    floating = {k: v for k, v in ckpt.dtypes().items() if k.startswith(("float", "bfloat"))}
+    want = (_torch_dtype(dtype) or _torch_dtype(getattr(config, "dtype", None) or getattr(config, "torch_dtype", None))
+            or (_dtypes.to_torch(max(floating, key=floating.get)) if floating else torch.float32))
+    builder = model_class or transformers.AutoModelForCausalLM
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(want)
+    try:
+        with empty_weights():
+            model = builder.from_config(config)
+    finally:
+        torch.set_default_dtype(old)
+    model.eval()
+    weights: Mapping[str, Any] = ckpt
+    if dtype is not None:
+        name = _dtypes.canonical(want)
+        weights = {k: (_Cast(v, name) if v.dtype != name and v.dtype in floating else v) for k, v in ckpt.items()}
+    gen = os.path.join(path, "generation_config.json")
+    if os.path.exists(gen):
+        model.generation_config = transformers.GenerationConfig.from_pretrained(path, local_files_only=True)
+    if tier is None:
+        from ._api import default_tier
+        tier = default_tier()
+    try:
+        handle = tier.wrap_module(model, budget, weights=weights, host_budget=host_budget, **kwargs)
+    except CheckpointError as e:
+        unknown = sorted(set(ckpt) - set(model.state_dict()))
+        if unknown and "lack" in str(e):
+            raise CheckpointError(f"{e}. The checkpoint also has {len(unknown)} name(s) the model does not "
+                                  f"({', '.join(unknown[:3])} ...): transformers renames or merges some "
+                                  "architectures' weights as it loads them (Mixtral's experts, say), which "
+                                  "load_pretrained does not; load those with transformers and call "
+                                  "tiermem.wrap_module", path) from None
+        raise
+    return Loaded(model, handle)

@@ -339,13 +339,8 @@ def load_pretrained(path: str | os.PathLike, budget: int | str | None = None, ho
     want = (_torch_dtype(dtype) or _torch_dtype(getattr(config, "dtype", None) or getattr(config, "torch_dtype", None))
             or (_dtypes.to_torch(max(floating, key=floating.get)) if floating else torch.float32))
     builder = model_class or transformers.AutoModelForCausalLM
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(want)
-    try:
-        with empty_weights():
-            model = builder.from_config(config)
-    finally:
-        torch.set_default_dtype(old)
+    with empty_weights():
+        model = builder.from_config(config, dtype=want)
     model.eval()
     weights: Mapping[str, Any] = ckpt
     if dtype is not None:

@@ -323,7 +323,6 @@ class _PinnedTransport:
     GPU reads in place (zero-copy), so decode, unplanned reads and forwards that record gradients
     need no move at all (NOTE [trainable weights in the pinned home])."""
 
-
     def __init__(self, owner: TieredModule, groups: list[_Group], lookahead: int, role: Role):
         self.o = owner
         self.tier = tier = owner.tier
@@ -692,7 +691,8 @@ class TieredModule:
     def stats(self) -> dict[str, Any]:
         """A flat dict of the module's host-side figures (bytes, seconds, counts):
         ``pinned_bytes.current`` (the home, staging buffers and gradients' home, together) and
-        ``pinned_bytes.home`` / ``.staging``; ``host_budget`` (-1: none); ``disk_bytes.per_forward``;
+        ``pinned_bytes.home`` / ``.staging``; ``host_budget`` (-1: none); ``disk_bytes.per_forward``
+        (the bytes a forward reads from the files);
         and the disk tier's totals since adoption: ``disk.read_bytes``, ``disk.read_seconds`` (the
         reader's time), ``disk.wait_seconds`` (the forward's time waiting on the reader),
         ``disk.reads``, ``disk.stage_reuse`` (reads into a staging buffer used before),
@@ -704,7 +704,7 @@ class TieredModule:
             "pinned_bytes.home": st.home.nbytes if st is not None and st.home is not None else 0,
             "pinned_bytes.staging": disk.pinned_bytes if disk is not None else 0,
             "host_budget": -1 if self.host_budget is None else self.host_budget,
-            "disk_bytes.per_forward": sum(g.nbytes for g in self._groups.values() if g.on_disk),
+            "disk_bytes.per_forward": sum(ft.nbytes for fs in disk.files.values() for ft, _ in fs) if disk else 0,
         }
         for k in ("read_bytes", "read_seconds", "wait_seconds", "reads", "stage_reuse", "resyncs", "dropped"):
             out[f"disk.{k}"] = disk.stats[k] if disk is not None else 0

@@ -1,4 +1,4 @@
-"""The command line: ``python -m tiermem info`` and ``python -m tiermem demo``."""
+"""The command line: ``python -m tiermem info``, ``python -m tiermem demo`` and ``python -m tiermem plan``."""
 from __future__ import annotations
 
 import argparse
@@ -75,8 +75,12 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--weights-gb", type=float, default=None, help="model weight size (default: 2 GB on a GPU)")
     d.add_argument("--budget", default="25%", help="device budget: bytes, '1GiB', or a share of the weights like '25%%'")
     d.add_argument("--dry-run", action="store_true", help="print the plan only, even on a GPU")
+    from . import _plan
+    _plan.add_parser(sub)
     args = ap.parse_args(argv)
     if args.cmd == "info":
         return info()
+    if args.cmd == "plan":
+        return _plan.run(args)
     from ._demo import demo
     return demo(weights_gb=args.weights_gb, budget=args.budget, dry_run=args.dry_run)

@@ -32,7 +32,7 @@ from typing import Any
 from . import _dtypes
 from ._errors import CheckpointError, TierMemError
 
-__all__ = ["FileTensor", "Checkpoint", "Reader", "load_pretrained", "empty_weights"]
+__all__ = ["FileTensor", "Checkpoint", "Reader", "load_pretrained", "empty_weights", "model_weights"]
 
 # safetensors' dtype names -> tiermem's canonical names
 _ST_DTYPES = {"F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64", "I64": "int64",
@@ -297,6 +297,43 @@ class Loaded(tuple):
     handle = property(lambda self: self[1])
 
 
+def model_weights(ckpt: Mapping[str, FileTensor], model: Any) -> dict[str, FileTensor]:
+    """The checkpoint's tensors under the model's state-dict names. transformers renames some
+    keys as it loads them (GPT-NeoX's ``embed_out`` is the model's ``lm_head``); its own renaming
+    rules are applied here. Keys it would merge into another tensor (Mixtral's experts, stacked
+    as they load) have no bytes of their own in the files: a :class:`CheckpointError` says so."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+        mapping = get_model_conversion_mapping(model)
+    except Exception:        # a transformers without these rules reads the names as they are
+        return dict(ckpt)
+    renames = [m for m in mapping if isinstance(m, WeightRenaming)]
+    merges = [m for m in mapping if isinstance(m, WeightConverter)]
+    meta = model.state_dict()
+    out, merged = {}, []
+    for k, v in ckpt.items():
+        name, merge = rename_source_key(k, renames, merges, getattr(model, "base_model_prefix", None), meta)
+        if merge is not None:
+            merged.append(k)
+        else:
+            out[name] = v
+    if merged:
+        raise CheckpointError(f"{len(merged)} tensor(s) of this checkpoint ({', '.join(merged[:3])} ...) are merged "
+                              "into other tensors as transformers loads them (stacked experts, say): their bytes are "
+                              "not in the files as the model holds them, so load_pretrained cannot read them in "
+                              "place; load this model with transformers and call tiermem.wrap_module",
+                              getattr(ckpt, "path", ""))
+    return out
+
+
+def config_dtype(config: Any) -> Any:
+    """The dtype a transformers config names, or None (read from its fields: transformers 5
+    warns on every read of the old ``torch_dtype`` attribute)."""
+    fields = vars(config)
+    return fields.get("dtype") or fields.get("torch_dtype")
+
+
 def _torch_dtype(dt: Any) -> Any:
     import torch
     if dt is None or isinstance(dt, torch.dtype):
@@ -336,16 +373,16 @@ def load_pretrained(path: str | os.PathLike, budget: int | str | None = None, ho
                               "writes it", path)
     config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
     floating = {k: v for k, v in ckpt.dtypes().items() if k.startswith(("float", "bfloat"))}
-    want = (_torch_dtype(dtype) or _torch_dtype(getattr(config, "dtype", None) or getattr(config, "torch_dtype", None))
+    want = (_torch_dtype(dtype) or _torch_dtype(config_dtype(config))
             or (_dtypes.to_torch(max(floating, key=floating.get)) if floating else torch.float32))
     builder = model_class or transformers.AutoModelForCausalLM
     with empty_weights():
         model = builder.from_config(config, dtype=want)
     model.eval()
-    weights: Mapping[str, Any] = ckpt
+    weights: Mapping[str, Any] = model_weights(ckpt, model)
     if dtype is not None:
         name = _dtypes.canonical(want)
-        weights = {k: (_Cast(v, name) if v.dtype != name and v.dtype in floating else v) for k, v in ckpt.items()}
+        weights = {k: (_Cast(v, name) if v.dtype != name and v.dtype in floating else v) for k, v in weights.items()}
     gen = os.path.join(path, "generation_config.json")
     if os.path.exists(gen):
         model.generation_config = transformers.GenerationConfig.from_pretrained(path, local_files_only=True)
@@ -355,12 +392,10 @@ def load_pretrained(path: str | os.PathLike, budget: int | str | None = None, ho
     try:
         handle = tier.wrap_module(model, budget, weights=weights, host_budget=host_budget, **kwargs)
     except CheckpointError as e:
-        unknown = sorted(set(ckpt) - set(model.state_dict()))
+        unknown = sorted(set(weights) - set(model.state_dict()))
         if unknown and "lack" in str(e):
-            raise CheckpointError(f"{e}. The checkpoint also has {len(unknown)} name(s) the model does not "
-                                  f"({', '.join(unknown[:3])} ...): transformers renames or merges some "
-                                  "architectures' weights as it loads them (Mixtral's experts, say), which "
-                                  "load_pretrained does not; load those with transformers and call "
-                                  "tiermem.wrap_module", path) from None
+            raise CheckpointError(f"{e}; the checkpoint has {len(unknown)} name(s) the model does not "
+                                  f"({', '.join(unknown[:3])} ...): is it a checkpoint of this model?", path) from None
+        e.path = e.path or path
         raise
     return Loaded(model, handle)

@@ -49,7 +49,7 @@ if TYPE_CHECKING:
     from ._tensor import TieredTensor
     from ._tier import Tier
 
-__all__ = ["Plan", "plan_residency", "plan_host", "TieredModule", "wrap_module", "module_groups"]
+__all__ = ["Plan", "plan_residency", "plan_host", "stay_home", "TieredModule", "wrap_module", "module_groups"]
 
 log = logging.getLogger("tiermem")
 
@@ -244,6 +244,13 @@ def plan_host(plan: Plan, host_sizes: Iterable[tuple[str, int]], host_budget: in
     disk = frozenset(g for g, _ in movable if g not in home)
     stage = max((n for g, n in movable if g in disk), default=0)
     return dataclasses.replace(plan, on_disk=disk, stage_bytes=stage, stages=stages if disk else 0)
+
+
+def stay_home(groups: Iterable[tuple[str, list[Any]]], in_files: Callable[[Any], bool]) -> set[str]:
+    """The groups that cannot go to disk (NOTE [disk tier]): those with a buffer (a forward may
+    write it), and those with a tensor ``in_files`` says is not in a file byte for byte."""
+    import torch
+    return {name for name, ts in groups if any(not isinstance(t, torch.nn.Parameter) or not in_files(t) for t in ts)}
 
 
 MAX_GROUP = 160 << 20
@@ -648,7 +655,9 @@ class TieredModule:
         self.host_budget = None if host_budget is None else parse_bytes(host_budget, what="host_budget")
         if self.host_budget is not None:
             self.plan = plan_host(self.plan, [(g.name, _home_layout(g.tensors)[1]) for g in self._groups.values()],
-                                  self.host_budget, STAGES, keep=self._stay_home())
+                                  self.host_budget, STAGES,
+                                  keep=stay_home([(g.name, g.tensors) for g in self._groups.values()],
+                                                 lambda t: isinstance(self._sources.get(id(t)), FileTensor)))
             if self.plan.on_disk and self.mode == "zero_copy":
                 raise TierMemError("mode='zero_copy' reads every weight in place, and a disk tier has weights with "
                                    "no place to read: raise host_budget or use mode='auto'")
@@ -674,19 +683,6 @@ class TieredModule:
         except BaseException:
             self._rollback(originals)
             raise
-
-    def _stay_home(self) -> set[str]:
-        """Groups that cannot go to disk (NOTE [disk tier]): those with buffers, and those whose
-        tensors are not in a file byte for byte."""
-        import torch
-        out = set()
-        for g in self._groups.values():
-            for t in g.tensors:
-                src = self._sources.get(id(t))
-                if not isinstance(t, torch.nn.Parameter) or not isinstance(src, FileTensor):
-                    out.add(g.name)
-                    break
-        return out
 
     def stats(self) -> dict[str, Any]:
         """A flat dict of the module's host-side figures (bytes, seconds, counts):
@@ -1073,6 +1069,7 @@ def _sources(module: Any, found: list, weights: Mapping[str, Any] | None, empty:
         names.setdefault(id(t), []).append(n)
     out: dict[int, Any] = {}
     missing, bad = [], []
+    where = getattr(weights, "path", "")
     for _, _, own in found:
         for n, t in own:
             aliases = names.get(id(t), [n])
@@ -1085,9 +1082,9 @@ def _sources(module: Any, found: list, weights: Mapping[str, Any] | None, empty:
             shape, dtype = tuple(src.shape), _dtype_name(src.dtype)
             if shape != tuple(t.shape) or dtype != _dtype_name(t.dtype):
                 bad.append(f"{name}: {dtype} {list(shape)} where the module has {_dtype_name(t.dtype)} {list(t.shape)}")
+                where = where or getattr(src, "path", "")
                 continue
             out[id(t)] = src
-    where = getattr(weights, "path", "")
     if missing:
         raise CheckpointError(f"the weights lack {len(missing)} tensor(s) the module needs (and has no data for): "
                               f"{', '.join(missing[:6])}{' ...' if len(missing) > 6 else ''}", where)

@@ -131,13 +131,23 @@ class Reader:
 
     def read(self, jobs: list[tuple[FileTensor, memoryview]]) -> int:
         """Read each tensor's bytes into its memoryview (same length); returns the bytes read."""
-        import time
-        parts = []
         for ft, mv in jobs:
             if len(mv) != ft.nbytes:
                 raise TierMemError(f"{ft.name}: {len(mv):,} bytes of room for {ft.nbytes:,} bytes")
-            for s in range(0, ft.nbytes, self.chunk):
-                parts.append((ft.path, ft.offset + s, mv[s:s + self.chunk]))
+        return self._read([(ft.path, ft.offset, mv) for ft, mv in jobs])
+
+    def read_range(self, ft: FileTensor, start: int, mv: memoryview) -> int:
+        """Read ``len(mv)`` bytes of ``ft`` from its byte ``start``."""
+        if start < 0 or start + len(mv) > ft.nbytes:
+            raise TierMemError(f"{ft.name}: bytes {start:,}..{start + len(mv):,} of {ft.nbytes:,}")
+        return self._read([(ft.path, ft.offset + start, mv)])
+
+    def _read(self, ranges: list[tuple[str, int, memoryview]]) -> int:
+        import time
+        parts = []
+        for path, offset, mv in ranges:
+            for s in range(0, len(mv), self.chunk):
+                parts.append((path, offset + s, mv[s:s + self.chunk]))
         t0 = time.perf_counter()
         if len(parts) == 1:
             self._read_chunk(*parts[0])

@@ -1111,6 +1111,26 @@ def _materialize(src: Any) -> Any:
     return src if isinstance(src, torch.Tensor) else src.tensor()
 
 
+FILL_CHUNK = 64 << 20    # host bytes a resident tensor is read through, reused: a full tensor could be 1 GB
+
+
+def _fill_from(view: Any, src: Any) -> None:
+    """Write a source's bytes into ``view`` (a tensor's new memory, on the device): a checkpoint
+    tensor through one reused host buffer of FILL_CHUNK bytes, so the host never holds a whole
+    tensor; any other source by copy_."""
+    import torch
+    if not isinstance(src, FileTensor):
+        view.copy_(_materialize(src))
+        return
+    flat = view.view(-1).view(torch.uint8)
+    buf = torch.empty(min(FILL_CHUNK, src.nbytes), dtype=torch.uint8)
+    reader = Reader.shared()
+    for s in range(0, src.nbytes, FILL_CHUNK):
+        n = min(FILL_CHUNK, src.nbytes - s)
+        reader.read_range(src, s, host_bytes(buf.data_ptr(), n))
+        flat[s:s + n].copy_(buf[:n])
+
+
 def _wrap_from(tier: Tier, tensors: list[Any], sources: list[Any], names: list[str], policy: Policy) -> list[TieredTensor]:
     """wrap_group's steps (one managed allocation, filled from the device side, each tensor rebound)
     with each tensor's bytes taken from its source (or itself), read one tensor at a time, so the
@@ -1126,7 +1146,12 @@ def _wrap_from(tier: Tier, tensors: list[Any], sources: list[Any], names: list[s
             for tt, t, src in zip(tts, tensors, sources):
                 home = _origin(t)
                 if src is not None:
-                    t.data = _materialize(src)   # the caller's rollback rebinds the original on failure
+                    b = tt._b
+                    view = tier.backend.torch_view(b.ptr, b.nbytes, b.token(internal=True)).view(t.dtype).view(t.shape)
+                    _fill_from(view, src)
+                    # Bound to its own filled memory, so _fill_and_bind's copy is one of the memory
+                    # onto itself; the caller's rollback rebinds the original on failure.
+                    t.data = view
                 _fill_and_bind(tier, tt, t)
                 tt._origin_device = home
         for tt in tts:

@@ -245,23 +245,25 @@ def test_a_checkpoint_is_read_from_its_headers(saved):
 
 # -- the disk tier ------------------------------------------------------------------------------------
 def test_plan_host_keeps_what_fits_spread_along_the_order_and_the_rest_on_disk():
-    sizes = [(f"l{i}", 100) for i in range(10)] + [("emb", 300)]
-    plan = plan_residency(sizes, 250, lookahead=2, in_place={"emb"})
+    u = MiB
+    sizes = [(f"l{i}", 100 * u) for i in range(10)] + [("emb", 300 * u)]
+    plan = plan_residency(sizes, 250 * u, lookahead=2, in_place={"emb"})
     streamed = [(g, n) for g, n in sizes if g not in plan.pinned]
     assert plan_host(plan, streamed, None).on_disk == frozenset()
-    assert plan_host(plan, streamed, 10_000).on_disk == frozenset()
-    p = plan_host(plan, streamed, 300 + 2 * 100 + 300, stages=2)     # embedding + 2 stages + 3 groups
-    assert "emb" not in p.on_disk and p.stages == 2 and p.stage_bytes == 100
-    assert p.pinned_host_bytes <= 800 and p.home_bytes == 300 + 300
+    assert plan_host(plan, streamed, 10_000 * u).on_disk == frozenset()
+    host = (300 + 2 * 100 + 300) * u + 3 * 4096          # embedding + 2 stages + 3 groups, and a page per block
+    p = plan_host(plan, streamed, host, stages=2)
+    assert "emb" not in p.on_disk and p.stages == 2 and p.stage_bytes == 100 * u
+    assert p.pinned_host_bytes <= host and p.home_bytes == 600 * u
     kept = [g for g, _ in streamed if g not in p.on_disk and g != "emb"]
     assert len(kept) == 3 and len(p.on_disk) == len(streamed) - 4
     order = [g for g, _ in streamed if g != "emb"]
     gaps = [order.index(b) - order.index(a) for a, b in zip(kept, kept[1:])]
     assert min(gaps) >= 2                               # spread, not bunched at the front
-    assert p.disk_bytes == 100 * len(p.on_disk)
+    assert p.disk_bytes == 100 * u * len(p.on_disk)
     assert p.predicted_seconds(50, 5) == pytest.approx(p.disk_bytes / 5e9 + (p.moved_bytes - p.disk_bytes) / 50e9)
     with pytest.raises(HostBudgetError, match="host budget"):
-        plan_host(plan, streamed, 400, stages=2)        # the embedding and the stages alone do not fit
+        plan_host(plan, streamed, 400 * u, stages=2)    # the embedding and the stages alone do not fit
     with pytest.raises(tiermem.TierMemError, match="disk"):
         p.predicted_seconds(50)
 

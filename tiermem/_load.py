@@ -107,7 +107,7 @@ class Reader:
     def shared(cls) -> Reader:
         with cls._shared_lock:
             if cls._shared is None:
-                cls._shared = Reader()
+                cls._shared = Reader(threads=min(8, os.cpu_count() or 1))
             return cls._shared
 
     def _fd(self, path: str) -> int:

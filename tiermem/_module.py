@@ -222,7 +222,8 @@ def plan_host(plan: Plan, host_sizes: Iterable[tuple[str, int]], host_budget: in
     movable = [(g, n) for g, n in streamed if g not in fixed]
     kept = sum(n for g, n in streamed if g in fixed)
     stage = max((n for _, n in movable), default=0)
-    room = host_budget - stages * stage - kept
+    # A pinned block may take up to a page more than asked (the driver pins whole pages).
+    room = host_budget - stages * stage - kept - (stages + 1) * 4096
     if plan.zero_copy_only:
         raise TierMemError(f"{total:,} streamed bytes do not fit host_budget={host_budget:,}, and groups on disk "
                            "must stream through a window the device budget has no room for; raise the budget")

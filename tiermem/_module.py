@@ -4,6 +4,9 @@
     logits = model(ids)                                # no change inside the model
     print(handle.plan)
 
+A module built on the meta device takes its bytes from ``weights=`` (NOTE [weight source]); with
+``host_budget=`` what the pinned home cannot hold is read from disk (NOTE [disk tier], _disk.py).
+
 NOTE [streaming plan]
     Every module that owns parameters or buffers becomes one group. The plan keeps the largest
     groups resident for good (adjacent slices of one managed allocation each, never evicted), as
@@ -607,7 +610,15 @@ class _PinnedTransport:
 
 
 class TieredModule:
-    """Handle of a module adopted by :func:`wrap_module`: its plan, its mode, and unwrap()."""
+    """Handle of a module adopted by :func:`wrap_module`: its plan, its mode, stats() and unwrap().
+
+    Keyword arguments beside the budget: ``mode`` ("auto", "stream", "zero_copy"), ``lookahead``
+    (streamed groups in flight), ``zero_copy_max_tokens`` (forwards of at most this many tokens
+    are decode steps), ``max_group_bytes``; ``weights``, a Mapping from state-dict names to the
+    tensors' bytes (NOTE [weight source]: a module built on the meta device can be adopted); and
+    ``host_budget``, the pinned host bytes allowed, beyond which streamed groups are read from
+    their checkpoint files ahead of use (NOTE [disk tier]; needs ``weights`` from a Checkpoint).
+    """
 
     def __init__(self, tier: Tier, module: Any, budget: int | str | None, *, mode: str = "auto",
                  lookahead: int = LOOKAHEAD, zero_copy_max_tokens: int = 16, max_group_bytes: int = MAX_GROUP,

@@ -2,6 +2,10 @@
 
     tier.wrap(param, role="weight")
     tier.stats()
+
+Each function checks its arguments before it makes the default Tier, which needs a GPU: on a
+machine without one, a wrong role, a tensor tiermem cannot hold or a bad size raises its own
+error (a ValueError or TypeError, see tiermem/_errors.py), not CUDAUnavailableError.
 """
 from __future__ import annotations
 
@@ -10,10 +14,11 @@ import threading
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+from ._limits import check_bytes
 from ._tensor import TieredTensor
-from ._tier import Tier
+from ._tier import Tier, check_empty
 from ._transfer import Transfer
-from .roles import Location, Policy, Role, as_role
+from .roles import Location, Policy, Role, as_role, check_policy
 
 __all__ = ["default_tier", "configure", "empty", "wrap", "wrap_module", "wrap_training", "unwrap", "prefetch", "evict", "allocator",
            "stats", "memory_summary", "policy_override", "synchronize"]
@@ -42,9 +47,11 @@ def configure(device: int | None = None, **settings: Any) -> Tier:
     return t
 
 
-def empty(shape: int | Iterable[int], dtype: Any = "float32", *, role: Role | str, **kwargs: Any) -> TieredTensor:
+def empty(shape: int | Iterable[int], dtype: Any = "float32", *, role: Role | str, policy: Policy | None = None,
+          name: str | None = None, **policy_changes: Any) -> TieredTensor:
     """A new uninitialised tiered tensor (see :meth:`Tier.empty`)."""
-    return default_tier().empty(shape, dtype, role=role, **kwargs)
+    check_empty(shape, dtype, role, policy, policy_changes)
+    return default_tier().empty(shape, dtype, role=role, policy=policy, name=name, **policy_changes)
 
 
 def wrap(tensor: Any, role: Role | str = Role.WEIGHT, **kwargs: Any) -> TieredTensor:
@@ -57,6 +64,8 @@ def wrap(tensor: Any, role: Role | str = Role.WEIGHT, **kwargs: Any) -> TieredTe
     (:class:`RoleError`), or a sparse, meta or non-contiguous tensor. Keyword arguments: ``name``,
     ``policy`` (replaces the role's policy), and policy fields to change (``read_mostly=True``).
     """
+    from ._torch import check_wrap
+    check_wrap(tensor, role, **kwargs)
     return _tier_of(tensor).wrap(tensor, role, **kwargs)
 
 
@@ -67,8 +76,10 @@ def wrap_training(model: Any, optimizer: Any, budget: int | str, **kwargs: Any) 
     handle.step(): ...forward and backward...``. Returns a :class:`TieredTraining`. Keyword
     arguments: ``lookahead``, ``min_swap``, ``window``, ``swap``, ``block_bytes``, ``margin``,
     ``tier``."""
-    tier = kwargs.pop("tier", None) or default_tier()
-    return tier.wrap_training(model, optimizer, budget, **kwargs)
+    from ._train import check_options
+    tier = kwargs.pop("tier", None)
+    check_options(budget, **kwargs)
+    return (tier or default_tier()).wrap_training(model, optimizer, budget, **kwargs)
 
 
 def wrap_module(module: Any, budget: int | str | None = None, **kwargs: Any) -> Any:
@@ -78,8 +89,10 @@ def wrap_module(module: Any, budget: int | str | None = None, **kwargs: Any) -> 
     :class:`TieredModule` (its ``plan``; ``unwrap()`` restores the module). Keyword arguments:
     ``mode`` ("auto", "stream", "zero_copy"), ``lookahead`` (groups in flight),
     ``zero_copy_max_tokens``, ``tier``."""
-    tier = kwargs.pop("tier", None) or default_tier()
-    return tier.wrap_module(module, budget, **kwargs)
+    tier = kwargs.pop("tier", None)
+    if budget is not None:
+        check_bytes(budget, what="module budget")
+    return (tier or default_tier()).wrap_module(module, budget, **kwargs)
 
 
 def unwrap(tensor: Any) -> Any:
@@ -111,6 +124,8 @@ def allocator(role: Role | str | None = None, tier: Tier | None = None) -> Any:
     """A CuPy allocator on tiered managed memory, for ``cupy.cuda.set_allocator`` or
     ``cupy.cuda.using_allocator``. With no ``role``, arrays take the role of the innermost
     :func:`using_role` in the allocating thread, else ``workspace``."""
+    if role is not None:
+        as_role(role)
     return (tier or default_tier()).allocator(role)
 
 
@@ -133,8 +148,8 @@ def policy_override(role: Role | str, policy: Policy | None = None, *, tier: Tie
     """Within the block, tensors of ``role`` allocated by ``tier`` (default tier) get ``policy``,
     or the role's policy with ``changes``. Process-wide for that Tier (not thread-local): all
     threads allocating in the block see it. Nested overrides restore in order."""
+    r = check_policy(role, policy, changes)
     t = tier or default_tier()
-    r = as_role(role)
     previous = t.policies.set(r, policy, **changes)
     try:
         yield t.policies[r]

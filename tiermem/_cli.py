@@ -1,14 +1,25 @@
-"""The command line: ``python -m tiermem info``, ``python -m tiermem demo`` and ``python -m tiermem plan``."""
+"""The command line: ``python -m tiermem info``, ``python -m tiermem demo`` and ``python -m tiermem plan``.
+
+A user error (a bad option, a missing command, a setting tiermem refuses) is one line on stderr
+and exit status 2, never a traceback; ``--help`` says the rest.
+"""
 from __future__ import annotations
 
 import argparse
 import importlib
+import math
 import os
 import platform
 import sys
+from typing import NoReturn
 
 from . import __version__
-from ._limits import ENV_BUDGET, ENV_CAP, ENV_OVERSUBSCRIBE
+from ._errors import ConfigError, TierMemError
+from ._limits import ENV_BUDGET, ENV_CAP, ENV_OVERSUBSCRIBE, check_bytes
+
+# The dry run lists every decoder layer, and a real run builds the model: past this the command
+# would only run out of memory or time.
+MAX_WEIGHTS_GB = 1000.0
 
 
 def _version(mod: str) -> str:
@@ -23,6 +34,17 @@ def _gib(n: int) -> str:
     return f"{n / 2**30:.2f} GiB ({n:,} bytes)"
 
 
+def _invalid(value: str | None, **check) -> str:
+    """"" or "  invalid: <why>" for a size setting from the environment, checked without a GPU."""
+    if not value:
+        return ""
+    try:
+        check_bytes(value, **check)
+    except ConfigError as e:
+        return f"  invalid: {e}"
+    return ""
+
+
 def info(out=sys.stdout) -> int:
     p = lambda *a: print(*a, file=out)  # noqa: E731
     p(f"tiermem {__version__}")
@@ -31,9 +53,12 @@ def info(out=sys.stdout) -> int:
         p(f"  {label:<14}{_version(mod)}")
     p("")
     p("settings")
-    p(f"  managed cap     {os.environ.get(ENV_CAP) or 'default: the device memory free when tiermem starts'}  ({ENV_CAP})")
+    cap, budget = os.environ.get(ENV_CAP), os.environ.get(ENV_BUDGET)
+    p(f"  managed cap     {cap or 'default: the device memory free when tiermem starts'}  ({ENV_CAP})"
+      + _invalid(cap, what="managed cap"))
     p(f"  oversubscribe   {'allowed' if os.environ.get(ENV_OVERSUBSCRIBE, '').lower() in {'1', 'true', 'yes', 'on'} else 'refused (default)'}  ({ENV_OVERSUBSCRIBE})")
-    p(f"  device budget   {os.environ.get(ENV_BUDGET) or 'none (default)'}  ({ENV_BUDGET})")
+    p(f"  device budget   {budget or 'none (default)'}  ({ENV_BUDGET})"
+      + _invalid(budget, what="device budget", max_percent=100))
     p("")
     from . import _cuda
     ok, why = _cuda.available()
@@ -67,20 +92,73 @@ def info(out=sys.stdout) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m tiermem", description=__doc__)
-    sub = ap.add_subparsers(dest="cmd", required=True)
+class _Parser(argparse.ArgumentParser):
+    """argparse, with an error on one line: argparse's own prints the usage over several lines
+    first, which buries the reason. The usage still follows the reason, on the same line."""
+
+    def error(self, message: str) -> NoReturn:
+        usage = " ".join(self.format_usage().split())
+        self.exit(2, f"{self.prog}: error: {message} ({usage})\n")
+
+
+def _weights_gb(text: str) -> float:
+    try:
+        gb = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of GB") from None
+    if not math.isfinite(gb) or gb <= 0:
+        raise argparse.ArgumentTypeError(f"the model needs a positive size in GB, got {text}")
+    if gb > MAX_WEIGHTS_GB:
+        raise argparse.ArgumentTypeError(f"{text} GB is more than the demo's {MAX_WEIGHTS_GB:g} GB")
+    return gb
+
+
+def _budget(text: str) -> str:
+    # A share above 100% would keep more than the weights resident, and 0 bytes none at all.
+    try:
+        check_bytes(text, what="budget", max_percent=100, positive=True)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = _Parser(prog="python -m tiermem",
+                 description="tiermem: tiered GPU/host tensors on CUDA Unified Memory. `info` says what this "
+                             "machine has; `demo` runs a model bigger than its device budget.")
+    ap.add_argument("--version", action="version", version=f"tiermem {__version__}")
+    sub = ap.add_subparsers(dest="cmd", required=True, metavar="{info,demo,plan}")
     sub.add_parser("info", help="versions, device capabilities, cap and budget settings")
     d = sub.add_parser("demo", help="run a model bigger than its budget (a dry-run plan without a GPU)")
-    d.add_argument("--weights-gb", type=float, default=None, help="model weight size (default: 2 GB on a GPU)")
-    d.add_argument("--budget", default="25%", help="device budget: bytes, '1GiB', or a share of the weights like '25%%'")
+    d.add_argument("--weights-gb", type=_weights_gb, default=None, metavar="GB",
+                   help=f"model weight size in GB, more than 0 and at most {MAX_WEIGHTS_GB:g} (default: 2)")
+    d.add_argument("--budget", type=_budget, default="25%", metavar="SIZE",
+                   help="device budget: bytes, '1GiB', or a share of the weights up to 100%% like '25%%' "
+                        "(default: 25%%)")
     d.add_argument("--dry-run", action="store_true", help="print the plan only, even on a GPU")
     from . import _plan
     _plan.add_parser(sub)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = _parser()
     args = ap.parse_args(argv)
-    if args.cmd == "info":
-        return info()
-    if args.cmd == "plan":
-        return _plan.run(args)
-    from ._demo import demo
-    return demo(weights_gb=args.weights_gb, budget=args.budget, dry_run=args.dry_run)
+    try:
+        if args.cmd == "info":
+            return info()
+        if args.cmd == "plan":
+            from . import _plan
+            return _plan.run(args)
+        from ._demo import demo
+        return demo(weights_gb=args.weights_gb, budget=args.budget, dry_run=args.dry_run)
+    except TierMemError as e:
+        # tiermem's errors say what to do in their message; a traceback would only hide it. A bad
+        # setting (TIERMEM_BUDGET, say) is the user's, so it exits 2 like a bad option; anything
+        # else (no memory left, a CUDA failure) exits 1. Other exceptions are bugs: they keep
+        # their traceback.
+        print(f"{ap.prog}: error: {e}", file=sys.stderr)
+        return 2 if isinstance(e, ConfigError) else 1
+    except KeyboardInterrupt:
+        print(f"{ap.prog}: interrupted", file=sys.stderr)
+        return 130

@@ -19,7 +19,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from ._errors import CUDAError, CUDAOutOfMemoryError, CUDAUnavailableError
+from ._errors import ConfigError, CUDAError, CUDAOutOfMemoryError, CUDAUnavailableError
 from .roles import Location
 
 __all__ = ["Capabilities", "RangeInfo", "capabilities", "available"]
@@ -98,7 +98,7 @@ class Capabilities:
             return cma
         if feature in ("batch_prefetch", "discard"):
             return cma and self.batch_memory_ops
-        raise ValueError(f"unknown feature {feature!r}")
+        raise ConfigError(f"unknown feature {feature!r}; features are advise, prefetch, batch_prefetch and discard")
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

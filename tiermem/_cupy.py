@@ -6,6 +6,8 @@
         x = cupy.empty(1 << 20)
     with cupy.cuda.using_allocator(tiermem.allocator("input")):
         batch = cupy.asarray(host_batch)                     # thread-local, CuPy's own scope
+    with tiermem.use(x):                                     # brought in at link rate (_scoped.py)
+        x *= 2
 """
 from __future__ import annotations
 
@@ -43,18 +45,20 @@ def current_role() -> Role | None:
 
 
 def make_allocator(tier: Tier, role: Role | str | None = None) -> Any:
+    from ._scoped import residency
     fixed = None if role is None else as_role(role)
+    state = residency(tier)
 
     def tiermem_malloc(nbytes: int) -> Any:
         """size in bytes -> cupy.cuda.MemoryPointer on tiered managed memory."""
         import cupy
         r = fixed or current_role() or Role.WORKSPACE
-        buf = tier._new_buffer(nbytes, r, None, {}, None)
-        tier._apply_advice(buf)
-        tier._place_new(buf)
+        # Placed within the budget; a budget check when it would not fit (NOTE [allocator arrays
+        # in place] in _scoped.py).
+        buf, token = state.new_array(nbytes, r)
         # The array's memory object owns a foreign token, which owns the buffer: the buffer and
         # its accounting live exactly as long as the array (NOTE [views and the fast paths]).
-        mem = cupy.cuda.UnownedMemory(buf.ptr, nbytes, buf.token(internal=False), tier.device)
+        mem = cupy.cuda.UnownedMemory(buf.ptr, nbytes, token, tier.device)
         return cupy.cuda.MemoryPointer(mem, 0)
 
     tiermem_malloc.tier = tier          # type: ignore[attr-defined]

@@ -66,15 +66,16 @@ def build_llama(shape: dict[str, int], device: str = "cuda") -> Any:
             model = transformers.LlamaForCausalLM(cfg)
     finally:
         torch.set_default_dtype(old)
-    return model.eval().requires_grad_(False)
+    return model.eval()      # requires_grad stays True, as transformers leaves it
 
 
 def _dry_run(weights_gb: float, budget: str, why: str) -> int:
     shape = llama_shape(weights_gb)
     groups = llama_groups(shape)
     total = sum(n for _, n in groups)
-    b = parse_bytes(budget, total=total, what="budget")
-    plan = plan_residency(groups, b, LOOKAHEAD)   # the plan wrap_module would make
+    b = parse_bytes(budget, total=total, what="budget", max_percent=100)
+    # The plan wrap_module would make: the embedding is only looked up, so it is read in place.
+    plan = plan_residency(groups, b, LOOKAHEAD, in_place={"model.embed_tokens"})
     print(f"DRY RUN: no model is built and nothing runs ({why}).")
     print(f"Llama-shaped fp16 model: hidden {shape['hidden_size']}, {shape['num_hidden_layers']} layers, "
           f"vocab {shape['vocab_size']}: {total / 1e9:.2f} GB of weights in {len(groups)} groups.")

@@ -3,11 +3,18 @@
 Every error tiermem raises derives from :class:`TierMemError`. Errors that are also a standard
 kind (a bad value, running out of memory) derive from that kind as well, so ``except MemoryError``
 and ``except ValueError`` keep working in code that does not know tiermem.
+
+A bad argument raises a :class:`ConfigError` (a ``ValueError``); one of the wrong type raises a
+:class:`ConfigTypeError`, which is also a ``TypeError``. A role or policy that does not exist raises
+:class:`RoleError` and a tensor that cannot be wrapped :class:`WrapError`, both ConfigErrors too.
+They are raised before tiermem looks for a GPU, so code can be checked on a machine without one.
 """
 from __future__ import annotations
 
 __all__ = [
     "TierMemError",
+    "ConfigError",
+    "ConfigTypeError",
     "CUDAError",
     "CUDAOutOfMemoryError",
     "CUDAUnavailableError",
@@ -29,6 +36,16 @@ def _fmt(n: int) -> str:
 
 class TierMemError(Exception):
     """Base class of every error tiermem raises."""
+
+
+class ConfigError(TierMemError, ValueError):
+    """A setting, option or argument that tiermem cannot use: a malformed or out-of-range size, an
+    unknown mode, a lookahead below 1. The message names the argument and the bad value."""
+
+
+class ConfigTypeError(ConfigError, TypeError):
+    """An argument of the wrong type (a bool where bytes go, a non-int device). It is a
+    :class:`ConfigError` as well, so ``except ConfigError`` catches every bad argument."""
 
 
 class CUDAError(TierMemError):
@@ -70,11 +87,11 @@ class CapExceededError(OutOfBudgetError):
     what = "managed-memory cap"
 
 
-class RoleError(TierMemError, ValueError):
+class RoleError(ConfigError):
     """An unknown role, or a policy setting that does not exist."""
 
 
-class WrapError(TierMemError, ValueError):
+class WrapError(ConfigError):
     """A tensor cannot be wrapped or unwrapped as asked (already wrapped, sparse, meta, ...)."""
 
 

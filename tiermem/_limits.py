@@ -20,13 +20,14 @@ NOTE [device budget]
 from __future__ import annotations
 
 import math
+import numbers
 import os
 import re
 import threading
 
-from ._errors import CapExceededError, TierMemError
+from ._errors import CapExceededError, ConfigError, ConfigTypeError
 
-__all__ = ["parse_bytes", "CapGuard", "resolve_cap", "resolve_budget", "ENV_CAP", "ENV_OVERSUBSCRIBE", "ENV_BUDGET"]
+__all__ = ["parse_bytes", "check_bytes", "CapGuard", "resolve_cap", "resolve_budget", "budget_setting", "cap_setting", "ENV_CAP", "ENV_OVERSUBSCRIBE", "ENV_BUDGET"]
 
 ENV_CAP = "TIERMEM_MANAGED_CAP"
 ENV_OVERSUBSCRIBE = "TIERMEM_ALLOW_OVERSUBSCRIBE"
@@ -36,31 +37,58 @@ _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 
           "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
-def parse_bytes(value: int | float | str, *, total: int | None = None, what: str = "size") -> int:
-    """Bytes from an int, ``"4GiB"``, ``"1.5 GB"``, or ``"25%"`` of ``total``.
-
-    Raises :class:`TierMemError` naming ``what`` and the bad value.
-    """
+def _parse(value: int | float | str, what: str, max_percent: float | None) -> tuple[int | float, bool]:
+    """(number, is_percent) of a size, checked: everything but resolving a percentage."""
     if isinstance(value, bool):
-        raise TierMemError(f"{what} must be a byte count, got {value!r}")
-    if isinstance(value, (int, float)):
+        raise ConfigTypeError(f"{what} must be a byte count, got {value!r}")
+    if isinstance(value, numbers.Real):   # NumPy's scalars too
         if not math.isfinite(value):
-            raise TierMemError(f"{what} must be a finite byte count, got {value!r}")
-        n = int(value)
+            raise ConfigError(f"{what} must be a finite byte count, got {value!r}")
+        # An int stays exact: a float has 53 bits.
+        num, percent = (int(value) if isinstance(value, numbers.Integral) else float(value)), False
+    elif not isinstance(value, str):
+        raise ConfigTypeError(f"{what} must be a byte count or a string like '4GiB', got {type(value).__name__}")
     else:
         m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*(%|[a-zA-Z]*)\s*", str(value))
         if not m or (m.group(2).lower() not in _UNITS and m.group(2) != "%"):
-            raise TierMemError(f"{what}={value!r} is not a size: use bytes, '4GiB', '1.5GB' or '25%'")
-        num, unit = float(m.group(1)), m.group(2).lower()
-        if unit == "%":
-            if total is None:
-                raise TierMemError(f"{what}={value!r} is a percentage, but the device size is unknown")
-            n = int(total * num / 100)
-        else:
-            n = int(num * _UNITS[unit])
-    if n < 0:
-        raise TierMemError(f"{what} must not be negative, got {value!r}")
-    return n
+            why = "sizes are not negative" if re.fullmatch(r"\s*-\s*[0-9.]+\s*%?[a-zA-Z]*\s*", str(value)) else \
+                "use bytes, '4GiB', '1.5GB' or '25%'"
+            raise ConfigError(f"{what}={value!r} is not a size: {why}")
+        unit = m.group(2).lower()
+        percent = unit == "%"
+        num = float(m.group(1)) * (1 if percent else _UNITS[unit])
+        if percent and max_percent is not None and num > max_percent:
+            raise ConfigError(f"{what}={value!r} is more than {max_percent:g}%: a budget is a share of "
+                              f"what it limits, at most all of it")
+    if num < 0:
+        raise ConfigError(f"{what} must not be negative, got {value!r}")
+    return num, percent
+
+
+def parse_bytes(value: int | float | str, *, total: int | None = None, what: str = "size",
+                max_percent: float | None = None) -> int:
+    """Bytes from an int, ``"4GiB"``, ``"1.5 GB"``, or ``"25%"`` of ``total``.
+
+    ``max_percent`` refuses larger percentages (budgets pass 100: they cannot exceed what they
+    are a share of). Raises :class:`ConfigError` (a ValueError) naming ``what`` and the bad value,
+    :class:`ConfigTypeError` for a bool.
+    """
+    num, percent = _parse(value, what, max_percent)
+    if not percent:
+        return int(num)
+    if total is None:
+        raise ConfigError(f"{what}={value!r} is a percentage, but the device size is unknown")
+    return int(total * num / 100)
+
+
+def check_bytes(value: int | float | str, *, what: str = "size", max_percent: float | None = None,
+                positive: bool = False) -> None:
+    """Raise what :func:`parse_bytes` would for ``value``, without the total a percentage needs,
+    so that sizes are checked before the device is known (or where there is none). ``positive``
+    refuses zero too."""
+    num, percent = _parse(value, what, max_percent)
+    if positive and (num == 0 if percent else int(num) == 0):
+        raise ConfigError(f"{what} must be more than 0 bytes, got {value!r}")
 
 
 def _env_flag(name: str) -> bool:
@@ -70,7 +98,7 @@ def _env_flag(name: str) -> bool:
 def resolve_cap(cap: int | str | None, allow_oversubscribe: bool | None, *, free: int, total: int) -> tuple[int, bool]:
     """The managed cap in bytes, and whether oversubscription is allowed (NOTE [managed cap]).
 
-    Arguments win over the environment. Raises :class:`TierMemError` for a cap above ``free``
+    Arguments win over the environment. Raises :class:`ConfigError` for a cap above ``free``
     without the opt-in.
     """
     allow = _env_flag(ENV_OVERSUBSCRIBE) if allow_oversubscribe is None else bool(allow_oversubscribe)
@@ -78,18 +106,38 @@ def resolve_cap(cap: int | str | None, allow_oversubscribe: bool | None, *, free
         cap = os.environ.get(ENV_CAP) or None
     limit = free if cap is None else parse_bytes(cap, total=total, what="managed cap")
     if limit > free and not allow:
-        raise TierMemError(
+        raise ConfigError(
             f"managed cap {limit:,} bytes is more than the {free:,} bytes free on the device. "
             f"Oversubscribed managed memory can hang a shared GPU, so it is off by default; to opt in, "
             f"pass allow_oversubscribe=True or set {ENV_OVERSUBSCRIBE}=1")
     return limit, allow
 
 
-def resolve_budget(budget: int | str | None, *, total: int) -> int | None:
-    """The device budget in bytes, or None for none (NOTE [device budget])."""
+def cap_setting(cap: int | str | None) -> int | str | None:
+    """The managed cap asked for: the argument, else TIERMEM_MANAGED_CAP, else None (the free
+    memory); checked before a device is looked for."""
+    if cap is None:
+        cap = os.environ.get(ENV_CAP) or None
+    if cap is not None:
+        check_bytes(cap, what="managed cap")
+    return cap
+
+
+def budget_setting(budget: int | str | None) -> int | str | None:
+    """The device budget asked for: the argument, else TIERMEM_BUDGET, else None; checked, so
+    that a bad one is refused before a device is looked for."""
     if budget is None:
         budget = os.environ.get(ENV_BUDGET) or None
-    return None if budget is None else parse_bytes(budget, total=total, what="device budget")
+    if budget is not None:
+        check_bytes(budget, what="device budget", max_percent=100)
+    return budget
+
+
+def resolve_budget(budget: int | str | None, *, total: int) -> int | None:
+    """The device budget in bytes, or None for none (NOTE [device budget]); a share is of the
+    device's ``total`` memory, at most 100%."""
+    budget = budget_setting(budget)
+    return None if budget is None else parse_bytes(budget, total=total, what="device budget", max_percent=100)
 
 
 class CapGuard:

@@ -42,7 +42,7 @@ import weakref
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from ._errors import CheckpointError, DeviceFullError, TierMemError
+from ._errors import CheckpointError, ConfigError, DeviceFullError, TierMemError, WrapError
 from ._limits import parse_bytes
 from ._disk import STAGES, DiskTier
 from ._load import FileTensor, Reader, host_bytes
@@ -124,8 +124,10 @@ class Plan:
         gb = lambda n: f"{n / 1e9:8.3f} GB"  # noqa: E731
         how = ("(read in place, zero-copy)" if self.zero_copy_only else
                f"through a {gb(self.window).strip()} window of {self.lookahead} slot(s)")
+        here = self.streamed_bytes - self.moved_bytes
         lines = [f"budget {gb(self.budget)} of {gb(self.total)} weights: {len(self.pinned)} of {len(self.sizes)} groups "
-                 f"resident ({gb(self.pinned_bytes)}), {gb(self.streamed_bytes)} streamed per forward {how}"]
+                 f"resident ({gb(self.pinned_bytes)}), {gb(self.moved_bytes)} streamed per forward {how}"
+                 + (f", {gb(here).strip()} read in place (embeddings)" if here else "")]
         if self.on_disk:
             lines.append(f"host budget {gb(self.host_budget or 0).strip()}: {gb(self.home_bytes).strip()} in the pinned home, "
                          f"{gb(self.disk_bytes).strip()} in {len(self.on_disk)} groups read from disk through "
@@ -162,7 +164,7 @@ def plan_residency(sizes: Iterable[tuple[str, int]], budget: int, lookahead: int
     sizes = tuple((str(g), int(n)) for g, n in sizes)
     gathered = frozenset(in_place)
     if lookahead < 1:
-        raise TierMemError(f"lookahead must be at least 1, got {lookahead}")
+        raise ConfigError(f"lookahead must be at least 1, got {lookahead}")
     total = sum(n for _, n in sizes)
     if budget >= total:
         return Plan(budget, total, sizes, frozenset(g for g, _ in sizes), 0, False, 0, gathered)
@@ -624,9 +626,9 @@ class TieredModule:
                  lookahead: int = LOOKAHEAD, zero_copy_max_tokens: int = 16, max_group_bytes: int = MAX_GROUP,
                  weights: Mapping[str, Any] | None = None, host_budget: int | str | None = None):
         if mode not in ("auto", "stream", "zero_copy"):
-            raise TierMemError(f"mode must be 'auto', 'stream' or 'zero_copy', got {mode!r}")
+            raise ConfigError(f"mode must be 'auto', 'stream' or 'zero_copy', got {mode!r}")
         if getattr(module, "_tiermem_handle", None) is not None:
-            raise TierMemError("this module is already adopted by tiermem; unwrap it first")
+            raise WrapError("this module is already adopted by tiermem; unwrap it first")
         self.tier = tier
         self.module = module
         self.mode = mode
@@ -647,7 +649,7 @@ class TieredModule:
         tier = self.tier
         found = module_groups(module, max_group_bytes)
         if not found:
-            raise TierMemError("this module has no parameters or buffers to tier")
+            raise WrapError("this module has no parameters or buffers to tier")
         from ._torch import _check
         self._sources = _sources(module, found, weights, empty)     # NOTE [weight source]
         for _, _, own in found:
@@ -656,7 +658,7 @@ class TieredModule:
                     _check(tier, t)
         sizes = [(mname, sum(_span(t) for _, t in own)) for mname, _, own in found]
         total = sum(n for _, n in sizes)
-        asked = total if budget is None else parse_bytes(budget, total=total, what="module budget")
+        asked = total if budget is None else parse_bytes(budget, total=total, what="module budget", max_percent=100)
         self.budget = self._within_device(asked, [t for _, _, own in found for _, t in own])
         self.plan = plan_residency(sizes, self.budget, lookahead, in_place=_gathered(module, found))
         self.lookahead = max(self.plan.lookahead, 1)
@@ -919,7 +921,7 @@ class TieredModule:
         """
         import torch
         if not self._groups:
-            raise TierMemError("this module was unwrapped already")
+            raise WrapError("this module was unwrapped already")
         if device is not None:
             device = torch.device(device)
         origin: dict[int, Any] = {}

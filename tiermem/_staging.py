@@ -41,10 +41,10 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from ._errors import TierMemError
+from ._errors import ConfigError
 from ._limits import parse_bytes
 
-__all__ = ["StagingRing", "Staging", "SLOT", "MIN_STAGED", "DIRECTIONS"]
+__all__ = ["StagingRing", "Staging", "ring_slot", "SLOT", "MIN_STAGED", "DIRECTIONS"]
 
 log = logging.getLogger("tiermem")
 DIRECTIONS = ("h2d", "d2h")
@@ -59,7 +59,7 @@ class StagingRing:
 
     def __init__(self, backend: Any, slot: int = SLOT, slots: int = 2):
         if slot <= 0 or slots < 2:
-            raise ValueError("a staging ring needs at least two slots of a positive size")
+            raise ConfigError(f"a staging ring needs at least two slots of a positive size, got {slots} of {slot}")
         self.backend, self.slot, self.slots = backend, int(slot), int(slots)
         self.mem: Any = None
         self._stream: int | None = None
@@ -97,8 +97,24 @@ class StagingRing:
         if self.mem is None:
             raise RuntimeError("the staging ring is not allocated")
         if direction not in DIRECTIONS:
-            raise ValueError(f"direction is 'h2d' or 'd2h', not {direction!r}")
+            raise ConfigError(f"direction is 'h2d' or 'd2h', not {direction!r}")
         return _Session(self, side, direction)
+
+
+def ring_slot(setting: int | str | None) -> tuple[bool, int] | None:
+    """(auto, slot bytes) of the rings a ``staging`` setting asks for, or None for no rings.
+    Needs no device, so that Tier checks the setting before it looks for one."""
+    if isinstance(setting, str) and setting.strip().lower() in ("auto", "off"):
+        return (True, SLOT) if setting.strip().lower() == "auto" else None
+    if setting is None:
+        return None
+    n = parse_bytes(setting, what="staging")
+    if n == 0:
+        return None
+    if n < 2 << 20:
+        raise ConfigError(f"staging={setting!r}: a ring needs at least 2 MiB (two slots of 1 MiB); "
+                          "staging='off' turns the rings off")
+    return False, n // 2 // PAGE * PAGE
 
 
 class Staging:
@@ -110,20 +126,10 @@ class Staging:
         self.auto, self.yielded, self.refused = False, False, 0
         self.min_bytes = MIN_STAGED
         self.rings: dict[str, StagingRing | None] = dict.fromkeys(DIRECTIONS)
-        if isinstance(setting, str) and setting.strip().lower() in ("auto", "off"):
-            if setting.strip().lower() == "off":
-                return
-            self.auto, slot = True, SLOT
-        elif setting is None:
+        plan = ring_slot(setting)
+        if plan is None:
             return
-        else:
-            n = parse_bytes(setting, what="staging")
-            if n == 0:
-                return
-            if n < 2 << 20:
-                raise TierMemError(f"staging={setting!r}: a ring needs at least 2 MiB (two slots of 1 MiB); "
-                                   "staging='off' turns the rings off")
-            slot = n // 2 // PAGE * PAGE
+        self.auto, slot = plan
         self.rings = {d: StagingRing(backend, slot) for d in DIRECTIONS}
 
     @property

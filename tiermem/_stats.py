@@ -39,17 +39,38 @@ peaks are peaks of the sum, not sums of peaks):
                                                       first used; count against the budget)
     staging.refused_count                             rings the device had no memory for (0-2;
                                                       their copies then go direct)
+
+Keys that belong to no role (NOTE [allocator arrays in place] in _scoped.py):
+
+    residency.budget_overruns                         budget checks (a CuPy allocation under
+                                                      pressure, Tier.use) that found tiermem's device
+                                                      memory above the budget, because arrays came back
+                                                      behind its back; each check then evicts to fit
+    residency.budget_overrun_bytes                    the bytes those checks found above the budget
+    residency.faulted_back_{count,bytes}              evicted allocator arrays found on the device again
+                                                      (prefetched or re-advised by someone else), and
+                                                      their bytes; re-marked resident when found
+    residency.in_place_bytes.current                  bytes of evicted allocator arrays that kernels read
+                                                      and write in place on the host, without migrating
+    use.calls, use.bytes                              Tier.use scopes, and the bytes they brought in
 """
 from __future__ import annotations
 
 import dataclasses
 import threading
-from collections.abc import Mapping
+import logging
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from .roles import Role
 
-__all__ = ["RoleStats", "Accounting"]
+__all__ = ["RoleStats", "Accounting", "EXTRA_KEYS"]
+
+log = logging.getLogger("tiermem")
+
+# The flat keys that belong to no role, documented above.
+EXTRA_KEYS = ("residency.budget_overruns", "residency.budget_overrun_bytes", "residency.faulted_back_count",
+              "residency.faulted_back_bytes", "residency.in_place_bytes.current", "use.calls", "use.bytes")
 
 
 @dataclasses.dataclass
@@ -125,6 +146,24 @@ class Accounting:
         self._lock = threading.RLock()
         self.by_role: dict[Role, RoleStats] = {r: RoleStats() for r in Role}
         self.all = RoleStats()
+        self.extra: dict[str, int] = dict.fromkeys(EXTRA_KEYS, 0)
+        self._refreshers: list[Callable[[], None]] = []
+
+    def add_refresher(self, fn: Callable[[], None]) -> None:
+        """Call ``fn`` before every :meth:`flat`, so that state the driver may have changed behind
+        tiermem's back (NOTE [allocator arrays in place] in _scoped.py) is brought up to date first.
+        ``fn`` runs without this object's lock held; an error in it is logged, never raised."""
+        with self._lock:
+            self._refreshers.append(fn)
+
+    def count_extra(self, key: str, n: int = 1) -> None:
+        """Add ``n`` to a key that belongs to no role (``EXTRA_KEYS``)."""
+        with self._lock:
+            self.extra[key] += n
+
+    def set_extra(self, key: str, value: int) -> None:
+        with self._lock:
+            self.extra[key] = value
 
     def _both(self, role: Role) -> tuple[RoleStats, RoleStats]:
         return self.by_role[role], self.all
@@ -186,9 +225,18 @@ class Accounting:
             return ({r: dataclasses.replace(s) for r, s in self.by_role.items()}, dataclasses.replace(self.all))
 
     def flat(self) -> dict[str, Any]:
+        with self._lock:
+            refreshers = list(self._refreshers)
+        for fn in refreshers:
+            try:
+                fn()
+            except Exception:  # stats must always answer; the stale figures are still the books'
+                log.exception("tiermem: error while refreshing residency for the stats")
         by_role, total = self.snapshot()
         out: dict[str, Any] = {}
         for r, s in by_role.items():
             out.update(s.flat(r.value))
         out.update(total.flat("all"))
+        with self._lock:
+            out.update(self.extra)
         return out

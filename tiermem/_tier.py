@@ -55,6 +55,7 @@ import functools
 import itertools
 import logging
 import math
+import numbers
 import threading
 import weakref
 from collections.abc import Iterable, Mapping
@@ -62,16 +63,16 @@ from typing import Any
 
 from . import _dtypes
 from ._backend import PAGE, Backend, Block, round_request
-from ._errors import OutOfBudgetError, TierMemError
-from ._limits import resolve_budget, parse_bytes
-from ._staging import Staging
+from ._errors import ConfigError, ConfigTypeError, OutOfBudgetError, RoleError
+from ._limits import budget_setting, cap_setting, parse_bytes, resolve_budget
+from ._staging import Staging, ring_slot
 from ._stats import Accounting
 from ._tensor import TieredTensor, _Buffer
 from ._transfer import Transfer
 from .roles import (DEFAULT_POLICIES, Advice, Evict, Location, Policy, PolicyTable, Prefetch, Role,
-                    advice_plan, as_role)
+                    advice_plan, as_role, check_policy)
 
-__all__ = ["Tier"]
+__all__ = ["Tier", "check_empty"]
 
 log = logging.getLogger("tiermem")
 
@@ -99,7 +100,18 @@ def _as_location(to: Location | str) -> Location:
     try:
         return Location(to)
     except ValueError:
-        raise TierMemError(f"location must be 'device' or 'host', got {to!r}") from None
+        raise ConfigError(f"location must be 'device' or 'host', got {to!r}") from None
+
+
+def check_empty(shape: int | Iterable[int], dtype: Any, role: Role | str, policy: Policy | None = None,
+                policy_changes: Mapping[str, Any] | None = None) -> tuple[tuple[int, ...], str]:
+    """(shape, dtype name) of :meth:`Tier.empty`'s arguments, once they are all known to be usable.
+    Needs no Tier, so tiermem.empty calls it before it looks for a GPU."""
+    check_policy(role, policy, policy_changes)
+    shape_t = (int(shape),) if isinstance(shape, int) else tuple(int(s) for s in shape)
+    if any(s < 0 for s in shape_t):
+        raise ConfigError(f"shape must not be negative, got {shape_t}")
+    return shape_t, _dtypes.canonical(dtype)
 
 
 GROUP_ALIGN = 64 << 10   # members of a group start on 64 KiB boundaries: no page is shared
@@ -157,14 +169,23 @@ class Tier:
                  cap: int | str | None = None, allow_oversubscribe: bool | None = None,
                  policies: Mapping[Role, Policy] | None = None, backend: Backend | None = None,
                  staging: int | str | None = "auto"):
+        # Every setting is checked before the backend looks for a GPU: on a machine without one,
+        # a bad setting says what is wrong with it, not that there is no GPU.
+        if backend is not None and (cap is not None or allow_oversubscribe is not None):
+            raise ConfigError("cap and allow_oversubscribe belong to the backend; pass them when you build it")
+        if device is not None and (isinstance(device, bool) or not isinstance(device, numbers.Integral)):
+            raise ConfigTypeError(f"device must be a CUDA device index (an int) or None, got {device!r}")
+        if device is not None and device < 0:
+            raise ConfigError(f"device must be a CUDA device index >= 0, got {device}")
+        budget = budget_setting(budget)
+        ring_slot(staging)
+        table = PolicyTable(policies if policies is not None else DEFAULT_POLICIES)
         if backend is None:
             from ._backend import CudaBackend
-            backend = CudaBackend(device, cap=cap, allow_oversubscribe=allow_oversubscribe)
-        elif cap is not None or allow_oversubscribe is not None:
-            raise TierMemError("cap and allow_oversubscribe belong to the backend; pass them when you build it")
+            backend = CudaBackend(device, cap=cap_setting(cap), allow_oversubscribe=allow_oversubscribe)
         self.backend = backend
         self.device = backend.device
-        self.policies = PolicyTable(policies if policies is not None else DEFAULT_POLICIES)
+        self.policies = table
         self._budget = resolve_budget(budget, total=backend.capabilities().total_memory)
         self.accounting = Accounting()
         self._lock = threading.RLock()
@@ -186,7 +207,7 @@ class Tier:
     def set_budget(self, budget: int | str | None) -> int | None:
         """Change the budget, evicting at once what no longer fits. Returns the old budget."""
         total = self.backend.capabilities().total_memory
-        new = None if budget is None else parse_bytes(budget, total=total, what="device budget")
+        new = None if budget is None else parse_bytes(budget, total=total, what="device budget", max_percent=100)
         with self._lock:
             self._reap()             # finished moves let go of buffers freed meanwhile
             old, self._budget = self._budget, new
@@ -280,10 +301,7 @@ class Tier:
         ``policy`` replaces the role's policy for this tensor; ``policy_changes`` change fields of
         it (e.g. ``read_mostly=True``). Raises :class:`CapExceededError` past the managed cap.
         """
-        shape_t = (int(shape),) if isinstance(shape, int) else tuple(int(s) for s in shape)
-        if any(s < 0 for s in shape_t):
-            raise TierMemError(f"shape must not be negative, got {shape_t}")
-        dt = _dtypes.canonical(dtype)
+        shape_t, dt = check_empty(shape, dtype, role, policy, policy_changes)
         buf = self._new_buffer(math.prod(shape_t) * _dtypes.itemsize(dt), role, policy, policy_changes, name)
         self._apply_advice(buf)
         self._place_new(buf)
@@ -301,7 +319,7 @@ class Tier:
                  for sh, dt in specs]
         names_l = list(names) if names is not None else [None] * len(specs)
         if len(names_l) != len(specs):
-            raise TierMemError(f"{len(names_l)} names for {len(specs)} tensors")
+            raise ConfigError(f"{len(names_l)} names for {len(specs)} tensors")
         r = as_role(role)
         pol = self._resolve_policy(r, policy, policy_changes)
         sizes = [math.prod(sh) * _dtypes.itemsize(dt) for sh, dt in specs]
@@ -333,7 +351,7 @@ class Tier:
     def _resolve_policy(self, role: Role, policy: Policy | None, changes: Mapping[str, Any]) -> Policy:
         base = policy if policy is not None else self.policies[role]
         if not isinstance(base, Policy):
-            raise TierMemError(f"policy must be a tiermem.Policy, got {type(base).__name__}")
+            raise RoleError(f"policy must be a tiermem.Policy, got {type(base).__name__}")
         return base.replace(**changes) if changes else base
 
     def _new_buffer(self, nbytes: int, role: Role | str, policy: Policy | None,
@@ -458,7 +476,7 @@ class Tier:
         for attr in ("cuda_stream", "ptr"):
             if hasattr(stream, attr):
                 return int(getattr(stream, attr))
-        raise TierMemError(f"not a stream: {stream!r}")
+        raise ConfigTypeError(f"not a stream: {stream!r}")
 
     def _side(self, direction: str) -> int:
         s = self._streams.get(direction)
@@ -511,7 +529,7 @@ class Tier:
         for t in tensors:
             b = t if isinstance(t, _Buffer) else t._b
             if b.tier is not self:
-                raise TierMemError(f"{t!r} belongs to another Tier")
+                raise ConfigError(f"{t!r} belongs to another Tier")
             if id(b) not in seen:
                 seen.add(id(b))
                 out.append(b)
@@ -1023,6 +1041,24 @@ class Tier:
         tiermem.allocator)."""
         from ._cupy import make_allocator
         return make_allocator(self, role)
+
+    def use(self, *arrays: Any, stream: Any = None, read_only: bool = False) -> Any:
+        """Bring ``arrays`` (CuPy arrays from this Tier's allocator, or TieredTensors) to the device
+        ahead of use, on tiermem's stream, evicting the coldest to hold the budget (raises
+        :class:`OutOfBudgetError` if they cannot all fit). Returns an :class:`ArrayUse` handle:
+        the moves start at once; ``with handle:`` makes ``stream`` (default: CuPy's current
+        stream for CuPy arrays, else the current stream) wait for them on the device, and until
+        the block ends budget checks never evict them. Make the next block's
+        handle inside this block's ``with`` to overlap its moves with this block's kernels.
+        ``read_only=True`` promises the block only reads them: they then leave the device again
+        without moving a byte. NOTE [scoped moves] and NOTE [read-only scopes] in _scoped.py."""
+        from ._scoped import residency
+        return residency(self).use(arrays, stream, read_only)
+
+    def owner_of(self, ptr: int) -> Any:
+        """The live internal buffer whose managed range (or shadow) holds address ``ptr``, or None.
+        For integrations that get raw pointers back (the CuPy allocator's arrays)."""
+        return self._owner_of(int(ptr))
 
     # -- telemetry ------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:

@@ -13,12 +13,12 @@ from typing import TYPE_CHECKING, Any
 from . import _dtypes
 from ._errors import OutOfBudgetError, WrapError
 from ._tensor import TieredTensor
-from .roles import Location, Policy, Role, as_role
+from .roles import Location, Policy, Role, as_role, check_policy
 
 if TYPE_CHECKING:
     from ._tier import Tier
 
-__all__ = ["wrap", "wrap_group", "unwrap", "tiered_of"]
+__all__ = ["wrap", "wrap_group", "unwrap", "tiered_of", "check_wrap"]
 
 _ATTR = "_tiermem"   # the TieredTensor a wrapped tensor belongs to; keeps it alive with the tensor
 
@@ -37,7 +37,17 @@ def tiered_of(tensor: Any) -> TieredTensor | None:
     return tt if isinstance(tt, TieredTensor) and not tt.freed else None
 
 
-def _check(tier: Tier, tensor: Any) -> None:
+def check_wrap(tensor: Any, role: Role | str = Role.WEIGHT, *, name: str | None = None,
+               policy: Policy | None = None, **policy_changes: Any) -> Role:
+    """Raise what :func:`wrap` would for its arguments, as far as that needs no Tier: an unknown
+    role or policy field (:class:`RoleError`), a tensor tiermem cannot hold (:class:`WrapError`).
+    tiermem.wrap calls it before it looks for a GPU. Returns the role."""
+    r = check_policy(role, policy, policy_changes)
+    _check_tensor(tensor)
+    return r
+
+
+def _check_tensor(tensor: Any) -> None:
     torch = _torch()
     if not isinstance(tensor, torch.Tensor):
         raise WrapError(f"wrap takes a torch.Tensor or nn.Parameter, got {type(tensor).__name__}")
@@ -53,6 +63,10 @@ def _check(tier: Tier, tensor: Any) -> None:
                         "wrap the tensor it is a view of, or pass tensor.contiguous()")
     if tensor.device.type not in ("cpu", "cuda"):
         raise WrapError(f"cannot wrap a tensor on {tensor.device}; tiermem takes CPU or CUDA tensors")
+
+
+def _check(tier: Tier, tensor: Any) -> None:
+    _check_tensor(tensor)
     if tensor.device.type == "cuda" and tensor.device.index != tier.device:
         raise WrapError(f"tensor is on {tensor.device} but this Tier manages cuda:{tier.device}")
     if tensor.numel() and tier._owner_of(tensor.data_ptr()) is not None:

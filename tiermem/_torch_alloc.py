@@ -68,7 +68,7 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from ._errors import BuildError, CUDAUnavailableError, RoleError, TierMemError
+from ._errors import BuildError, ConfigError, ConfigTypeError, CUDAUnavailableError, RoleError, TierMemError
 from ._limits import resolve_cap
 from .roles import DEFAULT_POLICIES, Location, Policy, Role, as_role
 
@@ -416,16 +416,18 @@ def torch_allocations(role: Role | str = Role.ACTIVATION, device: int | None = N
     if policy is not None and not isinstance(policy, Policy):
         raise RoleError(f"policy must be a tiermem Policy, got {type(policy).__name__}")
     if prefetch is not None and not isinstance(prefetch, bool):
-        raise TierMemError(f"prefetch must be True, False or None, got {prefetch!r}")
-    if device is not None and (isinstance(device, bool) or not isinstance(device, int) or device < 0):
-        raise TierMemError(f"device must be a CUDA device index (an int >= 0) or None, got {device!r}")
+        raise ConfigTypeError(f"prefetch must be True, False or None, got {prefetch!r}")
+    if device is not None and (isinstance(device, bool) or not isinstance(device, int)):
+        raise ConfigTypeError(f"device must be a CUDA device index (an int >= 0) or None, got {device!r}")
+    if device is not None and device < 0:
+        raise ConfigError(f"device must be a CUDA device index (an int >= 0) or None, got {device!r}")
     torch = _torch_cuda()
     dev = torch.cuda.current_device() if device is None else device
     if dev >= torch.cuda.device_count():
         raise CUDAUnavailableError(f"device {dev} does not exist; torch sees {torch.cuda.device_count()} GPU(s)")
     lib = _load(dev)
     if dev >= lib.tm_max_devices():
-        raise TierMemError(f"device {dev} is past the {lib.tm_max_devices()} devices the allocator tracks")
+        raise ConfigError(f"device {dev} is past the {lib.tm_max_devices()} devices the allocator tracks")
     pol = policy if policy is not None else _policy_for(r)
     pf = (pol.preferred_location is not Location.HOST) if prefetch is None else prefetch
     args = advice_args(r, pol, pf, concurrent_managed_access=lib.tm_concurrent_managed_access(dev) == 1)

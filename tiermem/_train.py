@@ -44,8 +44,8 @@ import logging
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from ._errors import TierMemError
-from ._limits import parse_bytes
+from ._errors import ConfigError, ConfigTypeError, TierMemError, WrapError
+from ._limits import check_bytes, parse_bytes
 from ._module import module_groups
 from ._swap import ActivationSwap
 from ._trainplan import SavedRecord, StepTrace, TrainPlan, plan_training
@@ -54,7 +54,7 @@ from .roles import Evict, Location, Prefetch, Role
 if TYPE_CHECKING:
     from ._tier import Tier
 
-__all__ = ["TieredTraining", "wrap_training"]
+__all__ = ["TieredTraining", "wrap_training", "check_options"]
 
 log = logging.getLogger("tiermem")
 
@@ -106,6 +106,17 @@ class _Slot:
     last: int = 0
 
 
+def check_options(budget: int | str, *, lookahead: int = 2, **_: Any) -> None:
+    """Raise :class:`ConfigError` for a bad budget or lookahead of :func:`wrap_training`. Needs no
+    GPU, so tiermem.wrap_training checks them before it looks for one; it takes all of
+    wrap_training's options, and the others are checked where they are used."""
+    check_bytes(budget, what="training budget", max_percent=100, positive=True)
+    if isinstance(lookahead, bool) or not isinstance(lookahead, int):
+        raise ConfigTypeError(f"lookahead must be an int, got {lookahead!r}")
+    if lookahead < 1:
+        raise ConfigError(f"lookahead must be at least 1, got {lookahead}")
+
+
 class TieredTraining:
     """Handle of a model and optimizer trained by :func:`wrap_training` (NOTE [training transport]).
 
@@ -121,14 +132,13 @@ class TieredTraining:
                  block_bytes: int = BLOCK_BYTES, margin: int | None = None):
         import torch
         self.torch = torch
-        if lookahead < 1:
-            raise TierMemError(f"lookahead must be at least 1, got {lookahead}")
+        check_options(budget, lookahead=lookahead)
         if getattr(model, "_tiermem_handle", None) is not None:
-            raise TierMemError("this model is already adopted by tiermem; unwrap it first")
+            raise WrapError("this model is already adopted by tiermem; unwrap it first")
         self.tier, self.model, self.opt = tier, model, optimizer
         be = tier.backend
         total = be.capabilities().total_memory
-        self.budget = parse_bytes(budget, total=total, what="training budget")
+        self.budget = parse_bytes(budget, total=total, what="training budget", max_percent=100)
         self.total = total
         self.dev = torch.device("cuda", tier.device)
         self.margin = margin
@@ -141,14 +151,14 @@ class TieredTraining:
                 continue
             for p in ps:
                 if p.device != self.dev or not p.dtype.is_floating_point:
-                    raise TierMemError(f"parameter {name} is {p.dtype} on {p.device}; wrap_training takes "
+                    raise WrapError(f"parameter {name} is {p.dtype} on {p.device}; wrap_training takes "
                                        f"floating-point parameters on {self.dev} (move the model there first)")
                 seen.add(id(p))
             tr = [p for p in ps if p.requires_grad and id(p) in in_opt]
             self.blocks.append(_Block(len(self.blocks), name, mod, ps, tr))
         missing = in_opt - seen
         if missing:
-            raise TierMemError(f"{len(missing)} optimizer parameters are not parameters of the model")
+            raise ConfigError(f"{len(missing)} optimizer parameters are not parameters of the model")
         for b in self.blocks:
             off = 0
             for p in b.params:

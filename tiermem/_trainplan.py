@@ -26,6 +26,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+from ._errors import ConfigError
+
 __all__ = ["SavedRecord", "StepTrace", "TrainPlan", "plan_training"]
 
 LINK_GBPS = 55.0   # pinned copies each way on the H100 machine (docs/facts.md)
@@ -137,11 +139,12 @@ def plan_training(trace: StepTrace, budget: int, *, margin: int | None = None,
     see (allocator rounding, a larger temporary on another step).
     """
     if budget <= 0:
-        raise ValueError(f"budget must be positive, got {budget}")
+        raise ConfigError(f"budget must be positive, got {budget}")
     margin = budget // 16 if margin is None else int(margin)
     nb = len(trace.block_param_bytes)
     if len(trace.block_state_bytes) != nb:
-        raise ValueError("block_param_bytes and block_state_bytes differ in length")
+        raise ConfigError(f"block_param_bytes and block_state_bytes differ in length ({nb} and "
+                          f"{len(trace.block_state_bytes)})")
     already = frozenset(trace.resident_blocks)
     size = lambda i: trace.block_param_bytes[i] + trace.block_state_bytes[i]  # noqa: E731
     left = budget - margin - trace.floor_peak - sum(size(i) for i in already)

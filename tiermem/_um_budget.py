@@ -44,7 +44,7 @@ import dataclasses
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
-from ._errors import TierMemError
+from ._errors import ConfigError, ConfigTypeError
 
 __all__ = ["UMBudget", "UMBudgetStats"]
 
@@ -76,8 +76,10 @@ class UMBudget:
 
     def __init__(self, budget: int, device: int = 0, *, segments: Callable[[], Sequence[Any]] | None = None,
                  evict: Callable[[int, int], None] | None = None):
-        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
-            raise TierMemError(f"budget must be a number of bytes >= 0, got {budget!r}")
+        if isinstance(budget, bool) or not isinstance(budget, int):
+            raise ConfigTypeError(f"budget must be a number of bytes (an int), got {budget!r}")
+        if budget < 0:
+            raise ConfigError(f"budget must be a number of bytes >= 0, got {budget!r}")
         self.budget = budget
         self.device = device
         self._segments = segments if segments is not None else _torch_segments

@@ -58,7 +58,8 @@ from typing import Any
 
 from ._errors import RoleError
 
-__all__ = ["Role", "Location", "Prefetch", "Evict", "Policy", "DEFAULT_POLICIES", "PolicyTable", "as_role", "advice_plan"]
+__all__ = ["Role", "Location", "Prefetch", "Evict", "Policy", "DEFAULT_POLICIES", "PolicyTable", "as_role", "check_policy",
+           "advice_plan"]
 
 
 class Role(str, enum.Enum):
@@ -176,6 +177,19 @@ def as_role(role: Role | str) -> Role:
         raise RoleError(f"unknown role {role!r}; roles are {[r.value for r in Role]}") from None
 
 
+def check_policy(role: Role | str, policy: Policy | None = None, changes: Mapping[str, Any] | None = None) -> Role:
+    """The :class:`Role` named by ``role``, once ``policy`` (a replacement) and ``changes`` (fields
+    to change) are known to be usable; raises :class:`RoleError`. Needs no Tier, so the public
+    functions call it before they look for a GPU: changes are tried on the role's default policy,
+    whose fields every policy shares."""
+    r = as_role(role)
+    if policy is not None and not isinstance(policy, Policy):
+        raise RoleError(f"policy must be a tiermem.Policy, got {type(policy).__name__}")
+    if changes:
+        (policy or DEFAULT_POLICIES[r]).replace(**changes)
+    return r
+
+
 class PolicyTable(Mapping[Role, Policy]):
     """The policy per role, with per-role overrides.
 
@@ -184,7 +198,11 @@ class PolicyTable(Mapping[Role, Policy]):
     """
 
     def __init__(self, base: Mapping[Role, Policy] = DEFAULT_POLICIES):
-        self._base: Mapping[Role, Policy] = MappingProxyType(dict(base))
+        table = {as_role(r): p for r, p in base.items()}
+        for r, p in table.items():
+            if not isinstance(p, Policy):
+                raise RoleError(f"policy for {r} must be a Policy, got {type(p).__name__}")
+        self._base: Mapping[Role, Policy] = MappingProxyType(table)
         self._table: Mapping[Role, Policy] = self._base
 
     def __getitem__(self, role: Role | str) -> Policy:

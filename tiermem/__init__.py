@@ -10,15 +10,16 @@ says what this machine has.
 """
 from ._api import (allocator, configure, default_tier, empty, evict, memory_summary, policy_override, prefetch,
                    stats, synchronize, unwrap, wrap, wrap_module, wrap_training)
-from ._module import Plan, TieredModule, plan_residency
+from ._module import Plan, TieredModule, plan_host, plan_residency
+from ._load import Checkpoint, load_pretrained
 from ._train import TieredTraining
 from ._trainplan import StepTrace, TrainPlan, plan_training
 from ._cuda import Capabilities, RangeInfo
 from ._cupy import current_role, using_role
 from ._scoped import ArrayUse, use
-from ._errors import (BuildError, CapExceededError, ConfigError, ConfigTypeError, CUDAError, CUDAOutOfMemoryError,
-                      CUDAUnavailableError, DeviceFullError, OutOfBudgetError, RoleError, TierMemError, ViewError,
-                      WrapError)
+from ._errors import (BuildError, CapExceededError, CheckpointError, ConfigError, ConfigTypeError, CUDAError,
+                      CUDAOutOfMemoryError, CUDAUnavailableError, DeviceFullError, HostBudgetError, OutOfBudgetError,
+                      RoleError, TierMemError, ViewError, WrapError)
 from ._limits import parse_bytes
 from ._tensor import TieredTensor
 from ._tier import Tier
@@ -34,10 +35,11 @@ __all__ = [
     "Tier", "TieredTensor", "Transfer", "Role", "Location", "Policy", "PolicyTable", "Prefetch", "Evict",
     "DEFAULT_POLICIES", "Capabilities", "RangeInfo",
     "configure", "default_tier", "empty", "wrap", "wrap_module", "wrap_training", "TieredTraining", "TrainPlan",
-    "StepTrace", "plan_training", "unwrap", "TieredModule", "Plan", "plan_residency", "tiered_of", "prefetch", "evict", "allocator",
+    "StepTrace", "plan_training", "unwrap", "TieredModule", "Plan", "plan_residency", "plan_host",
+    "load_pretrained", "Checkpoint", "tiered_of", "prefetch", "evict", "allocator",
     "using_role", "current_role", "use", "ArrayUse", "policy_override", "stats", "memory_summary", "synchronize", "parse_bytes",
     "TierMemError", "ConfigError", "ConfigTypeError", "CUDAError", "CUDAOutOfMemoryError", "CUDAUnavailableError", "OutOfBudgetError", "CapExceededError", "DeviceFullError", "RoleError",
-    "WrapError", "ViewError", "BuildError", "__version__",
+    "WrapError", "ViewError", "BuildError", "CheckpointError", "HostBudgetError", "__version__",
     "torch_allocations", "TorchAllocations", "is_managed", "torch_allocator_stats", "TorchAllocatorStats",
     "torch_managed_allocations", "ManagedAllocation", "set_torch_managed_cap", "build_torch_allocator",
 ]

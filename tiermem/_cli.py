@@ -1,4 +1,4 @@
-"""The command line: ``python -m tiermem info`` and ``python -m tiermem demo``.
+"""The command line: ``python -m tiermem info``, ``python -m tiermem demo`` and ``python -m tiermem plan``.
 
 A user error (a bad option, a missing command, a setting tiermem refuses) is one line on stderr
 and exit status 2, never a traceback; ``--help`` says the rest.
@@ -127,7 +127,7 @@ def _parser() -> argparse.ArgumentParser:
                  description="tiermem: tiered GPU/host tensors on CUDA Unified Memory. `info` says what this "
                              "machine has; `demo` runs a model bigger than its device budget.")
     ap.add_argument("--version", action="version", version=f"tiermem {__version__}")
-    sub = ap.add_subparsers(dest="cmd", required=True, metavar="{info,demo}")
+    sub = ap.add_subparsers(dest="cmd", required=True, metavar="{info,demo,plan}")
     sub.add_parser("info", help="versions, device capabilities, cap and budget settings")
     d = sub.add_parser("demo", help="run a model bigger than its budget (a dry-run plan without a GPU)")
     d.add_argument("--weights-gb", type=_weights_gb, default=None, metavar="GB",
@@ -136,6 +136,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="device budget: bytes, '1GiB', or a share of the weights up to 100%% like '25%%' "
                         "(default: 25%%)")
     d.add_argument("--dry-run", action="store_true", help="print the plan only, even on a GPU")
+    from . import _plan
+    _plan.add_parser(sub)
     return ap
 
 
@@ -145,6 +147,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.cmd == "info":
             return info()
+        if args.cmd == "plan":
+            from . import _plan
+            return _plan.run(args)
         from ._demo import demo
         return demo(weights_gb=args.weights_gb, budget=args.budget, dry_run=args.dry_run)
     except TierMemError as e:

@@ -25,6 +25,8 @@ __all__ = [
     "WrapError",
     "ViewError",
     "BuildError",
+    "CheckpointError",
+    "HostBudgetError",
 ]
 
 
@@ -107,3 +109,19 @@ class DeviceFullError(OutOfBudgetError):
     (``asked`` bytes needed, ``limit`` bytes free), e.g. restoring a module with ``unwrap()``."""
 
     what = "free device memory"
+
+
+class CheckpointError(TierMemError, ValueError):
+    """A checkpoint cannot be loaded as asked: a missing shard or tensor, a tensor whose dtype or
+    shape is not the model's, a truncated or malformed file. ``path`` names the file or folder.
+    Raised before anything is allocated, or after a failed adoption gave every byte back."""
+
+    def __init__(self, msg: str, path: str = ""):
+        self.path = str(path)
+        super().__init__(msg)
+
+
+class HostBudgetError(OutOfBudgetError):
+    """The pinned host memory a module needs does not fit its ``host_budget`` (NOTE [disk tier])."""
+
+    what = "host budget"

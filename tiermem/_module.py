@@ -4,6 +4,9 @@
     logits = model(ids)                                # no change inside the model
     print(handle.plan)
 
+A module built on the meta device takes its bytes from ``weights=`` (NOTE [weight source]); with
+``host_budget=`` what the pinned home cannot hold is read from disk (NOTE [disk tier], _disk.py).
+
 NOTE [streaming plan]
     Every module that owns parameters or buffers becomes one group. The plan keeps the largest
     groups resident for good (adjacent slices of one managed allocation each, never evicted), as
@@ -36,18 +39,20 @@ from __future__ import annotations
 import dataclasses
 import logging
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from ._errors import ConfigError, DeviceFullError, WrapError
+from ._errors import CheckpointError, ConfigError, DeviceFullError, TierMemError, WrapError
 from ._limits import parse_bytes
-from .roles import Evict, Role
+from ._disk import STAGES, DiskTier
+from ._load import FileTensor, Reader, host_bytes
+from .roles import Evict, Location, Policy, Role
 
 if TYPE_CHECKING:
     from ._tensor import TieredTensor
     from ._tier import Tier
 
-__all__ = ["Plan", "plan_residency", "TieredModule", "wrap_module", "module_groups"]
+__all__ = ["Plan", "plan_residency", "plan_host", "stay_home", "TieredModule", "wrap_module", "module_groups"]
 
 log = logging.getLogger("tiermem")
 
@@ -66,6 +71,11 @@ class Plan:
     zero_copy_only: bool                   # the budget cannot hold even the window: read in place
     lookahead: int = 1                     # streamed groups in flight (slots in the window)
     in_place: frozenset[str] = frozenset()  # gathered from (embeddings): read in place, never streamed
+    host_budget: int | None = None          # pinned bytes allowed (NOTE [disk tier]); None: no limit
+    on_disk: frozenset[str] = frozenset()   # streamed groups read from their files ahead of use
+    stage_bytes: int = 0                    # one staging buffer (the largest group on disk)
+    stages: int = 0                         # staging buffers
+    host_sizes: tuple[tuple[str, int], ...] = ()   # (streamed group, bytes in the pinned home's layout)
 
     @property
     def pinned_bytes(self) -> int:
@@ -82,9 +92,33 @@ class Plan:
         (an embedding reads only the rows of its tokens)."""
         return sum(n for g, n in self.sizes if g not in self.pinned and g not in self.in_place)
 
-    def predicted_seconds(self, link_GBps: float = LINK_GBPS) -> float:
-        """Lower bound of one forward's transfer time: moved bytes over the link rate."""
-        return self.moved_bytes / (link_GBps * 1e9)
+    @property
+    def disk_bytes(self) -> int:
+        """Bytes a forward reads from disk: the groups on disk (NOTE [disk tier])."""
+        return sum(n for g, n in self.sizes if g in self.on_disk)
+
+    @property
+    def home_bytes(self) -> int:
+        """Pinned bytes of the home: the streamed groups not on disk, in the home's layout."""
+        return sum(n for g, n in self.host_sizes if g not in self.on_disk)
+
+    @property
+    def pinned_host_bytes(self) -> int:
+        """Pinned host memory the plan takes: the home and the staging buffers."""
+        return self.home_bytes + self.stages * self.stage_bytes
+
+    def predicted_seconds(self, link_GBps: float = LINK_GBPS, disk_GBps: float | None = None) -> float:
+        """Lower bound of one forward's transfer time: the bytes streamed from the pinned home
+        over the link rate, plus the bytes on disk over the disk rate. The two are added: the
+        drive and the link are taken not to overlap, which is what the disk's reads allow once
+        the drive is the slower (NOTE [disk tier]); a group on disk crosses the link too, but
+        while the drive reads the next one."""
+        host = (self.moved_bytes - self.disk_bytes) / (link_GBps * 1e9)
+        if not self.disk_bytes:
+            return host
+        if not disk_GBps:
+            raise TierMemError("this plan reads from disk: give the disk's read rate (disk_GBps)")
+        return host + self.disk_bytes / (disk_GBps * 1e9)
 
     def table(self, link_GBps: float = LINK_GBPS, limit: int = 12) -> str:
         gb = lambda n: f"{n / 1e9:8.3f} GB"  # noqa: E731
@@ -93,16 +127,23 @@ class Plan:
         here = self.streamed_bytes - self.moved_bytes
         lines = [f"budget {gb(self.budget)} of {gb(self.total)} weights: {len(self.pinned)} of {len(self.sizes)} groups "
                  f"resident ({gb(self.pinned_bytes)}), {gb(self.moved_bytes)} streamed per forward {how}"
-                 + (f", {gb(here).strip()} read in place (embeddings)" if here else ""),
-                 f"predicted transfer time per forward at {link_GBps:.1f} GB/s: {self.predicted_seconds(link_GBps) * 1e3:.1f} ms"]
-        rows = [(g, n, "resident" if g in self.pinned else "in place" if g in self.in_place else "streamed")
-                for g, n in self.sizes]
+                 + (f", {gb(here).strip()} read in place (embeddings)" if here else "")]
+        if self.on_disk:
+            lines.append(f"host budget {gb(self.host_budget or 0).strip()}: {gb(self.home_bytes).strip()} in the pinned home, "
+                         f"{gb(self.disk_bytes).strip()} in {len(self.on_disk)} groups read from disk through "
+                         f"{self.stages} staging buffers of {gb(self.stage_bytes).strip()}")
+        else:
+            lines.append(f"predicted transfer time per forward at {link_GBps:.1f} GB/s: "
+                         f"{self.predicted_seconds(link_GBps) * 1e3:.1f} ms")
+        rows = [(g, n, "resident" if g in self.pinned else "in place" if g in self.in_place else
+                 "disk" if g in self.on_disk else "streamed") for g, n in self.sizes]
         for g, n, what in rows[:limit]:
             lines.append(f"  {what:<9}{gb(n)}  {g}")
         if len(rows) > limit:
             rest = rows[limit:]
             lines.append(f"  ... {len(rest)} more groups: {sum(1 for r in rest if r[2] == 'resident')} resident, "
-                         f"{sum(1 for r in rest if r[2] == 'streamed')} streamed")
+                         f"{sum(1 for r in rest if r[2] == 'streamed')} streamed"
+                         + (f", {sum(1 for r in rest if r[2] == 'disk')} on disk" if self.on_disk else ""))
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -167,6 +208,57 @@ def _plan_moving(sizes: tuple, moving: list[tuple[str, int]], budget: int, looka
     return Plan(budget, total, sizes, frozenset(), 0, True, 0)
 
 
+def plan_host(plan: Plan, host_sizes: Iterable[tuple[str, int]], host_budget: int | None, stages: int = 3,
+              keep: Iterable[str] = ()) -> Plan:
+    """Split ``plan``'s streamed groups between the pinned home and the disk within ``host_budget``
+    pinned bytes (NOTE [disk tier]). Pure; no GPU. ``host_sizes`` gives each streamed group's bytes
+    in the home's layout, in execution order; groups in ``keep`` (and those read in place) must
+    stay in the home. The rest are kept in the home spread evenly along the order, so that reads
+    from disk alternate with copies from the home, as far as the budget left after ``stages``
+    staging buffers (each the size of the largest group that may go to disk) allows.
+    Raises :class:`OutOfBudgetError` when even that cannot fit."""
+    from ._errors import HostBudgetError
+    streamed = [(str(g), int(n)) for g, n in host_sizes if g not in plan.pinned]
+    total = sum(n for _, n in streamed)
+    plan = dataclasses.replace(plan, host_budget=host_budget, host_sizes=tuple(streamed))
+    if host_budget is None or total <= host_budget:
+        return plan
+    fixed = set(keep) | set(plan.in_place)
+    movable = [(g, n) for g, n in streamed if g not in fixed]
+    kept = sum(n for g, n in streamed if g in fixed)
+    stage = max((n for _, n in movable), default=0)
+    # A pinned block may take up to a page more than asked (the driver pins whole pages).
+    room = host_budget - stages * stage - kept - (stages + 1) * 4096
+    if plan.zero_copy_only:
+        raise TierMemError(f"{total:,} streamed bytes do not fit host_budget={host_budget:,}, and groups on disk "
+                           "must stream through a window the device budget has no room for; raise the budget")
+    if not movable or room < 0:
+        raise HostBudgetError(kept + stages * stage, 0, host_budget,
+                               hint=f"host_budget is too small for a disk tier: the groups that must stay in pinned "
+                               f"memory take {kept:,} bytes and {stages} staging buffers {stages * stage:,}")
+    share = room / max(1, sum(n for _, n in movable))
+    home, got, seen = set(), 0, 0
+    for g, n in movable:                  # evenly along the order: disk reads and home copies alternate
+        seen += n
+        if got + n <= min(room, share * seen + 1):
+            home.add(g)
+            got += n
+    for g, n in sorted(movable, key=lambda x: -x[1]):   # what room is left, largest first
+        if g not in home and got + n <= room:
+            home.add(g)
+            got += n
+    disk = frozenset(g for g, _ in movable if g not in home)
+    stage = max((n for g, n in movable if g in disk), default=0)
+    return dataclasses.replace(plan, on_disk=disk, stage_bytes=stage, stages=stages if disk else 0)
+
+
+def stay_home(groups: Iterable[tuple[str, list[Any]]], in_files: Callable[[Any], bool]) -> set[str]:
+    """The groups that cannot go to disk (NOTE [disk tier]): those with a buffer (a forward may
+    write it), and those with a tensor ``in_files`` says is not in a file byte for byte."""
+    import torch
+    return {name for name, ts in groups if any(not isinstance(t, torch.nn.Parameter) or not in_files(t) for t in ts)}
+
+
 MAX_GROUP = 160 << 20
 LOOKAHEAD = 3            # groups in flight by default (the window's slots)
 
@@ -221,12 +313,13 @@ class _Group:
     in_slot: list[bool] = dataclasses.field(default_factory=list)   # members a slot serves while in use
     gathered: bool = False        # only embeddings read it: read in place, never given a slot
     stacked: bool = False         # one slice per expert: a decode reads it in place (routed experts only)
+    on_disk: bool = False         # read from its files ahead of use (NOTE [disk tier]); it has no home
 
     def slot_in(self, mode: str) -> bool:
         """Whether a forward in ``mode`` brings this (streamed) group into a slot."""
         if self.gathered or mode == "zero_copy":
             return False
-        return mode == "stream" or not self.stacked
+        return mode == "stream" or not self.stacked or self.on_disk
 
 
 def _versions(g: _Group) -> tuple[int, ...]:
@@ -243,8 +336,6 @@ class _PinnedTransport:
     GPU reads in place (zero-copy), so decode, unplanned reads and forwards that record gradients
     need no move at all (NOTE [trainable weights in the pinned home])."""
 
-    ALIGN = 256
-
     def __init__(self, owner: TieredModule, groups: list[_Group], lookahead: int, role: Role):
         self.o = owner
         self.tier = tier = owner.tier
@@ -253,17 +344,14 @@ class _PinnedTransport:
         off = 0
         import torch
         for g in groups:
-            g.offset = off
-            g.member_offsets = []
+            g.on_disk = g.name in owner.plan.on_disk
+            g.offset = -1 if g.on_disk else off
             # Buffers stay at home, read in place: a forward may write them (BatchNorm's running
             # stats) without bumping their version counter, and they are small.
             g.in_slot = [isinstance(t, torch.nn.Parameter) for t in g.tensors]
-            n = 0
-            for t in g.tensors:
-                g.member_offsets.append(n)
-                n += -(-max(t.numel() * t.element_size(), 1) // self.ALIGN) * self.ALIGN
+            g.member_offsets, n = _home_layout(g.tensors)
             g.nbytes = n
-            off += n
+            off += 0 if g.on_disk else n
         self.groups = groups
         self.size = max(off, 1)
         self.slot_bytes = max((g.nbytes for g in groups if not g.gathered), default=0)
@@ -274,18 +362,38 @@ class _PinnedTransport:
         self.grad_home: Any = None
         self._view_cache: dict[tuple[int, int | None, bool], list[Any]] = {}
         self._reserved = 0
-        self.origin: dict[int, Any] = {id(t): t.device for g in groups for t in g.tensors}
+        self.origin: dict[int, Any] = {id(t): _origin(t) for g in groups for t in g.tensors}
+        self.disk: DiskTier | None = None
+        on_disk = [g for g in groups if g.on_disk]
+        stage = max((g.nbytes for g in on_disk), default=0)
+        hb = owner.plan.host_budget
+        if hb is not None and self.size + (owner.plan.stages * stage if on_disk else 0) > hb:
+            from ._errors import HostBudgetError   # plan_host's sizes are these: a bug if it happens
+            raise HostBudgetError(self.size + owner.plan.stages * stage, 0, hb, hint="the plan's home and staging "
+                                  "do not fit the host budget")
         try:
             self.home = be.host_alloc(self.size)
+            if on_disk:
+                files = {g: [(owner._sources[id(t)], o) for t, o in zip(g.tensors, g.member_offsets)] for g in on_disk}
+                self.disk = DiskTier(be, files, stage, owner.plan.stages)
             if self.nslots:
                 tier._reserve(self.slot_bytes * self.nslots, role)
                 self._reserved = self.slot_bytes * self.nslots
                 # Straight from the driver, so unwrap (or a failed adoption) gives it back.
                 self.window = be.device_alloc(self._reserved, pooled=False)
             with torch.no_grad():
+                reads = []
                 for g in groups:
-                    for t, v in zip(g.tensors, self._views(g, None)):
-                        v.copy_(t)            # the GPU writes pinned pages straight over the link
+                    if g.on_disk:
+                        continue                          # its home is its file
+                    for t, v, o in zip(g.tensors, self._views(g, None), g.member_offsets):
+                        src = owner._sources.get(id(t), t)
+                        if isinstance(src, FileTensor):   # straight from the file (NOTE [reading a checkpoint])
+                            reads.append((src, host_bytes(self.home.ptr + g.offset + o, src.nbytes)))
+                        else:
+                            v.copy_(_materialize(src))    # the GPU writes pinned pages straight over the link
+                if reads:
+                    Reader.shared().read(reads)
             if be.kind == "cuda":
                 torch.cuda.synchronize(tier.device)   # the home is whole before the originals may go
         except BaseException:
@@ -317,6 +425,8 @@ class _PinnedTransport:
 
     def _make_views(self, g: _Group, slot: int | None, base: Any = None) -> list[Any]:
         be = self.tier.backend
+        if slot is None and base is None and g.on_disk:
+            slot = 0                 # no home: at rest it points at a slot (NOTE [disk tier])
         block = base if base is not None else (self.home if slot is None else self.window)
         start = block.ptr + g.offset if slot is None else block.ptr + slot * self.slot_bytes
         out = []
@@ -326,9 +436,17 @@ class _PinnedTransport:
             out.append(raw.view(t.dtype).view(t.shape))
         return out
 
-    def _load(self, g: _Group, slot: int) -> None:
+    def _load(self, g: _Group, slot: int, wait: bool = True) -> bool:
+        """Queue ``g``'s copy into ``slot``; False (nothing queued) when ``g`` is on disk, not read
+        yet, and ``wait`` is off."""
         from ._transfer import Transfer
         tier, be = self.tier, self.tier.backend
+        stage = None
+        if g.on_disk:
+            stage = self.disk.take(g, wait)
+            if stage is None:
+                return False
+        src = self.home.ptr + g.offset if stage is None else self.disk.stages[stage].ptr
         side = tier._side("h2d")
         if self.freed[slot] is not None:
             be.wait(side, self.freed[slot])          # the slot's last user has finished with it
@@ -338,8 +456,10 @@ class _PinnedTransport:
             be.wait(side, dep)
         start, end = be.new_event(timing=True), be.new_event(timing=True)
         be.record(start, side)
-        be.copy(self.window.ptr + slot * self.slot_bytes, self.home.ptr + g.offset, g.nbytes, side)
+        be.copy(self.window.ptr + slot * self.slot_bytes, src, g.nbytes, side)
         be.record(end, side)
+        if stage is not None:
+            self.disk.give_back(stage, end)
         with tier._lock:
             tier._inflight.append(Transfer(tier, "h2d", side, start, end, [], g.nbytes, {self.role: g.nbytes}))
         tier.accounting.on_move(self.role, "h2d", g.nbytes)
@@ -350,6 +470,7 @@ class _PinnedTransport:
         self.occupant[slot] = g
         self.slot_of[id(g)] = slot
         self.loaded[slot] = _versions(g)
+        return True
 
     def ensure(self, g: _Group) -> None:
         slot = self.count % self.nslots
@@ -370,7 +491,7 @@ class _PinnedTransport:
             slot = (self.count + d) % self.nslots
             if self.occupant[slot] is g and self.slot_of.get(id(g)) == slot and self.loaded[slot] == _versions(g):
                 continue
-            self._load(g, slot)
+            self._load(g, slot, wait=False)     # a group still being read from disk comes in at ensure()
 
     def release(self, g: _Group) -> None:
         slot = self.slot_of.get(id(g))
@@ -379,7 +500,9 @@ class _PinnedTransport:
         be = self.tier.backend
         home = self._views(g, None)
         before = self.in_use.pop(id(g), None)
-        if before is not None and before != _versions(g):
+        if before is not None and before != _versions(g) and g.on_disk:
+            log.warning("tiermem: a forward wrote to %s, which is read from disk; the write is not kept", g.name)
+        elif before is not None and before != _versions(g):
             # The forward wrote into the slot (a running-stat buffer, say): keep it at home. Later
             # loads of this group read home on tiermem's stream, which waits for this copy.
             for t, h, old, new, s in zip(g.tensors, home, before, _versions(g), g.in_slot):
@@ -425,7 +548,7 @@ class _PinnedTransport:
             for g in self.groups:
                 for t, v in zip(g.tensors, self._views(g, None)):
                     plain = torch.empty(t.shape, dtype=t.dtype, device=device_of(t))
-                    plain.copy_(v)
+                    plain.copy_(_materialize(self.o._sources[id(t)]) if g.on_disk else v)
                     grad = getattr(t, "grad", None)
                     if grad is not None and (self._in_grad_home(grad) or grad.device != plain.device):
                         grad = grad.to(plain.device, copy=True)
@@ -433,6 +556,12 @@ class _PinnedTransport:
                         grad = None
                     out.append((t, plain, grad))
         return out
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Pinned host bytes held: the home, the disk tier's staging buffers, the gradients' home."""
+        return sum(b.nbytes for b in (self.home, self.grad_home) if b is not None) + (
+            self.disk.pinned_bytes if self.disk is not None else 0)
 
     def _in_grad_home(self, x: Any) -> bool:
         if self.grad_home is None:
@@ -447,6 +576,9 @@ class _PinnedTransport:
             import torch
             torch.cuda.synchronize(self.tier.device)
         self._view_cache.clear()       # the views hold the blocks
+        if self.disk is not None:
+            self.disk.close()
+            self.disk = None
         if self.window is not None:
             self.window.release()
             self.window = None
@@ -480,10 +612,19 @@ class _PinnedTransport:
 
 
 class TieredModule:
-    """Handle of a module adopted by :func:`wrap_module`: its plan, its mode, and unwrap()."""
+    """Handle of a module adopted by :func:`wrap_module`: its plan, its mode, stats() and unwrap().
+
+    Keyword arguments beside the budget: ``mode`` ("auto", "stream", "zero_copy"), ``lookahead``
+    (streamed groups in flight), ``zero_copy_max_tokens`` (forwards of at most this many tokens
+    are decode steps), ``max_group_bytes``; ``weights``, a Mapping from state-dict names to the
+    tensors' bytes (NOTE [weight source]: a module built on the meta device can be adopted); and
+    ``host_budget``, the pinned host bytes allowed, beyond which streamed groups are read from
+    their checkpoint files ahead of use (NOTE [disk tier]; needs ``weights`` from a Checkpoint).
+    """
 
     def __init__(self, tier: Tier, module: Any, budget: int | str | None, *, mode: str = "auto",
-                 lookahead: int = LOOKAHEAD, zero_copy_max_tokens: int = 16, max_group_bytes: int = MAX_GROUP):
+                 lookahead: int = LOOKAHEAD, zero_copy_max_tokens: int = 16, max_group_bytes: int = MAX_GROUP,
+                 weights: Mapping[str, Any] | None = None, host_budget: int | str | None = None):
         if mode not in ("auto", "stream", "zero_copy"):
             raise ConfigError(f"mode must be 'auto', 'stream' or 'zero_copy', got {mode!r}")
         if getattr(module, "_tiermem_handle", None) is not None:
@@ -492,13 +633,29 @@ class TieredModule:
         self.module = module
         self.mode = mode
         self.zero_copy_max_tokens = zero_copy_max_tokens
+        # A meta tensor cannot be rebound to memory (torch refuses set_data across the two), so
+        # the module gets a memory-less stand-in in its place first (NOTE [weight source]); a
+        # failure puts the meta tensors back.
+        swaps = _stand_ins(module) if weights is not None else []
+        try:
+            self._setup(module, budget, lookahead, max_group_bytes, weights, {id(new) for *_, new in swaps}, host_budget)
+        except BaseException:
+            for owner, name, old, _ in reversed(swaps):
+                owner[name] = old
+            raise
+
+    def _setup(self, module: Any, budget: int | str | None, lookahead: int, max_group_bytes: int,
+               weights: Mapping[str, Any] | None, empty: set[int], host_budget: int | str | None) -> None:
+        tier = self.tier
         found = module_groups(module, max_group_bytes)
         if not found:
             raise WrapError("this module has no parameters or buffers to tier")
         from ._torch import _check
+        self._sources = _sources(module, found, weights, empty)     # NOTE [weight source]
         for _, _, own in found:
             for _, t in own:
-                _check(tier, t)
+                if id(t) not in empty:
+                    _check(tier, t)
         sizes = [(mname, sum(_span(t) for _, t in own)) for mname, _, own in found]
         total = sum(n for _, n in sizes)
         asked = total if budget is None else parse_bytes(budget, total=total, what="module budget", max_percent=100)
@@ -509,6 +666,15 @@ class TieredModule:
                                       gathered=mname in self.plan.in_place, stacked=_stacked([t for _, t in own]))
                         for (mname, _, own), (_, n) in zip(found, sizes)}
         self._unit_groups: dict[int, list[_Group]] = {id(m): [self._groups[mname]] for mname, m, _ in found}
+        self.host_budget = None if host_budget is None else parse_bytes(host_budget, what="host_budget")
+        if self.host_budget is not None:
+            self.plan = plan_host(self.plan, [(g.name, _home_layout(g.tensors)[1]) for g in self._groups.values()],
+                                  self.host_budget, STAGES,
+                                  keep=stay_home([(g.name, g.tensors) for g in self._groups.values()],
+                                                 lambda t: isinstance(self._sources.get(id(t)), FileTensor)))
+            if self.plan.on_disk and self.mode == "zero_copy":
+                raise TierMemError("mode='zero_copy' reads every weight in place, and a disk tier has weights with "
+                                   "no place to read: raise host_budget or use mode='auto'")
         streamed = [g for g in self._groups.values() if not g.pinned]
         self._trainable = any(t.requires_grad for g in streamed for t in g.tensors)
         self.transport = "pinned"
@@ -531,6 +697,28 @@ class TieredModule:
         except BaseException:
             self._rollback(originals)
             raise
+
+    def stats(self) -> dict[str, Any]:
+        """A flat dict of the module's host-side figures (bytes, seconds, counts):
+        ``pinned_bytes.current`` (the home, staging buffers and gradients' home, together) and
+        ``pinned_bytes.home`` / ``.staging``; ``host_budget`` (-1: none); ``disk_bytes.per_forward``
+        (the bytes a forward reads from the files);
+        and the disk tier's totals since adoption: ``disk.read_bytes``, ``disk.read_seconds`` (the
+        reader's time), ``disk.wait_seconds`` (the forward's time waiting on the reader),
+        ``disk.reads``, ``disk.stage_reuse`` (reads into a staging buffer used before),
+        ``disk.resyncs`` and ``disk.dropped`` (reads thrown away when a forward changed order)."""
+        st = self._stream
+        disk = st.disk if st is not None else None
+        out: dict[str, Any] = {
+            "pinned_bytes.current": st.pinned_bytes if st is not None else 0,
+            "pinned_bytes.home": st.home.nbytes if st is not None and st.home is not None else 0,
+            "pinned_bytes.staging": disk.pinned_bytes if disk is not None else 0,
+            "host_budget": -1 if self.host_budget is None else self.host_budget,
+            "disk_bytes.per_forward": sum(ft.nbytes for fs in disk.files.values() for ft, _ in fs) if disk else 0,
+        }
+        for k in ("read_bytes", "read_seconds", "wait_seconds", "reads", "stage_reuse", "resyncs", "dropped"):
+            out[f"disk.{k}"] = disk.stats[k] if disk is not None else 0
+        return out
 
     def _within_device(self, asked: int, tensors: list[Any]) -> int:
         """The budget the device can really hold: resident groups live in managed memory, which
@@ -557,8 +745,12 @@ class TieredModule:
         if pinned:
             flat = [t for g in pinned for t in g.tensors]
             role = Role.WEIGHT if any(t.requires_grad for t in flat) else Role.FROZEN_WEIGHT
-            tts = _wrap_group(tier, flat, [f"{g.name}.{i}" for g in pinned for i in range(len(g.tensors))],
-                              on_host=False, policy=tier.policies[role].replace(evict=Evict.NEVER))
+            names = [f"{g.name}.{i}" for g in pinned for i in range(len(g.tensors))]
+            policy = tier.policies[role].replace(evict=Evict.NEVER)
+            if self._sources:
+                tts = _wrap_from(tier, flat, [self._sources.get(id(t)) for t in flat], names, policy)
+            else:
+                tts = _wrap_group(tier, flat, names, on_host=False, policy=policy)
             k = 0
             for g in pinned:
                 g.tiered = tts[k:k + len(g.tensors)]
@@ -646,6 +838,10 @@ class TieredModule:
         mode = self.mode
         if self._stream is None or not self._stream.nslots or (self._trainable and torch.is_grad_enabled()):
             mode = "zero_copy"       # NOTE [trainable weights in the pinned home]
+            if self._stream is not None and self._stream.disk is not None:
+                raise TierMemError("this module reads weights from disk (host_budget), so a forward that records "
+                                   "gradients cannot read them in place; run it under torch.no_grad() or "
+                                   "torch.inference_mode() (NOTE [disk tier])")
         elif mode == "auto":
             n = self._tokens(args, kwargs)
             mode = "decode" if n is not None and n <= self.zero_copy_max_tokens else "stream"
@@ -655,6 +851,9 @@ class TieredModule:
     def _root_post(self, module: Any, args: tuple, out: Any) -> None:
         if self._recording and self._trace:
             self._recording = False
+            if self._stream is not None and self._stream.disk is not None:
+                self._stream.disk.set_sequence([g for i in self._trace for g in self._unit_groups[id(self._units[i])]
+                                                if g.on_disk])
         if self._fwd_mode != "zero_copy" and not self._recording and self._stream is not None:
             self._pos = -1
             self._stream.ahead(self._upcoming())   # the first streamed groups of the next forward
@@ -813,6 +1012,16 @@ def _gathered(module: Any, found: list) -> set[str]:
     return {g for g, ms in users.items() if all(isinstance(m, torch.nn.Embedding) for m in ms)}
 
 
+def _home_layout(tensors: list[Any], align: int = 256) -> tuple[list[int], int]:
+    """(offset of each tensor, bytes) of a streamed group in the pinned home, a slot or a staging
+    buffer: the tensors back to back, each ``align``-byte aligned."""
+    offs, n = [], 0
+    for t in tensors:
+        offs.append(n)
+        n += -(-max(t.numel() * t.element_size(), 1) // align) * align
+    return offs, n
+
+
 def _span_bytes(nbytes: int) -> int:
     """Device bytes a tensor of ``nbytes`` takes as a group member (see member_span)."""
     from ._tier import member_span
@@ -826,6 +1035,147 @@ def _span(t: Any) -> int:
 def _wrap_group(tier: Tier, tensors: list[Any], names: list[str], on_host: bool, policy: Any) -> list[TieredTensor]:
     from ._torch import wrap_group
     return wrap_group(tier, tensors, Role.WEIGHT, names=names, on_host=on_host, policy=policy)
+
+
+# NOTE [weight source]
+#     ``weights`` (a Mapping from the module's state-dict names to tensors, or to the FileTensors of
+#     a Checkpoint) gives each tensor's bytes in place of the tensor itself, so a module built on
+#     the meta device (no memory) can be adopted: resident groups are filled from the source one
+#     tensor at a time, streamed groups are written straight into their pinned home (a checkpoint's
+#     bytes are read from the file into it, NOTE [reading a checkpoint]), and no full host copy of
+#     the model is ever made. A tensor known under several names (tied weights) takes the first of
+#     its names the source has. A tensor the source lacks keeps its own bytes; a meta tensor the
+#     source lacks is refused before anything is allocated, as is a source tensor whose shape or
+#     dtype is not the module's (convert the source first; load_pretrained does with ``dtype=``).
+#     A meta tensor had no device of its own: unwrap restores it onto the host (or the device
+#     asked for). Adoption stays all or nothing (NOTE [all or nothing]).
+
+
+def _stand_ins(module: Any) -> list[tuple[dict, str, Any, Any]]:
+    """Give every meta parameter and buffer of ``module`` a stand-in of its shape and dtype that
+    holds one element (an expanded host tensor), which adoption then rebinds to real memory;
+    (container, name, meta tensor, stand-in) each. A tensor under several names (tied weights)
+    gets one stand-in."""
+    import torch
+    made: dict[int, Any] = {}
+    out = []
+    for m in module.modules():
+        for box in (m._parameters, m._buffers):
+            for name, t in list(box.items()):
+                if t is None or not t.is_meta:
+                    continue
+                new = made.get(id(t))
+                if new is None:
+                    one = torch.empty((), dtype=t.dtype) if t.dim() == 0 else torch.empty(1, dtype=t.dtype).expand(t.shape)
+                    new = torch.nn.Parameter(one, requires_grad=t.requires_grad) if isinstance(t, torch.nn.Parameter) else one
+                    made[id(t)] = new
+                box[name] = new
+                out.append((box, name, t, new))
+    return out
+
+
+def _sources(module: Any, found: list, weights: Mapping[str, Any] | None, empty: set[int]) -> dict[int, Any]:
+    """id(tensor) -> its source in ``weights`` (NOTE [weight source]); checked, allocates nothing."""
+    if weights is None:
+        return {}
+    names: dict[int, list[str]] = {}
+    for n, t in list(module.named_parameters(remove_duplicate=False)) + list(module.named_buffers(remove_duplicate=False)):
+        names.setdefault(id(t), []).append(n)
+    out: dict[int, Any] = {}
+    missing, bad = [], []
+    where = getattr(weights, "path", "")
+    for _, _, own in found:
+        for n, t in own:
+            aliases = names.get(id(t), [n])
+            name = next((a for a in aliases if a in weights), None)
+            if name is None:
+                if id(t) in empty:
+                    missing.append(" = ".join(aliases))
+                continue
+            src = weights[name]
+            shape, dtype = tuple(src.shape), _dtype_name(src.dtype)
+            if shape != tuple(t.shape) or dtype != _dtype_name(t.dtype):
+                bad.append(f"{name}: {dtype} {list(shape)} where the module has {_dtype_name(t.dtype)} {list(t.shape)}")
+                where = where or getattr(src, "path", "")
+                continue
+            out[id(t)] = src
+    if missing:
+        raise CheckpointError(f"the weights lack {len(missing)} tensor(s) the module needs (and has no data for): "
+                              f"{', '.join(missing[:6])}{' ...' if len(missing) > 6 else ''}", where)
+    if bad:
+        raise CheckpointError(f"{len(bad)} tensor(s) in the weights do not match the module: {'; '.join(bad[:4])}"
+                              f"{' ...' if len(bad) > 4 else ''}", where)
+    return out
+
+
+def _dtype_name(dt: Any) -> str:
+    from ._dtypes import canonical
+    return canonical(dt)
+
+
+def _origin(t: Any) -> Any:
+    """Where unwrap puts a tensor back by default: its own device (a meta tensor's stand-in is on
+    the host)."""
+    return t.device
+
+
+def _materialize(src: Any) -> Any:
+    """A source's data as a torch tensor: the tensor itself, or a checkpoint tensor read now."""
+    import torch
+    return src if isinstance(src, torch.Tensor) else src.tensor()
+
+
+FILL_CHUNK = 64 << 20    # host bytes a resident tensor is read through, reused: a full tensor could be 1 GB
+
+
+def _fill_from(view: Any, src: Any) -> None:
+    """Write a source's bytes into ``view`` (a tensor's new memory, on the device): a checkpoint
+    tensor through one reused host buffer of FILL_CHUNK bytes, so the host never holds a whole
+    tensor; any other source by copy_."""
+    import torch
+    if not isinstance(src, FileTensor):
+        view.copy_(_materialize(src))
+        return
+    flat = view.view(-1).view(torch.uint8)
+    buf = torch.empty(min(FILL_CHUNK, src.nbytes), dtype=torch.uint8)
+    reader = Reader.shared()
+    for s in range(0, src.nbytes, FILL_CHUNK):
+        n = min(FILL_CHUNK, src.nbytes - s)
+        reader.read_range(src, s, host_bytes(buf.data_ptr(), n))
+        flat[s:s + n].copy_(buf[:n])
+
+
+def _wrap_from(tier: Tier, tensors: list[Any], sources: list[Any], names: list[str], policy: Policy) -> list[TieredTensor]:
+    """wrap_group's steps (one managed allocation, filled from the device side, each tensor rebound)
+    with each tensor's bytes taken from its source (or itself), read one tensor at a time, so the
+    host never holds more than one tensor of a resident group (NOTE [weight source])."""
+    import torch
+    from ._dtypes import canonical
+    from ._torch import _fill_and_bind
+    role = Role.WEIGHT if any(t.requires_grad for t in tensors) else Role.FROZEN_WEIGHT
+    specs = [(tuple(t.shape), canonical(t.dtype)) for t in tensors]
+    tts = tier.empty_group(specs, role=role, names=names, policy=Policy(preferred_location=Location.DEVICE))
+    try:
+        with torch.no_grad():
+            for tt, t, src in zip(tts, tensors, sources):
+                home = _origin(t)
+                if src is not None:
+                    b = tt._b
+                    view = tier.backend.torch_view(b.ptr, b.nbytes, b.token(internal=True)).view(t.dtype).view(t.shape)
+                    _fill_from(view, src)
+                    # Bound to its own filled memory, so _fill_and_bind's copy is one of the memory
+                    # onto itself; the caller's rollback rebinds the original on failure.
+                    t.data = view
+                _fill_and_bind(tier, tt, t)
+                tt._origin_device = home
+        for tt in tts:
+            tt.advise(policy=policy)
+    except BaseException:
+        for tt in tts:
+            tt._b.bindings = []
+            tt.free()
+        raise
+    return tts
 
 
 def wrap_module(tier: Tier, module: Any, budget: int | str | None = None, **kwargs: Any) -> TieredModule:

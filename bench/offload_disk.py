@@ -1,0 +1,436 @@
+"""bench/offload_disk.py: a checkpoint bigger than the host budget, loaded and run from disk.
+
+A Qwen2-style model of >= 12 GB fp16 (GQA, qkv bias, a large vocabulary) is built on the GPU from
+random weights, its reference tokens taken there (the resident run), and saved with
+save_pretrained to local disk. Then, side by side in one process, with a device budget of 2 GB
+and a host budget of 4 GB (the machine has far more RAM; the host is emulated by the budget and
+by dropping the files from the page cache before each timed run):
+  read         the raw read rate of those files: cold (page cache dropped per file, then
+               os.preadv on 8 threads, each chunk dropped as read, as the disk tier reads) and warm
+  tiermem      tiermem.load_pretrained(dir, budget, host_budget): the model built on the meta
+               device, resident groups and the pinned home filled from the files, the rest read
+               from the files ahead of use through pinned staging (NOTE [disk tier])
+  accelerate   transformers' from_pretrained with device_map="auto", max_memory {GPU: budget,
+               cpu: host budget} and offload_folder: accelerate's disk offload path
+For each: loading (wall time, peak host memory: RSS sampled every 5 ms, pinned memory included
+when the driver's pinned pages count in RSS, which a probe checks), a 1x128 prefill, and decode
+per token. tiermem's forwards run back to back (its reads ahead across forwards are part of its
+steady state; it drops what it reads from the page cache); accelerate's are timed one at a time,
+its files dropped from the page cache before each (its reads would otherwise stay cached).
+
+The bound of a forward is disk bytes / cold disk rate + host-streamed bytes / pinned link rate:
+the drive and the link are taken not to overlap (a group read from disk crosses the link too,
+while the drive reads the next); with full overlap it would be the larger of the two, which the
+results also give. plan_error compares `python -m tiermem plan`'s prediction (same budgets,
+measured rates) with the measured prefill.
+
+    python bench/offload_disk.py [--weights-gb 12.5] [--budget 2GB] [--host-budget 4GB] [--dir PATH]
+                                 [--decode-tokens 16] [--no-accelerate] [--keep]
+Writes bench/results/offload_disk-<device>-<date>.json and a plot; deletes the checkpoint unless --keep.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import shutil
+import threading
+import time
+
+from _common import cuda_times, gbps, median, plot_path, progress, table, write_results
+
+GiB = 1 << 30
+
+
+def qwen2_config(weights_gb: float):
+    """A Qwen2-style config (hidden 2048, GQA 8:1, qkv bias, vocab 151936) of about ``weights_gb`` GB fp16."""
+    import transformers as tf
+    h, i, heads, kv, vocab = 2048, 11008, 16, 2, 151936
+    per = 2 * (2 * h * h + 2 * h * (h * kv // heads) + 3 * h * i)
+    fixed = 2 * 2 * vocab * h
+    layers = max(2, round((weights_gb * 1e9 - fixed) / per))
+    return tf.Qwen2Config(hidden_size=h, intermediate_size=i, num_hidden_layers=layers, num_attention_heads=heads,
+                          num_key_value_heads=kv, vocab_size=vocab, tie_word_embeddings=False, dtype="float16")
+
+
+class HostWatch:
+    """Peak resident set size (bytes) sampled every 5 ms on a thread, from /proc/self/statm."""
+
+    def __init__(self):
+        self.page = os.sysconf("SC_PAGE_SIZE")
+        self.peak = self.rss()
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+
+    def rss(self) -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * self.page
+
+    def _run(self):
+        while not self._stop.wait(0.005):
+            self.peak = max(self.peak, self.rss())
+
+    def reset(self) -> int:
+        self.peak = now = self.rss()
+        return now
+
+    def stop(self):
+        self._stop.set()
+        self._t.join()
+
+
+def status_kb(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def files_of(path: str) -> list[str]:
+    return sorted(os.path.join(dp, f) for dp, _, fs in os.walk(path) for f in fs)
+
+
+def drop_cache(paths: list[str]) -> None:
+    """Drop the files from the page cache: per file posix_fadvise DONTNEED (after a sync, so no
+    dirty page stays), and the whole cache as well where this runs as root."""
+    os.sync()
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+    except OSError:
+        pass
+
+
+def read_rate(paths: list[str], threads: int, drop: bool) -> tuple[float, int]:
+    """(GB/s, bytes) of reading every file whole through tiermem's Reader into one reused buffer."""
+    import torch
+    from tiermem._load import FileTensor, Reader, host_bytes
+    r = Reader(threads=threads, drop_cache=drop)
+    buf = torch.empty(256 << 20, dtype=torch.uint8)
+    total = 0
+    t0 = time.perf_counter()
+    for p in paths:
+        size = os.path.getsize(p)
+        for s in range(0, size, buf.numel()):
+            n = min(buf.numel(), size - s)
+            r.read([(FileTensor(p, p, s, n, "uint8", (n,)), host_bytes(buf.data_ptr(), n))])
+            total += n
+    dt = time.perf_counter() - t0
+    r.close()
+    return gbps(total, dt), total
+
+
+def pinned_counts_in_rss(tier) -> bool:
+    """Whether the driver's pinned pages show in this process's RSS (then RSS is the whole host
+    figure; otherwise pinned bytes are added to it)."""
+    watch_page = os.sysconf("SC_PAGE_SIZE")
+    rss = lambda: int(open("/proc/self/statm").read().split()[1]) * watch_page  # noqa: E731
+    import ctypes
+    before = rss()
+    b = tier.backend.host_alloc(256 << 20)
+    ctypes.memset(b.ptr, 1, b.nbytes)
+    grew = rss() - before
+    b.release()
+    tier.backend.release_cached()
+    return grew >= 0.9 * (256 << 20)
+
+
+def generate_times(model, ids, new: int):
+    import torch
+    out = None
+
+    def run():
+        nonlocal out
+        out = model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False)
+    with torch.no_grad():
+        t = cuda_times(run, 1, warmup=0)[0]
+    return t, out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--weights-gb", type=float, default=12.5)
+    ap.add_argument("--budget", default="2GB")
+    ap.add_argument("--host-budget", default="4GB")
+    ap.add_argument("--dir", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "tiermem-offload-disk"))
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--decode-tokens", type=int, default=16)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--accelerate-decode-tokens", type=int, default=2)
+    ap.add_argument("--no-accelerate", action="store_true")
+    ap.add_argument("--keep", action="store_true", help="keep the saved checkpoint")
+    args = ap.parse_args()
+
+    import torch
+    import transformers as tf
+    import tiermem
+    from tiermem._plan import plan_model
+
+    metrics: dict = {}
+    checks: dict = {}
+    raw: dict = {"tokens": args.tokens, "decode_tokens": args.decode_tokens, "budget": args.budget,
+                 "host_budget": args.host_budget, "transformers_version": tf.__version__, "dir": args.dir}
+    budget, host_budget = tiermem.parse_bytes(args.budget), tiermem.parse_bytes(args.host_budget)
+    ckpt_dir = os.path.join(args.dir, "model")
+    offload_dir = os.path.join(args.dir, "accelerate-offload")
+    shutil.rmtree(args.dir, ignore_errors=True)
+    os.makedirs(args.dir)
+
+    d = torch.randint(0, 256, (GiB,), dtype=torch.uint8, device="cuda")
+    h = torch.empty(GiB, dtype=torch.uint8, pin_memory=True)
+    link = gbps(GiB, median(cuda_times(lambda: d.copy_(h, non_blocking=True), 9)))
+    metrics["pinned_h2d_GBps"] = link
+    del d, h
+
+    # -- the model, its resident reference, the checkpoint ------------------------------------------
+    cfg = qwen2_config(args.weights_gb)
+    progress(f"building a {args.weights_gb} GB fp16 Qwen2-style model ({cfg.num_hidden_layers} layers) on the GPU")
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float16).eval()
+    model.generation_config.pad_token_id = 0
+    model.generation_config.eos_token_id = None       # random weights: decode every token asked for
+    W = sum(p.numel() * p.element_size() for p in model.parameters())
+    raw["weights_GB"] = round(W / 1e9, 3)
+    raw["layers"] = cfg.num_hidden_layers
+    ids = torch.randint(0, cfg.vocab_size, (1, args.tokens), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    with torch.no_grad():
+        ref_logits = model(ids, use_cache=False).logits[:, -1].float().cpu()
+        ref_tokens = model.generate(ids, max_new_tokens=args.decode_tokens, min_new_tokens=args.decode_tokens,
+                                    do_sample=False).cpu()
+        res_pre = median(cuda_times(lambda: model(ids, use_cache=False), 3, warmup=1))
+    raw["resident"] = {"prefill_ms": res_pre * 1e3}
+    progress(f"resident prefill {res_pre * 1e3:.1f} ms; saving to {ckpt_dir}")
+    t0 = time.perf_counter()
+    model.save_pretrained(ckpt_dir)
+    os.sync()
+    raw["save_s"] = round(time.perf_counter() - t0, 1)
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+    files = [p for p in files_of(ckpt_dir) if p.endswith(".safetensors")]
+    raw["checkpoint_GB"] = round(sum(os.path.getsize(p) for p in files) / 1e9, 3)
+    raw["shards"] = len(files)
+
+    # -- raw read rates -----------------------------------------------------------------------------
+    drop_cache(files)
+    cold, n = read_rate(files, 8, drop=True)
+    drop_cache(files)
+    cold1, _ = read_rate(files, 1, drop=True)
+    read_rate(files, 8, drop=False)                   # fills the page cache
+    warm, _ = read_rate(files, 8, drop=False)
+    metrics["disk_read_GBps"] = cold
+    raw["read"] = {"cold_8_threads_GBps": cold, "cold_1_thread_GBps": cold1, "warm_8_threads_GBps": warm, "bytes": n}
+    progress(f"read rate: cold {cold} GB/s (1 thread {cold1}), warm {warm} GB/s")
+
+    # -- tiermem --------------------------------------------------------------------------------------
+    watch = HostWatch()
+    tier = tiermem.Tier(0)
+    counts = pinned_counts_in_rss(tier)
+    raw["pinned_counts_in_rss"] = counts
+    from tiermem._load import Reader
+    read0 = Reader.shared().bytes_read
+    rss0 = watch.reset()
+    lck0, pin0 = status_kb("VmLck"), status_kb("VmPin")
+    progress("tiermem: load_pretrained")
+    t0 = time.perf_counter()
+    model, hd = tiermem.load_pretrained(ckpt_dir, budget=budget, host_budget=host_budget, tier=tier)
+    torch.cuda.synchronize()
+    load_s = time.perf_counter() - t0
+    s = hd.stats()
+    pinned = s["pinned_bytes.current"]
+    peak_host = watch.peak - rss0 + (0 if counts else pinned)
+    loaded = Reader.shared().bytes_read - read0
+    r: dict = {"load_s": round(load_s, 2), "load_read_GB": round(loaded / 1e9, 3),
+               "load_GBps": gbps(loaded, load_s), "peak_host_GB": round(peak_host / 1e9, 3),
+               "pinned_GB": round(pinned / 1e9, 3), "home_GB": round(s["pinned_bytes.home"] / 1e9, 3),
+               "staging_GB": round(s["pinned_bytes.staging"] / 1e9, 3),
+               "VmLck_delta_GB": round((status_kb("VmLck") - lck0) / 1e9, 3),
+               "VmPin_delta_GB": round((status_kb("VmPin") - pin0) / 1e9, 3),
+               "plan": hd.plan.table(link, limit=0)}
+    p = hd.plan
+    disk_bytes = s["disk_bytes.per_forward"]
+    host_bytes_moved = sum(g.nbytes for g in hd._groups.values() if not g.pinned and not g.gathered and not g.on_disk)
+    r.update({"resident_GB": round(p.pinned_bytes / 1e9, 3), "disk_GB_per_forward": round(disk_bytes / 1e9, 3),
+              "host_streamed_GB_per_forward": round(host_bytes_moved / 1e9, 3), "groups_on_disk": len(p.on_disk),
+              "stages": p.stages, "stage_GB": round(p.stage_bytes / 1e9, 3)})
+    progress(f"tiermem: loaded in {load_s:.1f} s ({r['load_GBps']} GB/s read), peak host {peak_host / 1e9:.2f} GB, "
+             f"pinned {pinned / 1e9:.2f} GB; {disk_bytes / 1e9:.2f} GB from disk and {host_bytes_moved / 1e9:.2f} GB "
+             "from the pinned home per forward")
+
+    drop_cache(files)
+    max_pinned = pinned
+    rss_fwd0 = watch.reset()
+    with torch.no_grad():
+        model(ids, use_cache=False)                   # learns the order
+        t0 = time.perf_counter()
+        for _ in range(args.reps):                    # back to back: reads ahead across forwards
+            out = model(ids, use_cache=False)
+        torch.cuda.synchronize()
+        pre = (time.perf_counter() - t0) / args.reps
+        logits_eq = bool(torch.equal(out.logits[:, -1].float().cpu(), ref_logits))
+    max_pinned = max(max_pinned, hd.stats()["pinned_bytes.current"])
+    model.generation_config.pad_token_id = 0
+    model.generation_config.eos_token_id = None
+    t1, _ = generate_times(model, ids, 1)
+    tn, tokens = generate_times(model, ids, 1 + args.decode_tokens)
+    dec = (tn - t1) / args.decode_tokens
+    tokens = tokens[:, :ref_tokens.shape[1]]          # greedy: the first tokens are those of a shorter run
+    max_pinned = max(max_pinned, hd.stats()["pinned_bytes.current"])
+    fwd_host = watch.peak - rss_fwd0
+    s = hd.stats()
+    bound = disk_bytes / (cold * 1e9) + host_bytes_moved / (link * 1e9)
+    overlap = max(disk_bytes / (cold * 1e9), (disk_bytes + host_bytes_moved) / (link * 1e9))
+    eq = bool(torch.equal(tokens.cpu(), ref_tokens))
+    r.update({"prefill_ms": round(pre * 1e3, 1), "decode_ms_per_token": round(dec * 1e3, 1),
+              "bound_ms": round(bound * 1e3, 1), "overlap_bound_ms": round(overlap * 1e3, 1),
+              "tokens_equal_resident": eq, "last_logits_equal_resident": logits_eq,
+              "max_pinned_GB": round(max_pinned / 1e9, 3), "forward_host_growth_GB": round(fwd_host / 1e9, 3),
+              "disk_reader": {k: v for k, v in s.items() if k.startswith("disk.")},
+              "disk_reader_GBps": gbps(s["disk.read_bytes"], s["disk.read_seconds"])})
+    progress(f"tiermem: prefill {pre * 1e3:.0f} ms (bound {bound * 1e3:.0f}, overlapped {overlap * 1e3:.0f}), "
+             f"decode {dec * 1e3:.0f} ms/token, tokens equal {eq}")
+    mp = plan_model(ckpt_dir, budget, host_budget, link_GBps=link, disk_GBps=cold, tokens=args.tokens)
+    r["plan_predicted_prefill_ms"] = round(mp.prefill_seconds * 1e3, 1)
+    r["plan_same_as_adoption"] = mp.plan == hd.plan
+    raw["tiermem"] = r
+    hd.unwrap(device="cpu")
+    del model, hd
+    gc.collect()
+    tier.close()
+    torch.cuda.empty_cache()
+
+    # -- accelerate -----------------------------------------------------------------------------------
+    if not args.no_accelerate:
+        try:
+            raw["accelerate"] = run_accelerate(args, ckpt_dir, offload_dir, files, ids, budget, host_budget, watch)
+        except Exception as e:      # the peer's failure is reported; tiermem's results still stand
+            import traceback
+            traceback.print_exc()
+            raw["accelerate_error"] = repr(e)
+    watch.stop()
+
+    t = raw["tiermem"]
+    metrics.update({"load_s": t["load_s"], "load_vs_read_rate": round(t["load_GBps"] / warm, 3),
+                    "load_peak_host_over_budget": round(t["peak_host_GB"] * 1e9 / host_budget, 3),
+                    "forward_vs_bound": round(t["prefill_ms"] / t["bound_ms"], 3),
+                    "forward_vs_overlap_bound": round(t["prefill_ms"] / t["overlap_bound_ms"], 3),
+                    "decode_vs_bound": round(t["decode_ms_per_token"] / t["bound_ms"], 3),
+                    "plan_error": round(abs(t["plan_predicted_prefill_ms"] - t["prefill_ms"]) / t["prefill_ms"], 3),
+                    "prefill_ms": t["prefill_ms"], "decode_ms_per_token": t["decode_ms_per_token"],
+                    "bound_ms": t["bound_ms"], "weights_GB": raw["weights_GB"]})
+    if "accelerate" in raw:
+        a = raw["accelerate"]
+        metrics["accelerate_disk_over_tiermem"] = round(a["prefill_ms"] / t["prefill_ms"], 2)
+        metrics["accelerate_disk_over_tiermem_decode"] = round(a["decode_ms_per_token"] / t["decode_ms_per_token"], 2)
+        metrics["accelerate_load_s"] = a["load_s"]
+    checks["tokens_equal_resident"] = t["tokens_equal_resident"]
+    checks["pinned_within_host_budget"] = t["max_pinned_GB"] * 1e9 <= host_budget
+    checks["plan_same_as_adoption"] = t["plan_same_as_adoption"]
+    checks["forward_vs_bound_goal"] = metrics["forward_vs_bound"] <= 1.15
+    checks["load_vs_read_rate_goal"] = metrics["load_vs_read_rate"] >= 0.8
+    checks["plan_error_goal"] = metrics["plan_error"] <= 0.15
+    if "accelerate_disk_over_tiermem" in metrics:
+        checks["accelerate_disk_over_tiermem_goal"] = metrics["accelerate_disk_over_tiermem"] >= 5
+
+    rows = [["resident", "-", "-", raw["resident"]["prefill_ms"], "-", "-"],
+            ["tiermem", t["load_s"], t["peak_host_GB"], t["prefill_ms"], t["decode_ms_per_token"], t["bound_ms"]]]
+    if "accelerate" in raw:
+        a = raw["accelerate"]
+        rows.append(["accelerate", a["load_s"], a["peak_host_GB"], a["prefill_ms"], a["decode_ms_per_token"], "-"])
+    print()
+    print(table(rows, ["", "load s", "peak host GB", "prefill ms", "decode ms/token", "bound ms"]))
+    print()
+    print(table([[k, v] for k, v in metrics.items()], ["metric", "value"]))
+    print(table([[k, v] for k, v in checks.items()], ["check", "ok"]))
+    png = plot(raw)
+    write_results("offload_disk", metrics, checks, raw, extra_files=[png] if png else [])
+    if not args.keep:
+        shutil.rmtree(args.dir, ignore_errors=True)
+
+
+def run_accelerate(args, ckpt_dir, offload_dir, files, ids, budget, host_budget, watch) -> dict:
+    """transformers + accelerate with the same budgets: device_map="auto", max_memory and an
+    offload folder for what fits neither."""
+    import torch
+    import transformers as tf
+    import accelerate
+    progress("accelerate: from_pretrained(device_map='auto', max_memory, offload_folder)")
+    drop_cache(files)
+    rss0 = watch.reset()
+    t0 = time.perf_counter()
+    model = tf.AutoModelForCausalLM.from_pretrained(
+        ckpt_dir, dtype=torch.float16, device_map="auto", offload_folder=offload_dir,
+        max_memory={0: budget, "cpu": host_budget}).eval()
+    torch.cuda.synchronize()
+    load_s = time.perf_counter() - t0
+    peak = watch.peak - rss0
+    where: dict = {}
+    for dev in getattr(model, "hf_device_map", {}).values():
+        where[str(dev)] = where.get(str(dev), 0) + 1
+    offloaded = files + (files_of(offload_dir) if os.path.isdir(offload_dir) else [])
+    progress(f"accelerate: loaded in {load_s:.1f} s, peak host {peak / 1e9:.2f} GB; device map {where}")
+
+    def one(fn):
+        drop_cache(offloaded)                 # untimed: its reads would stay in the page cache
+        return cuda_times(fn, 1, warmup=0)[0]
+    with torch.no_grad():
+        pre = median([one(lambda: model(ids, use_cache=False)) for _ in range(2)])
+        out = model(ids, use_cache=True)
+        pkv, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        steps = []
+        for _ in range(args.accelerate_decode_tokens):
+            def step():
+                nonlocal pkv, nxt
+                o = model(nxt, past_key_values=pkv, use_cache=True)
+                pkv, nxt = o.past_key_values, o.logits[:, -1:].argmax(-1)
+            steps.append(one(step))
+    dec = median(steps)
+    progress(f"accelerate: prefill {pre * 1e3:.0f} ms, decode {dec * 1e3:.0f} ms/token")
+    r = {"load_s": round(load_s, 2), "peak_host_GB": round(peak / 1e9, 3), "prefill_ms": round(pre * 1e3, 1),
+         "decode_ms_per_token": round(dec * 1e3, 1), "decode_tokens": args.accelerate_decode_tokens,
+         "device_map": where, "accelerate_version": accelerate.__version__,
+         "offload_folder_GB": round(sum(os.path.getsize(p) for p in files_of(offload_dir)) / 1e9, 3)
+         if os.path.isdir(offload_dir) else 0.0}
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+    return r
+
+
+def plot(raw: dict) -> str | None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    t = raw["tiermem"]
+    a = raw.get("accelerate")
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
+    systems = [("tiermem", t, "#369")] + ([("accelerate", a, "#c33")] if a else [])
+    for ax, key, title in ((axes[0], "load_s", "load, s"), (axes[1], "prefill_ms", "prefill 1x128, ms"),
+                           (axes[2], "decode_ms_per_token", "decode, ms per token")):
+        ax.bar([n for n, _, _ in systems], [r[key] for _, r, _ in systems], color=[c for _, _, c in systems])
+        if key != "load_s":
+            ax.axhline(t["bound_ms"], color="k", ls="--", label="bound: disk / disk rate + home / link")
+            ax.legend(fontsize=7)
+        ax.set_yscale("log")
+        ax.set_title(title)
+    fig.suptitle(f"{raw['weights_GB']} GB fp16 from disk: device budget {raw['budget']}, host budget {raw['host_budget']}")
+    fig.tight_layout()
+    path = plot_path("offload_disk")
+    fig.savefig(path, dpi=110)
+    return path
+
+
+if __name__ == "__main__":
+    main()

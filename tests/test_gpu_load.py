@@ -1,0 +1,77 @@
+"""GPU tests of load_pretrained and the disk tier: a small checkpoint saved by transformers, loaded
+by tiermem (model on the meta device, tensors read from the files into their homes) and by
+transformers itself; logits and tokens compared bit for bit, the disk tier's included."""
+from __future__ import annotations
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+MiB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A Qwen2-style fp16 checkpoint (GQA, qkv bias) in shards, and the model transformers loads."""
+    import torch
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.Qwen2Config(hidden_size=512, intermediate_size=1408, num_hidden_layers=6, num_attention_heads=8,
+                                   num_key_value_heads=2, vocab_size=8192, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float16)
+    path = tmp_path_factory.mktemp("qwen2")
+    model.save_pretrained(path, max_shard_size="20MB")
+    ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float16).cuda().eval()
+    ref.generation_config.pad_token_id = 0
+    return path, ref, cfg
+
+
+def _ids(cfg, n=48):
+    import torch
+    return torch.randint(0, cfg.vocab_size, (1, n), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+
+
+@pytest.mark.parametrize("host_budget", [None, 16 * MiB], ids=["pinned_home", "disk_tier"])
+def test_loaded_logits_and_tokens_equal_transformers(saved, host_budget):
+    import torch
+    import tiermem
+    path, ref, cfg = saved
+    t = tiermem.Tier(0, cap="1GiB")
+    model, h = tiermem.load_pretrained(path, budget="30%", host_budget=host_budget, tier=t, max_group_bytes=2 * MiB)
+    assert 0 < len(h.plan.pinned) < len(h.plan.sizes)
+    assert bool(h.plan.on_disk) == (host_budget is not None)
+    ids = _ids(cfg)
+    with torch.no_grad():
+        want = ref(ids).logits
+        for _ in range(3):                     # learns the order, then reads ahead
+            assert torch.equal(model(ids).logits, want)
+    model.generation_config.pad_token_id = 0
+    got = model.generate(ids, max_new_tokens=12, do_sample=False)
+    assert torch.equal(got, ref.generate(ids, max_new_tokens=12, do_sample=False))
+    s = h.stats()
+    if host_budget is not None:
+        assert s["pinned_bytes.current"] <= host_budget and s["disk.read_bytes"] >= 3 * s["disk_bytes.per_forward"]
+    h.drain()
+    assert t.stats()["resident_bytes.all.peak"] <= h.budget
+    h.unwrap()
+    assert all(p.device.type == "cpu" for p in model.parameters())   # built on meta: restored onto the host
+    t.close()
+
+
+def test_a_bad_checkpoint_leaves_the_device_as_it_was(saved, tmp_path):
+    import os
+    import shutil
+    import torch
+    import tiermem
+    path, _, _ = saved
+    bad = tmp_path / "bad"
+    shutil.copytree(path, bad)
+    f = sorted(bad.glob("*.safetensors"))[-1]
+    os.truncate(f, os.path.getsize(f) - 4096)
+    t = tiermem.Tier(0, cap="1GiB")
+    torch.cuda.synchronize()
+    free, stats = torch.cuda.mem_get_info()[0], t.stats()
+    with pytest.raises(tiermem.CheckpointError, match="truncated"):
+        tiermem.load_pretrained(bad, budget="30%", host_budget=16 * MiB, tier=t)
+    torch.cuda.synchronize()
+    assert t.stats() == stats and abs(torch.cuda.mem_get_info()[0] - free) <= 32 * MiB
+    t.close()

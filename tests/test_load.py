@@ -1,0 +1,342 @@
+"""Adoption from a weight source, load_pretrained and the disk tier, on a CPU over the fake backend
+(NOTE [weight source], NOTE [reading a checkpoint], NOTE [disk tier]): the reads, the home/disk
+split, the staging buffers and the accounting are the real ones; only the CUDA layer is faked."""
+from __future__ import annotations
+
+import copy
+import json
+import os
+
+import pytest
+import torch
+import torch.nn as nn
+from safetensors.torch import save_file
+
+import tiermem
+from tiermem import CheckpointError, HostBudgetError, load_pretrained, plan_host, plan_residency
+from tiermem._load import Checkpoint, empty_weights
+from tiermem._torch import _ATTR
+
+MiB = 1 << 20
+
+
+def _mlp(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 256)) for _ in range(8)],
+                         nn.LayerNorm(256))
+
+
+def _meta(build, *a) -> nn.Module:
+    with empty_weights():
+        return build(*a)
+
+
+def _live(fake) -> int:
+    return len(fake._arrays)
+
+
+def _pinned(fake) -> int:
+    return sum(a.nbytes for p, a in fake._arrays.items() if fake._kind[p] == "pinned")
+
+
+def test_a_meta_model_adopted_from_a_state_dict_is_bitwise_equal_and_unwraps_onto_the_host(tier, fake):
+    ref = _mlp()
+    m = _meta(_mlp)
+    assert all(p.is_meta for p in m.parameters())
+    h = tier.wrap_module(m, budget="30%", max_group_bytes=1 * MiB, weights=ref.state_dict())
+    assert 0 < len(h.plan.pinned) < len(h.plan.sizes)
+    x = torch.randn(8, 256)
+    with torch.no_grad():
+        for _ in range(3):
+            assert torch.equal(m(x), ref(x))
+    h.unwrap()
+    assert all(p.device.type == "cpu" and not p.is_meta and not hasattr(p, _ATTR) for p in m.parameters())
+    assert torch.equal(m(x), ref(x)) and _live(fake) == 0
+
+
+class _LM(nn.Module):
+    def __init__(self, vocab: int = 4096, h: int = 64):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, h)
+        self.layers = nn.Sequential(*[nn.Linear(h, h) for _ in range(4)])
+        self.head = nn.Linear(h, vocab, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids):
+        return self.head(self.layers(self.emb(ids)))
+
+
+@pytest.mark.parametrize("name", ["emb.weight", "head.weight"])
+def test_tied_weights_take_their_bytes_under_either_name(tier, name):
+    torch.manual_seed(0)
+    ref = _LM()
+    sd = {k: v for k, v in ref.state_dict().items() if k not in ("emb.weight", "head.weight")}
+    sd[name] = ref.emb.weight.detach()
+    m = _meta(_LM)
+    assert m.head.weight is m.emb.weight
+    h = tier.wrap_module(m, budget="40%", max_group_bytes=256 << 10, weights=sd)
+    assert m.head.weight is m.emb.weight
+    ids = torch.randint(0, 4096, (2, 16))
+    with torch.no_grad():
+        assert torch.equal(m(ids), ref(ids))
+    h.unwrap()
+    assert m.head.weight is m.emb.weight and torch.equal(m.emb.weight, ref.emb.weight)
+
+
+@pytest.mark.parametrize("bad", ["missing", "shape", "dtype"])
+def test_a_missing_or_mismatched_tensor_is_refused_with_nothing_allocated(tier, fake, bad):
+    ref = _mlp()
+    sd = dict(ref.state_dict())
+    if bad == "missing":
+        del sd["3.2.weight"]
+    elif bad == "shape":
+        sd["3.2.weight"] = sd["3.2.weight"][:, :100]
+    else:
+        sd["3.2.weight"] = sd["3.2.weight"].half()
+    m = _meta(_mlp)
+    before = list(m.parameters())
+    stats = tier.stats()
+    with pytest.raises(CheckpointError, match="3.2.weight") as e:
+        tier.wrap_module(m, budget="30%", max_group_bytes=1 * MiB, weights=sd)
+    assert isinstance(e.value, ValueError)
+    assert list(m.parameters()) == before and all(p.is_meta for p in m.parameters())   # the meta tensors are back
+    assert _live(fake) == 0 and tier.budget is None and tier.stats() == stats
+    with pytest.raises(tiermem.WrapError, match="meta"):
+        tier.wrap_module(m, budget="30%")                       # and no source: a meta tensor has no data
+
+
+@pytest.mark.parametrize("disk", [False, True], ids=["home", "disk"])
+@pytest.mark.parametrize("method", ["allocate", "host_alloc", "device_alloc", "torch_view", "advise"])
+def test_a_failed_adoption_from_weights_puts_the_meta_tensors_back(tier, fake, tmp_path, method, disk):
+    ref = _mlp().requires_grad_(False)
+    save_file(ref.state_dict(), tmp_path / "model.safetensors")
+    weights = Checkpoint(tmp_path) if disk else ref.state_dict()
+    build = lambda m: tier.wrap_module(m, budget="30%", max_group_bytes=1 * MiB, weights=weights,  # noqa: E731
+                                       host_budget=2_000_000 if disk else None)
+    real = getattr(fake, method)
+    seen = []
+    setattr(fake, method, lambda *a, **k: (seen.append(1), real(*a, **k))[1])
+    build(_meta(_mlp)).unwrap()                          # a clean adoption, counting the calls
+    setattr(fake, method, real)
+    assert seen
+    for n in sorted({0, len(seen) // 2, len(seen) - 1}):
+        m = _meta(_mlp)
+        before = [(k, p) for k, p in m.named_parameters()]
+        calls = []
+
+        def fail(*a, **k):
+            calls.append(1)
+            if len(calls) - 1 == n:
+                raise tiermem.CUDAError("cudaX", 2, "cudaErrorMemoryAllocation")
+            return real(*a, **k)
+        setattr(fake, method, fail)
+        try:
+            with pytest.raises(tiermem.CUDAError):
+                build(m)
+        finally:
+            setattr(fake, method, real)
+        assert [(k, p) for k, p in m.named_parameters()] == before and all(p.is_meta for _, p in before)
+        assert getattr(m, "_tiermem_handle", None) is None and not m._forward_pre_hooks
+        assert _live(fake) == 0 and tier.budget is None and tier.resident_bytes == 0, f"{method}#{n}"
+
+
+# -- checkpoints -------------------------------------------------------------------------------------
+def _qwen2(layers: int = 4, seed: int = 0):
+    import transformers as tf
+    cfg = tf.Qwen2Config(hidden_size=128, intermediate_size=256, num_hidden_layers=layers, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=512, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    return tf.AutoModelForCausalLM.from_config(cfg).eval()
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A Qwen2-style model saved as one file and as shards, and its reference logits."""
+    ref = _qwen2()
+    one, shards = tmp_path_factory.mktemp("one"), tmp_path_factory.mktemp("shards")
+    ref.save_pretrained(one)
+    ref.save_pretrained(shards, max_shard_size="200KB")
+    assert os.path.exists(shards / "model.safetensors.index.json")
+    return ref, one, shards
+
+
+@pytest.mark.parametrize("which", ["one", "shards"])
+def test_load_pretrained_gives_the_models_logits_and_tokens(tier, fake, saved, which, monkeypatch):
+    import tiermem._module
+    monkeypatch.setattr(tiermem._module, "FILL_CHUNK", 1000)   # resident tensors read in many pieces
+    ref, one, shards = saved
+    ids = torch.randint(0, 512, (1, 12), generator=torch.Generator().manual_seed(1))
+    model, h = load_pretrained(one if which == "one" else shards, budget="30%", tier=tier, max_group_bytes=300_000)
+    assert 0 < len(h.plan.pinned) < len(h.plan.sizes)
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, ref(ids).logits)
+    assert torch.equal(model.generate(ids, max_new_tokens=6, do_sample=False),
+                       ref.generate(ids, max_new_tokens=6, do_sample=False))
+    assert h.stats()["pinned_bytes.current"] == h.stats()["pinned_bytes.home"] == _pinned(fake)
+    h.unwrap()
+    assert _live(fake) == 0
+
+
+def test_load_pretrained_converts_the_dtype_when_asked(tier, saved):
+    ref, one, _ = saved
+    model, h = load_pretrained(one, budget=None, dtype="bfloat16", tier=tier)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    want = copy.deepcopy(ref).to(torch.bfloat16)
+    for (n, p), q in zip(model.named_parameters(), want.parameters()):
+        assert torch.equal(p, q), n
+    h.unwrap()
+
+
+def _corrupt(src, dst, how: str):
+    import shutil
+    shutil.copytree(src, dst)
+    if how == "missing shard":
+        index = json.load(open(dst / "model.safetensors.index.json"))
+        os.remove(dst / sorted(set(index["weight_map"].values()))[-1])
+    elif how == "truncated":
+        f = sorted(dst.glob("*.safetensors"))[-1]
+        os.truncate(f, os.path.getsize(f) - 1000)
+    elif how == "bad header":
+        f = sorted(dst.glob("*.safetensors"))[0]
+        with open(f, "r+b") as fh:
+            fh.seek(8)
+            fh.write(b"\x00garbage")
+    elif how in ("missing tensor", "wrong dtype", "wrong shape"):
+        from safetensors.torch import load_file
+        f = sorted(dst.glob("*.safetensors"))[-1]
+        sd = load_file(f)
+        k = sorted(sd)[0]
+        if how == "missing tensor":
+            del sd[k]
+        elif how == "wrong dtype":
+            sd[k] = sd[k].half()
+        else:
+            sd[k] = sd[k].flatten()[:-1].clone()
+        save_file(sd, f, metadata={"format": "pt"})
+        if how == "missing tensor":   # the index must not name it either, or the index check catches it first
+            index = json.load(open(dst / "model.safetensors.index.json"))
+            index["weight_map"].pop(k)
+            json.dump(index, open(dst / "model.safetensors.index.json", "w"))
+    return dst
+
+
+@pytest.mark.parametrize("how", ["missing shard", "truncated", "bad header", "missing tensor", "wrong dtype",
+                                 "wrong shape"])
+def test_a_bad_checkpoint_raises_a_clear_error_and_leaves_nothing_allocated(tier, fake, saved, tmp_path, how):
+    _, _, shards = saved
+    bad = _corrupt(shards, tmp_path / "bad", how)
+    stats = tier.stats()
+    words = {"missing shard": "missing", "truncated": "truncated", "bad header": "header", "missing tensor": "lack",
+             "wrong dtype": "float16", "wrong shape": "do not match"}[how]
+    with pytest.raises(CheckpointError, match=words) as e:
+        load_pretrained(bad, budget="30%", host_budget=10 * MiB, tier=tier)
+    assert isinstance(e.value, ValueError) and e.value.path
+    assert _live(fake) == 0 and tier.budget is None and tier.stats() == stats
+
+
+def test_a_checkpoint_is_read_from_its_headers(saved):
+    ref, one, shards = saved
+    a, b = Checkpoint(one), Checkpoint(shards)
+    assert set(a) == set(b) == set(ref.state_dict())
+    assert len(b.files) > 1 and a.nbytes == b.nbytes == sum(t.numel() * t.element_size() for t in ref.state_dict().values())
+    for k, v in ref.state_dict().items():
+        assert torch.equal(b[k].tensor(), v), k
+
+
+# -- the disk tier ------------------------------------------------------------------------------------
+def test_plan_host_keeps_what_fits_spread_along_the_order_and_the_rest_on_disk():
+    u = MiB
+    sizes = [(f"l{i}", 100 * u) for i in range(10)] + [("emb", 300 * u)]
+    plan = plan_residency(sizes, 250 * u, lookahead=2, in_place={"emb"})
+    streamed = [(g, n) for g, n in sizes if g not in plan.pinned]
+    assert plan_host(plan, streamed, None).on_disk == frozenset()
+    assert plan_host(plan, streamed, 10_000 * u).on_disk == frozenset()
+    host = (300 + 2 * 100 + 300) * u + 3 * 4096          # embedding + 2 stages + 3 groups, and a page per block
+    p = plan_host(plan, streamed, host, stages=2)
+    assert "emb" not in p.on_disk and p.stages == 2 and p.stage_bytes == 100 * u
+    assert p.pinned_host_bytes <= host and p.home_bytes == 600 * u
+    kept = [g for g, _ in streamed if g not in p.on_disk and g != "emb"]
+    assert len(kept) == 3 and len(p.on_disk) == len(streamed) - 4
+    order = [g for g, _ in streamed if g != "emb"]
+    gaps = [order.index(b) - order.index(a) for a, b in zip(kept, kept[1:])]
+    assert min(gaps) >= 2                               # spread, not bunched at the front
+    assert p.disk_bytes == 100 * u * len(p.on_disk)
+    assert p.predicted_seconds(50, 5) == pytest.approx(p.disk_bytes / 5e9 + (p.moved_bytes - p.disk_bytes) / 50e9)
+    with pytest.raises(HostBudgetError, match="host budget"):
+        plan_host(plan, streamed, 400 * u, stages=2)    # the embedding and the stages alone do not fit
+    with pytest.raises(tiermem.TierMemError, match="disk"):
+        p.predicted_seconds(50)
+
+
+@pytest.fixture
+def ckpt(tmp_path):
+    ref = _mlp().requires_grad_(False)
+    save_file(ref.state_dict(), tmp_path / "model.safetensors")
+    return ref, Checkpoint(tmp_path)
+
+
+def test_the_disk_tier_gives_bitwise_equal_outputs_within_the_host_budget(tier, fake, ckpt):
+    ref, ck = ckpt
+    m = _meta(_mlp)
+    host = 2_000_000
+    h = tier.wrap_module(m, budget="25%", max_group_bytes=1 * MiB, weights=ck, host_budget=host)
+    p = h.plan
+    assert p.on_disk and p.home_bytes > 0 and p.stages >= 2
+    s = h.stats()
+    assert s["pinned_bytes.current"] == s["pinned_bytes.home"] + s["pinned_bytes.staging"] == _pinned(fake) <= host
+    assert s["pinned_bytes.staging"] == p.stages * p.stage_bytes
+    x = torch.randn(8, 256)
+    with torch.no_grad():
+        assert torch.equal(m(x), ref(x))                 # learns the order; groups on disk are read on demand
+        first = h.stats()
+        for _ in range(4):
+            assert torch.equal(m(x), ref(x))
+            assert _pinned(fake) <= host
+    s = h.stats()
+    per = s["disk_bytes.per_forward"]
+    assert per == sum(t.numel() * t.element_size() for g in h._groups.values() if g.on_disk for t in g.tensors) > 0
+    ahead = p.stages * p.stage_bytes                    # what the reader may have read for the next forward already
+    assert s["disk.read_bytes"] - first["disk.read_bytes"] >= 4 * per - ahead   # every group on disk, every forward
+    assert s["disk.resyncs"] == first["disk.resyncs"] and s["disk.dropped"] == 0   # read ahead, in order
+    assert s["disk.stage_reuse"] >= s["disk.reads"] - p.stages                     # the same buffers, reused
+    assert s["pinned_bytes.current"] <= host
+    h.unwrap()
+    assert torch.equal(m(x), ref(x)) and _live(fake) == 0
+
+
+def test_the_disk_tier_follows_a_forward_that_changes_order(tier, ckpt):
+    ref, ck = ckpt
+    m = _meta(_mlp)
+    h = tier.wrap_module(m, budget="25%", max_group_bytes=1 * MiB, weights=ck, host_budget=2_000_000)
+    x = torch.randn(8, 256)
+    with torch.no_grad():
+        m(x), m(x)
+        part, rpart = m[4:], ref[4:]                    # a forward through part of the model only
+        assert torch.equal(part(x), rpart(x))
+        assert torch.equal(m(x), ref(x))
+        assert torch.equal(m(x), ref(x))
+    assert h.stats()["disk.resyncs"] > 0
+    h.unwrap()
+
+
+def test_the_disk_tier_refuses_a_forward_that_records_gradients(tier, ckpt):
+    _, ck = ckpt
+    m = _meta(_mlp)
+    m.requires_grad_(True)
+    h = tier.wrap_module(m, budget="25%", max_group_bytes=1 * MiB, weights=ck, host_budget=2_000_000)
+    with pytest.raises(tiermem.TierMemError, match="no_grad"):
+        m(torch.randn(2, 256))
+    h.unwrap()
+
+
+def test_a_disk_read_that_fails_raises_in_the_forward(tier, ckpt):
+    _, ck = ckpt
+    m = _meta(_mlp)
+    h = tier.wrap_module(m, budget="25%", max_group_bytes=1 * MiB, weights=ck, host_budget=2_000_000)
+    path = ck.files[0]
+    data = open(path, "rb").read()
+    os.truncate(path, 1000)                             # the file changed under the model
+    with torch.no_grad(), pytest.raises(tiermem.TierMemError, match="truncated"):
+        m(torch.randn(2, 256))
+    open(path, "wb").write(data)
+    h.unwrap()

@@ -1,16 +1,6 @@
 """bench/train_budget.py: training models bigger than the device budget, against their peers.
 
 In one run, side by side (random data, fixed seeds, CUDA-event medians after warm-up steps):
-  4. (run first) The matrix: the GPT-style model and a transformers Qwen2-style model (built from
-     a config, random weights, eager attention for deterministic kernels), each at budgets of
-     1/1.5, 1/2.5 and 1/4 of its training state (fp32 parameters, gradients, AdamW's moments):
-     resident; FSDP2 with CPUOffloadPolicy on this one GPU (world size 1); save_on_cpu;
-     torch's activation checkpointing on every layer with everything resident (its peak says
-     whether it fits each budget); tiermem's swap-only plan; tiermem's plan (keep, swap or
-     recompute, NOTE [training plan]). At 1/2.5, 30 steps whose losses must equal the
-     resident run's bitwise; the plan's predicted step against the measured one (plan_error).
-     Both Qwen2 embeddings are 8192 x 1024, as the GPT's: a streamed block's slot is sized by
-     the largest block, and a 32000-word embedding alone would take most of the smallest budget.
   1. A GPT-2-style decoder with AdamW whose parameters, gradients and optimizer states are
      >= 2.5x the budget: resident PyTorch (no cap: the ceiling), torch's save_on_cpu for the
      activations (the usual peer; also uncapped, since its parameters and states stay resident),
@@ -22,7 +12,7 @@ In one run, side by side (random data, fixed seeds, CUDA-event medians after war
      resident runs), the largest batch that trains, resident vs tiermem, for ResNet-50 and a
      smaller GPT, with time per sample at each.
 
-    python bench/train_budget.py [--quick] [--only 1234] [--models gpt,hf]
+    python bench/train_budget.py [--quick]
 Writes bench/results/train_budget-<device>-<date>.json and a plot.
 """
 from __future__ import annotations
@@ -162,38 +152,21 @@ def tiermem_run(torch, tiermem, build, loss_fn, batches, budget, label, **kw):
         torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     tier = shared_tier(tiermem)
     train = tier.wrap_training(model, opt, budget, **kw)
-    try:
-        st = Stepper(torch, model, opt, loss_fn, train=train)
-        peaks = []
-        for i, bt in enumerate(batches):
-            st.step(bt)
-            peaks.append(train.resident_peak())
-            if i in (0, len(batches) - 1) or (i + 1) % 10 == 0:
-                progress(f"  {label}: step {i + 1}/{len(batches)} {st.times[-1] * 1e3:.1f} ms")
-        torch.cuda.synchronize()
-        plan = train.plan
-        info = {"plan": plan.table() if plan else None, "resident_peak_bytes": max(peaks),
-                "report": train.report(), "moved_last": st.moved[-1], "floor_bytes": train.floor,
-                "streamed_blocks": len(plan.streamed_blocks) if plan else -1,
-                "swapped_bytes": plan.swapped_bytes if plan else -1,
-                "recomputed_bytes": plan.recomputed_bytes if plan else -1,
-                "recomputed_segments": len(plan.recompute) if plan else -1,
-                "predicted_ms": plan.predicted_seconds() * 1e3 if plan else None,
-                "plan_measured_ms": plan.measured_s * 1e3 if plan and plan.measured_s is not None else None,
-                "alternatives": list(plan.alternatives) if plan else [],
-                "trace_fwd_ms": train.trace.fwd_s * 1e3 if train.trace else None,
-                "trace_bwd_ms": train.trace.bwd_s * 1e3 if train.trace else None}
-        res = Result(st)
-    finally:
-        # a failed run (out of memory at the smallest budget) must not leave its cap and hooks
-        # on the runs after it
-        try:
-            train.unwrap()
-        except Exception as e:
-            progress(f"  unwrap after failure: {e!r}")
-            torch.cuda.set_per_process_memory_fraction(1.0)
-        st = train = model = opt = None
-        free()
+    st = Stepper(torch, model, opt, loss_fn, train=train)
+    peaks = []
+    for i, bt in enumerate(batches):
+        st.step(bt)
+        peaks.append(train.resident_peak())
+        if i in (0, len(batches) - 1) or (i + 1) % 10 == 0:
+            progress(f"  {label}: step {i + 1}/{len(batches)} {st.times[-1] * 1e3:.1f} ms")
+    info = {"plan": train.plan.table() if train.plan else None, "resident_peak_bytes": max(peaks),
+            "report": train.report(), "moved_last": st.moved[-1], "floor_bytes": train.floor,
+            "streamed_blocks": len(train.plan.streamed_blocks) if train.plan else -1,
+            "swapped_bytes": train.plan.swapped_bytes if train.plan else -1}
+    res = Result(st)
+    train.unwrap()
+    del train, st, model, opt
+    free()
     return res, info
 
 
@@ -267,9 +240,8 @@ def part1(torch, tiermem, a, rates, out):
         "resident_peak_reserved_bytes": res_peak, "save_on_cpu_peak_reserved_bytes": soc_peak,
         "tiermem_resident_peak_bytes": peak_max,
     })
-    # part 4 may have set them already: every run must pass
-    out["checks"]["losses_equal_resident"] = out["checks"].get("losses_equal_resident", True) and losses_equal
-    out["checks"]["resident_within_budget"] = out["checks"].get("resident_within_budget", True) and peak_max <= budget
+    out["checks"]["losses_equal_resident"] = losses_equal
+    out["checks"]["resident_within_budget"] = peak_max <= budget
     out["raw"]["gpt"] = {"config": vars(cfg), "batch": a.batch, "plan": info["plan"], "report": info["report"],
                          "losses_resident": res.loss_values(), "losses_tiermem": st.loss_values(),
                          "step_ms_resident": [x * 1e3 for x in res.times], "step_ms_tiermem": [x * 1e3 for x in st.times],
@@ -429,275 +401,6 @@ def part3(torch, tiermem, a, rates, out):
     study(torch, tiermem, "gpt", lambda: build_gpt(torch, cfg), gpt_batch, gpt_loss, budget, a, rates, True, out)
 
 
-# -- part 4: the matrix (keep, swap or recompute against torch's own ways) ---------------------------
-
-BUDGET_FRACTIONS = (("1.5", 1 / 1.5), ("2.5", 1 / 2.5), ("4", 1 / 4))
-HEADLINE = "2.5"          # the budget the goals are set at (footprint 2.5x the budget)
-
-
-class Spec:
-    """One model of the matrix: how to build it, its loss, its batches and its training state."""
-
-    def __init__(self, name, build, loss_fn, batches, footprint, config):
-        self.name, self.build, self.loss_fn, self.batches = name, build, loss_fn, batches
-        self.footprint, self.config = footprint, config
-
-
-def hf_loss(model, ids):
-    import torch.nn.functional as F
-    logits = model(input_ids=ids[:, :-1], use_cache=False).logits
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), ids[:, 1:].reshape(-1))
-
-
-def hf_spec(torch, a):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-    cfg = Qwen2Config(vocab_size=a.hf_vocab, hidden_size=a.hf_d, intermediate_size=a.hf_ff,
-                      num_hidden_layers=a.hf_layers, num_attention_heads=a.hf_heads, num_key_value_heads=a.hf_kv,
-                      tie_word_embeddings=False, max_position_embeddings=max(2048, 2 * a.seq), use_cache=False)
-    # eager attention: softmax(QK^T)V with deterministic kernels, so losses compare bitwise (SDPA's
-    # fused backward may use atomics)
-    cfg._attn_implementation = "eager"
-
-    def build():
-        torch.manual_seed(0)
-        with torch.device("cuda"):
-            return Qwen2ForCausalLM(cfg).train()
-    m = build()
-    n = sum(p.numel() for p in m.parameters())
-    del m
-    free()
-    g = torch.Generator(device="cuda").manual_seed(2)
-    batches = [torch.randint(0, a.hf_vocab, (a.batch, a.seq + 1), device="cuda", generator=g) for _ in range(a.mx_steps)]
-    return Spec("hf", build, hf_loss, batches, 16 * n, {"qwen2": cfg.to_dict() if hasattr(cfg, "to_dict") else str(cfg),
-                                                        "params": n, "batch": a.batch, "seq": a.seq})
-
-
-def gpt_spec(torch, a):
-    from tiermem.models import GPTConfig, gpt_param_count
-    cfg = GPTConfig(vocab=a.vocab, seq=a.seq, d=a.d, layers=a.layers, heads=a.heads)
-    n = gpt_param_count(cfg)
-    return Spec("gpt", lambda: build_gpt(torch, cfg), gpt_loss, gpt_batches(torch, cfg, a.mx_steps, a.batch), 16 * n,
-                {"gpt": vars(cfg), "params": n, "batch": a.batch})
-
-
-def with_checkpointing(torch, model):
-    """torch's activation checkpointing on every layer of the repeated stack (non-reentrant)."""
-    import torch.nn as nn
-    from torch.utils.checkpoint import checkpoint
-    from tiermem._recompute import repeated_layers
-    if hasattr(model, "gradient_checkpointing_enable"):     # a transformers model: its own switch
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        return model
-    layers = repeated_layers(model)
-
-    class AC(nn.Module):
-        def __init__(self, inner):
-            super().__init__()
-            self.inner = inner
-
-        def forward(self, *args, **kwargs):
-            return checkpoint(self.inner, *args, use_reentrant=False, **kwargs)
-    for ml in model.modules():
-        if isinstance(ml, nn.ModuleList) and len(ml) and ml[0] is layers[0]:
-            for i in range(len(ml)):
-                ml[i] = AC(ml[i])
-            break
-    return model
-
-
-def plain_run(torch, spec, steps, label, kind):
-    """resident, save_on_cpu or checkpoint: plain PyTorch, no budget; returns (Result, peak reserved)."""
-    free()
-    model = spec.build()
-    if kind == "checkpoint":
-        with_checkpointing(torch, model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    torch.cuda.reset_peak_memory_stats()
-    res = Result(Stepper(torch, model, opt, spec.loss_fn, save_on_cpu=kind == "save_on_cpu")
-                 .run(spec.batches[:steps], f"{spec.name} {label}"))
-    peak = torch.cuda.max_memory_reserved()
-    del model, opt
-    free()
-    return res, peak
-
-
-def fsdp_run(torch, spec, steps):
-    """FSDP2 with CPUOffloadPolicy on this one GPU (world size 1): parameters, gradients and
-    optimizer states live on the host, each layer is gathered to the device for its use, and
-    AdamW steps on the CPU."""
-    import torch.distributed as dist
-    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
-    from tiermem._recompute import repeated_layers
-    if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29531")
-        dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
-    free()
-    model = spec.build()
-    pol = CPUOffloadPolicy(pin_memory=True)
-    for layer in repeated_layers(model):
-        fully_shard(layer, offload_policy=pol)
-    fully_shard(model, offload_policy=pol)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    free()
-    torch.cuda.reset_peak_memory_stats()
-    res = Result(Stepper(torch, model, opt, spec.loss_fn).run(spec.batches[:steps], f"{spec.name} fsdp2 offload"))
-    peak = torch.cuda.max_memory_reserved()
-    del model, opt
-    free()
-    return res, peak
-
-
-def part4(torch, tiermem, a, rates, out):
-    """Every model at each budget: resident, FSDP2 offload, save_on_cpu, checkpointing, tiermem
-    swap-only and tiermem's plan (keep, swap or recompute)."""
-    link = min(rates["h2d"], rates["d2h"])
-    specs = []
-    for name in a.models:
-        try:
-            specs.append(gpt_spec(torch, a) if name == "gpt" else hf_spec(torch, a))
-        except Exception as e:  # transformers missing or broken: the other model still runs
-            progress(f"part 4: {name} not built: {e!r}")
-            out["raw"].setdefault("matrix_errors", {})[name] = repr(e)
-    m, chk = out["metrics"], out["checks"]
-    raw = out["raw"].setdefault("matrix", {})
-    long, short = a.mx_steps, a.mx_short
-    for sp in specs:
-        progress(f"part 4: {sp.name}, {sp.config['params'] / 1e6:.0f}M params, training state "
-                 f"{sp.footprint / 1e9:.2f} GB")
-        cell = raw.setdefault(sp.name, {"config": sp.config, "footprint_bytes": sp.footprint, "runs": {}})
-        runs = cell["runs"]
-        res, peak = plain_run(torch, sp, long, "resident", "resident")
-        base = res.median_ms()
-        runs["resident"] = {"step_ms": base, "peak_reserved_bytes": peak}
-        want = res.loss_values()
-        for kind, steps in (("save_on_cpu", a.soc_steps), ("checkpoint", short)):
-            try:
-                r, pk = plain_run(torch, sp, steps, kind, kind)
-                runs[kind] = {"step_ms": r.median_ms(2), "peak_reserved_bytes": pk,
-                              "fits_budget": {t: pk <= int(sp.footprint * f) for t, f in BUDGET_FRACTIONS}}
-            except Exception as e:
-                runs[kind] = {"error": repr(e)}
-                progress(f"  {kind} failed: {e!r}")
-            free()
-        try:
-            r, pk = fsdp_run(torch, sp, a.soc_steps)
-            runs["fsdp2_offload"] = {"step_ms": r.median_ms(2), "peak_reserved_bytes": pk}
-        except Exception as e:
-            runs["fsdp2_offload"] = {"error": repr(e)}
-            progress(f"  fsdp2 offload failed: {e!r}")
-        free()
-        for tag, frac in BUDGET_FRACTIONS:
-            budget = int(sp.footprint * frac)
-            # bf16 states (opt-in, rounds the moments) only at the headline budget, out of the bitwise check
-            variants = [("swap", "swap_only", False), ("auto", "plan", False)]
-            if tag == HEADLINE:
-                variants.append(("auto", "plan_bf16_states", True))
-            for mode, label, bf16 in variants:
-                steps = long if tag == HEADLINE else short
-                key = f"tiermem_{label}@{tag}"
-                try:
-                    r, info = tiermem_run(torch, tiermem, sp.build, sp.loss_fn, sp.batches[:steps], budget,
-                                          f"{sp.name} tiermem {label} at 1/{tag}", block_bytes=a.block_mib * MiB,
-                                          mode=mode, link_GBps=link, duplex_GBps=link, states_bf16=bf16)
-                except Exception as e:   # an OOM at the smallest budget is a result, not a crash
-                    runs[key] = {"error": repr(e), "budget_bytes": budget}
-                    progress(f"  {key} failed: {e!r}")
-                    chk["matrix_all_ran"] = False
-                    free()
-                    continue
-                ms = r.median_ms()
-                mv = r.moved[-1]
-                pred = info["predicted_ms"]
-                runs[key] = {"step_ms": ms, "budget_bytes": budget, "moved": mv, **info, "losses": r.loss_values(),
-                             "plan_error": abs(ms - pred) / ms if pred else None,
-                             "losses_equal_resident": r.loss_values() == want[:steps]}
-                progress(f"  {key}: {ms:.1f} ms measured, {pred:.1f} ms predicted, "
-                         f"{(mv['h2d'] + mv['d2h']) / 1e9:.2f} GB moved\n{info['plan']}")
-                chk["resident_within_budget"] = chk.get("resident_within_budget", True) and \
-                    info["resident_peak_bytes"] <= budget
-                if tag == HEADLINE and not bf16:
-                    chk["losses_equal_resident"] = chk.get("losses_equal_resident", True) and \
-                        runs[key]["losses_equal_resident"]
-                m[f"{sp.name}_{label}_ms_at_1/{tag}"] = round(ms, 2)
-        head = runs.get(f"tiermem_plan@{HEADLINE}", {})
-        swp = runs.get(f"tiermem_swap_only@{HEADLINE}", {})
-        if "step_ms" in head:
-            m[f"{sp.name}_step_over_resident"] = round(head["step_ms"] / base, 3)
-            m[f"{sp.name}_plan_error"] = round(head["plan_error"], 3)
-            m[f"{sp.name}_bytes_moved_per_state_byte"] = round(
-                (head["moved"]["h2d"] + head["moved"]["d2h"]) / sp.footprint, 3)
-            if "step_ms" in swp:
-                m[f"{sp.name}_swap_only_over_resident"] = round(swp["step_ms"] / base, 3)
-                m[f"{sp.name}_plan_over_swap_only"] = round(head["step_ms"] / swp["step_ms"], 3)
-            b16 = runs.get(f"tiermem_plan_bf16_states@{HEADLINE}", {})
-            if "step_ms" in b16:
-                m[f"{sp.name}_plan_bf16_states_over_resident"] = round(b16["step_ms"] / base, 3)
-                m[f"{sp.name}_bf16_states_bytes_moved_per_state_byte"] = round(
-                    (b16["moved"]["h2d"] + b16["moved"]["d2h"]) / sp.footprint, 3)
-                m[f"{sp.name}_bf16_states_max_loss_rel_diff"] = round(max(
-                    abs(x - y) / abs(y) for x, y in zip(b16["losses"], want)), 5)
-            fs = runs.get("fsdp2_offload", {})
-            if "step_ms" in fs:
-                m[f"{sp.name}_fsdp_offload_over_tiermem"] = round(fs["step_ms"] / head["step_ms"], 3)
-            for kind in ("save_on_cpu", "checkpoint"):
-                if "step_ms" in runs.get(kind, {}):
-                    m[f"{sp.name}_{kind}_over_resident"] = round(runs[kind]["step_ms"] / base, 3)
-        print(table([[k, v.get("step_ms", v.get("error", "")) if isinstance(v, dict) else v]
-                     for k, v in runs.items()], [f"{sp.name} run", "step ms"]))
-    # the issue's headline keys: the GPT's, and the worse of the two models for the plan's error
-    if "gpt_fsdp_offload_over_tiermem" in m:
-        m["fsdp_offload_over_tiermem"] = m["gpt_fsdp_offload_over_tiermem"]
-    errs = [m[k] for k in ("gpt_plan_error", "hf_plan_error") if k in m]
-    if errs:
-        m["plan_error"] = max(errs)
-    if "gpt_bytes_moved_per_state_byte" in m:
-        m["bytes_moved_per_state_byte"] = m["gpt_bytes_moved_per_state_byte"]
-    chk.setdefault("matrix_all_ran", True)
-    try:
-        import torch.distributed as dist
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    except Exception:
-        pass
-
-
-def plot_matrix(out, path):
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    mx = out["raw"].get("matrix", {})
-    if not mx:
-        return None
-    fig, axes = plt.subplots(1, len(mx), figsize=(6 * len(mx), 4), squeeze=False)
-    for ax, (name, cell) in zip(axes[0], mx.items()):
-        runs = cell["runs"]
-        labels, vals, colors = [], [], []
-        for k in ("resident", "fsdp2_offload", "save_on_cpu", "checkpoint"):
-            if "step_ms" in runs.get(k, {}):
-                labels.append(k.replace("_", " "))
-                vals.append(runs[k]["step_ms"])
-                colors.append("gray")
-        for tag, _ in BUDGET_FRACTIONS:
-            for label, color in (("swap_only", "C0"), ("plan", "C1"), ("plan_bf16_states", "C2")):
-                r = runs.get(f"tiermem_{label}@{tag}", {})
-                if "step_ms" in r:
-                    labels.append(f"tiermem {label.replace('_', ' ')} 1/{tag}")
-                    vals.append(r["step_ms"])
-                    colors.append(color)
-        ax.barh(range(len(vals)), vals, color=colors)
-        ax.set_yticks(range(len(vals)), labels, fontsize=8)
-        ax.invert_yaxis()
-        ax.set_xlabel("step time (ms)")
-        ax.set_title(f"{name}: training state {cell['footprint_bytes'] / 1e9:.2f} GB")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    return path
-
-
 def plot(out, path):
     try:
         import matplotlib
@@ -737,22 +440,14 @@ def plot(out, path):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--quick", action="store_true", help="small sizes: a smoke run in about a minute")
-    p.add_argument("--only", default="1234", help="parts to run: 1 GPT and sweep, 2 in capacity, "
-                   "3 the batch study, 4 the matrix of budgets and peers")
-    p.add_argument("--models", default="gpt,hf", help="models of part 4: gpt, hf (a transformers Qwen2)")
+    p.add_argument("--only", default="123")
     a = p.parse_args()
-    a.models = [x for x in a.models.split(",") if x]
-    bad = [x for x in a.models if x not in ("gpt", "hf")]
-    if bad:
-        p.error(f"unknown models {bad}: choose from gpt, hf")
     big = dict(vocab=8192, seq=512, d=1024, layers=16, heads=16, batch=4, ratio=2.5, steps=30, soc_steps=8,
                block_mib=16, sweep=[0.6, 0.8, 1.0], sweep_steps=8, cap_steps=10, capacity_budget=30 * GiB,
-               study_gib=3.0, study_start=8, study_limit=512, study_steps=4, small_d=768, small_layers=8,
-               mx_steps=30, mx_short=10, hf_vocab=8192, hf_d=1024, hf_ff=2816, hf_layers=20, hf_heads=16, hf_kv=4)
+               study_gib=3.0, study_start=8, study_limit=512, study_steps=4, small_d=768, small_layers=8)
     small = dict(vocab=2048, seq=128, d=384, layers=8, heads=4, batch=8, ratio=2.5, steps=12, soc_steps=6,
                  block_mib=1, sweep=[0.8], sweep_steps=6, cap_steps=6, capacity_budget=4 * GiB,
-                 study_gib=0.5, study_start=4, study_limit=64, study_steps=3, small_d=256, small_layers=4,
-                 mx_steps=10, mx_short=6, hf_vocab=2048, hf_d=256, hf_ff=704, hf_layers=4, hf_heads=4, hf_kv=2)
+                 study_gib=0.5, study_start=4, study_limit=64, study_steps=3, small_d=256, small_layers=4)
     for k, v in (small if a.quick else big).items():
         setattr(a, k, v)
     torch = setup()
@@ -762,9 +457,6 @@ def main():
     progress(f"link: {h2d} GB/s in, {d2h} GB/s out, {duplex} GB/s both ways")
     out = {"metrics": {"link_h2d_GBps": h2d, "link_d2h_GBps": d2h, "link_duplex_GBps": duplex},
            "checks": {}, "raw": {"args": {k: v for k, v in vars(a).items()}, "study_gib": a.study_gib}}
-    if "4" in a.only:
-        # first: the issue's goals, while nothing else has filled the pinned pool
-        part4(torch, tiermem, a, rates, out)
     if "1" in a.only or "2" in a.only:
         cfg, batches, res, budget, sweep = part1(torch, tiermem, a, rates, out)
         if "2" in a.only:
@@ -778,8 +470,7 @@ def main():
     print(table(rows, ["metric", "value"]))
     print(out["checks"])
     pp = plot(out, plot_path("train_budget")) if "1" in a.only else None
-    pm = plot_matrix(out, plot_path("train_budget").replace(".png", "-matrix.png")) if "4" in a.only else None
-    write_results("train_budget", m, out["checks"], out["raw"], extra_files=[x for x in (pp, pm) if x])
+    write_results("train_budget", m, out["checks"], out["raw"], extra_files=[pp] if pp else [])
 
 
 if __name__ == "__main__":

@@ -72,11 +72,10 @@ def wrap(tensor: Any, role: Role | str = Role.WEIGHT, **kwargs: Any) -> TieredTe
 def wrap_training(model: Any, optimizer: Any, budget: int | str, **kwargs: Any) -> Any:
     """Train ``model`` with ``optimizer`` within ``budget`` bytes of device memory (bytes, "2GiB"
     or "25%" of the device): parameters, optimizer states and saved activations are tiered, each
-    block steps inside backward, and the plan (keep, swap or recompute each saved tensor) comes
-    from the first steps. Use ``with handle.step(): ...forward and backward...``. Returns a
-    :class:`TieredTraining`. Keyword arguments: ``lookahead``, ``min_swap``, ``window``,
-    ``swap``, ``block_bytes``, ``margin``, ``recompute``, ``mode``, ``link_GBps``,
-    ``duplex_GBps``, ``states_bf16``, ``tier``."""
+    block steps inside backward, and the plan comes from the first step. Use ``with
+    handle.step(): ...forward and backward...``. Returns a :class:`TieredTraining`. Keyword
+    arguments: ``lookahead``, ``min_swap``, ``window``, ``swap``, ``block_bytes``, ``margin``,
+    ``tier``."""
     from ._train import check_options
     tier = kwargs.pop("tier", None)
     check_options(budget, **kwargs)

@@ -11,17 +11,12 @@ NOTE [activation swap]
       - a storage the plan keeps (NOTE [training plan]), or one under ``min_swap`` bytes: kept;
       - the rest: copied to a pinned host arena on tiermem's D2H stream as soon as it is saved,
         and copied back on the H2D stream ahead of backward's need, in the order the traced step
-        read them (before a plan: latest saved first).
+        read them (in the first step: latest saved first).
 
     The device storage of a swapped tensor is held until its copy has finished, then dropped, so
     torch's allocator reuses it. Holding is bounded: past ``window`` bytes in flight the host
     waits for the oldest copy, so a forward that makes activations faster than the link carries
     them cannot grow the device peak. Copies back are bounded the same way.
-
-    Saves inside a segment the plan recomputes never reach the swap: the recompute takes them
-    first (NOTE [recompute]), and gives streamed parameters back as the same relocatable
-    references. The swap's saving order is then the trace's with those saves left out
-    (StepTrace.visible), and ``begin`` is given the plan in that order.
 """
 from __future__ import annotations
 
@@ -29,12 +24,9 @@ import collections
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
-from ._recompute import _RcRef
 from .roles import Role
 
 if TYPE_CHECKING:
-    from ._recompute import Recompute
-    from ._steptime import StepClock
     from ._tier import Tier
 
 __all__ = ["ActivationSwap"]
@@ -56,9 +48,6 @@ class _Saved:
     out_event: Any = None
     dev: Any = None               # uint8 device tensor holding it again in backward
     in_event: Any = None
-    segment: int = -1             # the segment whose forward saved it first (NOTE [recompute])
-    saved_mark: int = -1          # clock marks while timing: its saving, its first read
-    use_mark: int = -1
 
 
 class _Ref:
@@ -118,8 +107,6 @@ class ActivationSwap:
         self.keep: frozenset[int] = frozenset()
         self.need: list[int] = []                     # swapped indices in backward-read order
         self.diverged = False
-        self.recompute: Recompute | None = None       # set by the training handle
-        self.clock: StepClock | None = None           # set to time the step (the traced one)
         self._begin_fields()
 
     def _begin_fields(self) -> None:
@@ -131,7 +118,6 @@ class ActivationSwap:
         self.cursor = 0
         self.reads = 0
         self.moved = {"h2d": 0, "d2h": 0}
-        self.events: list[tuple[int, int]] = []     # (saved index, segment) of every save
 
     # -- per step --------------------------------------------------------------------------------
     def begin(self, expect: tuple[int, ...] | None, keep: frozenset[int], need: list[int]) -> None:
@@ -154,24 +140,8 @@ class ActivationSwap:
         """(index, nbytes, first read) of each saved storage this step."""
         return [(s.index, s.nbytes, s.use) for s in self.saved]
 
-    def timed_records(self) -> list[tuple[int, int, int, int, int, int]]:
-        """(index, nbytes, first read, segment, clock mark of its saving, of its first read; -1
-        where not timed) of each saved storage this step."""
-        return [(s.index, s.nbytes, s.use, s.segment, s.saved_mark, s.use_mark) for s in self.saved]
-
     # -- hooks -------------------------------------------------------------------------------------
-    def _param_ref(self, t: Any) -> Any:
-        if not t.is_cuda:
-            return None
-        p = self.params.get(t.untyped_storage().data_ptr())
-        return _ParamRef(p, t) if p is not None else None
-
     def pack(self, t: Any) -> Any:
-        rc = self.recompute
-        if rc is not None:
-            r = rc.pack(t)
-            if r is not None:
-                return r
         if not t.is_cuda or t.numel() == 0:
             return t
         st = t.untyped_storage()
@@ -193,10 +163,6 @@ class ActivationSwap:
                 self.diverged = True     # another step shape: swap everything, trace again
                 keep = False
             s = _Saved(i, n, keep)
-            if rc is not None:
-                s.segment = rc.segment_now()
-            if self.clock is not None:
-                s.saved_mark = self.clock.mark()
             self.saved.append(s)
             self.by_ptr[ptr] = s
             if keep:
@@ -204,16 +170,12 @@ class ActivationSwap:
             else:
                 self._out(s, st, ptr)
         s.refs += 1
-        self.events.append((s.index, rc.segment_now() if rc is not None else -1))
         if s.keep:
             return t
         return _Ref(s, t)
 
     def unpack(self, ref: Any) -> Any:
         import torch
-        if isinstance(ref, _RcRef):
-            v = self.recompute.unpack(ref)
-            return self.unpack(v) if isinstance(v, _ParamRef) else v
         if not isinstance(ref, _Ref):
             return ref
         if isinstance(ref, _ParamRef):
@@ -224,17 +186,12 @@ class ActivationSwap:
         if s.use < 0:
             s.use = self.reads
             self.reads += 1
-            if self.clock is not None:
-                s.use_mark = self.clock.mark()
         be = self.tier.backend
         cur = be.current_stream()
         if s.dev is None:
             self._in(s, cur)
         self._ahead(cur)
-        if self.clock is not None:
-            self.clock.stall(lambda: be.wait(cur, s.in_event))
-        else:
-            be.wait(cur, s.in_event)
+        be.wait(cur, s.in_event)
         dev = s.dev
         s.reads += 1
         if s.reads >= s.refs:
@@ -244,14 +201,6 @@ class ActivationSwap:
 
     def on_param(self, p: Any) -> None:
         """Called when backward reads a streamed parameter (the training handle loads it)."""
-
-    def _host_wait(self, event: Any) -> None:
-        """The host waits for a copy. While timing, marks around it measure how long the compute
-        stream ran dry meanwhile: link time, not compute (NOTE [step time model])."""
-        if self.clock is not None:
-            self.clock.stall(lambda: self.tier.backend.synchronize(event))
-        else:
-            self.tier.backend.synchronize(event)
 
     # -- moves -------------------------------------------------------------------------------------
     def _out(self, s: _Saved, st: Any, ptr: int) -> None:
@@ -279,7 +228,7 @@ class ActivationSwap:
             if not be.query(s.out_event):
                 if not block:
                     return
-                self._host_wait(s.out_event)
+                be.synchronize(s.out_event)
             self.out_q.popleft()
             self.out_bytes -= s.nbytes
             # Its address may be handed out again now: a new storage there is a new save.
@@ -292,7 +241,7 @@ class ActivationSwap:
         import torch
         tier, be = self.tier, self.tier.backend
         if s.out_event is not None and not be.query(s.out_event):
-            self._host_wait(s.out_event)
+            be.synchronize(s.out_event)
         # Allocated on the compute stream; the copy waits for that stream so the memory's last
         # user there is done, and the compute stream waits for the copy before reading it.
         s.dev = torch.empty(s.nbytes, dtype=torch.uint8, device=f"cuda:{tier.device}")

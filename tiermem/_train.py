@@ -2,7 +2,7 @@
 
     train = tier.wrap_training(model, optimizer, budget="2GiB")
     for x, y in batches:
-        with train.step():                 # the first steps are traced, then planned
+        with train.step():                 # the first step is traced, then planned
             loss = loss_fn(model(x), y)
             loss.backward()                # each block's optimizer step runs inside backward
     print(train.plan)                      # what stays on the device, what moves, predicted time
@@ -47,10 +47,8 @@ from typing import TYPE_CHECKING, Any
 from ._errors import ConfigError, ConfigTypeError, TierMemError, WrapError
 from ._limits import check_bytes, parse_bytes
 from ._module import module_groups
-from ._recompute import Recompute, repeated_layers
-from ._steptime import StepClock
 from ._swap import ActivationSwap
-from ._trainplan import DUPLEX_GBPS, LINK_GBPS, MODES, SavedRecord, Segment, StepTrace, TrainPlan, plan_training
+from ._trainplan import SavedRecord, StepTrace, TrainPlan, plan_training
 from .roles import Evict, Location, Prefetch, Role
 
 if TYPE_CHECKING:
@@ -82,8 +80,6 @@ class _Block:
     g_bytes: int = 0
     states: list[tuple[Any, str, int]] = dataclasses.field(default_factory=list)   # (param, key, offset)
     s_bytes: int = 0
-    h_off: list[int] = dataclasses.field(default_factory=list)   # states' offsets in the home
-    h_bytes: int = 0              # states' bytes in the home: what crosses the link (NOTE [bf16 states])
     home_p: Any = None
     home_s: Any = None
     home_views: list[Any] = dataclasses.field(default_factory=list)
@@ -104,15 +100,14 @@ class _Slot:
     occupant: _Block | None = None
     has_params: bool = False
     has_states: bool = False
-    cast_pending: bool = False    # bf16 states copied in, not yet widened (NOTE [bf16 states])
     ready: Any = None             # event: the fill is done
     free: Any = None              # event: the last user (compute or write-back) is done
     busy: bool = False
     last: int = 0
 
 
-def check_options(budget: int | str, *, lookahead: int = 2, mode: str = "auto", **_: Any) -> None:
-    """Raise :class:`ConfigError` for a bad budget, lookahead or mode of :func:`wrap_training`. Needs no
+def check_options(budget: int | str, *, lookahead: int = 2, **_: Any) -> None:
+    """Raise :class:`ConfigError` for a bad budget or lookahead of :func:`wrap_training`. Needs no
     GPU, so tiermem.wrap_training checks them before it looks for one; it takes all of
     wrap_training's options, and the others are checked where they are used."""
     check_bytes(budget, what="training budget", max_percent=100, positive=True)
@@ -120,8 +115,6 @@ def check_options(budget: int | str, *, lookahead: int = 2, mode: str = "auto", 
         raise ConfigTypeError(f"lookahead must be an int, got {lookahead!r}")
     if lookahead < 1:
         raise ConfigError(f"lookahead must be at least 1, got {lookahead}")
-    if mode not in MODES:
-        raise ConfigError(f"mode must be one of {MODES}, got {mode!r}")
 
 
 class TieredTraining:
@@ -131,25 +124,15 @@ class TieredTraining:
     ahead of use (the slots are ``lookahead + 1``). ``min_swap``: saved storages smaller than this
     stay on the device. ``window``: bytes of activation copies in flight each way (default
     budget/32). ``swap=False`` never swaps activations. ``margin``: bytes the plan leaves free
-    (default budget/8). ``recompute``: the modules the plan may recompute in backward (NOTE
-    [recompute]); True (default) takes the model's repeated layers, False none. ``mode``: "auto",
-    "swap" or "recompute" (plan_training). ``link_GBps`` / ``duplex_GBps``: the link rates the
-    plan predicts with, each way and both at once (default: the H100 machine's).
-    ``states_bf16=True`` keeps streamed blocks' optimizer states in bf16 at home, halving the
-    bytes they move (NOTE [bf16 states]); off by default, since it rounds the moments each step.
+    (default budget/8).
     """
 
     def __init__(self, tier: Tier, model: Any, optimizer: Any, budget: int | str, *, lookahead: int = 2,
                  min_swap: int = 1 << 20, window: int | None = None, swap: bool = True,
-                 block_bytes: int = BLOCK_BYTES, margin: int | None = None, recompute: Any = True,
-                 mode: str = "auto", link_GBps: float | None = None, duplex_GBps: float | None = None,
-                 states_bf16: bool = False):
+                 block_bytes: int = BLOCK_BYTES, margin: int | None = None):
         import torch
         self.torch = torch
-        check_options(budget, lookahead=lookahead, mode=mode)
-        self.mode = mode
-        self.link = (link_GBps or LINK_GBPS, duplex_GBps or DUPLEX_GBPS)
-        self.states_bf16 = bool(states_bf16)
+        check_options(budget, lookahead=lookahead)
         if getattr(model, "_tiermem_handle", None) is not None:
             raise WrapError("this model is already adopted by tiermem; unwrap it first")
         self.tier, self.model, self.opt = tier, model, optimizer
@@ -217,26 +200,11 @@ class TieredTraining:
         self.swap = ActivationSwap(tier, self.params, min_swap=min_swap, window=window) if swap else None
         if self.swap is not None:
             self.swap.on_param = self._on_param_read
-        segs = repeated_layers(model) if recompute is True else list(recompute) if recompute else []
-        self.recompute = Recompute(segs) if self.swap is not None and segs else None
-        seg_mods = [{id(m) for m in sg.modules()} for sg in segs]
-        # the segment each block sits in (forward hooks of blocks inside a recompute need it)
-        self._seg_of_block = {b.index: i for i, ids in enumerate(seg_mods) for b in self.blocks if id(b.module) in ids}
-        if self.recompute is not None:
-            self.swap.recompute = self.recompute
-            self.recompute.param_ref = self.swap._param_ref
-            self.recompute.on_segment = self._on_segment
-        self.clock = StepClock(cuda=True)
-        self._marks: dict[str, Any] = {}
-        self._timed: list[tuple[Any, Any]] = []      # (start, end) events of planned steps
-        self.step_seconds: list[float] = []          # wall time of each planned step, in order
-        self._visible: tuple[int, ...] = ()          # the plan's records in the swap's order
-        self._plan: TrainPlan | None = None
+        self.plan: TrainPlan | None = None
         self.trace: StepTrace | None = None
         self._order: list[int] = []            # blocks in forward order, from the traced step
         self._need: list[int] = []             # swapped storages in backward-read order
         self._tracing = True
-        self._warmed = False                   # the first step ran (see _finish_step)
         self._in_step = False
         self._backward = False
         self._got = set()
@@ -270,9 +238,7 @@ class TieredTraining:
 
     def _slot_bytes(self) -> int:
         streamed = [b for b in self.blocks if not b.resident]
-        # with bf16 states the slot also holds their narrow copy, the link's side of the cast
-        return max((b.p_bytes + b.g_bytes + b.s_bytes + (b.h_bytes if self.states_bf16 else 0) for b in streamed),
-                   default=0)
+        return max((b.p_bytes + b.g_bytes + b.s_bytes for b in streamed), default=0)
 
     def _alloc_slots(self) -> None:
         torch = self.torch
@@ -296,29 +262,12 @@ class TieredTraining:
             items = [(p, o) for p, o in zip(b.params, b.p_off)]
         elif what == "g":
             items = [(p, o) for p, o in zip(b.trainable, b.g_off)]
-        elif what == "h":
-            # the states as they cross the link and live at home (NOTE [bf16 states])
-            dt = self.torch.bfloat16 if self.states_bf16 else None
-            for (p, _, _), o in zip(b.states, b.h_off):
-                d = dt or p.dtype
-                n = p.numel() * d.itemsize
-                out.append(be.torch_view(base + o, n, owner).view(d).view(p.shape))
-            return out
         else:
             items = [(p, o) for p, _, o in b.states]
         for p, o in items:
             n = p.numel() * p.element_size()
             out.append(be.torch_view(base + o, n, owner).view(p.dtype).view(p.shape))
         return out
-
-    def _stage_views(self, s: _Slot, b: _Block) -> list[Any]:
-        """The slot's bf16 copy of ``b``'s states, after its fp32 states."""
-        key = (s.index, b.index, "stage")
-        v = self._view_cache.get(key)
-        if v is None:
-            v = self._views(s.ptr + b.p_bytes + b.g_bytes + b.s_bytes, b, self._slot_mem, "h")
-            self._view_cache[key] = v
-        return v
 
     def _slot_views(self, s: _Slot, b: _Block) -> tuple[list, list, list]:
         key = (s.index, b.index)
@@ -353,14 +302,15 @@ class TieredTraining:
         serialise the next block's backward behind this block's write-back; the step's end waits
         for every write-back instead."""
         b = s.occupant
+        be = self.tier.backend
         if b.home_ready is not None and not self._backward:
-            self._wait(b.home_ready)
+            be.wait(be.current_stream(), b.home_ready)
         for p, v in zip(b.params, b.home_views):
             self._bind(p, v)
         if b.states:
             self._bind_states(b, b.home_state_views)
         b.slot = None
-        s.occupant, s.has_params, s.has_states, s.cast_pending = None, False, False, False
+        s.occupant, s.has_params, s.has_states = None, False, False
 
     def _pick_slot(self, protect: set[int]) -> _Slot | None:
         free = [s for s in self.slots if not s.busy and (s.occupant is None or s.occupant.index not in protect)]
@@ -396,11 +346,9 @@ class TieredTraining:
             self._count("h2d", Role.WEIGHT, b.p_bytes)
             s.has_params = True
         if states and b.states and not s.has_states:
-            at = b.p_bytes + b.g_bytes + (b.s_bytes if self.states_bf16 else 0)
-            be.copy(s.ptr + at, b.home_s.ptr, b.h_bytes, side)
-            self._count("h2d", Role.OPTIMIZER_STATE, b.h_bytes)
+            be.copy(s.ptr + b.p_bytes + b.g_bytes, b.home_s.ptr, b.s_bytes, side)
+            self._count("h2d", Role.OPTIMIZER_STATE, b.s_bytes)
             s.has_states = True
-            s.cast_pending = self.states_bf16
         s.ready = be.new_event()
         be.record(s.ready, side)
         return True
@@ -410,7 +358,8 @@ class TieredTraining:
             raise TierMemError(f"no free slot for block {b.name}: every slot is in use "
                                f"(nesting deeper than lookahead={self.lookahead}); raise lookahead")
         s = b.slot
-        self._wait(s.ready)
+        be = self.tier.backend
+        be.wait(be.current_stream(), s.ready)
         s.busy = True
         self._clock += 1
         s.last = self._clock
@@ -419,20 +368,14 @@ class TieredTraining:
             for p, v in zip(b.params, pv):
                 self._bind(p, v)
         if states and b.states:
-            if s.cast_pending:
-                with self.torch.no_grad():      # widen on the compute stream, after the copy in
-                    for v, h in zip(sv, self._stage_views(s, b)):
-                        v.copy_(h)
-                s.cast_pending = False
             self._bind_states(b, sv)
         return s
 
-    def _ahead(self, order: list[int], states: bool | None = None) -> None:
-        """Fill slots with the next streamed blocks of ``order`` (blocks' indices, next first),
-        with their states in backward unless ``states`` says otherwise."""
+    def _ahead(self, order: list[int]) -> None:
+        """Fill slots with the next streamed blocks of ``order`` (blocks' indices, next first)."""
         nxt = [i for i in order if not self.blocks[i].resident][: self.lookahead]
         for i in nxt:
-            if not self._fill(self.blocks[i], states=self._backward if states is None else states, protect=set(nxt)):
+            if not self._fill(self.blocks[i], states=self._backward, protect=set(nxt)):
                 break
 
     def _count(self, direction: str, role: Role, n: int) -> None:
@@ -449,51 +392,25 @@ class TieredTraining:
             return
         pos = self._order.index(b.index) if b.index in self._order else len(self._order)
         upcoming = self._order[pos + 1:] if not self._tracing else []
-        if self._replaying():
-            # A recompute inside backward (NOTE [recompute]): bring in the rest of its segment,
-            # not the blocks after it, which backward is done with.
-            seg = self._seg_of_block.get(b.index)
-            upcoming = [i for i in upcoming if self._seg_of_block.get(i) == seg]
         self._ensure(b, states=False, upcoming=upcoming)
         if upcoming:
-            # a recompute needs parameters only; states come with each block's own backward
-            self._ahead(upcoming, states=False if self._replaying() else None)
+            self._ahead(upcoming)
 
     def _fwd_post(self, b: _Block, out: Any) -> None:
         if not self._in_step:
             return
         torch = self.torch
-        replay = self._replaying()
-        # A block entered for backward and recomputed inside it keeps its slot until its step.
-        if not b.resident and b.slot is not None and not b.entered:
+        if not b.resident and b.slot is not None:
             s = b.slot
             s.busy = False
             s.free = self.tier.backend.new_event()
             self.tier.backend.record(s.free, self.tier.backend.current_stream())
-        if torch.is_grad_enabled() and not replay:
+        if torch.is_grad_enabled():
             t = _first_grad_tensor(out)
             if t is not None:
                 t.register_hook(lambda g, b=b: self._bwd_enter(b))
 
-    def _wait(self, event: Any) -> None:
-        """The compute stream waits for a copy; timed as a stall in a traced step, so the plan
-        does not count it as compute (NOTE [step time model])."""
-        be = self.tier.backend
-        if self._tracing and self._in_step:
-            self.clock.stall(lambda: be.wait(be.current_stream(), event))
-        else:
-            be.wait(be.current_stream(), event)
-
-    def _replaying(self) -> bool:
-        return self.recompute is not None and self.recompute.replay is not None
-
-    def _on_segment(self, i: int, start: bool) -> None:
-        if self._in_step and self._tracing:
-            self._marks[("seg", i, start)] = self.clock.mark()
-
     def _bwd_enter(self, b: _Block) -> None:
-        if not self._backward and self._in_step and self._tracing:
-            self._marks["bwd"] = self.clock.mark()
         self._backward = True
         if b.resident or b.entered:
             return
@@ -546,16 +463,6 @@ class TieredTraining:
     def _step_block(self, b: _Block) -> None:
         tier, be = self.tier, self.tier.backend
         s = b.slot
-        if not any(id(p) in self._got for p in b.trainable):
-            # No gradient reached the block (frozen, or unused this step): nothing changes it, so
-            # nothing is written back; its home is still current.
-            b.stepped = True
-            for p in b.trainable:
-                p.grad = None
-            s.free = be.new_event()
-            be.record(s.free, be.current_stream())
-            s.busy = False
-            return
         for p in b.trainable:
             if id(p) not in self._got:
                 p.grad = None     # no gradient reached it: the optimizer skips it, as it would resident
@@ -571,18 +478,8 @@ class TieredTraining:
         be.copy(b.home_p.ptr, s.ptr, b.p_bytes, side)
         self._count("d2h", Role.WEIGHT, b.p_bytes)
         if b.states and s.has_states:
-            at = b.p_bytes + b.g_bytes
-            if self.states_bf16:
-                # narrow on the compute stream, before the copy out waits for it
-                with self.torch.no_grad():
-                    for h, v in zip(self._stage_views(s, b), self._slot_views(s, b)[2]):
-                        h.copy_(v)
-                dep = be.new_event()
-                be.record(dep, cur)
-                be.wait(side, dep)
-                at += b.s_bytes
-            be.copy(b.home_s.ptr, s.ptr + at, b.h_bytes, side)
-            self._count("d2h", Role.OPTIMIZER_STATE, b.h_bytes)
+            be.copy(b.home_s.ptr, s.ptr + b.p_bytes + b.g_bytes, b.s_bytes, side)
+            self._count("d2h", Role.OPTIMIZER_STATE, b.s_bytes)
         done = be.new_event()
         be.record(done, side)
         b.home_ready = s.free = done
@@ -603,19 +500,14 @@ class TieredTraining:
         b.s_bytes = off
         if not off:
             return
-        h = 0
-        for p, _, _ in b.states:
-            b.h_off.append(h)
-            h += _aligned(p.numel() * (2 if self.states_bf16 else p.element_size()))
-        b.h_bytes = h
-        b.home_s = self.tier.backend.host_alloc(h)
-        b.home_state_views = self._views(b.home_s.ptr, b, b.home_s, "h")
+        b.home_s = self.tier.backend.host_alloc(off)
+        b.home_state_views = self._views(b.home_s.ptr, b, b.home_s, "s")
         with torch.no_grad():
             for (p, key, _), hv in zip(b.states, b.home_state_views):
                 hv.copy_(self.opt.state[p][key])
         torch.cuda.current_stream(self.dev).synchronize()
         self._bind_states(b, b.home_state_views)
-        self._count("d2h", Role.OPTIMIZER_STATE, b.h_bytes)
+        self._count("d2h", Role.OPTIMIZER_STATE, b.s_bytes)
 
     # -- steps -------------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -633,21 +525,11 @@ class TieredTraining:
         for b in self.blocks:
             b.entered, b.stepped, b.waiting = False, False, 0
         torch.cuda.reset_peak_memory_stats(self.dev)
-        planned = not self._tracing and self._plan is not None
-        self._collect_times()
-        self.clock.reset()
-        self._marks = {"start": self.clock.mark()}
-        if self.recompute is not None:
-            self.recompute.begin(self._plan.recompute if planned else frozenset())
         if self.swap is not None:
-            self.swap.clock = None if planned else self.clock
-            if not planned:
+            if self._tracing or self.plan is None:
                 self.swap.begin(None, frozenset(), [])
             else:
-                # the plan in the swap's own saving order (StepTrace.visible)
-                vis = self._visible
-                self.swap.begin(tuple(self.trace.saved[r].nbytes for r in vis),
-                                frozenset(k for k, r in enumerate(vis) if r in self._plan.keep), list(self._need))
+                self.swap.begin(self.trace.key, self.plan.keep, list(self._need))
         hooks = (torch.autograd.graph.saved_tensors_hooks(self.swap.pack, self.swap.unpack)
                  if self.swap is not None and self._swapping() else contextlib.nullcontext())
         ok = False
@@ -662,8 +544,7 @@ class TieredTraining:
                 self._in_step = False
 
     def _swapping(self) -> bool:
-        p = self._plan
-        return self._tracing or p is None or p.swapped_bytes > 0 or bool(p.recompute)
+        return self._tracing or self.plan is None or self.plan.swapped_bytes > 0
 
     def _finish_step(self, ok: bool) -> None:
         torch = self.torch
@@ -672,8 +553,9 @@ class TieredTraining:
                 self._step_block(b)
             elif b.slot is not None:
                 b.slot.busy = False
+        be = self.tier.backend
         for b in self._written:
-            self._wait(b.home_ready)   # this step's write-backs; see _unbind_slot
+            be.wait(be.current_stream(), b.home_ready)   # this step's write-backs; see _unbind_slot
         self._backward = False
         res = [p for b in self.blocks if b.resident for p in b.trainable if p.grad is not None]
         if ok and res:
@@ -696,92 +578,31 @@ class TieredTraining:
                 for p in b.trainable:
                     p.grad = None
             return
-        self._marks["end"] = self.clock.mark()
-        if not self._tracing and self._plan is not None:
-            self._timed.append((self.clock._marks[self._marks["start"]], self.clock._marks[self._marks["end"]]))
         self.steps += 1
         self.last_peak = torch.cuda.max_memory_reserved(self.dev)
         diverged = self.swap is not None and self.swap.diverged
-        if self._tracing and not self._warmed:
-            # The first step pays once for what later steps reuse (the optimizer's states and
-            # their pinned homes, the swap's pinned arena, torch's first cudaMallocs): timed, it
-            # would make compute look several times slower (NOTE [step time model]). The slots
-            # grow to hold states now, and the next step, moving everything again, is traced.
-            self._warmed = True
-            self._alloc_slots()
-            self._set_cap()
-            torch.cuda.empty_cache()
-        elif self._tracing:
+        if self._tracing:
             # Reserved, not allocated: the cap applies to what torch reserves, fragmentation included.
             self._replan(torch.cuda.max_memory_reserved(self.dev))
         elif diverged:
             log.info("tiermem: the step's saved tensors changed (another shape?); tracing the next step")
             self._tracing = True
 
-    # -- timing (NOTE [step time model]) ----------------------------------------------------------
-    @property
-    def plan(self) -> TrainPlan | None:
-        """The plan of the steps after the traced one, with the median measured step time of
-        those run so far (read without waiting for the GPU)."""
-        self._collect_times()
-        return self._plan
-
-    def _collect_times(self) -> None:
-        done = [(a, b) for a, b in self._timed if b.query()]
-        if not done:
-            return
-        self._timed = [x for x in self._timed if x not in done]
-        self.step_seconds += [a.elapsed_time(b) / 1e3 for a, b in done]
-        # the first planned step allocates what the plan keeps: not a steady step
-        xs = sorted(self.step_seconds[1:] or self.step_seconds)
-        if self._plan is not None:
-            self._plan = dataclasses.replace(self._plan, measured_s=xs[len(xs) // 2])
-
-    def _timed_trace(self) -> tuple[list[SavedRecord], tuple[Segment, ...], dict[str, float]]:
-        clk, m = self.clock, self._marks
-        bwd = m.get("bwd", m["end"])
-        times = {"fwd_s": clk.compute(m["start"], bwd), "bwd_s": clk.compute(bwd, m["end"]),
-                 "step_s": clk.between(m["start"], m["end"])}
-        segs = []
-        if self.recompute is not None:
-            for i in range(len(self.recompute.segments)):
-                a, b = m.get(("seg", i, True)), m.get(("seg", i, False))
-                if a is None or b is None:
-                    continue       # not run (or run without gradients) in the traced step
-                blocks = tuple(j for j in self._order if self._seg_of_block.get(j) == i)
-                segs.append(Segment(i, clk.compute(a, b), self.recompute.input_bytes.get(i, 0), blocks))
-        saved = []
-        for i, n, u, seg, sm, um in (self.swap.timed_records() if self.swap is not None else []):
-            a = m.get(("seg", seg, True))
-            rs = clk.compute(a, sm) if a is not None and sm >= 0 else 0.0
-            us = clk.between(bwd, um) if um >= 0 else -1.0
-            saved.append(SavedRecord(i, n, u, seg, rs, us))
-        return saved, tuple(segs), times
-
     def _replan(self, floor: int) -> None:
         recs = self.swap.records() if self.swap is not None else []
-        saved, segments, times = self._timed_trace()
+        saved = tuple(SavedRecord(i, n, u) for i, n, u in recs)
+        self._need = [i for i, _, u in sorted(recs, key=lambda r: (r[2] < 0, r[2])) if u >= 0]
         floor = max(floor - self.outside, 0)
         self.floor = floor
         old_slot = self.slot_bytes
         new_slot = _aligned(self._slot_bytes())
         floor += self.nslots * max(new_slot - old_slot, 0)     # the slots grow to hold states
-        self.trace = StepTrace(tuple(saved), tuple(b.p_bytes for b in self.blocks),
+        self.trace = StepTrace(saved, tuple(b.p_bytes for b in self.blocks),
                                tuple(b.s_bytes for b in self.blocks), floor,
-                               frozenset(b.index for b in self.blocks if b.resident),
-                               block_state_moved=tuple(b.h_bytes for b in self.blocks),
-                               segments=segments, saves=tuple(self.swap.events) if self.swap is not None else (),
-                               slots=self.nslots, **times)
+                               frozenset(b.index for b in self.blocks if b.resident))
         margin = self.budget // 8 if self.margin is None else self.margin
-        plan = plan_training(self.trace, self.budget, margin=margin, mode=self.mode,
-                             link_GBps=self.link[0], duplex_GBps=self.link[1])
-        self._plan = plan
-        self._visible = plan.visible
-        pos = {r: k for k, r in enumerate(plan.visible)}
-        # swapped storages in the order backward first read them, as positions in the swap's order
-        self._need = [pos[i] for i, _, u in sorted(recs, key=lambda r: (r[2] < 0, r[2]))
-                      if u >= 0 and i in pos and i not in plan.keep]
-        self._timed, self.step_seconds = [], []
+        plan = plan_training(self.trace, self.budget, margin=margin)
+        self.plan = plan
         self._tracing = False
         for i in sorted(plan.resident_blocks):
             if not self.blocks[i].resident:
@@ -789,14 +610,12 @@ class TieredTraining:
         self._alloc_slots()
         self._set_cap()
         self.torch.cuda.empty_cache()
-        if not plan.streamed_blocks and plan.swapped_bytes == 0 and not plan.recompute:
+        if not plan.streamed_blocks and plan.swapped_bytes == 0:
             # In capacity: nothing moves, so no hook is needed, and a module with hooks takes
             # torch's slower call path. Steps are then plain steps on managed memory.
             for h in self._hooks:
                 h.remove()
             self._hooks = []
-            if self.recompute is not None:
-                self.recompute.remove()
         log.info("tiermem: %s", plan.table())
 
     def _make_resident(self, b: _Block) -> None:
@@ -858,8 +677,6 @@ class TieredTraining:
         for h in self._hooks:
             h.remove()
         self._hooks = []
-        if self.recompute is not None:
-            self.recompute.remove()
         torch.cuda.synchronize(self.dev)
         torch.cuda.set_per_process_memory_fraction(self._old_fraction, self.dev)
         for s in self.slots:
@@ -869,7 +686,7 @@ class TieredTraining:
         with torch.no_grad():
             for b in self.blocks:
                 for p, key, _ in b.states:
-                    self.opt.state[p][key] = self.opt.state[p][key].to(p.dtype, copy=True)   # bf16 homes
+                    self.opt.state[p][key] = self.opt.state[p][key].clone()
                 for p in b.params:
                     if b.resident:
                         self.tier.unwrap(p)
@@ -895,7 +712,7 @@ class TieredTraining:
         return self.model
 
     def __repr__(self) -> str:
-        plan = self._plan.table() if self._plan is not None else "not planned yet (the first steps are traced)"
+        plan = self.plan.table() if self.plan is not None else "not planned yet (the first step is traced)"
         return f"<TieredTraining {type(self.model).__name__}, {len(self.blocks)} blocks: {plan}>"
 
 

@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 import torch.nn as nn
-from safetensors.torch import save_file
+save_file = pytest.importorskip("safetensors.torch").save_file
 
 import tiermem
 from tiermem import CheckpointError, HostBudgetError, load_pretrained, plan_host, plan_residency

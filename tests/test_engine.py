@@ -503,6 +503,39 @@ def test_concurrent_empty_and_free(fake):
     assert fake.live_blocks == 0
 
 
+
+def test_a_buffer_whose_finalizer_is_running_is_not_evicted_again(fake, monkeypatch):
+    # NOTE [finalizer race] in _tier.py: CPython clears weak references only after __del__, so
+    # another thread could find a freed buffer in the tier's WeakSet and count it off twice.
+    # The buffer's memory release is held up so that the window stays open.
+    t = tiermem.Tier(backend=fake, budget="4MiB")
+    x = t.empty(65_536, "uint8", role="activation")
+    z = t.empty(65_536, "uint8", role="activation")   # warmer than x: x would be the victim
+    assert t.resident_bytes == 2 * 65_536
+    held = x._b.block
+    release, entered, go = type(held).release, threading.Event(), threading.Event()
+
+    def held_release(block):
+        if block is held:
+            entered.set()
+            go.wait(10)
+        release(block)
+
+    monkeypatch.setattr(type(held), "release", held_release)
+    th = threading.Thread(target=x.free)   # the buffer's last owner goes in that thread
+    th.start()
+    assert entered.wait(10)
+    del x
+    y = t.empty(4 * MiB, "uint8", role="activation")   # makes room: the gone buffer is no victim
+    go.set()
+    th.join(10)
+    assert t.resident_bytes == t.stats()["resident_bytes.all.current"] == y._b.span
+    assert not z.is_resident
+    y.free()
+    z.free()
+    gc.collect()
+    assert (t.resident_bytes, t.stats()["resident_bytes.all.current"]) == (0, 0)
+
 # -- destructors ----------------------------------------------------------------------------
 
 def test_a_buffer_collected_by_the_cycle_collector_does_not_deadlock_stats():

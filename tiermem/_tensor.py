@@ -84,6 +84,7 @@ class _Buffer:
         self.last_use = 0
         self.pending: Transfer | None = None
         self.freed = False
+        self.gone = False                   # its memory went back (NOTE [finalizer race] in _tier.py)
 
     @property
     def owns_pages(self) -> bool:

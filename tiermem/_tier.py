@@ -460,7 +460,7 @@ class Tier:
     def _owner_of(self, ptr: int) -> _Buffer | None:
         """The live buffer whose managed range or shadow holds address ``ptr``, if any."""
         with self._lock:
-            for b in list(self._buffers):
+            for b in self._live_buffers():
                 if b.ptr <= ptr < b.ptr + max(b.nbytes, 1):
                     return b
                 if b.shadow is not None and b.shadow.ptr <= ptr < b.shadow.ptr + max(b.nbytes, 1):
@@ -471,19 +471,35 @@ class Tier:
         """A TieredTensor let go of its buffer; the buffer lives on while views hold it."""
         buf.freed = True
 
+    # NOTE [finalizer race]
+    # CPython runs a finalizer (``_Buffer.__del__``) *before* it clears the object's weak
+    # references, and the finalizer waits here for the lock. Meanwhile another thread that holds
+    # the lock can still find the buffer in ``self._buffers`` (a WeakSet) and evict it, or find it
+    # after this method ran: the buffer was then counted off twice (the concurrency test in
+    # tests/test_engine.py saw resident_bytes at -64 KiB in CI). So a gone buffer leaves the set
+    # here, under the lock, is marked ``gone``, and every walk of the set skips gone buffers.
     def _buffer_gone(self, buf: _Buffer) -> None:
         """The last owner of ``buf`` went: give its memory back. Called from __del__."""
         with self._lock:
+            if buf.gone:
+                return
+            buf.gone = True
+            self._buffers.discard(buf)
             if buf.parked:
                 self._unpark(buf, pages_gone=True)
             elif buf.where is Location.DEVICE:
                 self._resident -= buf.span
                 self.accounting.on_resident(buf.role, -buf.span)
+            buf.where = None
             if buf.shadow is not None:
                 self._shadow_bytes -= buf.shadow.nbytes
                 buf.shadow.release()
         self.accounting.on_free(buf.role, buf.nbytes)
         buf.block.release()
+
+    def _live_buffers(self) -> list[_Buffer]:
+        """The buffers not yet gone (NOTE [finalizer race]); call with the lock held."""
+        return [b for b in list(self._buffers) if not b.gone]
 
     # -- streams --------------------------------------------------------------------------------
     def _stream(self, stream: Any) -> int:
@@ -871,7 +887,7 @@ class Tier:
 
     def _victims(self, over: int, need: int, exclude: set[_Buffer]) -> list[_Buffer]:
         """The coldest evictable resident buffers whose pages add up to ``over`` bytes."""
-        cands = [b for b in list(self._buffers)
+        cands = [b for b in self._live_buffers()
                  if b.where is Location.DEVICE and b not in exclude and b.policy.evict is not Evict.NEVER]
         cands.sort(key=lambda b: (b.policy.evict_priority, b.last_use))
         chosen, freed = [], 0
@@ -974,7 +990,7 @@ class Tier:
 
     def _parked_bufs(self, exclude: Iterable[_Buffer] = ()) -> list[_Buffer]:
         skip = set(exclude)
-        return [b for b in list(self._buffers) if b.parked and b not in skip]
+        return [b for b in self._live_buffers() if b.parked and b not in skip]
 
     def _fresh_pages(self, bufs: list[_Buffer], location: Location, side: int) -> None:
         """Give shadowed buffers without pages new pages at ``location``; their old contents are

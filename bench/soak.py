@@ -92,6 +92,18 @@ def assemble(seeds: list[dict[str, Any]], min_free: float) -> tuple[dict[str, fl
     return metrics, checks
 
 
+def drop_frames(err: BaseException | None) -> None:
+    """Let go of the frames an exception's tracebacks hold (its cause and context included): a
+    caller that keeps the exception would otherwise keep the failed call's tensors alive."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if err.__traceback__ is not None:
+            traceback.clear_frames(err.__traceback__)
+            err.__traceback__ = None
+        err = err.__cause__ or err.__context__
+
+
 def injected(err: BaseException) -> bool:
     """Whether ``err`` is an injected failure as it should reach the caller: tiermem's error with
     the CUDA error's name, the interrupt itself, or (raised inside a backward hook, carried across
@@ -112,6 +124,7 @@ class Soak:
         self.torch, self.rng = torch, random.Random(seed)
         self.seed, self.max_ops, self.seconds, self.fault_rate = seed, ops, seconds, fault_rate
         self.inj, self.log = injector, log
+        self.last_fired: Any = None
         self.c = collections.Counter()
         self.min_free = math.inf
         self.errors: list[str] = []
@@ -144,7 +157,7 @@ class Soak:
 
     def settle(self, err: BaseException | None, where: str) -> bool:
         """After an operation: True if an injected failure fired (its error checked)."""
-        fired = self.inj.fired
+        fired = self.last_fired = self.inj.fired
         self.inj.disarm()
         self.inj.fired = None
         if fired is None:
@@ -180,13 +193,13 @@ class Soak:
             err = None
         self.c["ops"] += 1
         self.c[f"op_{op}"] += 1
-        if self.settle(err, op):
+        fired = self.settle(err, op)
+        drop_frames(err)   # before the books: its frames would keep the failed operation's buffers alive
+        if fired:
             if err is None or injected(err):
-                self.c["faults_recovered"] += self.recovered(t, live, e)
+                self.c["faults_recovered"] += self.recovered(t, live, e, op)
         elif armed:
             self.c["armed_not_fired"] += 1
-        if err is not None:
-            err.__traceback__ = None   # its frames would keep the operation's buffers alive
 
     def do(self, op: str, t: Any, live: list[list], e: list | None) -> None:
         import tiermem
@@ -285,12 +298,19 @@ class Soak:
               and s["allocated_bytes.all.current"] == sum(e[0].nbytes for e in live if not e[0].freed))
         return ok or (not collect and self.books(t, live, collect=True))
 
-    def recovered(self, t: Any, live: list[list], e: list | None) -> int:
+    def recovered(self, t: Any, live: list[list], e: list | None, op: str = "") -> int:
         """After an injected failure: the books agree and the touched tensor reads right."""
         try:
             ok = self.books(t, live)
             if not ok:
-                self.log(f"books disagree after a fault, seed {self.seed} op {self.c['ops']}")
+                held = [x for x in live if not x[0].freed]
+                s = t.stats()
+                self.log(f"books disagree after a fault in {op!r} (fault at {self.last_fired}), seed {self.seed} op "
+                         f"{self.c['ops']}: resident {t.resident_bytes} vs tensors "
+                         f"{sum(x[0]._b.span for x in held if x[0].is_resident or x[0].parked)}, parked "
+                         f"{t.parked_bytes} vs {sum(x[0]._b.span for x in held if x[0].parked)}, allocated "
+                         f"{s['allocated_bytes.all.current']} vs {sum(x[0].nbytes for x in held)}, staging "
+                         f"{t.staging_bytes}")
             if e is not None and e in live:
                 before = self.c["mismatches"]
                 self.read(e)
@@ -306,6 +326,31 @@ class Soak:
         c = GPTConfig(**cfg)
         self.torch.manual_seed(seed)
         return GPT(c).cuda(), c
+
+    def warm_up(self) -> None:
+        """Load, once, what the process keeps for good after its first use: the kernels the two
+        models run (CUDA loads modules lazily, into device memory) and cuBLAS's handle. Without
+        this the first seed's leak check would count them (310 MB on the H100)."""
+        import torch.nn.functional as F
+        import tiermem
+        torch = self.torch
+        for cfg in (dict(vocab=2048, seq=64, d=256, layers=4, heads=4), dict(vocab=2048, seq=128, d=384, layers=8, heads=4)):
+            model, c = self.gpt(cfg, 0)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            ids = self.batch(c)
+            logits = model(ids[:, :-1])
+            F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1)).backward()
+            opt.step()
+            with torch.no_grad():
+                model.eval()(ids[:2, :-1])
+            del model, opt, logits
+        t = tiermem.Tier(0, budget=BUDGET, staging="8MiB")
+        x = t.empty(4 * MiB, "uint8", role="activation")
+        x.evict()
+        x.prefetch()
+        x.free()
+        t.close()
+        torch.cuda.synchronize()
 
     def batch(self, c: Any, n: int = 8) -> Any:
         return self.torch.randint(0, c.vocab, (n, c.seq + 1), device="cuda",
@@ -326,7 +371,9 @@ class Soak:
             err = x
         self.c["ops"] += 1
         self.c["train_steps"] += 1
-        if self.settle(err, "train step"):
+        fired = self.settle(err, "train step")
+        drop_frames(err)   # the failed step's activations, held by its frames
+        if fired:
             if err is None or injected(err):
                 # recovered when the step after it runs and leaves no gradient behind
                 try:
@@ -362,7 +409,9 @@ class Soak:
             err = x
         self.c["ops"] += 1
         self.c["infer_forwards"] += 1
-        if self.settle(err, "inference forward") and (err is None or injected(err)):
+        fired = self.settle(err, "inference forward")
+        drop_frames(err)
+        if fired and (err is None or injected(err)):
             try:            # recovered when the next forward gives the plain model's output again
                 with torch.no_grad():
                     ok = torch.equal(model(ids), want)
@@ -378,6 +427,7 @@ class Soak:
         torch = self.torch
         self.gen = torch.Generator(device="cuda").manual_seed(self.seed)
         t0 = time.perf_counter()
+        self.warm_up()
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         free0 = torch.cuda.mem_get_info()[0]

@@ -684,10 +684,10 @@ class TieredModule:
         self._recording = True
         self._pos = -1
         self._fwd_mode = "stream"
-        self._old_budget = tier.budget
+        self._lease: Any = None       # its share of the tier's budget (NOTE [budget leases])
         # NOTE [all or nothing]
         #     Adoption, like unwrap, either completes or leaves the module exactly as it was, with
-        #     every byte it took given back and the tier's budget restored. The original tensors
+        #     every byte it took given back and its budget lease released. The original tensors
         #     stay referenced until the adoption is done (a failure rebinds them), and the streamed
         #     tensors are bound to their home only in the last step, which cannot fail. unwrap makes
         #     every plain copy before it rebinds anything, after checking the device has room.
@@ -726,6 +726,12 @@ class TieredModule:
         would be refused there. Weights already on this device count as room: they are freed once
         adopted. A budget that must shrink says so, and the plan streams the rest."""
         be = self.tier.backend
+        lease_room = self.tier.lease_room()      # NOTE [budget leases]
+        if lease_room is not None and asked > lease_room:
+            log.warning("tiermem: a module budget of %s bytes does not fit the tier's configured budget (%s bytes "
+                        "left for leases); planning for that, the rest streams from pinned host memory",
+                        f"{asked:,}", f"{lease_room:,}")
+            asked = lease_room
         room = be.guard.limit - be.guard.reserved
         on_device = sum(t.numel() * t.element_size() for t in tensors
                         if t.device.type == "cuda" and t.device.index == self.tier.device)
@@ -740,7 +746,8 @@ class TieredModule:
 
     def _adopt(self, found: list, streamed: list[_Group]) -> None:
         tier, module = self.tier, self.module
-        tier.set_budget(self.budget)       # before any fill: adoption itself stays within budget
+        # before any fill: adoption itself stays within budget
+        self._lease = tier.lease(self.budget, owner=f"wrap_module({type(module).__name__})")
         pinned = [g for g in self._groups.values() if g.pinned]
         if pinned:
             flat = [t for g in pinned for t in g.tensors]
@@ -810,7 +817,8 @@ class TieredModule:
         if self._stream is not None:
             self._stream.discard()
             self._stream = None
-        self.tier.set_budget(self._old_budget)
+        if self._lease is not None:
+            self._lease.release()
         self._groups.clear()
         self.tier.backend.release_cached()   # the freed groups' managed memory back to the driver
 
@@ -970,7 +978,8 @@ class TieredModule:
             self._stream.discard()
             self._stream = None
         self._groups.clear()
-        self.tier.set_budget(self._old_budget)
+        if self._lease is not None:
+            self._lease.release()
 
     def _check_room(self, dev_of: Callable[[Any], Any]) -> None:
         """Refuse, changing nothing, an unwrap whose plain copies do not fit their device."""

@@ -80,6 +80,7 @@ from typing import Any
 from . import _dtypes
 from ._backend import PAGE, Backend, Block, round_request
 from ._errors import ConfigError, ConfigTypeError, OutOfBudgetError, RoleError
+from ._lease import BudgetLease, Leases
 from ._limits import budget_setting, cap_setting, parse_bytes, resolve_budget
 from ._staging import Staging, ring_slot
 from ._stats import Accounting
@@ -205,7 +206,9 @@ class Tier:
         self.backend = backend
         self.device = backend.device
         self.policies = table
-        self._budget = resolve_budget(budget, total=backend.capabilities().total_memory)
+        self._configured = resolve_budget(budget, total=backend.capabilities().total_memory)
+        self._leases = Leases()          # NOTE [budget leases] in _lease.py
+        self._budget = self._configured  # what is enforced: the configured budget, or the leases'
         self.accounting = Accounting()
         self._lock = threading.RLock()
         self._buffers: weakref.WeakSet[_Buffer] = weakref.WeakSet()
@@ -220,13 +223,81 @@ class Tier:
     # -- settings -------------------------------------------------------------------------------
     @property
     def budget(self) -> int | None:
-        """Bytes tiermem may keep resident on the device (NOTE [device budget]); None: no limit."""
+        """Bytes tiermem may keep resident on the device (NOTE [device budget]); None: no limit.
+        The configured budget where there is one, else the sum of the handles' leases (NOTE
+        [budget leases] in _lease.py)."""
         return self._budget
 
+    @property
+    def configured_budget(self) -> int | None:
+        """The budget the user set (``Tier(budget=)``, ``configure``, ``set_budget``); None: none."""
+        return self._configured
+
     def set_budget(self, budget: int | str | None) -> int | None:
-        """Change the budget, evicting at once what no longer fits. Returns the old budget."""
+        """Change the configured budget, evicting at once what no longer fits. Returns the old
+        configured budget. A budget smaller than the live leases is refused
+        (:class:`OutOfBudgetError`), changing nothing."""
         total = self.backend.capabilities().total_memory
         new = None if budget is None else parse_bytes(budget, total=total, what="device budget", max_percent=100)
+        with self._lock:
+            if new is not None and self._leases.nbytes > new:
+                raise OutOfBudgetError(self._leases.nbytes, self._resident, new,
+                                       "handles hold leases on more than that ("
+                                       + ", ".join(f"{x.owner}: {x.nbytes:,} B" for x in self._leases)
+                                       + "); unwrap them first")
+            old, self._configured = self._configured, new
+            try:
+                self._enforce(self._leases.enforced(new))
+            except BaseException:
+                self._configured = old
+                raise
+        return old
+
+    def lease_room(self) -> int | None:
+        """Bytes a new lease may take (NOTE [budget leases]): the configured budget less the live
+        leases; None where no budget is configured, so that any lease fits."""
+        with self._lock:
+            return self._leases.room(self._configured)
+
+    def lease(self, nbytes: int, owner: str) -> BudgetLease:
+        """Take ``nbytes`` of the budget for ``owner`` (a handle), until the returned lease is
+        released (NOTE [budget leases]). Without a configured budget, the enforced budget grows
+        by ``nbytes``; with one, the lease must fit its room (:meth:`lease_room`), else
+        :class:`OutOfBudgetError`."""
+        with self._lock:
+            room = self._leases.room(self._configured)
+            if room is not None and nbytes > room:
+                raise OutOfBudgetError(nbytes, self._configured - room, self._configured,
+                                       f"the configured budget has {room:,} B left for leases")
+            lease = self._leases.add(nbytes, owner, self._end_lease)
+            try:
+                self._enforce(self._leases.enforced(self._configured))
+            except BaseException:
+                lease.release()
+                raise
+        return lease
+
+    @property
+    def leases(self) -> tuple[BudgetLease, ...]:
+        """The live budget leases, in the order taken."""
+        with self._lock:
+            return tuple(self._leases)
+
+    def _end_lease(self, lease: BudgetLease) -> None:
+        with self._lock:
+            self._leases.remove(lease)
+            try:
+                self._enforce(self._leases.enforced(self._configured))
+            except OutOfBudgetError as e:
+                # What is left cannot all leave the device now (never-evicted tensors, or tensors
+                # in use): the smaller budget holds from the next placement on. Giving a lease back
+                # runs on unwrap and on a failed adoption, which must not fail over it.
+                self._budget = self._leases.enforced(self._configured)
+                log.warning("tiermem: a lease given back leaves more on the device than the budget: %s", e)
+
+    def _enforce(self, new: int | None) -> None:
+        """Hold to budget ``new`` from now on, evicting at once what no longer fits; a budget
+        that cannot be met changes nothing (raises OutOfBudgetError)."""
         with self._lock:
             self._reap()             # finished moves let go of buffers freed meanwhile
             old, self._budget = self._budget, new
@@ -238,9 +309,8 @@ class Tier:
                 try:
                     self._make_room(0, exclude=set())
                 except OutOfBudgetError:
-                    self._budget = old   # a budget that cannot be met changes nothing
+                    self._budget = old
                     raise
-        return old
 
     @property
     def resident_bytes(self) -> int:

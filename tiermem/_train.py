@@ -172,8 +172,25 @@ class TieredTraining:
             b.g_bytes = off
         self._block_of = {id(p): b for b in self.blocks for p in b.params}
         self.params: dict[int, Any] = {}      # storage address -> streamed parameter (for the swap)
-        self._old_tier_budget = tier.budget
-        tier.set_budget(self.budget)
+        room = tier.lease_room()                 # NOTE [budget leases]
+        if room is not None and self.budget > room:
+            log.warning("tiermem: a training budget of %s bytes does not fit the tier's configured budget (%s bytes "
+                        "left for leases); training within that", f"{self.budget:,}", f"{room:,}")
+            self.budget = room
+        self._hooks: list[Any] = []
+        self._old_fraction: float | None = None
+        self.slots: list[_Slot] = []
+        self.swap: ActivationSwap | None = None
+        self._lease = tier.lease(self.budget, owner=f"wrap_training({type(model).__name__})")
+        originals = [(p, p.data) for b in self.blocks for p in b.params]
+        try:
+            self._adopt(tier, model, lookahead, min_swap, window, swap)
+        except BaseException:
+            self._rollback(originals)
+            raise
+
+    def _adopt(self, tier: Tier, model: Any, lookahead: int, min_swap: int, window: int | None, swap: bool) -> None:
+        torch, be = self.torch, tier.backend
         torch.cuda.synchronize(self.dev)
         with torch.no_grad():
             for b in self.blocks:
@@ -214,7 +231,6 @@ class TieredTraining:
         self.last_peak = 0                     # torch's peak reserved bytes in the last step
         self.floor = 0                         # the traced step's peak, everything moving
         self.steps = 0
-        self._hooks = []
         for b in self.blocks:
             self._hooks.append(b.module.register_forward_pre_hook(lambda m, a, b=b: self._fwd_pre(b)))
             self._hooks.append(b.module.register_forward_hook(lambda m, a, out, b=b: self._fwd_post(b, out)))
@@ -222,6 +238,33 @@ class TieredTraining:
                 self._hooks.append(p.register_post_accumulate_grad_hook(lambda p, b=b: self._grad_done(b, p)))
         import weakref
         model._tiermem_handle = weakref.ref(self)
+
+    def _rollback(self, originals: list[tuple[Any, Any]]) -> None:
+        """Undo a failed adoption (NOTE [all or nothing] in _module.py): the parameters get their
+        own memory back, and every byte, hook, cap and lease the adoption took is given back.
+        Must not raise over the adoption's error."""
+        torch = self.torch
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        torch.cuda.synchronize(self.dev)
+        for p, data in originals:
+            p.data = data
+        if self._old_fraction is not None:
+            torch.cuda.set_per_process_memory_fraction(self._old_fraction, self.dev)
+        for b in self.blocks:
+            for tt in b.tiered:
+                if not tt.freed:
+                    tt.free()
+            for h in (b.home_p, b.home_s):
+                if h is not None:
+                    h.release()
+            b.tiered, b.home_p, b.home_s = [], None, None
+        self.slots, self._slot_mem = [], None
+        if self.swap is not None:
+            self.swap.arena.release()
+        self._lease.release()
+        torch.cuda.empty_cache()
 
     # -- memory ------------------------------------------------------------------------------------
     def _fraction(self) -> float:
@@ -715,7 +758,7 @@ class TieredTraining:
         if self.swap is not None:
             self.swap.arena.release()
         self.tier.synchronize()      # finished moves let go of the buffers they held
-        self.tier.set_budget(self._old_tier_budget)
+        self._lease.release()
         self.model._tiermem_handle = None
         return self.model
 

@@ -529,8 +529,8 @@ def check_books(tier: tiermem.Tier, fake: FakeBackend) -> None:
     """The Tier's accounting equals the fake's live allocations, and every buffer is coherent.
     (No gc.collect: tiermem's buffers form no reference cycles, so what nothing refers to is gone
     already; a full collection costs a third of a second in this process.)"""
-    tier._reap()
-    bufs = list(tier._buffers)
+    tier.reap()
+    bufs = list(tier._bufset)
     allocs = {}
     for b in bufs:
         h = b.block._handle

@@ -377,7 +377,7 @@ class _PinnedTransport:
                 files = {g: [(owner._sources[id(t)], o) for t, o in zip(g.tensors, g.member_offsets)] for g in on_disk}
                 self.disk = DiskTier(be, files, stage, owner.plan.stages)
             if self.nslots:
-                tier._reserve(self.slot_bytes * self.nslots, role)
+                tier.reserve(self.slot_bytes * self.nslots, role)
                 self._reserved = self.slot_bytes * self.nslots
                 # Straight from the driver, so unwrap (or a failed adoption) gives it back.
                 self.window = be.device_alloc(self._reserved, pooled=False)
@@ -447,7 +447,7 @@ class _PinnedTransport:
             if stage is None:
                 return False
         src = self.home.ptr + g.offset if stage is None else self.disk.stages[stage].ptr
-        side = tier._side("h2d")
+        side = tier.side_stream("h2d")
         if self.freed[slot] is not None:
             be.wait(side, self.freed[slot])          # the slot's last user has finished with it
         else:
@@ -460,8 +460,7 @@ class _PinnedTransport:
         be.record(end, side)
         if stage is not None:
             self.disk.give_back(stage, end)
-        with tier._lock:
-            tier._inflight.append(Transfer(tier, "h2d", side, start, end, [], g.nbytes, {self.role: g.nbytes}))
+        tier.track(Transfer(tier, "h2d", side, start, end, [], g.nbytes, {self.role: g.nbytes}))
         tier.accounting.on_move(self.role, "h2d", g.nbytes)
         tier.accounting.count(self.role, "prefetch_ops")
         self.ready[slot] = end
@@ -510,7 +509,7 @@ class _PinnedTransport:
                     h.copy_(t.data)
             done = be.new_event()
             be.record(done, be.current_stream())
-            be.wait(self.tier._side("h2d"), done)
+            be.wait(self.tier.side_stream("h2d"), done)
         ev = be.new_event()
         be.record(ev, be.current_stream())
         self.freed[slot] = ev
@@ -583,7 +582,7 @@ class _PinnedTransport:
             self.window.release()
             self.window = None
         if self._reserved:
-            self.tier._unreserve(self._reserved, self.role)
+            self.tier.unreserve(self._reserved, self.role)
             self._reserved = 0
         for name in ("home", "grad_home"):
             block = getattr(self, name)
@@ -811,7 +810,7 @@ class TieredModule:
                 delattr(t, _ATTR)
         for g in self._groups.values():
             for tt in g.tiered:
-                tt._b.bindings = []
+                tt.buffer.bindings = []
                 tt.free()
             g.tiered = []
         if self._stream is not None:
@@ -971,7 +970,7 @@ class TieredModule:
         self.tier.synchronize()
         for g in self._groups.values():
             for tt in g.tiered:
-                tt._b.bindings = []
+                tt.buffer.bindings = []
                 tt.free()
             g.tiered = []
         if self._stream is not None:
@@ -1169,7 +1168,7 @@ def _wrap_from(tier: Tier, tensors: list[Any], sources: list[Any], names: list[s
             for tt, t, src in zip(tts, tensors, sources):
                 home = _origin(t)
                 if src is not None:
-                    b = tt._b
+                    b = tt.buffer
                     view = tier.backend.torch_view(b.ptr, b.nbytes, b.token(internal=True)).view(t.dtype).view(t.shape)
                     _fill_from(view, src)
                     # Bound to its own filled memory, so _fill_and_bind's copy is one of the memory
@@ -1181,7 +1180,7 @@ def _wrap_from(tier: Tier, tensors: list[Any], sources: list[Any], names: list[s
             tt.advise(policy=policy)
     except BaseException:
         for tt in tts:
-            tt._b.bindings = []
+            tt.buffer.bindings = []
             tt.free()
         raise
     return tts

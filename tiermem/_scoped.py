@@ -71,7 +71,7 @@ NOTE [retained pages]
 
 NOTE [scoped moves]
     ``Tier.use(a, b)`` brings the named arrays in through :meth:`Tier.prefetch` (one batched
-    prefetch, ~49 GB/s) after making room in the budget through ``Tier._make_room``, which evicts
+    prefetch, ~49 GB/s) after making room in the budget through ``Tier.make_room``, which evicts
     the coldest evictable buffers by their fastest safe path; arrays named by a live handle are
     never chosen. The moves of allocator arrays do not wait for the caller's stream: they go
     through Unified Memory, which keeps every address valid, so a kernel still running on one
@@ -215,37 +215,37 @@ class ArrayResidency:
         budget check, and the evictions that make room finish, on the device, before the new
         array's pages are placed (NOTE [scoped moves], "hands the evicted pages on")."""
         tier = self.tier
-        buf = tier._new_buffer(nbytes, as_role(role), None, {}, None)
-        tier._apply_advice(buf)
-        with tier._lock:
+        buf = tier.new_buffer(nbytes, as_role(role), None, {}, None)
+        tier.apply_advice(buf)
+        with tier.lock:
             self.arrays.add(buf)
             budget = tier.budget
             # _place_new_group leaves host-preferred and never-prefetched buffers unplaced.
             places = buf.policy.preferred_location is not Location.HOST and buf.policy.prefetch is not Prefetch.NEVER
             fits = True
-            if budget is not None and places and tier._held() + buf.span > budget and not buf.owns_pages:
+            if budget is not None and places and tier.held_bytes() + buf.span > budget and not buf.owns_pages:
                 # Under 2 MiB (a reduction's output, an index): evicting a whole array to make room
                 # for it, or a check of every in-place range, would cost far more than the bytes.
                 fits = False
-            elif budget is not None and places and tier._held() + buf.span > budget:
-                before = set(tier._inflight)
+            elif budget is not None and places and tier.held_bytes() + buf.span > budget:
+                before = set(tier.inflight())
                 self._check(exclude={buf})
                 try:
-                    tier._make_room(buf.span, exclude={buf} | self.pinned())
+                    tier.make_room(buf.span, exclude={buf} | self.pinned())
                 except OutOfBudgetError:
                     fits = False
-                for tr in tier._inflight:
+                for tr in tier.inflight():
                     if tr not in before:
                         tr.wait(None)   # the placement's stream waits for the current one
                 self._settle()
             if fits:
-                tier._place_new(buf)
+                tier.place_new(buf)
                 self._mark_backed([buf])
             elif buf.owns_pages:
                 # What _place_new does with a buffer that cannot fit (it is used in place from
                 # the host), done here since _place_new would evict arrays open handles pin. Its
                 # first touch puts its pages on the host.
-                tier._set_policy(buf, None, IN_PLACE)
+                tier.change_policy(buf, None, IN_PLACE)
                 buf.where = Location.HOST
                 buf.host_valid = True
                 self.in_place.add(buf)
@@ -293,7 +293,7 @@ class ArrayResidency:
                 # page is, moves nothing and lets _verify tell a later prefetch to the device.
                 b.read_mostly_while_resident = False
                 b.policy = b.policy.replace(**IN_PLACE, read_only=False)
-                tier.backend.prefetch([tier._range(b)], Location.HOST, tier._um_side("d2h"))
+                tier.backend.prefetch([tier.page_range(b)], Location.HOST, tier.um_stream("d2h"))
                 self.in_place.add(b)
                 continue
             settled = _in_place(b) and not b.policy.read_only
@@ -301,12 +301,12 @@ class ArrayResidency:
                 continue
             collapsed = b.policy.read_mostly
             if not settled:
-                tier._set_policy(b, None, {**IN_PLACE, "read_only": False})
+                tier.change_policy(b, None, {**IN_PLACE, "read_only": False})
             if collapsed:
                 # A read-mostly collapse moved nothing and left the range's last prefetch at the
                 # device: a prefetch to the host, where every page already is, makes it say host,
                 # so that _verify can tell a later prefetch to the device (NOTE [read-only scopes]).
-                tier.backend.prefetch([tier._range(b)], Location.HOST, tier._um_side("d2h"))
+                tier.backend.prefetch([tier.page_range(b)], Location.HOST, tier.um_stream("d2h"))
             self.in_place.add(b)
 
     def _verify(self) -> None:
@@ -318,7 +318,7 @@ class ArrayResidency:
         for b in list(self.in_place):
             if b.where is not Location.HOST:     # tiermem itself brought it in: still advised
                 continue
-            info = be.range_info(*tier._range(b))
+            info = be.range_info(*tier.page_range(b))
             if info.last_prefetch is Location.DEVICE or info.preferred_location is not Location.HOST:
                 back.append((b, info))
         for b, info in back:
@@ -328,10 +328,9 @@ class ArrayResidency:
                 b.policy = b.policy.replace(preferred_location=info.preferred_location)
             b.where = Location.DEVICE
             b.host_valid = False
-            b.last_use = next(tier._tick)
+            b.last_use = tier.tick()
             self._mark_backed([b])
-            tier._resident += b.span
-            tier.accounting.on_resident(b.role, b.span)
+            tier.count_resident(b, b.span)
             tier.accounting.count_extra("residency.faulted_back_count")
             tier.accounting.count_extra("residency.faulted_back_bytes", b.span)
         if back:
@@ -358,12 +357,12 @@ class ArrayResidency:
         self._settle()
         self._verify()
         budget = tier.budget
-        over = tier._held() - budget if budget is not None else 0
+        over = tier.held_bytes() - budget if budget is not None else 0
         if over > 0:
             tier.accounting.count_extra("residency.budget_overruns")
             tier.accounting.count_extra("residency.budget_overrun_bytes", over)
             try:
-                tier._make_room(0, exclude=set(exclude) | self.pinned())
+                tier.make_room(0, exclude=set(exclude) | self.pinned())
             except OutOfBudgetError as e:
                 log.warning("tiermem: %d bytes over the budget and nothing else to evict: %s", over, e)
             self._settle()
@@ -373,7 +372,7 @@ class ArrayResidency:
         tier = self._tier()
         if tier is None:
             return
-        with tier._lock:
+        with tier.lock:
             self._settle()
             self._verify()     # recounts in-place and retained bytes
 
@@ -397,8 +396,8 @@ class ArrayResidency:
         on_cupy = stream is None and any(_token_of(x) is not None for x in items)
         if on_cupy:
             stream = _cupy_stream()
-        with tier._lock:
-            tier._reap()
+        with tier.lock:
+            tier.reap()
             handle = ArrayUse(self, bufs, _CUPY if on_cupy else stream)
             self.handles.add(handle)     # pinned from here on: the check below must not evict them
             try:
@@ -408,7 +407,7 @@ class ArrayResidency:
                     # collapse them onto the device behind the books. They go (a collapse, nothing
                     # over the link) and come back below as plain pages.
                     tier.evict(lent, non_blocking=True)
-                before = set(tier._inflight)
+                before = set(tier.inflight())
                 self._check(exclude=set(bufs))
                 todo = [b for b in bufs if b.where is not Location.DEVICE or b.in_shadow]
                 stay = set()
@@ -416,8 +415,8 @@ class ArrayResidency:
                     stay = {b for b in todo if not b.in_shadow and b in self.in_place}
                     todo = [b for b in todo if b not in stay]
                 need = sum(b.span for b in todo if not b.parked)
-                tier._make_room(need, exclude=set(bufs) | self.pinned())
-                evictions = [tr for tr in tier._inflight if tr not in before]
+                tier.make_room(need, exclude=set(bufs) | self.pinned())
+                evictions = [tr for tr in tier.inflight() if tr not in before]
                 self._settle()
                 if read_only:
                     self._read_mostly([b for b in todo if b in self.in_place])
@@ -450,7 +449,7 @@ class ArrayResidency:
             if b.where is Location.HOST and b.host_valid and _in_place(b):
                 b.policy = b.policy.replace(read_mostly=True, read_only=True)
                 b.read_mostly_while_resident = True
-                tier.backend.advise(*tier._range(b), Advice("read_mostly", True, Location.DEVICE))
+                tier.backend.advise(*tier.page_range(b), Advice("read_mostly", True, Location.DEVICE))
                 tier.accounting.count(b.role, "advice_applied")
 
 
@@ -506,13 +505,13 @@ class ArrayUse:
             self.closed = True
             tier = self._state._tier()
             if tier is not None:
-                with tier._lock:     # another thread may be reading the pins in a budget check
+                with tier.lock:     # another thread may be reading the pins in a budget check
                     self._state.handles.discard(self)
                     if self._bufs:
                         be = tier.backend
                         stream = _cupy_stream() if self._stream is _CUPY else self._stream
                         fence = be.new_event()
-                        be.record(fence, tier._stream(stream))
+                        be.record(fence, tier.stream_handle(stream))
                         for b in self._bufs:
                             b.fence = fence
             self._bufs = []
@@ -564,7 +563,7 @@ def buffer_of(tier: Tier, x: Any) -> _Buffer:
     """The buffer behind ``x``: a TieredTensor, or an array on memory from ``tier`` (a CuPy array
     from its allocator, a view of a TieredTensor). Raises TierMemError for anything else."""
     if isinstance(x, TieredTensor):
-        b = x._b
+        b = x.buffer
     elif isinstance(x, _Buffer):
         b = x
     elif (tok := _token_of(x)) is not None:

@@ -205,7 +205,7 @@ class ActivationSwap:
     # -- moves -------------------------------------------------------------------------------------
     def _out(self, s: _Saved, st: Any, ptr: int) -> None:
         tier, be = self.tier, self.tier.backend
-        side = tier._side("d2h")
+        side = tier.side_stream("d2h")
         dep = be.new_event()
         be.record(dep, be.current_stream())
         be.wait(side, dep)
@@ -245,7 +245,7 @@ class ActivationSwap:
         # Allocated on the compute stream; the copy waits for that stream so the memory's last
         # user there is done, and the compute stream waits for the copy before reading it.
         s.dev = torch.empty(s.nbytes, dtype=torch.uint8, device=f"cuda:{tier.device}")
-        side = tier._side("h2d")
+        side = tier.side_stream("h2d")
         dep = be.new_event()
         be.record(dep, cur)
         be.wait(side, dep)

@@ -106,7 +106,7 @@ class _Buffer:
     def __del__(self) -> None:
         # Runs from the garbage collector: must never raise (STYLE: destructors log, not raise).
         try:
-            self.tier._buffer_gone(self)
+            self.tier.buffer_gone(self)
         except Exception:  # pragma: no cover
             log.exception("tiermem: error while freeing a buffer")
 
@@ -129,6 +129,11 @@ class TieredTensor:
         if self._buf is None:
             raise TierMemError("this TieredTensor was freed")
         return self._buf
+
+    @property
+    def buffer(self) -> _Buffer:
+        """The internal buffer (for tiermem's adapters; raises :class:`TierMemError` once freed)."""
+        return self._b
 
     @property
     def tier(self) -> Tier:
@@ -206,7 +211,7 @@ class TieredTensor:
         only read, and a later eviction of a read-only tensor stays free.
         """
         buf = self._b
-        self.tier._materialize(buf, writable)
+        self.tier.materialize(buf, writable)
         return self._typed(self.tier.backend.torch_view(buf.ptr, buf.nbytes, buf.token(internal=False)))
 
     def _typed(self, raw: Any) -> Any:
@@ -217,7 +222,7 @@ class TieredTensor:
         """A CuPy array on this memory, zero-copy. Same rules as :meth:`torch`."""
         buf = self._b
         np_dtype = _dtypes.to_numpy(self.dtype)
-        self.tier._materialize(buf, writable)
+        self.tier.materialize(buf, writable)
         raw = self.tier.backend.cupy_view(buf.ptr, buf.nbytes, buf.token(internal=False))
         return raw.view(np_dtype).reshape(self.shape)
 
@@ -248,7 +253,7 @@ class TieredTensor:
     def advise(self, policy: Policy | None = None, **changes: Any) -> Policy:
         """Give this tensor its own policy (or change fields of its current one) and apply its
         advice now. Returns the policy now in force."""
-        return self.tier._set_policy(self._b, policy, changes)
+        return self.tier.change_policy(self._b, policy, changes)
 
     def range_info(self) -> Any:
         """What CUDA reports for this range (preferred location, read-mostly, accessed-by, last
@@ -259,4 +264,4 @@ class TieredTensor:
         """Let go of the memory. Views still alive keep it until they go; then it returns to the pool."""
         buf, self._buf = self._buf, None
         if buf is not None:
-            buf.tier._release(buf)
+            buf.tier.release_buffer(buf)

@@ -211,7 +211,7 @@ class Tier:
         self._budget = self._configured  # what is enforced: the configured budget, or the leases'
         self.accounting = Accounting()
         self._lock = threading.RLock()
-        self._buffers: weakref.WeakSet[_Buffer] = weakref.WeakSet()
+        self._bufset: weakref.WeakSet[_Buffer] = weakref.WeakSet()
         self._resident = 0
         self._parked = 0             # of _resident: pages kept for refills (NOTE [parked pages])
         self._shadow_bytes = 0
@@ -299,15 +299,15 @@ class Tier:
         """Hold to budget ``new`` from now on, evicting at once what no longer fits; a budget
         that cannot be met changes nothing (raises OutOfBudgetError)."""
         with self._lock:
-            self._reap()             # finished moves let go of buffers freed meanwhile
+            self.reap()             # finished moves let go of buffers freed meanwhile
             old, self._budget = self._budget, new
             self._staging.yielded = False
-            self._staging.release(self._um_side, new, unwanted_only=True)
+            self._staging.release(self.um_stream, new, unwanted_only=True)
             if new is None:   # nothing parks without a budget (NOTE [parked pages])
                 self._drop(self._parked_bufs())
-            elif self._held() > new:
+            elif self.held_bytes() > new:
                 try:
-                    self._make_room(0, exclude=set())
+                    self.make_room(0, exclude=set())
                 except OutOfBudgetError:
                     self._budget = old
                     raise
@@ -324,7 +324,7 @@ class Tier:
         Under a budget they count against it, beside ``resident_bytes``."""
         return self._staging.nbytes
 
-    def _held(self) -> int:
+    def held_bytes(self) -> int:
         """What the budget limits: tensors' pages and the staging rings."""
         return self._resident + self.staging_bytes
 
@@ -338,12 +338,12 @@ class Tier:
         ring]) back to the driver, so other allocators can use them. Blocks until that is done;
         returns the bytes given back."""
         with self._lock:
-            self._reap()
-            return self._drop(self._parked_bufs()) + self._staging.release(self._um_side)
+            self.reap()
+            return self._drop(self._parked_bufs()) + self._staging.release(self.um_stream)
 
     # -- the staging rings ------------------------------------------------------------------------
-    def _um_side(self, direction: str) -> int:
-        return self._side(UM_STREAMS[direction])
+    def um_stream(self, direction: str) -> int:
+        return self.side_stream(UM_STREAMS[direction])
 
     def _yield_ring(self) -> int:
         """Give the rings' room to tensors that need it: tensors come first, the rings only make
@@ -352,7 +352,7 @@ class Tier:
         self._staging.yielded = True
         log.info("tiermem: the staging rings give their %d bytes of the budget to tensors; shadow copies "
                  "go direct until the budget changes", self.staging_bytes)
-        return self._staging.release(self._um_side)
+        return self._staging.release(self.um_stream)
 
     def _stage(self, nbytes: int, direction: str, grow: bool = True) -> Any:
         """A ring session for ``nbytes`` of shadow copies in ``direction``, or None to copy
@@ -365,11 +365,11 @@ class Tier:
         ring = self._staging.ring(direction)
         if not ring.allocated:
             if self._budget is not None and (direction == "h2d" or not grow
-                                             or self._held() + ring.nbytes > self._budget):
+                                             or self.held_bytes() + ring.nbytes > self._budget):
                 return None
             if not self._staging.allocate(direction):
                 return None
-        return ring.session(self._um_side(direction), direction)
+        return ring.session(self.um_stream(direction), direction)
 
     def _quiesce(self) -> None:
         """NOTE [discard fence] with two streams: before a discard the host drains both of
@@ -391,9 +391,9 @@ class Tier:
         it (e.g. ``read_mostly=True``). Raises :class:`CapExceededError` past the managed cap.
         """
         shape_t, dt = check_empty(shape, dtype, role, policy, policy_changes)
-        buf = self._new_buffer(math.prod(shape_t) * _dtypes.itemsize(dt), role, policy, policy_changes, name)
-        self._apply_advice(buf)
-        self._place_new(buf)
+        buf = self.new_buffer(math.prod(shape_t) * _dtypes.itemsize(dt), role, policy, policy_changes, name)
+        self.apply_advice(buf)
+        self.place_new(buf)
         return TieredTensor(buf, shape_t, dt)
 
     def empty_group(self, specs: Iterable[tuple[Any, Any]], *, role: Role | str, names: Iterable[str] | None = None,
@@ -410,7 +410,7 @@ class Tier:
         if len(names_l) != len(specs):
             raise ConfigError(f"{len(names_l)} names for {len(specs)} tensors")
         r = as_role(role)
-        pol = self._resolve_policy(r, policy, policy_changes)
+        pol = self.resolve_policy(r, policy, policy_changes)
         sizes = [math.prod(sh) * _dtypes.itemsize(dt) for sh, dt in specs]
         offsets, spans, off = [], [], 0
         for n in sizes:
@@ -431,57 +431,57 @@ class Tier:
             bufs.append(buf)
         with self._lock:
             for b in bufs:
-                self._buffers.add(b)
+                self._bufset.add(b)
         for b in bufs:
-            self._apply_advice(b)
+            self.apply_advice(b)
         self._place_new_group(bufs)
         return [TieredTensor(b, sh, dt) for b, (sh, dt) in zip(bufs, specs)]
 
-    def _resolve_policy(self, role: Role, policy: Policy | None, changes: Mapping[str, Any]) -> Policy:
+    def resolve_policy(self, role: Role, policy: Policy | None, changes: Mapping[str, Any]) -> Policy:
         base = policy if policy is not None else self.policies[role]
         if not isinstance(base, Policy):
             raise RoleError(f"policy must be a tiermem.Policy, got {type(base).__name__}")
         return base.replace(**changes) if changes else base
 
-    def _new_buffer(self, nbytes: int, role: Role | str, policy: Policy | None,
+    def new_buffer(self, nbytes: int, role: Role | str, policy: Policy | None,
                     changes: Mapping[str, Any], name: str | None) -> _Buffer:
         r = as_role(role)
-        pol = self._resolve_policy(r, policy, changes)
+        pol = self.resolve_policy(r, policy, changes)
         request, size_class = round_request(nbytes)
         block = self.backend.allocate(request, f"{r.value}/{size_class}")
         buf = _Buffer(self, block, nbytes, r, pol, name)
         buf.last_use = next(self._tick)
         self.accounting.on_alloc(r, nbytes)
         with self._lock:
-            self._buffers.add(buf)
+            self._bufset.add(buf)
         return buf
 
-    def _range(self, buf: _Buffer) -> tuple[int, int]:
+    def page_range(self, buf: _Buffer) -> tuple[int, int]:
         """The range to advise and prefetch: whole pages when the buffer has them to itself (a
         group member, a large buffer), else just its bytes (its pages are shared)."""
         whole = buf.ptr % PAGE == 0 and buf.span % PAGE == 0 and (buf.owns_pages or buf.block.alloc != buf.ptr
                                                                    or buf.block.pool_key.endswith("/large"))
         return (buf.ptr, buf.span if whole else buf.nbytes)
 
-    def _apply_advice(self, buf: _Buffer, policy: Policy | None = None) -> None:
+    def apply_advice(self, buf: _Buffer, policy: Policy | None = None) -> None:
         plan = advice_plan(policy or buf.policy)
         if not self.backend.capabilities().supports("advise"):
             self.accounting.count(buf.role, "advice_skipped", len(plan))
             return
-        ptr, n = self._range(buf)
+        ptr, n = self.page_range(buf)
         for advice in plan:
             self.backend.advise(ptr, n, advice)
         self.accounting.count(buf.role, "advice_applied", len(plan))
 
-    def _set_policy(self, buf: _Buffer, policy: Policy | None, changes: Mapping[str, Any]) -> Policy:
+    def change_policy(self, buf: _Buffer, policy: Policy | None, changes: Mapping[str, Any]) -> Policy:
         with self._lock:
             buf.policy = (policy if policy is not None else buf.policy).replace(**changes)
             if not buf.policy.read_only:
                 buf.shadow_valid = False   # the device may write it from now on
-            self._apply_advice(buf)
+            self.apply_advice(buf)
             return buf.policy
 
-    def _place_new(self, buf: _Buffer) -> None:
+    def place_new(self, buf: _Buffer) -> None:
         self._place_new_group([buf])
 
     def _place_new_group(self, bufs: list[_Buffer]) -> None:
@@ -497,10 +497,10 @@ class Tier:
             return
         try:
             with self._lock:
-                self._make_room(sum(b.span for b in bufs), exclude=set(bufs))
+                self.make_room(sum(b.span for b in bufs), exclude=set(bufs))
                 big = [b for b in bufs if b.owns_pages]
                 if big:
-                    self._move_in(big, None, non_blocking=False)
+                    self.move_in(big, None, non_blocking=False)
                 for b in bufs:
                     if not b.owns_pages:
                         # Shared pages (NOTE [size classes]): the first device touch places them
@@ -511,18 +511,18 @@ class Tier:
         except OutOfBudgetError:
             log.debug("tiermem: %s bytes do not fit the budget; reading them in place", sum(b.nbytes for b in bufs))
             for b in bufs:
-                self._set_policy(b, None, {"preferred_location": Location.HOST, "accessed_by_device": True,
+                self.change_policy(b, None, {"preferred_location": Location.HOST, "accessed_by_device": True,
                                            "read_mostly": False})
 
-    def _reserve(self, nbytes: int, role: Role) -> None:
+    def reserve(self, nbytes: int, role: Role) -> None:
         """Count device memory tiermem uses outside managed buffers (a streaming window) against
         the budget, making room first; raises OutOfBudgetError if it cannot fit."""
         with self._lock:
-            self._make_room(nbytes, exclude=set())
+            self.make_room(nbytes, exclude=set())
             self._resident += nbytes
             self.accounting.on_resident(role, nbytes)
 
-    def _unreserve(self, nbytes: int, role: Role) -> None:
+    def unreserve(self, nbytes: int, role: Role) -> None:
         with self._lock:
             self._resident -= nbytes
             self.accounting.on_resident(role, -nbytes)
@@ -537,24 +537,24 @@ class Tier:
                     return b
         return None
 
-    def _release(self, buf: _Buffer) -> None:
+    def release_buffer(self, buf: _Buffer) -> None:
         """A TieredTensor let go of its buffer; the buffer lives on while views hold it."""
         buf.freed = True
 
     # NOTE [finalizer race]
     # CPython runs a finalizer (``_Buffer.__del__``) *before* it clears the object's weak
     # references, and the finalizer waits here for the lock. Meanwhile another thread that holds
-    # the lock can still find the buffer in ``self._buffers`` (a WeakSet) and evict it, or find it
+    # the lock can still find the buffer in ``self._bufset`` (a WeakSet) and evict it, or find it
     # after this method ran: the buffer was then counted off twice (the concurrency test in
     # tests/test_engine.py saw resident_bytes at -64 KiB in CI). So a gone buffer leaves the set
     # here, under the lock, is marked ``gone``, and every walk of the set skips gone buffers.
-    def _buffer_gone(self, buf: _Buffer) -> None:
+    def buffer_gone(self, buf: _Buffer) -> None:
         """The last owner of ``buf`` went: give its memory back. Called from __del__."""
         with self._lock:
             if buf.gone:
                 return
             buf.gone = True
-            self._buffers.discard(buf)
+            self._bufset.discard(buf)
             if buf.parked:
                 self._unpark(buf, pages_gone=True)
             elif buf.where is Location.DEVICE:
@@ -569,10 +569,10 @@ class Tier:
 
     def _live_buffers(self) -> list[_Buffer]:
         """The buffers not yet gone (NOTE [finalizer race]); call with the lock held."""
-        return [b for b in list(self._buffers) if not b.gone]
+        return [b for b in list(self._bufset) if not b.gone]
 
     # -- streams --------------------------------------------------------------------------------
-    def _stream(self, stream: Any) -> int:
+    def stream_handle(self, stream: Any) -> int:
         """A stream handle from None (the current stream), an int, a torch or a CuPy stream."""
         if stream is None:
             return self.backend.current_stream()
@@ -583,7 +583,7 @@ class Tier:
                 return int(getattr(stream, attr))
         raise ConfigTypeError(f"not a stream: {stream!r}")
 
-    def _side(self, direction: str) -> int:
+    def side_stream(self, direction: str) -> int:
         s = self._streams.get(direction)
         if s is None:
             s = self._streams[direction] = self.backend.new_stream()
@@ -616,8 +616,38 @@ class Tier:
             be.wait(cur, end)
         return tr
 
-    def _reap(self) -> None:
+    def reap(self) -> None:
         self._inflight = [t for t in self._inflight if not t.done()]
+
+    # -- the engine's interface to tiermem's adapters (_torch, _module, _train, _swap, _scoped) --
+    # Not for users: these change the books and must be called as the adapters do (NOTE
+    # [budget leases], [parked pages], [failed moves]). They are named, not private, so that the
+    # interface between modules is visible; tests/test_layers.py checks that no module reaches
+    # into another's private members.
+    @property
+    def lock(self) -> threading.RLock:
+        """The lock that guards the books; hold it around a read-then-change of them."""
+        return self._lock
+
+    def inflight(self) -> list[Transfer]:
+        """The moves enqueued and not yet reaped."""
+        with self._lock:
+            return list(self._inflight)
+
+    def track(self, tr: Transfer) -> None:
+        """Count a move an adapter enqueued itself (``synchronize`` then waits for it too)."""
+        with self._lock:
+            self._inflight.append(tr)
+
+    def tick(self) -> int:
+        """The next value of the use clock (``last_use``: the coldest is evicted first)."""
+        return next(self._tick)
+
+    def count_resident(self, b: _Buffer, delta: int) -> None:
+        """``b``'s pages came to (``delta`` > 0) or left the device outside tiermem's moves."""
+        with self._lock:
+            self._resident += delta
+            self.accounting.on_resident(b.role, delta)
 
     def synchronize(self) -> None:
         """Block until every move tiermem has enqueued is done."""
@@ -632,7 +662,7 @@ class Tier:
             tensors = [tensors]
         out, seen = [], set()
         for t in tensors:
-            b = t if isinstance(t, _Buffer) else t._b
+            b = t if isinstance(t, _Buffer) else t.buffer
             if b.tier is not self:
                 raise ConfigError(f"{t!r} belongs to another Tier")
             if id(b) not in seen:
@@ -658,14 +688,14 @@ class Tier:
             return self.evict(tensors, stream=stream, non_blocking=non_blocking)
         bufs = self._bufs(tensors)
         with self._lock:
-            self._reap()
+            self.reap()
             todo = [b for b in bufs if b.where is not Location.DEVICE or b.in_shadow]
             pairs = self._room_for(todo, exclude=set(bufs)) if todo else {}
             for b in bufs:
                 b.last_use = next(self._tick)
             if not todo:
                 return Transfer.done_now("h2d")
-            return self._move_in(todo, stream, non_blocking, pairs)
+            return self.move_in(todo, stream, non_blocking, pairs)
 
     @staticmethod
     def _snapshot(bufs: Iterable[_Buffer]) -> list[tuple[_Buffer, tuple]]:
@@ -687,7 +717,7 @@ class Tier:
             if b.bindings:    # tensors tiermem bound follow the data back
                 self._rebind(b, shadow=b.in_shadow)
 
-    def _move_in(self, todo: list[_Buffer], stream: Any, non_blocking: bool,
+    def move_in(self, todo: list[_Buffer], stream: Any, non_blocking: bool,
                  pairs: Mapping[_Buffer, _Buffer] | None = None) -> Transfer:
         """Enqueue the moves of ``todo`` to the device; ``pairs`` maps shadowed buffers to the
         parked buffers whose pages they take (NOTE [parked pages]). On failure, nothing moved
@@ -703,7 +733,7 @@ class Tier:
                   pairs: Mapping[_Buffer, _Buffer] | None) -> Transfer:
         be = self.backend
         caps = be.capabilities()
-        cur, side = self._stream(stream), self._um_side("h2d")
+        cur, side = self.stream_handle(stream), self.um_stream("h2d")
         start = self._begin(todo, cur, side)
         for d in pairs.values() if pairs else ():
             # its eviction, on the other stream, must have copied out of the pages first
@@ -717,7 +747,7 @@ class Tier:
         fresh = [b for b in shadowed if not b.parked and b not in pairs]
         if um:
             if caps.supports("prefetch"):
-                be.prefetch(coalesce((b.block.alloc, *self._range(b)) for b in um), Location.DEVICE, side)
+                be.prefetch(coalesce((b.block.alloc, *self.page_range(b)) for b in um), Location.DEVICE, side)
             else:
                 for b in um:
                     self.accounting.count(b.role, "prefetch_skipped")
@@ -788,7 +818,7 @@ class Tier:
         bufs = self._bufs(tensors)
         park = self._budget is not None and not release
         with self._lock:
-            self._reap()
+            self.reap()
             for b in bufs:
                 if b.where is None:  # never placed: no pages anywhere, nothing to move
                     b.where = Location.HOST
@@ -847,7 +877,7 @@ class Tier:
     def _move_out_(self, todo: list[_Buffer], stream: Any, non_blocking: bool, force: str | None,
                    park: bool, grow_ring: bool, discarded: list[bool]) -> tuple[Transfer, list[tuple[int, int]]]:
         be = self.backend
-        cur, side = self._stream(stream), self._um_side("d2h")
+        cur, side = self.stream_handle(stream), self.um_stream("d2h")
         start = self._begin(todo, cur, side)
         moved: dict[Role, int] = {}
         discards: list[_Buffer] = []
@@ -903,7 +933,7 @@ class Tier:
                 b.shadow_valid = True
                 moved[b.role] = moved.get(b.role, 0) + b.nbytes
             else:  # "um": Unified Memory's own write-back; every pointer stays valid
-                be.prefetch([self._range(b)], Location.HOST, side)
+                be.prefetch([self.page_range(b)], Location.HOST, side)
                 b.host_valid = True
                 moved[b.role] = moved.get(b.role, 0) + b.nbytes
                 ops[b.role, "evict_um_ops"] += 1
@@ -932,14 +962,14 @@ class Tier:
             again = not b.read_mostly_while_resident
             same.setdefault((again, id(b.fence)), (again, b.fence, []))[2].append(b)
         return tr, [(p, n, again, fence) for again, fence, bs in same.values()
-                    for p, n in coalesce((b.block.alloc, *self._range(b)) for b in bs)]
+                    for p, n in coalesce((b.block.alloc, *self.page_range(b)) for b in bs)]
 
-    def _make_room(self, need: int, exclude: set[_Buffer]) -> None:
+    def make_room(self, need: int, exclude: set[_Buffer]) -> None:
         """Make ``need`` more bytes fit the budget: give parked pages back first (NOTE [parked
         pages]), then evict the coldest evictable resident buffers, releasing their pages."""
         if self._budget is None:
             return
-        over = self._held() + need - self._budget
+        over = self.held_bytes() + need - self._budget
         if over <= 0:
             return
         over -= self._drop(self._parked_bufs(exclude), over)
@@ -1011,7 +1041,7 @@ class Tier:
 
         def over() -> int:
             need = sum(b.span for b in todo if b.where is not Location.DEVICE and not b.parked and b not in pairs)
-            return self._held() + extra + need - self._budget
+            return self.held_bytes() + extra + need - self._budget
 
         if over() > 0:   # parked pages no incoming buffer can take go back first
             self._drop(self._parked_bufs([*exclude, *pairs.values()]), over())
@@ -1073,7 +1103,7 @@ class Tier:
             self._quiesce()
             self.backend.discard_and_prefetch(coalesce((b.block.alloc, b.ptr, b.span) for b in whole), location, side)
         if shared:
-            self.backend.prefetch(coalesce((b.block.alloc, *self._range(b)) for b in shared), location, side)
+            self.backend.prefetch(coalesce((b.block.alloc, *self.page_range(b)) for b in shared), location, side)
 
     def _take_pages(self, c: _Buffer, d: _Buffer) -> None:
         """``c`` (in the shadow, without pages) takes parked ``d``'s range and its device pages;
@@ -1085,8 +1115,8 @@ class Tier:
         self.accounting.on_resident(d.role, -d.span)
         self.accounting.on_resident(c.role, c.span)
         if c.policy != d.policy and _plan(c.policy) != _plan(d.policy):
-            self._apply_advice(c)
-            self._apply_advice(d)
+            self.apply_advice(c)
+            self.apply_advice(d)
 
     def _drop(self, cands: list[_Buffer], amount: int | None = None) -> int:
         """Give back the pages of the coldest parked buffers in ``cands`` until ``amount`` bytes
@@ -1099,7 +1129,7 @@ class Tier:
             freed += b.span
         if not chosen:
             return 0
-        side = self._um_side("d2h")
+        side = self.um_stream("d2h")
         whole = [b for b in chosen if b.owns_pages]
         if whole:
             self._quiesce()
@@ -1114,7 +1144,7 @@ class Tier:
             # the host instead, as it evicts any small buffer (their contents are stale: the
             # data is in the shadow).
             self._gave_back(shared)
-            self.backend.prefetch(coalesce((b.block.alloc, *self._range(b)) for b in shared), Location.HOST, side)
+            self.backend.prefetch(coalesce((b.block.alloc, *self.page_range(b)) for b in shared), Location.HOST, side)
             for b in shared:
                 self.accounting.on_move(b.role, "d2h", b.nbytes)
         return freed
@@ -1152,7 +1182,7 @@ class Tier:
             return False
         return True
 
-    def _materialize(self, b: _Buffer, writable: bool = True) -> None:
+    def materialize(self, b: _Buffer, writable: bool = True) -> None:
         """Get ``b`` ready for a foreign view: bring data that lives only in the shadow back into
         the managed range (onto the device if the budget allows, else into host pages), and, for a
         view that may write, stop trusting the host copies that make eviction free."""
@@ -1178,7 +1208,7 @@ class Tier:
                 pass
             if b.parked:   # its pages go too: the host pages below replace them
                 self._unpark(b, pages_gone=True)
-            side = self._um_side("h2d")
+            side = self.um_stream("h2d")
             self._fresh_pages([b], Location.HOST, side)
             self.backend.copy(b.ptr, b.shadow.ptr, b.nbytes, side)
             ev = self.backend.new_event()
@@ -1239,7 +1269,7 @@ class Tier:
     def stats(self) -> dict[str, Any]:
         """The flat stats dict; keys are documented in tiermem/_stats.py."""
         with self._lock:
-            self._reap()
+            self.reap()
         out = self.accounting.flat()
         g = self.backend.guard
         pools = self.backend.pool_bytes()

@@ -71,7 +71,7 @@ def _check(tier: Tier, tensor: Any) -> None:
     _check_tensor(tensor)
     if tensor.device.type == "cuda" and tensor.device.index != tier.device:
         raise WrapError(f"tensor is on {tensor.device} but this Tier manages cuda:{tier.device}")
-    if tensor.numel() and tier._owner_of(tensor.data_ptr()) is not None:
+    if tensor.numel() and tier.owner_of(tensor.data_ptr()) is not None:
         raise WrapError("this tensor is a view of tiered memory already; wrap the original instead")
 
 
@@ -83,9 +83,9 @@ def wrap(tier: Tier, tensor: Any, role: Role | str = Role.WEIGHT, *, name: str |
     _check(tier, tensor)
     if r is Role.WEIGHT and not tensor.requires_grad:
         r = Role.FROZEN_WEIGHT   # a weight nothing trains: read-mostly, and its eviction is free
-    pol = tier._resolve_policy(r, policy, policy_changes)
+    pol = tier.resolve_policy(r, policy, policy_changes)
     nbytes = tensor.numel() * tensor.element_size()
-    buf = tier._new_buffer(nbytes, r, pol, {}, name)
+    buf = tier.new_buffer(nbytes, r, pol, {}, name)
     tt = TieredTensor(buf, tuple(tensor.shape), _dtypes.canonical(tensor.dtype))
     with _undone_on_error([tt], [tensor]):
         _adopt(tier, tt, tensor, pol)
@@ -108,7 +108,7 @@ def _undone_on_error(tts: list[TieredTensor], tensors: list[Any]) -> Iterator[No
                 delattr(t, _ATTR)
         for tt in tts:
             if not tt.freed:
-                tt._b.bindings = []
+                tt.buffer.bindings = []
                 tt.free()
         raise
 
@@ -116,23 +116,23 @@ def _undone_on_error(tts: list[TieredTensor], tensors: list[Any]) -> Iterator[No
 def _adopt(tier: Tier, tt: TieredTensor, tensor: Any, pol: Policy) -> None:
     """Fill ``tt`` from ``tensor`` and bind ``tensor`` to it (the body of :func:`wrap`)."""
     torch = _torch()
-    buf = tt._b
+    buf = tt.buffer
     # Fill from the device side: a host-side first touch of managed memory runs at ~2 GB/s.
     # No read-mostly while filling: a write to a read-mostly range collapses its duplicates.
-    tier._apply_advice(buf, Policy(preferred_location=Location.DEVICE))
-    with tier._lock:
+    tier.apply_advice(buf, Policy(preferred_location=Location.DEVICE))
+    with tier.lock:
         try:
-            tier._make_room(buf.span, exclude={buf})
-            tier._move_in([buf], None, non_blocking=False)
+            tier.make_room(buf.span, exclude={buf})
+            tier.move_in([buf], None, non_blocking=False)
         except OutOfBudgetError:
             # Larger than the budget: fill it in host pages and read it in place from there
             # (zero-copy), as Tier does for any new buffer that cannot fit.
             buf.policy = pol = pol.replace(preferred_location=Location.HOST, accessed_by_device=True, read_mostly=False)
-            tier._apply_advice(buf)
+            tier.apply_advice(buf)
             buf.where = Location.HOST
     with torch.no_grad():
         _fill_and_bind(tier, tt, tensor)
-    tier._apply_advice(buf)
+    tier.apply_advice(buf)
     if buf.where is Location.HOST:
         buf.host_valid = True
     elif pol.preferred_location is Location.HOST or pol.prefetch.value == "never":
@@ -144,7 +144,7 @@ def _adopt(tier: Tier, tt: TieredTensor, tensor: Any, pol: Policy) -> None:
 def _fill_and_bind(tier: Tier, tt: TieredTensor, tensor: Any) -> None:
     """Copy ``tensor`` into ``tt``'s buffer from the device side and rebind ``tensor.data`` to it
     (an internal view tiermem can re-point), linking the two. Call under torch.no_grad()."""
-    buf = tt._b
+    buf = tt.buffer
     view = tier.backend.torch_view(buf.ptr, buf.nbytes, buf.token(internal=True)).view(tensor.dtype).view(tensor.shape)
     view.copy_(tensor)
     tt._origin_device = tensor.device
@@ -166,7 +166,7 @@ def unwrap(tier: Tier, x: Any) -> Any:
             raise WrapError("this tensor is not wrapped by tiermem")
     if tt.tier is not tier:
         raise WrapError("this tensor belongs to another Tier")
-    buf = tt._b
+    buf = tt.buffer
     device = getattr(tt, "_origin_device", None) or torch.device("cuda", tier.device)
     bound = [t for t in (r() for r in buf.bindings) if t is not None]
     if bound:
@@ -211,7 +211,7 @@ def wrap_group(tier: Tier, tensors: list[Any], role: Role | str, *, names: list[
                 _fill_and_bind(tier, tt, t)
         for tt in tts:
             tt.advise(policy=pol)
-            if tt._b.where is not Location.DEVICE:
-                tt._b.where = Location.HOST
-                tt._b.host_valid = True      # its host pages hold the data
+            if tt.buffer.where is not Location.DEVICE:
+                tt.buffer.where = Location.HOST
+                tt.buffer.host_valid = True      # its host pages hold the data
     return tts

@@ -383,7 +383,7 @@ class TieredTraining:
             if s.occupant is not None:
                 self._unbind_slot(s)
             s.occupant, b.slot = b, s
-        side = tier._side("h2d")
+        side = tier.side_stream("h2d")
         if s.free is not None:
             be.wait(side, s.free)
         else:
@@ -522,7 +522,7 @@ class TieredTraining:
         cur = be.current_stream()
         if not b.states and b.trainable:
             self._adopt_states(b)
-        side = tier._side("d2h")
+        side = tier.side_stream("d2h")
         dep = be.new_event()
         be.record(dep, cur)
         be.wait(side, dep)

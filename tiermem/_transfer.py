@@ -24,7 +24,7 @@ class Transfer:
         self.direction = direction
         self.stream = stream
         self._start, self._end = start, end
-        self._buffers = buffers
+        self._held_bufs = buffers
         self.nbytes = nbytes
         self._shares = shares
         self._seconds: float | None = None if end is not None else 0.0
@@ -46,7 +46,7 @@ class Transfer:
         """Make ``stream`` (default: the current stream) wait for this transfer, on the device."""
         if self._end is None or self._seconds is not None or self._tier is None:
             return
-        self._tier.backend.wait(self._tier._stream(stream), self._end)
+        self._tier.backend.wait(self._tier.stream_handle(stream), self._end)
 
     def synchronize(self) -> None:
         """Block the host until the transfer is done."""
@@ -73,7 +73,7 @@ class Transfer:
         self._seconds = tier.backend.elapsed_ms(self._start, self._end) / 1e3 if tier is not None else 0.0
         if tier is not None and self.nbytes:
             tier.accounting.on_move_time(self._shares, self.direction, self._seconds)
-        self._buffers = []
+        self._held_bufs = []
 
     def __repr__(self) -> str:
         state = "done" if self._seconds is not None else "pending"

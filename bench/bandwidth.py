@@ -15,7 +15,7 @@ In one run, side by side, on 1 GiB (default) of data:
 and whether evicted device memory really goes back to other allocators.
 
 The tier runs under a budget (3 GiB, the size of its managed cap), so shadow evictions park their
-device pages for the next refill (NOTE [parked pages] in tiermem/_tier.py). Each eviction and
+device pages for the next refill (NOTE [parked pages] in tiermem/_engine.py). Each eviction and
 refill through the shadow is also timed with ``release=True``, the path that gives the pages back
 to the driver at once, which is what every eviction did before parking.
 

@@ -48,12 +48,12 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 @pytest.fixture(autouse=True)
 def _reset_global_state():
     """Each test starts with no default Tier and no role scope, and leaves none behind."""
-    import tiermem._api as api
+    import tiermem._default as default
     import tiermem._cupy as cp
-    api._default = None
+    default.replace(None)
     cp._scope.role = None
     yield
-    api._default = None
+    default.replace(None)
     cp._scope.role = None
     gc.collect()
 

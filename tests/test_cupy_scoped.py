@@ -16,7 +16,7 @@ import pytest
 import tiermem
 from tiermem import Location, TierMemError
 from tiermem._scoped import residency
-from tiermem._tier import UM_STREAMS
+from tiermem._engine import UM_STREAMS
 from tiermem.roles import Advice
 
 from helpers import calls

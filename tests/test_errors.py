@@ -10,7 +10,6 @@ from __future__ import annotations
 import pytest
 
 import tiermem
-import tiermem._api as api
 from tiermem import (ConfigError, ConfigTypeError, CUDAUnavailableError, Policy, RoleError, StepTrace,
                      TierMemError, WrapError, parse_bytes, plan_training)
 from tiermem import _cuda, _torch_alloc
@@ -167,7 +166,7 @@ def test_arguments_are_checked_before_the_gpu(call, error, message):
         pytest.skip("torch is not installed")
     with pytest.raises(error, match=message):
         call()
-    assert api._default is None, "the default Tier was made before the arguments were checked"
+    assert tiermem._default.peek() is None, "the default Tier was made before the arguments were checked"
 
 
 def test_the_environment_budget_is_checked_before_the_gpu(monkeypatch):

@@ -1,4 +1,4 @@
-"""The eviction paths (NOTE [eviction paths] in _tier.py, NOTE [views and the fast paths] in
+"""The eviction paths (NOTE [eviction paths] in _engine.py, NOTE [views and the fast paths] in
 _tensor.py): shadow copy, clean discard, read-mostly collapse and Unified Memory write-back.
 
 The fake backend poisons a discarded range with 0xDB, so data that comes back equal after a

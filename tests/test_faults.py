@@ -35,7 +35,7 @@ from fakes import FAULT_KINDS, FakeBackend, _FakeBlock
 from helpers import MiB
 from tiermem import Location, TierMemError
 from tiermem._staging import StagingRing
-from tiermem._tier import _SharedBlock
+from tiermem._engine import _SharedBlock
 from tiermem._torch import tiered_of
 
 ALLOCATING = ("allocate", "host_alloc", "device_alloc")
@@ -663,9 +663,9 @@ def _reset_global_state():
     """conftest's reset without its gc.collect (a third of a second in this process, for each of
     ~2,000 cases): every case checks that it leaves nothing allocated, and no default Tier or role
     scope is set here."""
-    import tiermem._api as api
+    import tiermem._default as default
     import tiermem._cupy as cp
-    api._default = None
+    default.replace(None)
     cp._scope.role = None
     yield
 

@@ -2,7 +2,7 @@
 with a checksum on every read and the accounting checked all along. Managed use stays < 1 GiB.
 
 Under the budget, shadow evictions park their pages and refills trade ranges (NOTE [parked pages]
-in _tier.py); "trim" and "release" give parked pages back, so every path is taken. The staged
+in _engine.py); "trim" and "release" give parked pages back, so every path is taken. The staged
 runs send every shadow copy the budget has room for through an 8 MiB staging ring (NOTE [staging
 ring] in _staging.py), whose second stream writes managed pages that later discards drop."""
 from __future__ import annotations

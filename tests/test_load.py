@@ -15,7 +15,7 @@ save_file = pytest.importorskip("safetensors.torch").save_file
 import tiermem
 from tiermem import CheckpointError, HostBudgetError, load_pretrained, plan_host, plan_residency
 from tiermem._load import Checkpoint, empty_weights
-from tiermem._torch import _ATTR
+from tiermem._torch import TIERED_ATTR
 
 MiB = 1 << 20
 
@@ -50,7 +50,7 @@ def test_a_meta_model_adopted_from_a_state_dict_is_bitwise_equal_and_unwraps_ont
         for _ in range(3):
             assert torch.equal(m(x), ref(x))
     h.unwrap()
-    assert all(p.device.type == "cpu" and not p.is_meta and not hasattr(p, _ATTR) for p in m.parameters())
+    assert all(p.device.type == "cpu" and not p.is_meta and not hasattr(p, TIERED_ATTR) for p in m.parameters())
     assert torch.equal(m(x), ref(x)) and _live(fake) == 0
 
 

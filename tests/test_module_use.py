@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 
 import tiermem
-from tiermem._torch import _ATTR
+from tiermem._torch import TIERED_ATTR
 
 MiB = 1 << 20
 
@@ -109,7 +109,7 @@ def test_unwrap_onto_the_host_and_only_once(tier, fake):
     h = tier.wrap_module(m, budget="40%", max_group_bytes=1 * MiB)
     h.unwrap(device="cpu")
     assert all(fake.pointer_kind(p.data_ptr()) == "unregistered" and p.device.type == "cpu" for p in m.parameters())
-    assert all(not hasattr(p, _ATTR) for p in m.parameters())
+    assert all(not hasattr(p, TIERED_ATTR) for p in m.parameters())
     x = torch.randn(4, 256)
     assert torch.equal(m(x), ref(x))
     with pytest.raises(tiermem.TierMemError, match="unwrapped already"):
@@ -172,7 +172,7 @@ def test_fault_in_wrap_module_leaves_the_module_as_it_was(tier, fake, method, ex
         gc.collect()
         for p, ptr, data, rg in params:           # the same memory, the same bytes, the same flag
             assert p.data_ptr() == ptr and torch.equal(p.data, data) and p.requires_grad == rg
-            assert not hasattr(p, _ATTR)
+            assert not hasattr(p, TIERED_ATTR)
         assert getattr(m, "_tiermem_handle", None) is None
         assert not m._forward_pre_hooks and not m[0][0]._forward_pre_hooks
         assert _live(fake) == live, f"{method}#{n} leaked"

@@ -8,15 +8,15 @@
 See README.md. A GPU is needed for everything that touches memory; ``python -m tiermem info``
 says what this machine has.
 """
-from ._api import (allocator, configure, default_tier, empty, evict, memory_summary, policy_override, prefetch,
-                   stats, synchronize, unwrap, wrap, wrap_module, wrap_training)
+from ._api import (allocator, configure, default_tier, empty, evict, load_pretrained, memory_summary, policy_override,
+                   prefetch, stats, synchronize, unwrap, use, wrap, wrap_module, wrap_training)
 from ._module import Plan, TieredModule, plan_host, plan_residency
-from ._load import Checkpoint, load_pretrained
+from ._load import Checkpoint
 from ._train import TieredTraining
 from ._trainplan import StepTrace, TrainPlan, plan_training
 from ._cuda import Capabilities, RangeInfo
 from ._cupy import current_role, using_role
-from ._scoped import ArrayUse, use
+from ._scoped import ArrayUse
 from ._errors import (BuildError, CapExceededError, CheckpointError, ConfigError, ConfigTypeError, CUDAError,
                       CUDAOutOfMemoryError, CUDAUnavailableError, DeviceFullError, HostBudgetError, OutOfBudgetError,
                       RoleError, TierMemError, ViewError, WrapError)

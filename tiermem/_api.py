@@ -10,10 +10,10 @@ error (a ValueError or TypeError, see tiermem/_errors.py), not CUDAUnavailableEr
 from __future__ import annotations
 
 import contextlib
-import threading
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+from . import _default
 from ._limits import check_bytes
 from ._tensor import TieredTensor
 from ._tier import Tier, check_empty
@@ -21,29 +21,19 @@ from ._transfer import Transfer
 from .roles import Location, Policy, Role, as_role, check_policy
 
 __all__ = ["default_tier", "configure", "empty", "wrap", "wrap_module", "wrap_training", "unwrap", "prefetch", "evict", "allocator",
-           "stats", "memory_summary", "policy_override", "synchronize"]
-
-_default: Tier | None = None
-_lock = threading.Lock()
-
+           "stats", "memory_summary", "policy_override", "synchronize", "use", "load_pretrained"]
 
 def default_tier() -> Tier:
     """The process-wide Tier, made on first use on the current CUDA device with settings from the
     environment (TIERMEM_BUDGET, TIERMEM_MANAGED_CAP, TIERMEM_ALLOW_OVERSUBSCRIBE)."""
-    global _default
-    with _lock:
-        if _default is None:
-            _default = Tier()
-        return _default
+    return _default.get(Tier)
 
 
 def configure(device: int | None = None, **settings: Any) -> Tier:
     """Replace the default Tier with one built from ``settings`` (the arguments of :class:`Tier`).
     Tensors of the old Tier keep working; new ones come from the new Tier."""
-    global _default
     t = Tier(device, **settings)
-    with _lock:
-        _default = t
+    _default.replace(t)
     return t
 
 
@@ -155,3 +145,25 @@ def policy_override(role: Role | str, policy: Policy | None = None, *, tier: Tie
         yield t.policies[r]
     finally:
         t.policies.set(r, previous)
+
+
+def use(*arrays: Any, stream: Any = None, read_only: bool = False, once: bool = False,
+        tier: Tier | None = None) -> Any:
+    """Bring ``arrays`` (CuPy arrays from a tiermem allocator, or TieredTensors) to the device
+    ahead of use, making room in the budget; :meth:`Tier.use` says what ``stream``,
+    ``read_only`` and ``once`` do, and what the returned :class:`ArrayUse` is. The Tier is
+    ``tier``, else the first array's, else the default one."""
+    from ._scoped import tier_of_array
+    if tier is None:
+        tier = next((t for t in map(tier_of_array, arrays) if t is not None), None)
+    return (tier or default_tier()).use(*arrays, stream=stream, read_only=read_only, once=once)
+
+
+def load_pretrained(path: Any, budget: int | str | None = None, host_budget: int | str | None = None,
+                    dtype: Any = None, *, tier: Tier | None = None, **kwargs: Any) -> Any:
+    """A transformers causal LM from a local checkpoint folder, adopted within ``budget``: see
+    :func:`tiermem._load.load_pretrained`. The files are checked before the default Tier (which
+    needs a GPU) is made."""
+    from ._load import load_pretrained as load
+    return load(path, budget, host_budget, dtype, tier=tier, make_tier=default_tier, **kwargs)
+

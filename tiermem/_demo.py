@@ -34,22 +34,22 @@ def llama_shape(weights_gb: float) -> dict[str, int]:
 def llama_groups(shape: dict[str, int], max_group_bytes: int | None = None) -> list[tuple[str, int]]:
     """(group, fp16 bytes) in execution order for LlamaForCausalLM, as tiermem.wrap_module would
     group it (one group per decoder layer up to ``max_group_bytes``), without building the model."""
-    from ._module import MAX_GROUP, _span_bytes
+    from ._module import MAX_GROUP, span_bytes
     cap = MAX_GROUP if max_group_bytes is None else max_group_bytes
     h, i, v, layers = shape["hidden_size"], shape["intermediate_size"], shape["vocab_size"], shape["num_hidden_layers"]
     kv = h * shape["num_key_value_heads"] // shape["num_attention_heads"]
-    g = [("model.embed_tokens", _span_bytes(2 * v * h))]
+    g = [("model.embed_tokens", span_bytes(2 * v * h))]
     for n in range(layers):
         p = f"model.layers.{n}"
         parts = [(f"{p}.self_attn.q_proj", 2 * h * h), (f"{p}.self_attn.k_proj", 2 * h * kv),
                  (f"{p}.self_attn.v_proj", 2 * h * kv), (f"{p}.self_attn.o_proj", 2 * h * h),
                  (f"{p}.mlp.gate_proj", 2 * h * i), (f"{p}.mlp.up_proj", 2 * h * i), (f"{p}.mlp.down_proj", 2 * h * i),
                  (f"{p}.input_layernorm", 2 * h), (f"{p}.post_attention_layernorm", 2 * h)]
-        whole = sum(_span_bytes(b) for _, b in parts)
-        g += [(p, whole)] if whole <= cap else [(name, _span_bytes(b)) for name, b in parts]
+        whole = sum(span_bytes(b) for _, b in parts)
+        g += [(p, whole)] if whole <= cap else [(name, span_bytes(b)) for name, b in parts]
     head_dim = h // shape["num_attention_heads"]
-    g += [("model.norm", _span_bytes(2 * h)), ("model.rotary_emb", _span_bytes(4 * head_dim // 2)),
-          ("lm_head", _span_bytes(2 * v * h))]
+    g += [("model.norm", span_bytes(2 * h)), ("model.rotary_emb", span_bytes(4 * head_dim // 2)),
+          ("lm_head", span_bytes(2 * v * h))]
     return g
 
 

@@ -30,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from . import _dtypes
-from ._errors import CheckpointError, TierMemError
+from ._errors import CheckpointError, ConfigError, TierMemError
 
 __all__ = ["FileTensor", "Checkpoint", "Reader", "load_pretrained", "empty_weights", "model_weights"]
 
@@ -344,7 +344,7 @@ def config_dtype(config: Any) -> Any:
     return fields.get("dtype") or fields.get("torch_dtype")
 
 
-def _torch_dtype(dt: Any) -> Any:
+def to_torch_dtype(dt: Any) -> Any:
     import torch
     if dt is None or isinstance(dt, torch.dtype):
         return dt
@@ -354,7 +354,8 @@ def _torch_dtype(dt: Any) -> Any:
 
 
 def load_pretrained(path: str | os.PathLike, budget: int | str | None = None, host_budget: int | str | None = None,
-                    dtype: Any = None, *, tier: Any = None, model_class: Any = None, **kwargs: Any) -> Loaded:
+                    dtype: Any = None, *, tier: Any = None, model_class: Any = None,
+                    make_tier: Any = None, **kwargs: Any) -> Loaded:
     """A transformers causal LM from a local checkpoint folder (``config.json`` plus safetensors, as
     ``save_pretrained`` writes them), ready to run within ``budget`` bytes of device memory
     (bytes, "8GB", or a share of its weights like "25%"); returns ``(model, handle)``.
@@ -383,7 +384,7 @@ def load_pretrained(path: str | os.PathLike, budget: int | str | None = None, ho
                               "writes it", path)
     config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
     floating = {k: v for k, v in ckpt.dtypes().items() if k.startswith(("float", "bfloat"))}
-    want = (_torch_dtype(dtype) or _torch_dtype(config_dtype(config))
+    want = (to_torch_dtype(dtype) or to_torch_dtype(config_dtype(config))
             or (_dtypes.to_torch(max(floating, key=floating.get)) if floating else torch.float32))
     builder = model_class or transformers.AutoModelForCausalLM
     with empty_weights():
@@ -397,8 +398,9 @@ def load_pretrained(path: str | os.PathLike, budget: int | str | None = None, ho
     if os.path.exists(gen):
         model.generation_config = transformers.GenerationConfig.from_pretrained(path, local_files_only=True)
     if tier is None:
-        from ._api import default_tier
-        tier = default_tier()
+        if make_tier is None:
+            raise ConfigError("load_pretrained needs a tier (tiermem.load_pretrained uses the default one)")
+        tier = make_tier()
     try:
         handle = tier.wrap_module(model, budget, weights=weights, host_budget=host_budget, **kwargs)
     except CheckpointError as e:

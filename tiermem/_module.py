@@ -286,7 +286,7 @@ def module_groups(module: Any, max_group_bytes: int = MAX_GROUP) -> list[tuple[s
         if not uniq:
             return
         children = list(m.named_children())
-        if sum(_span(t) for _, t in uniq) <= max_group_bytes or not children:
+        if sum(span_of(t) for _, t in uniq) <= max_group_bytes or not children:
             seen.update(id(t) for _, t in uniq)
             out.append((name or "<root>", m, uniq))
             return
@@ -349,7 +349,7 @@ class _PinnedTransport:
             # Buffers stay at home, read in place: a forward may write them (BatchNorm's running
             # stats) without bumping their version counter, and they are small.
             g.in_slot = [isinstance(t, torch.nn.Parameter) for t in g.tensors]
-            g.member_offsets, n = _home_layout(g.tensors)
+            g.member_offsets, n = home_layout(g.tensors)
             g.nbytes = n
             off += 0 if g.on_disk else n
         self.groups = groups
@@ -649,25 +649,25 @@ class TieredModule:
         found = module_groups(module, max_group_bytes)
         if not found:
             raise WrapError("this module has no parameters or buffers to tier")
-        from ._torch import _check
+        from ._torch import check_tensor
         self._sources = _sources(module, found, weights, empty)     # NOTE [weight source]
         for _, _, own in found:
             for _, t in own:
                 if id(t) not in empty:
-                    _check(tier, t)
-        sizes = [(mname, sum(_span(t) for _, t in own)) for mname, _, own in found]
+                    check_tensor(tier, t)
+        sizes = [(mname, sum(span_of(t) for _, t in own)) for mname, _, own in found]
         total = sum(n for _, n in sizes)
         asked = total if budget is None else parse_bytes(budget, total=total, what="module budget", max_percent=100)
         self.budget = self._within_device(asked, [t for _, _, own in found for _, t in own])
-        self.plan = plan_residency(sizes, self.budget, lookahead, in_place=_gathered(module, found))
+        self.plan = plan_residency(sizes, self.budget, lookahead, in_place=gathered_groups(module, found))
         self.lookahead = max(self.plan.lookahead, 1)
         self._groups = {mname: _Group(mname, [t for _, t in own], n, pinned=mname in self.plan.pinned,
-                                      gathered=mname in self.plan.in_place, stacked=_stacked([t for _, t in own]))
+                                      gathered=mname in self.plan.in_place, stacked=is_stacked([t for _, t in own]))
                         for (mname, _, own), (_, n) in zip(found, sizes)}
         self._unit_groups: dict[int, list[_Group]] = {id(m): [self._groups[mname]] for mname, m, _ in found}
         self.host_budget = None if host_budget is None else parse_bytes(host_budget, what="host_budget")
         if self.host_budget is not None:
-            self.plan = plan_host(self.plan, [(g.name, _home_layout(g.tensors)[1]) for g in self._groups.values()],
+            self.plan = plan_host(self.plan, [(g.name, home_layout(g.tensors)[1]) for g in self._groups.values()],
                                   self.host_budget, STAGES,
                                   keep=stay_home([(g.name, g.tensors) for g in self._groups.values()],
                                                  lambda t: isinstance(self._sources.get(id(t)), FileTensor)))
@@ -800,14 +800,14 @@ class TieredModule:
     def _rollback(self, originals: list[tuple[Any, Any]]) -> None:
         """Undo a failed adoption: the module's tensors get their original data back, and every
         byte tiermem took for them is given back. Must not raise over the adoption's error."""
-        from ._torch import _ATTR
+        from ._torch import TIERED_ATTR
         for h in self._hooks:
             h.remove()
         self._hooks = []
         for t, data in originals:
             t.data = data
-            if hasattr(t, _ATTR):
-                delattr(t, _ATTR)
+            if hasattr(t, TIERED_ATTR):
+                delattr(t, TIERED_ATTR)
         for g in self._groups.values():
             for tt in g.tiered:
                 tt.buffer.bindings = []
@@ -960,13 +960,13 @@ class TieredModule:
         return self.module
 
     def _rebind_plain(self, plain: list[tuple[Any, Any, Any]]) -> None:
-        from ._torch import _ATTR
+        from ._torch import TIERED_ATTR
         for t, p, grad in plain:
             t.data = p
             if grad is not None:
                 t.grad = grad
-            if hasattr(t, _ATTR):
-                delattr(t, _ATTR)
+            if hasattr(t, TIERED_ATTR):
+                delattr(t, TIERED_ATTR)
         self.tier.synchronize()
         for g in self._groups.values():
             for tt in g.tiered:
@@ -999,7 +999,7 @@ class TieredModule:
         return f"<TieredModule {type(self.module).__name__} ({self.transport}): {self.plan.table(limit=0)}>"
 
 
-def _stacked(tensors: list[Any]) -> bool:
+def is_stacked(tensors: list[Any]) -> bool:
     """Parameters stacked along one leading dimension, a slice per expert (a mixture-of-experts
     layer's expert weights): a forward of few tokens indexes the slices its router picked."""
     import torch
@@ -1007,7 +1007,7 @@ def _stacked(tensors: list[Any]) -> bool:
     return bool(ps) and all(p.dim() >= 3 and p.shape[0] == ps[0].shape[0] > 1 for p in ps)
 
 
-def _gathered(module: Any, found: list) -> set[str]:
+def gathered_groups(module: Any, found: list) -> set[str]:
     """The groups only embeddings use: a lookup reads the rows of its tokens, so reading them in
     place moves a few KiB where a slot would move the whole table (NOTE [streaming plan])."""
     import torch
@@ -1020,7 +1020,7 @@ def _gathered(module: Any, found: list) -> set[str]:
     return {g for g, ms in users.items() if all(isinstance(m, torch.nn.Embedding) for m in ms)}
 
 
-def _home_layout(tensors: list[Any], align: int = 256) -> tuple[list[int], int]:
+def home_layout(tensors: list[Any], align: int = 256) -> tuple[list[int], int]:
     """(offset of each tensor, bytes) of a streamed group in the pinned home, a slot or a staging
     buffer: the tensors back to back, each ``align``-byte aligned."""
     offs, n = [], 0
@@ -1030,14 +1030,14 @@ def _home_layout(tensors: list[Any], align: int = 256) -> tuple[list[int], int]:
     return offs, n
 
 
-def _span_bytes(nbytes: int) -> int:
+def span_bytes(nbytes: int) -> int:
     """Device bytes a tensor of ``nbytes`` takes as a group member (see member_span)."""
-    from ._tier import member_span
+    from ._engine import member_span
     return member_span(nbytes)[0]
 
 
-def _span(t: Any) -> int:
-    return _span_bytes(t.numel() * t.element_size())
+def span_of(t: Any) -> int:
+    return span_bytes(t.numel() * t.element_size())
 
 
 def _wrap_group(tier: Tier, tensors: list[Any], names: list[str], on_host: bool, policy: Any) -> list[TieredTensor]:
@@ -1159,7 +1159,7 @@ def _wrap_from(tier: Tier, tensors: list[Any], sources: list[Any], names: list[s
     host never holds more than one tensor of a resident group (NOTE [weight source])."""
     import torch
     from ._dtypes import canonical
-    from ._torch import _fill_and_bind
+    from ._torch import fill_and_bind
     role = Role.WEIGHT if any(t.requires_grad for t in tensors) else Role.FROZEN_WEIGHT
     specs = [(tuple(t.shape), canonical(t.dtype)) for t in tensors]
     tts = tier.empty_group(specs, role=role, names=names, policy=Policy(preferred_location=Location.DEVICE))
@@ -1171,10 +1171,10 @@ def _wrap_from(tier: Tier, tensors: list[Any], sources: list[Any], names: list[s
                     b = tt.buffer
                     view = tier.backend.torch_view(b.ptr, b.nbytes, b.token(internal=True)).view(t.dtype).view(t.shape)
                     _fill_from(view, src)
-                    # Bound to its own filled memory, so _fill_and_bind's copy is one of the memory
+                    # Bound to its own filled memory, so fill_and_bind's copy is one of the memory
                     # onto itself; the caller's rollback rebinds the original on failure.
                     t.data = view
-                _fill_and_bind(tier, tt, t)
+                fill_and_bind(tier, tt, t)
                 tt._origin_device = home
         for tt in tts:
             tt.advise(policy=policy)

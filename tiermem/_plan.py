@@ -19,7 +19,7 @@ import os
 from typing import Any
 
 from ._limits import parse_bytes
-from ._module import (LINK_GBPS, LOOKAHEAD, MAX_GROUP, Plan, _gathered, _home_layout, _span, _stacked, module_groups,
+from ._module import (LINK_GBPS, LOOKAHEAD, MAX_GROUP, Plan, gathered_groups, home_layout, span_of, is_stacked, module_groups,
                       plan_host, plan_residency, stay_home)
 
 __all__ = ["ModelPlan", "plan_model", "load_config"]
@@ -117,7 +117,7 @@ def plan_model(model: str | os.PathLike | Any, budget: int | str, host_budget: i
     ``link_GBps`` and ``disk_GBps``. Builds nothing real; needs no GPU."""
     import torch
     import transformers
-    from ._load import Checkpoint, _torch_dtype, config_dtype, empty_weights, model_weights
+    from ._load import Checkpoint, to_torch_dtype, config_dtype, empty_weights, model_weights
     if isinstance(model, transformers.PretrainedConfig):
         cfg, source = model, "a config"
     else:
@@ -130,15 +130,15 @@ def plan_model(model: str | os.PathLike | Any, budget: int | str, host_budget: i
         except CheckpointError:
             ckpt = None             # a folder with a config only: plan as if save_pretrained had written it
     floating = {k: v for k, v in (ckpt.dtypes() if ckpt else {}).items() if k.startswith(("float", "bfloat"))}
-    want = (_torch_dtype(dtype) or _torch_dtype(config_dtype(cfg))
+    want = (to_torch_dtype(dtype) or to_torch_dtype(config_dtype(cfg))
             or (getattr(torch, max(floating, key=floating.get)) if floating else torch.float16))
     with empty_weights():
         m = transformers.AutoModelForCausalLM.from_config(cfg, dtype=want)
     found = module_groups(m, max_group_bytes)
-    sizes = [(name, sum(_span(t) for _, t in own)) for name, _, own in found]
+    sizes = [(name, sum(span_of(t) for _, t in own)) for name, _, own in found]
     total = sum(n for _, n in sizes)
     plan = plan_residency(sizes, parse_bytes(budget, total=total, what="module budget"), lookahead,
-                          in_place=_gathered(m, found))
+                          in_place=gathered_groups(m, found))
     if host_budget is not None:
         # Every parameter is in the files byte for byte (as save_pretrained writes them), unless the
         # checkpoint at hand says otherwise: the rule adoption applies (NOTE [disk tier]).
@@ -154,13 +154,13 @@ def plan_model(model: str | os.PathLike | Any, budget: int | str, host_budget: i
             got = next((files[n] for n in names.get(id(t), []) if n in files), None)
             return got is not None and got.dtype == str(t.dtype).replace("torch.", "")
         groups = [(name, [t for _, t in own]) for name, _, own in found]
-        plan = plan_host(plan, [(name, _home_layout(ts)[1]) for name, ts in groups],
+        plan = plan_host(plan, [(name, home_layout(ts)[1]) for name, ts in groups],
                          parse_bytes(host_budget, what="host_budget"), keep=stay_home(groups, in_files))
     if plan.on_disk and not disk_GBps:
         disk_GBps = DISK_GBPS
     # A decode step (NOTE [streaming plan]): dense groups stream, stacked experts in the home are
     # read in place (the routed share of them), groups on disk are read whole.
-    stacked = {name for name, _, own in found if _stacked([t for _, t in own])}
+    stacked = {name for name, _, own in found if is_stacked([t for _, t in own])}
     k = getattr(cfg, "num_experts_per_tok", None)
     e = getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None)
     share = min(1.0, k / e) if isinstance(k, int) and isinstance(e, int) and e else 1.0

@@ -115,7 +115,7 @@ NOTE [read-only scopes]
     eviction is tiermem's "collapse" path, a host-side call that unsets read-mostly and moves
     nothing over the link (~27 ms per GiB of host time: probe_refill-*.json,
     ``rm_tiermem_evict_s``), where a write-back moves every byte at ~9.5 GB/s. Read-mostly is
-    lent for the stay on the device only (``_Buffer.read_mostly_while_resident``): the collapse
+    lent for the stay on the device only (``Buffer.read_mostly_while_resident``): the collapse
     leaves plain IN_PLACE advice, since a read-mostly range that a later kernel writes in place
     would collapse onto the device behind the books, and ``_settle`` makes the books follow. A
     block that may write and names an array still resident as a read-only duplicate first
@@ -131,7 +131,7 @@ NOTE [collapse fence]
     faulted, and read-mostly duplicated the pages back one fault at a time, against the next
     collapse: a read-only pipeline over 12 arrays of 256 MiB took 3.17 s a pass, 80x the link
     bound (bench/results/cupy_budget-h100-20261123.json, "scoped/read"). Now a handle records an
-    event on its stream when it closes (``_Buffer.fence``: every kernel the block enqueued
+    event on its stream when it closes (``Buffer.fence``: every kernel the block enqueued
     there is before it), and the collapse first waits for it on the host. In a pipeline the
     victim is the block before last, so the wait is short; the host then collapses while the
     next block's prefetch runs on the link. Kernels that read an array outside any scope, or on
@@ -148,14 +148,14 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from ._errors import OutOfBudgetError, TierMemError
-from ._tensor import TieredTensor, _Buffer, _ViewToken
+from ._tensor import TieredTensor, Buffer, ViewToken
 from .roles import Advice, Location, Prefetch, Role, as_role
 
 if TYPE_CHECKING:
     from ._tier import Tier
     from ._transfer import Transfer
 
-__all__ = ["ArrayUse", "ArrayResidency", "residency", "use", "IN_PLACE"]
+__all__ = ["ArrayUse", "ArrayResidency", "residency", "tier_of_array", "IN_PLACE"]
 
 log = logging.getLogger("tiermem")
 
@@ -178,7 +178,7 @@ def residency(tier: Tier) -> ArrayResidency:
         return st
 
 
-def _in_place(b: _Buffer) -> bool:
+def _in_place(b: Buffer) -> bool:
     p = b.policy
     return p.preferred_location is Location.HOST and p.accessed_by_device and not p.read_mostly
 
@@ -190,12 +190,12 @@ class ArrayResidency:
 
     def __init__(self, tier: Tier):
         self._tier = weakref.ref(tier)      # the Tier owns this through _states' key: no cycle
-        self.arrays: weakref.WeakSet[_Buffer] = weakref.WeakSet()     # made by the allocator
-        self.in_place: weakref.WeakSet[_Buffer] = weakref.WeakSet()   # evicted, advised IN_PLACE
+        self.arrays: weakref.WeakSet[Buffer] = weakref.WeakSet()     # made by the allocator
+        self.in_place: weakref.WeakSet[Buffer] = weakref.WeakSet()   # evicted, advised IN_PLACE
         self.handles: weakref.WeakSet[ArrayUse] = weakref.WeakSet()   # open ArrayUse handles
         # Arrays whose range has had device pages: the driver keeps them once the data leaves
         # (NOTE [retained pages]).
-        self.backed: weakref.WeakSet[_Buffer] = weakref.WeakSet()
+        self.backed: weakref.WeakSet[Buffer] = weakref.WeakSet()
         self._stream: int | None = None
         self._settled_at = -1         # the evictions count at the last _settle
         self._warned = False
@@ -209,7 +209,7 @@ class ArrayResidency:
         return t
 
     # -- allocation -------------------------------------------------------------------------------
-    def new_array(self, nbytes: int, role: Role | str) -> tuple[_Buffer, _ViewToken]:
+    def new_array(self, nbytes: int, role: Role | str) -> tuple[Buffer, ViewToken]:
         """A placed buffer for a CuPy allocation of ``nbytes``, and the foreign view token its
         memory object must own (NOTE [views and the fast paths]). Under budget pressure this is a
         budget check, and the evictions that make room finish, on the device, before the new
@@ -262,9 +262,9 @@ class ArrayResidency:
         return buf, buf.token(internal=False)
 
     # -- residency --------------------------------------------------------------------------------
-    def pinned(self) -> set[_Buffer]:
+    def pinned(self) -> set[Buffer]:
         """Buffers named by open handles: budget checks never evict them."""
-        out: set[_Buffer] = set()
+        out: set[Buffer] = set()
         for h in list(self.handles):
             out.update(h._bufs)
         return out
@@ -345,13 +345,13 @@ class ArrayResidency:
         acc.set_extra("residency.retained_bytes.current",
                       sum(b.span for b in list(self.backed) if b.where is not Location.DEVICE))
 
-    def _mark_backed(self, bufs: Iterable[_Buffer]) -> None:
+    def _mark_backed(self, bufs: Iterable[Buffer]) -> None:
         """NOTE [retained pages]: these arrays have device pages now, and their range keeps them."""
         for b in bufs:
             if b.owns_pages and b.where is Location.DEVICE and b in self.arrays:   # not TieredTensors
                 self.backed.add(b)
 
-    def _check(self, exclude: Iterable[_Buffer] = ()) -> None:
+    def _check(self, exclude: Iterable[Buffer] = ()) -> None:
         """A budget check: settle, verify, and evict the coldest to fit if over the budget."""
         tier = self.tier
         self._settle()
@@ -386,7 +386,7 @@ class ArrayResidency:
     def use(self, items: Iterable[Any], stream: Any = None, read_only: bool = False, once: bool = False) -> ArrayUse:
         tier = self.tier
         items = list(items)
-        bufs: list[_Buffer] = []
+        bufs: list[Buffer] = []
         for x in items:
             b = buffer_of(tier, x)
             if b not in bufs:
@@ -438,7 +438,7 @@ class ArrayResidency:
             self._count_in_place()     # the arrays that just came in are in place no more
         return handle
 
-    def _read_mostly(self, bufs: list[_Buffer]) -> None:
+    def _read_mostly(self, bufs: list[Buffer]) -> None:
         """NOTE [read-only scopes]: in-place arrays a scope only reads come in as read-mostly
         duplicates, so that their eviction collapses them onto the host copy and moves nothing.
         One advice call: the range has IN_PLACE advice already, and only read-mostly changes."""
@@ -463,7 +463,7 @@ class ArrayUse:
     budget checks never evict its arrays. Not thread-safe: one thread uses one handle.
     """
 
-    def __init__(self, state: ArrayResidency, bufs: list[_Buffer], stream: Any = None):
+    def __init__(self, state: ArrayResidency, bufs: list[Buffer], stream: Any = None):
         self._state = state
         self._bufs = bufs
         self._stream = stream
@@ -553,18 +553,18 @@ def _data_ptr(x: Any) -> int | None:
     return None
 
 
-def _token_of(x: Any) -> _ViewToken | None:
+def _token_of(x: Any) -> ViewToken | None:
     """The view token a CuPy array's memory object owns, if it is on tiermem memory."""
     owner = getattr(getattr(getattr(x, "data", None), "mem", None), "_owner", None)
-    return owner if isinstance(owner, _ViewToken) else None
+    return owner if isinstance(owner, ViewToken) else None
 
 
-def buffer_of(tier: Tier, x: Any) -> _Buffer:
+def buffer_of(tier: Tier, x: Any) -> Buffer:
     """The buffer behind ``x``: a TieredTensor, or an array on memory from ``tier`` (a CuPy array
     from its allocator, a view of a TieredTensor). Raises TierMemError for anything else."""
     if isinstance(x, TieredTensor):
         b = x.buffer
-    elif isinstance(x, _Buffer):
+    elif isinstance(x, Buffer):
         b = x
     elif (tok := _token_of(x)) is not None:
         b = tok.buffer
@@ -587,17 +587,3 @@ def tier_of_array(x: Any) -> Tier | None:
         return x.tier
     tok = _token_of(x)
     return tok.buffer.tier if tok is not None else None
-
-
-def use(*arrays: Any, stream: Any = None, read_only: bool = False, once: bool = False,
-        tier: Tier | None = None) -> ArrayUse:
-    """Bring ``arrays`` (CuPy arrays from a tiermem allocator, or TieredTensors) to the device
-    ahead of use, making room in the budget; :meth:`Tier.use` says what ``stream``,
-    ``read_only`` and ``once`` do. The Tier is ``tier``, else the first array's, else the
-    default one."""
-    if tier is None:
-        tier = next((t for t in map(tier_of_array, arrays) if t is not None), None)
-    if tier is None:
-        from ._api import default_tier
-        tier = default_tier()
-    return tier.use(*arrays, stream=stream, read_only=read_only, once=once)

@@ -16,7 +16,7 @@ NOTE [views and the fast paths]
     user). Otherwise the eviction goes through Unified Memory, which is slower but keeps every
     pointer valid. A view asked for while the data sits in the shadow first brings it back.
     Under a budget the range keeps its device pages meanwhile, and a refill may trade ranges with
-    another shadowed buffer (NOTE [parked pages] in _tier.py); the same rules make that safe.
+    another shadowed buffer (NOTE [parked pages] in _engine.py); the same rules make that safe.
 
 NOTE [dlpack]
     A managed CuPy array exports DLPack device type 13 (kDLCUDAManaged), which torch.from_dlpack
@@ -46,16 +46,16 @@ __all__ = ["TieredTensor"]
 log = logging.getLogger("tiermem")
 
 
-class _ViewToken:
+class ViewToken:
     """Kept alive by a view's storage; keeps the buffer alive. See NOTE [views and the fast paths]."""
 
     __slots__ = ("buffer", "internal", "shadow", "__weakref__")
 
-    def __init__(self, buffer: _Buffer, internal: bool, shadow: bool):
+    def __init__(self, buffer: Buffer, internal: bool, shadow: bool):
         self.buffer, self.internal, self.shadow = buffer, internal, shadow
 
 
-class _Buffer:
+class Buffer:
     """A managed allocation and where tiermem placed it. Owned by TieredTensors and view tokens;
     when the last owner goes, its memory returns to the pool and its bytes leave the accounting."""
 
@@ -73,18 +73,18 @@ class _Buffer:
         self.shadow_valid = False           # the pinned shadow holds the current data
         self.in_shadow = False              # the data lives in the shadow, not the managed range
         self.parked = False                 # in the shadow, but the range's device pages are kept
-                                            # for the next refill (NOTE [parked pages] in _tier.py)
+                                            # for the next refill (NOTE [parked pages] in _engine.py)
         self.host_valid = False             # a read-mostly host copy in the managed range is current
         self.read_mostly_while_resident = False   # lent read-mostly by a read-only scope: its
                                             # collapse unsets it (NOTE [read-only scopes], _scoped.py)
         self.fence: Any = None              # event after the last scope that used it; a collapse
                                             # waits for it (NOTE [collapse fence] in _scoped.py)
-        self.tokens: weakref.WeakSet[_ViewToken] = weakref.WeakSet()
+        self.tokens: weakref.WeakSet[ViewToken] = weakref.WeakSet()
         self.bindings: list[weakref.ref] = []
         self.last_use = 0
         self.pending: Transfer | None = None
         self.freed = False
-        self.gone = False                   # its memory went back (NOTE [finalizer race] in _tier.py)
+        self.gone = False                   # its memory went back (NOTE [finalizer race] in _engine.py)
 
     @property
     def owns_pages(self) -> bool:
@@ -93,8 +93,8 @@ class _Buffer:
         pages; a discard of part of one could take a neighbour's data with it."""
         return self.block.pool_key.endswith("/large") and self.ptr % LARGE == 0 and self.span % LARGE == 0
 
-    def token(self, internal: bool, shadow: bool = False) -> _ViewToken:
-        t = _ViewToken(self, internal, shadow)
+    def token(self, internal: bool, shadow: bool = False) -> ViewToken:
+        t = ViewToken(self, internal, shadow)
         self.tokens.add(t)
         return t
 
@@ -118,20 +118,20 @@ class TieredTensor:
     from any thread; views are independent objects.
     """
 
-    def __init__(self, buffer: _Buffer, shape: tuple[int, ...], dtype: str):
-        self._buf: _Buffer | None = buffer
+    def __init__(self, buffer: Buffer, shape: tuple[int, ...], dtype: str):
+        self._buf: Buffer | None = buffer
         self.shape = tuple(int(s) for s in shape)
         self.dtype = dtype
 
     # -- description --------------------------------------------------------------------------
     @property
-    def _b(self) -> _Buffer:
+    def _b(self) -> Buffer:
         if self._buf is None:
             raise TierMemError("this TieredTensor was freed")
         return self._buf
 
     @property
-    def buffer(self) -> _Buffer:
+    def buffer(self) -> Buffer:
         """The internal buffer (for tiermem's adapters; raises :class:`TierMemError` once freed)."""
         return self._b
 
@@ -164,7 +164,7 @@ class TieredTensor:
         """Address of the managed range that holds the data on the device. Stable while a foreign
         view (``.torch()``, ``.cupy()``, DLPack) is alive; otherwise a refill may give the tensor
         the device pages another tensor left behind, at another address (NOTE [parked pages] in
-        _tier.py). tiermem re-points the tensors it bound itself (wrapped parameters)."""
+        _engine.py). tiermem re-points the tensors it bound itself (wrapped parameters)."""
         return self._b.ptr
 
     @property
@@ -184,7 +184,7 @@ class TieredTensor:
     @property
     def parked(self) -> bool:
         """True while evicted to the shadow with its device pages kept, under the budget, for the
-        next refill (NOTE [parked pages] in _tier.py)."""
+        next refill (NOTE [parked pages] in _engine.py)."""
         return self._b.parked
 
     @property

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
 __all__ = ["wrap", "wrap_group", "unwrap", "tiered_of", "check_wrap"]
 
-_ATTR = "_tiermem"   # the TieredTensor a wrapped tensor belongs to; keeps it alive with the tensor
+TIERED_ATTR = "_tiermem"   # the TieredTensor a wrapped tensor belongs to; keeps it alive with the tensor
 
 
 def _torch() -> Any:
@@ -35,7 +35,7 @@ def _torch() -> Any:
 
 def tiered_of(tensor: Any) -> TieredTensor | None:
     """The TieredTensor a wrapped tensor or parameter belongs to, or None."""
-    tt = getattr(tensor, _ATTR, None)
+    tt = getattr(tensor, TIERED_ATTR, None)
     return tt if isinstance(tt, TieredTensor) and not tt.freed else None
 
 
@@ -67,7 +67,7 @@ def _check_tensor(tensor: Any) -> None:
         raise WrapError(f"cannot wrap a tensor on {tensor.device}; tiermem takes CPU or CUDA tensors")
 
 
-def _check(tier: Tier, tensor: Any) -> None:
+def check_tensor(tier: Tier, tensor: Any) -> None:
     _check_tensor(tensor)
     if tensor.device.type == "cuda" and tensor.device.index != tier.device:
         raise WrapError(f"tensor is on {tensor.device} but this Tier manages cuda:{tier.device}")
@@ -80,7 +80,7 @@ def wrap(tier: Tier, tensor: Any, role: Role | str = Role.WEIGHT, *, name: str |
     """Move ``tensor``'s data into tiered memory and rebind it there; see tiermem.wrap."""
     _torch()                     # no torch: a clear error before anything else
     r = as_role(role)            # an unknown role raises before anything changes
-    _check(tier, tensor)
+    check_tensor(tier, tensor)
     if r is Role.WEIGHT and not tensor.requires_grad:
         r = Role.FROZEN_WEIGHT   # a weight nothing trains: read-mostly, and its eviction is free
     pol = tier.resolve_policy(r, policy, policy_changes)
@@ -96,16 +96,16 @@ def wrap(tier: Tier, tensor: Any, role: Role | str = Role.WEIGHT, *, name: str |
 def _undone_on_error(tts: list[TieredTensor], tensors: list[Any]) -> Iterator[None]:
     """A wrap that fails (a CUDA error, an interrupt) leaves its tensors as they were: bound to
     their own memory again, not wrapped, and the tiered buffers freed (NOTE [failed moves] in
-    _tier.py). Their own memory is untouched: a wrap copies out of it and only rebinds."""
+    _engine.py). Their own memory is untouched: a wrap copies out of it and only rebinds."""
     old = [t.data for t in tensors]
     try:
         yield
     except BaseException:
         for t, data in zip(tensors, old):
-            tt = getattr(t, _ATTR, None)
+            tt = getattr(t, TIERED_ATTR, None)
             if tt is not None and any(tt is x for x in tts):
                 t.data = data
-                delattr(t, _ATTR)
+                delattr(t, TIERED_ATTR)
         for tt in tts:
             if not tt.freed:
                 tt.buffer.bindings = []
@@ -131,7 +131,7 @@ def _adopt(tier: Tier, tt: TieredTensor, tensor: Any, pol: Policy) -> None:
             tier.apply_advice(buf)
             buf.where = Location.HOST
     with torch.no_grad():
-        _fill_and_bind(tier, tt, tensor)
+        fill_and_bind(tier, tt, tensor)
     tier.apply_advice(buf)
     if buf.where is Location.HOST:
         buf.host_valid = True
@@ -141,7 +141,7 @@ def _adopt(tier: Tier, tt: TieredTensor, tensor: Any, pol: Policy) -> None:
         tier.evict([buf], _path="um")
 
 
-def _fill_and_bind(tier: Tier, tt: TieredTensor, tensor: Any) -> None:
+def fill_and_bind(tier: Tier, tt: TieredTensor, tensor: Any) -> None:
     """Copy ``tensor`` into ``tt``'s buffer from the device side and rebind ``tensor.data`` to it
     (an internal view tiermem can re-point), linking the two. Call under torch.no_grad()."""
     buf = tt.buffer
@@ -150,7 +150,7 @@ def _fill_and_bind(tier: Tier, tt: TieredTensor, tensor: Any) -> None:
     tt._origin_device = tensor.device
     tensor.data = view
     buf.bindings.append(weakref.ref(tensor))
-    setattr(tensor, _ATTR, tt)
+    setattr(tensor, TIERED_ATTR, tt)
 
 
 def unwrap(tier: Tier, x: Any) -> Any:
@@ -175,8 +175,8 @@ def unwrap(tier: Tier, x: Any) -> Any:
             with torch.no_grad():
                 plain.copy_(t.data)
             t.data = plain
-            if getattr(t, _ATTR, None) is tt:
-                delattr(t, _ATTR)
+            if getattr(t, TIERED_ATTR, None) is tt:
+                delattr(t, TIERED_ATTR)
         buf.bindings = []
         out = bound[0]
     else:
@@ -196,7 +196,7 @@ def wrap_group(tier: Tier, tensors: list[Any], role: Role | str, *, names: list[
     torch = _torch()
     r = as_role(role)
     for t in tensors:
-        _check(tier, t)
+        check_tensor(tier, t)
     if r is Role.WEIGHT and not any(t.requires_grad for t in tensors):
         r = Role.FROZEN_WEIGHT
     pol = policy if policy is not None else tier.policies[r]
@@ -208,7 +208,7 @@ def wrap_group(tier: Tier, tensors: list[Any], role: Role | str, *, names: list[
     with _undone_on_error(tts, tensors):
         with torch.no_grad():
             for tt, t in zip(tts, tensors):
-                _fill_and_bind(tier, tt, t)
+                fill_and_bind(tier, tt, t)
         for tt in tts:
             tt.advise(policy=pol)
             if tt.buffer.where is not Location.DEVICE:

@@ -385,8 +385,8 @@ def _reroute(torch: Any, device: int) -> None:
 
 def _policy_for(role: Role) -> Policy:
     """The role's policy in the default Tier when one exists (its overrides apply), else the default."""
-    from . import _api
-    tier = _api._default
+    from . import _default
+    tier = _default.peek()
     return tier.policies[role] if tier is not None else DEFAULT_POLICIES[role]
 
 

@@ -14,7 +14,7 @@ from _common import cuda_times, gbps, median, progress
 
 import tiermem
 from tiermem import Location, _cuda
-from tiermem._tier import coalesce
+from tiermem._engine import coalesce
 
 GiB, MiB = 1 << 30, 1 << 20
 N = GiB

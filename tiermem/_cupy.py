@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from .roles import Role, as_role
 
 if TYPE_CHECKING:
-    from ._tier import Tier
+    from ._engine import Engine as Tier   # what an adapter uses is the engine's interface
 
 __all__ = ["make_allocator", "using_role", "current_role"]
 

@@ -50,7 +50,7 @@ from .roles import Evict, Location, Policy, Role
 
 if TYPE_CHECKING:
     from ._tensor import TieredTensor
-    from ._tier import Tier
+    from ._engine import Engine as Tier   # what an adapter uses is the engine's interface
 
 __all__ = ["Plan", "plan_residency", "plan_host", "stay_home", "TieredModule", "wrap_module", "module_groups"]
 

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 from .roles import Role
 
 if TYPE_CHECKING:
-    from ._tier import Tier
+    from ._engine import Engine as Tier
 
 
 def _b(n: float) -> str:

@@ -152,7 +152,7 @@ from ._tensor import TieredTensor, Buffer, ViewToken
 from .roles import Advice, Location, Prefetch, Role, as_role
 
 if TYPE_CHECKING:
-    from ._tier import Tier
+    from ._engine import Engine as Tier   # what an adapter uses is the engine's interface
     from ._transfer import Transfer
 
 __all__ = ["ArrayUse", "ArrayResidency", "residency", "tier_of_array", "IN_PLACE"]

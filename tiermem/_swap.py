@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 from .roles import Role
 
 if TYPE_CHECKING:
-    from ._tier import Tier
+    from ._engine import Engine as Tier   # what an adapter uses is the engine's interface
 
 __all__ = ["ActivationSwap"]
 

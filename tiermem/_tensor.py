@@ -38,7 +38,7 @@ from .roles import Location, Policy, Role
 
 if TYPE_CHECKING:
     from ._backend import Block, HostBlock
-    from ._tier import Tier
+    from ._engine import Engine as Tier
     from ._transfer import Transfer
 
 __all__ = ["TieredTensor"]

@@ -18,7 +18,7 @@ from ._tensor import TieredTensor
 from .roles import Location, Policy, Role, as_role, check_policy
 
 if TYPE_CHECKING:
-    from ._tier import Tier
+    from ._engine import Engine as Tier   # what an adapter uses is the engine's interface
 
 __all__ = ["wrap", "wrap_group", "unwrap", "tiered_of", "check_wrap"]
 

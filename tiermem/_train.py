@@ -52,7 +52,7 @@ from ._trainplan import SavedRecord, StepTrace, TrainPlan, plan_training
 from .roles import Evict, Location, Prefetch, Role
 
 if TYPE_CHECKING:
-    from ._tier import Tier
+    from ._engine import Engine as Tier   # what an adapter uses is the engine's interface
 
 __all__ = ["TieredTraining", "wrap_training", "check_options"]
 
@@ -723,7 +723,8 @@ class TieredTraining:
 
     def unwrap(self) -> Any:
         """Remove the hooks, give every parameter and optimizer state plain device memory again,
-        and restore torch's memory fraction and the tier's budget."""
+        and restore torch's memory fraction and give the budget lease back."""
+        from ._torch import unwrap
         torch = self.torch
         for h in self._hooks:
             h.remove()
@@ -740,7 +741,7 @@ class TieredTraining:
                     self.opt.state[p][key] = self.opt.state[p][key].clone()
                 for p in b.params:
                     if b.resident:
-                        self.tier.unwrap(p)
+                        unwrap(self.tier, p)
                     else:
                         plain = torch.empty(p.shape, dtype=p.dtype, device=self.dev)
                         plain.copy_(p.data)

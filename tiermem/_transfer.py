@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ._tier import Tier
+    from ._engine import Engine as Tier
 
 __all__ = ["Transfer"]
 

@@ -64,11 +64,19 @@ def test_a_lease_given_back_evicts_what_no_longer_fits(tier):
     assert tier.budget is None
 
 
-def test_bad_lease_sizes_are_value_errors(tier):
+def test_a_lease_takes_any_whole_number(tier):
+    import numpy as np
+    with tier.lease(np.int64(3 * MiB), "numpy") as a:
+        assert type(a.nbytes) is int and tier.budget == 3 * MiB
+
+
+@pytest.mark.parametrize("configured", [None, "8MiB"])
+def test_bad_lease_sizes_are_value_errors(fake, configured):
+    t = tiermem.Tier(backend=fake, budget=configured)
     for bad in (-1, 1.5, "1MiB", True):
         with pytest.raises(ValueError):
-            tier.lease(bad, "x")
-    assert tier.leases == ()
+            t.lease(bad, "x")
+    assert t.leases == ()
 
 
 def test_two_modules_on_one_tier_each_keep_their_budget(tier):

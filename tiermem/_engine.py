@@ -267,6 +267,7 @@ class Engine:
         released (NOTE [budget leases]). Without a configured budget, the enforced budget grows
         by ``nbytes``; with one, the lease must fit its room (:meth:`lease_room`), else
         :class:`OutOfBudgetError`."""
+        nbytes = self._leases.check(nbytes)
         with self._lock:
             room = self._leases.room(self._configured)
             if room is not None and nbytes > room:

@@ -18,6 +18,7 @@ NOTE [budget leases]
 """
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable
 
 from ._errors import ConfigError
@@ -86,10 +87,16 @@ class Leases:
             return configured
         return self.nbytes if self._live else None
 
-    def add(self, nbytes: int, owner: str, give_back: Callable[[BudgetLease], None]) -> BudgetLease:
-        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+    @staticmethod
+    def check(nbytes: object) -> int:
+        """``nbytes`` as an int, or ConfigError (a ValueError) if it is not a size."""
+        # Integral, not int: figures from the driver or numpy (np.int64) are whole numbers too
+        if isinstance(nbytes, bool) or not isinstance(nbytes, numbers.Integral) or nbytes < 0:
             raise ConfigError(f"a budget lease is a number of bytes >= 0, got {nbytes!r}")
-        lease = BudgetLease(nbytes, owner, give_back)
+        return int(nbytes)
+
+    def add(self, nbytes: int, owner: str, give_back: Callable[[BudgetLease], None]) -> BudgetLease:
+        lease = BudgetLease(self.check(nbytes), owner, give_back)
         self._live.append(lease)
         return lease
 

@@ -808,17 +808,7 @@ class TieredModule:
             t.data = data
             if hasattr(t, TIERED_ATTR):
                 delattr(t, TIERED_ATTR)
-        for g in self._groups.values():
-            for tt in g.tiered:
-                tt.buffer.bindings = []
-                tt.free()
-            g.tiered = []
-        if self._stream is not None:
-            self._stream.discard()
-            self._stream = None
-        if self._lease is not None:
-            self._lease.release()
-        self._groups.clear()
+        self._give_back()
         self.tier.backend.release_cached()   # the freed groups' managed memory back to the driver
 
     # -- forward hooks ------------------------------------------------------------------------------
@@ -968,6 +958,11 @@ class TieredModule:
             if hasattr(t, TIERED_ATTR):
                 delattr(t, TIERED_ATTR)
         self.tier.synchronize()
+        self._give_back()
+
+    def _give_back(self) -> None:
+        """Free what the adoption took once the tensors no longer point at it: the resident
+        groups, the streaming window and pinned home, and the budget lease."""
         for g in self._groups.values():
             for tt in g.tiered:
                 tt.buffer.bindings = []

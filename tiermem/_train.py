@@ -252,17 +252,7 @@ class TieredTraining:
             p.data = data
         if self._old_fraction is not None:
             torch.cuda.set_per_process_memory_fraction(self._old_fraction, self.dev)
-        for b in self.blocks:
-            for tt in b.tiered:
-                if not tt.freed:
-                    tt.free()
-            for h in (b.home_p, b.home_s):
-                if h is not None:
-                    h.release()
-            b.tiered, b.home_p, b.home_s = [], None, None
-        self.slots, self._slot_mem = [], None
-        if self.swap is not None:
-            self.swap.arena.release()
+        self._give_back()
         self._lease.release()
         torch.cuda.empty_cache()
 
@@ -747,6 +737,15 @@ class TieredTraining:
                         plain.copy_(p.data)
                         self._bind(p, plain)
         torch.cuda.synchronize(self.dev)
+        self._give_back()
+        self.tier.synchronize()      # finished moves let go of the buffers they held
+        self._lease.release()
+        self.model._tiermem_handle = None
+        return self.model
+
+    def _give_back(self) -> None:
+        """Free the memory the adoption took, once no parameter points at it: resident blocks'
+        managed memory, the pinned homes, the slots and the swap's arena."""
         for b in self.blocks:
             for tt in b.tiered:
                 if not tt.freed:
@@ -758,10 +757,6 @@ class TieredTraining:
         self.slots, self._slot_mem = [], None
         if self.swap is not None:
             self.swap.arena.release()
-        self.tier.synchronize()      # finished moves let go of the buffers they held
-        self._lease.release()
-        self.model._tiermem_handle = None
-        return self.model
 
     def __repr__(self) -> str:
         plan = self.plan.table() if self.plan is not None else "not planned yet (the first step is traced)"

@@ -65,7 +65,8 @@ MANAGED_CAP = "8GiB"   # all pools of one model process together; far below the 
 
 
 def policies(row, best=None):
-    from tiermem import DEFAULT_POLICIES, Location, Policy, Role
+    from tiermem import Location, Policy, Role
+    from tiermem.roles import DEFAULT_POLICIES
     roles = [Role.WEIGHT, Role.OPTIMIZER_STATE, Role.ACTIVATION, Role.INPUT]
     one = {"um": Policy(), "pref_dev": Policy(preferred_location=Location.DEVICE),
            "read_mostly": Policy(read_mostly=True), "accessed_by": Policy(accessed_by_device=True)}
@@ -142,7 +143,7 @@ def run_plain(torch, spec, a):
 def check_managed(torch, tiermem, model, opt, batch, spec):
     """Pointer types of the step's tensors: parameters, gradients, optimizer states, inputs, saved activations."""
     saved = []
-    with tiermem.torch_allocations("activation", policy=tiermem.Policy(), prefetch=False):
+    with tiermem.torch_memory.torch_allocations("activation", policy=tiermem.Policy(), prefetch=False):
         with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
             loss = spec.loss(model, batch)
         loss.backward()
@@ -151,7 +152,7 @@ def check_managed(torch, tiermem, model, opt, batch, spec):
              "inputs": list(batch), "activations": [t for t in saved if t.is_cuda] + [loss]}
     # Empty tensors (BatchNorm's reserve space in eval-free cuDNN paths) have no memory at all.
     kinds = {k: [t for t in v if t is not None and t.numel() > 0 and t.data_ptr() != 0] for k, v in kinds.items()}
-    out = {k: (sum(tiermem.is_managed(t) for t in v), len(v)) for k, v in kinds.items()}
+    out = {k: (sum(tiermem.torch_memory.is_managed(t) for t in v), len(v)) for k, v in kinds.items()}
     opt.zero_grad(set_to_none=True)
     del saved, loss
     return out
@@ -170,7 +171,7 @@ def run_managed(torch, tiermem, spec, row, a, budget, best=None):
     from tiermem._um_budget import UMBudget
     pol = policies(row, best)
     steps, warmup = steps_for(row, "cap" if budget is None else "budget", a)
-    ta = tiermem.torch_allocations
+    ta = tiermem.torch_memory.torch_allocations
     torch.manual_seed(0)
     with ta(Role.WEIGHT, policy=pol[Role.WEIGHT], prefetch=False):
         model = spec.build()
@@ -232,7 +233,7 @@ def child(a):
     import torch
 
     import tiermem
-    tiermem.set_torch_managed_cap(MANAGED_CAP)
+    tiermem.torch_memory.set_torch_managed_cap(MANAGED_CAP)
     spec = Spec(torch, a.model, a)
     progress(f"{spec.name}: {spec.desc}")
     res = {"desc": spec.desc, "cap": {}, "budget": {}, "info": {}}
@@ -269,7 +270,7 @@ def child(a):
     progress(f"  {spec.name}: best single advice per role under the budget: {best}")
     record("budget", "best_per_role", lambda: run_managed(torch, tiermem, spec, "best_per_role", a, budget, best))
     record("budget", "tiermem", lambda: run_tiermem(torch, tiermem, spec, a, budget))
-    st = tiermem.torch_allocator_stats()
+    st = tiermem.torch_memory.torch_allocator_stats()
     res["allocator"] = st.as_dict()
     progress(f"  {spec.name}: managed peak {st.peak_bytes / GiB:.2f} GiB live in this process, {st.refused} refused")
     with open(a.out, "w") as f:

@@ -15,7 +15,9 @@ import pytest
 import tiermem
 from fakes import FakeBackend, _State
 from helpers import MiB, calls, expected_stats, role_stats
-from tiermem import CapExceededError, Location, OutOfBudgetError, RangeInfo, Role, TierMemError
+from tiermem import Location, OutOfBudgetError, Role, TierMemError
+from tiermem.errors import CapExceededError
+from tiermem.types import RangeInfo
 from tiermem._backend import round_request
 from tiermem._engine import coalesce
 from tiermem.roles import advice_plan
@@ -108,9 +110,9 @@ def test_pool_keys_follow_role_and_size_class(tier, fake):
 @pytest.mark.parametrize("role", list(Role))
 def test_empty_applies_exactly_the_roles_advice_plan(tier, fake, role):
     tt = tier.empty(3 * MiB, "uint8", role=role)
-    plan = advice_plan(tiermem.DEFAULT_POLICIES[role])
+    plan = advice_plan(tiermem.roles.DEFAULT_POLICIES[role])
     assert advise_calls(fake, tt.data_ptr) == [(tt.data_ptr, 4 * MiB, a.kind, a.set, a.location) for a in plan]
-    pol = tiermem.DEFAULT_POLICIES[role]
+    pol = tiermem.roles.DEFAULT_POLICIES[role]
     info = tt.range_info()
     assert (info.preferred_location, info.read_mostly) == (pol.preferred_location, pol.read_mostly)
     assert set(info.accessed_by) == ({Location.DEVICE} if pol.accessed_by_device else set())
@@ -147,17 +149,17 @@ def test_without_concurrent_managed_access_advice_and_prefetch_are_skipped():
 
 def test_per_tensor_policy_changes(tier, fake):
     tt = tier.empty(2 * MiB, "uint8", role="gradient", read_mostly=True)
-    assert tt.policy == tiermem.DEFAULT_POLICIES[Role.GRADIENT].replace(read_mostly=True)
+    assert tt.policy == tiermem.roles.DEFAULT_POLICIES[Role.GRADIENT].replace(read_mostly=True)
     assert tt.range_info().read_mostly is True
     assert ("advise", tt.data_ptr, 2 * MiB, "read_mostly", True, Location.DEVICE) in fake.calls
     # The role's policy is untouched: the next gradient gets the default.
     other = tier.empty(2 * MiB, "uint8", role="gradient")
-    assert other.policy == tiermem.DEFAULT_POLICIES[Role.GRADIENT]
+    assert other.policy == tiermem.roles.DEFAULT_POLICIES[Role.GRADIENT]
     assert other.range_info().read_mostly is False
 
     del fake.calls[:]
     new = tt.advise(preferred_location="host", read_mostly=False, accessed_by_device=True)
-    assert new == tt.policy == tiermem.DEFAULT_POLICIES[Role.GRADIENT].replace(
+    assert new == tt.policy == tiermem.roles.DEFAULT_POLICIES[Role.GRADIENT].replace(
         preferred_location=Location.HOST, accessed_by_device=True)
     assert advise_calls(fake, tt.data_ptr) == [(tt.data_ptr, 2 * MiB, a.kind, a.set, a.location)
                                               for a in advice_plan(new)]
@@ -168,11 +170,11 @@ def test_per_tensor_policy_changes(tier, fake):
 def test_empty_rejects_bad_arguments_before_allocating(tier, fake):
     with pytest.raises(TierMemError, match=r"shape must not be negative, got \(2, -1\)"):
         tier.empty((2, -1), role="activation")
-    with pytest.raises(tiermem.RoleError):
+    with pytest.raises(tiermem.errors.RoleError):
         tier.empty(4, role="scratch")
-    with pytest.raises(tiermem.RoleError):
+    with pytest.raises(tiermem.errors.RoleError):
         tier.empty(4, role="activation", colour="red")
-    with pytest.raises(tiermem.ViewError, match="unsupported dtype"):
+    with pytest.raises(tiermem.errors.ViewError, match="unsupported dtype"):
         tier.empty(4, "float13", role="activation")
     assert calls(fake, "allocate") == []
     with pytest.raises(TierMemError, match="belong to the backend"):
@@ -182,7 +184,7 @@ def test_empty_rejects_bad_arguments_before_allocating(tier, fake):
 # -- policy_override ------------------------------------------------------------------------
 
 def test_policy_override_applies_inside_and_restores_after(tier):
-    default = tiermem.DEFAULT_POLICIES[Role.ACTIVATION]
+    default = tiermem.roles.DEFAULT_POLICIES[Role.ACTIVATION]
     with tiermem.policy_override("activation", tier=tier, read_mostly=True, evict_priority=9) as pol:
         assert pol == tier.policies[Role.ACTIVATION] == default.replace(read_mostly=True, evict_priority=9)
         inside = tier.empty(2 * MiB, "uint8", role="activation")
@@ -197,11 +199,11 @@ def test_policy_override_restores_when_the_body_raises(tier):
         with tiermem.policy_override(Role.INPUT, tier=tier, read_only=False):
             assert tier.policies["input"].read_only is False
             raise KeyError("boom")
-    assert dict(tier.policies) == dict(tiermem.DEFAULT_POLICIES)
+    assert dict(tier.policies) == dict(tiermem.roles.DEFAULT_POLICIES)
 
 
 def test_policy_override_nests(tier):
-    default = tiermem.DEFAULT_POLICIES[Role.WEIGHT]
+    default = tiermem.roles.DEFAULT_POLICIES[Role.WEIGHT]
     whole = tiermem.Policy(Location.HOST, prefetch="never")
     with tiermem.policy_override("weight", tier=tier, evict_priority=7):
         with tiermem.policy_override("weight", tier=tier, read_mostly=True):

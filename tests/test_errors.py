@@ -10,8 +10,10 @@ from __future__ import annotations
 import pytest
 
 import tiermem
-from tiermem import (ConfigError, ConfigTypeError, CUDAUnavailableError, Policy, RoleError, StepTrace,
-                     TierMemError, WrapError, parse_bytes, plan_training)
+from tiermem import ConfigError, Policy, TierMemError
+from tiermem.errors import ConfigTypeError, CUDAUnavailableError, RoleError, WrapError
+from tiermem.planning import plan_training, StepTrace
+from tiermem.types import parse_bytes
 from tiermem import _cuda, _torch_alloc
 from tiermem._limits import ENV_BUDGET, ENV_CAP, check_bytes, resolve_budget, resolve_cap
 from tiermem._staging import Staging, StagingRing, ring_slot
@@ -34,7 +36,23 @@ def test_the_hierarchy():
     assert issubclass(RoleError, ConfigError) and issubclass(WrapError, ConfigError)
     assert issubclass(ConfigTypeError, ConfigError) and issubclass(ConfigTypeError, TypeError)
     assert not issubclass(ConfigError, TypeError)
-    assert set(tiermem.__all__) >= {"ConfigError", "ConfigTypeError"}
+    assert set(tiermem.errors.__all__) >= {"ConfigError", "ConfigTypeError"} and "ConfigError" in tiermem.__all__
+    # every error class of the package has its public home
+    assert {c.__name__ for c in vars(tiermem._errors).values()
+            if isinstance(c, type) and issubclass(c, TierMemError)} <= set(tiermem.errors.__all__)
+
+
+def test_the_top_level_is_short_and_the_old_names_still_work_with_a_warning():
+    assert len(tiermem.__all__) <= 30
+    for name in tiermem.__all__:
+        assert hasattr(tiermem, name)
+    with pytest.warns(DeprecationWarning, match=r"tiermem.WrapError is now tiermem.errors.WrapError"):
+        assert tiermem.WrapError is tiermem.errors.WrapError
+    with pytest.warns(DeprecationWarning, match=r"tiermem.plan_training is now tiermem.planning.plan_training"):
+        from tiermem import plan_training
+    assert plan_training is tiermem.planning.plan_training
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        tiermem.nope
 
 
 def _other_tiers_tensor(fake):

@@ -723,7 +723,7 @@ def test_fault_a_failed_eviction_leaves_every_tensor_on_the_device_with_its_byte
         return fake, t, [a, b], [da, db]
     (f0, t0, tts0, _), (fake, t, tts, data) = twin(build)
     fake.fail_at(nth(f0, lambda: t0.evict(tts0), "host_alloc", 2), "oom")   # the second shadow
-    with pytest.raises(tiermem.CUDAOutOfMemoryError):
+    with pytest.raises(tiermem.errors.CUDAOutOfMemoryError):
         t.evict(tts)
     assert fake.fired[1] == "host_alloc"
     for tt, d in zip(tts, data):
@@ -861,7 +861,7 @@ def test_fault_injection_in_the_real_backend_is_there_only_while_set():
             object.__new__(CudaBackend).copy(0, 0, 0, 0)
         assert (inj.fired, inj.calls, inj.injected) == ((1, "copy", "interrupt"), 1, 1)
         inj.fail_at(1, "oom")
-        with pytest.raises(tiermem.CUDAOutOfMemoryError, match="cudaErrorMemoryAllocation"):
+        with pytest.raises(tiermem.errors.CUDAOutOfMemoryError, match="cudaErrorMemoryAllocation"):
             object.__new__(CudaBackend).allocate(1, "x")
     finally:
         inject_faults(None)

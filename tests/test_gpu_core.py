@@ -30,7 +30,8 @@ def _rand_bytes(n):
 
 @pytest.mark.parametrize("role", ["weight", "frozen_weight", "activation", "gradient", "optimizer_state", "input", "workspace"])
 def test_advice_is_applied_and_reads_back(gtier, role):
-    from tiermem import DEFAULT_POLICIES, Location, Role
+    from tiermem import Location, Role
+    from tiermem.roles import DEFAULT_POLICIES
     t = gtier.empty(4 * MiB, "uint8", role=role)
     pol = DEFAULT_POLICIES[Role(role)]
     info = t.range_info()
@@ -226,7 +227,7 @@ def test_cupy_allocator_arrays_are_managed_and_counted(gtier):
     from tiermem import _cuda
     before = gtier.stats()
     with cupy.cuda.using_allocator(tiermem.allocator(tier=gtier)):
-        with tiermem.using_role("input"):
+        with tiermem.arrays.using_role("input"):
             a = cupy.random.random(1 << 20)           # 8 MiB: the large pool
             b = cupy.arange(1000, dtype=cupy.int32)    # 4 KB: the small pool
     assert _cuda.pointer_kind(a.data.ptr) == "managed" and _cuda.pointer_kind(b.data.ptr) == "managed"
@@ -252,7 +253,7 @@ def test_cap_is_enforced_and_pool_caches_give_way():
     import tiermem
     t = tiermem.Tier(0, cap="64MiB")
     a = t.empty(48 * MiB, "uint8", role="activation")
-    with pytest.raises(tiermem.CapExceededError) as e:
+    with pytest.raises(tiermem.errors.CapExceededError) as e:
         t.empty(32 * MiB, "uint8", role="weight")
     assert isinstance(e.value, MemoryError) and e.value.limit == 64 * MiB
     assert "allow_oversubscribe" in str(e.value)

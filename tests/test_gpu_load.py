@@ -70,7 +70,7 @@ def test_a_bad_checkpoint_leaves_the_device_as_it_was(saved, tmp_path):
     t = tiermem.Tier(0, cap="1GiB")
     torch.cuda.synchronize()
     free, stats = torch.cuda.mem_get_info()[0], t.stats()
-    with pytest.raises(tiermem.CheckpointError, match="truncated"):
+    with pytest.raises(tiermem.errors.CheckpointError, match="truncated"):
         tiermem.load_pretrained(bad, budget="30%", host_budget=16 * MiB, tier=t)
     torch.cuda.synchronize()
     assert t.stats() == stats and abs(torch.cuda.mem_get_info()[0] - free) <= 32 * MiB

@@ -196,7 +196,7 @@ def test_a_model_bigger_than_the_really_small_gpu_runs_generate():
             got = model.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=None)
         assert torch.equal(got, want)
         assert t.stats()["resident_bytes.all.peak"] <= h.budget
-        with pytest.raises(tiermem.DeviceFullError, match="device='cpu'"):
+        with pytest.raises(tiermem.errors.DeviceFullError, match="device='cpu'"):
             h.unwrap(device="cuda")               # the plain model would not fit: refused, nothing changed
         with torch.no_grad():
             assert torch.equal(model.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=None), want)

@@ -61,7 +61,8 @@ def test_inside_is_managed_and_outside_is_not():
 @pytest.mark.parametrize("role", ["weight", "frozen_weight", "activation", "gradient", "optimizer_state", "input", "workspace"])
 def test_each_role_advice_reads_back(role):
     import torch
-    from tiermem import DEFAULT_POLICIES, Location, Role, _cuda
+    from tiermem import _cuda, Location, Role
+    from tiermem.roles import DEFAULT_POLICIES
     from tiermem._torch_alloc import torch_allocations
     pol = DEFAULT_POLICIES[Role(role)]
     with torch_allocations(role) as block:

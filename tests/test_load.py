@@ -13,7 +13,9 @@ import torch.nn as nn
 save_file = pytest.importorskip("safetensors.torch").save_file
 
 import tiermem
-from tiermem import CheckpointError, HostBudgetError, load_pretrained, plan_host, plan_residency
+from tiermem import load_pretrained
+from tiermem.errors import CheckpointError, HostBudgetError
+from tiermem.planning import plan_host, plan_residency
 from tiermem._load import Checkpoint, empty_weights
 from tiermem._torch import TIERED_ATTR
 
@@ -101,7 +103,7 @@ def test_a_missing_or_mismatched_tensor_is_refused_with_nothing_allocated(tier, 
     assert isinstance(e.value, ValueError)
     assert list(m.parameters()) == before and all(p.is_meta for p in m.parameters())   # the meta tensors are back
     assert _live(fake) == 0 and tier.budget is None and tier.stats() == stats
-    with pytest.raises(tiermem.WrapError, match="meta"):
+    with pytest.raises(tiermem.errors.WrapError, match="meta"):
         tier.wrap_module(m, budget="30%")                       # and no source: a meta tensor has no data
 
 

@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 import tiermem
-from tiermem import plan_residency
+from tiermem.planning import plan_residency
 from tiermem._module import module_groups
 
 MiB = 1 << 20

@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import pytest
 
-from tiermem import DEFAULT_POLICIES, Evict, Location, Policy, PolicyTable, Prefetch, Role, RoleError
+from tiermem import Location, Policy, Role
+from tiermem.errors import RoleError
+from tiermem.roles import DEFAULT_POLICIES, Evict, PolicyTable, Prefetch
 from tiermem.roles import Advice, advice_plan, as_role
 
 

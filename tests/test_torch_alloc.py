@@ -11,7 +11,9 @@ import textwrap
 
 import pytest
 
-from tiermem import CUDAUnavailableError, DEFAULT_POLICIES, Policy, Role, RoleError, TierMemError
+from tiermem import Policy, Role, TierMemError
+from tiermem.errors import CUDAUnavailableError, RoleError
+from tiermem.roles import DEFAULT_POLICIES
 from tiermem._errors import BuildError
 from tiermem import _torch_alloc as ta
 

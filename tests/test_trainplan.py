@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tiermem import StepTrace, TrainPlan, plan_training
+from tiermem.planning import plan_training, StepTrace, TrainPlan
 from tiermem._trainplan import SavedRecord
 
 MiB = 1 << 20

@@ -107,11 +107,11 @@ def test_gpu_training_step_stays_within_the_estimate():
     ta.set_torch_managed_cap("1GiB")
     budget = 8 * MiB
     off = tiermem.Policy()
-    with tiermem.torch_allocations("weight", policy=off, prefetch=False):
+    with tiermem.torch_memory.torch_allocations("weight", policy=off, prefetch=False):
         torch.manual_seed(0)
         model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(8)]).cuda()
         opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    with tiermem.torch_allocations("input", policy=off, prefetch=False):
+    with tiermem.torch_memory.torch_allocations("input", policy=off, prefetch=False):
         x = torch.randn(1024, 512, device="cuda")
     ub = UMBudget(budget)
     hs = ub.attach(model, opt)
@@ -124,15 +124,15 @@ def test_gpu_training_step_stays_within_the_estimate():
         return n
     ub.enforce = checked
     for _ in range(2):
-        with tiermem.torch_allocations("activation", policy=off, prefetch=False), ub.saving():
+        with tiermem.torch_memory.torch_allocations("activation", policy=off, prefetch=False), ub.saving():
             model(x).square().mean().backward()
-            with tiermem.torch_allocations("weight", policy=off, prefetch=False):
+            with tiermem.torch_memory.torch_allocations("weight", policy=off, prefetch=False):
                 opt.step()
             opt.zero_grad(set_to_none=True)
     torch.cuda.synchronize()
     ub.detach(hs)
     assert ub.stats.evictions > 0
     # Within the budget after every enforcement, but for the segments one module needs at once.
-    biggest = max(s.nbytes for s in tiermem.torch_managed_allocations())
+    biggest = max(s.nbytes for s in tiermem.torch_memory.torch_managed_allocations())
     assert max(seen) <= budget + 4 * biggest
     assert ub.stats.resident_bytes <= budget

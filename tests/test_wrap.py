@@ -12,7 +12,8 @@ from torch import nn
 
 import tiermem
 from helpers import MiB, fill_random
-from tiermem import Location, Role, RoleError, WrapError
+from tiermem import Location, Role
+from tiermem.errors import RoleError, WrapError
 
 
 @pytest.fixture
@@ -86,7 +87,7 @@ def test_frozen_parameter_becomes_frozen_weight(tier, fake):
     lin = nn.Linear(1024, 512).requires_grad_(False)
     expected = lin.weight.clone()
     tt = tier.wrap(lin.weight)                  # default role "weight"
-    assert (tt.role, tt.policy) == (Role.FROZEN_WEIGHT, tiermem.DEFAULT_POLICIES[Role.FROZEN_WEIGHT])
+    assert (tt.role, tt.policy) == (Role.FROZEN_WEIGHT, tiermem.roles.DEFAULT_POLICIES[Role.FROZEN_WEIGHT])
     assert lin.weight.requires_grad is False
     # Host-preferred and read-mostly: it leaves the device once filled, and stays readable in place.
     info = tt.range_info()
@@ -199,22 +200,22 @@ def test_from_dlpack_is_zero_copy_and_keeps_the_memory_alive(tier):
 
 
 def test_using_role_nests_restores_and_is_thread_local():
-    assert tiermem.current_role() is None
+    assert tiermem.arrays.current_role() is None
     seen = []
-    with tiermem.using_role("activation") as r:
+    with tiermem.arrays.using_role("activation") as r:
         assert r is Role.ACTIVATION
-        with tiermem.using_role(Role.INPUT):
-            assert tiermem.current_role() is Role.INPUT
-            th = threading.Thread(target=lambda: seen.append(tiermem.current_role()))
+        with tiermem.arrays.using_role(Role.INPUT):
+            assert tiermem.arrays.current_role() is Role.INPUT
+            th = threading.Thread(target=lambda: seen.append(tiermem.arrays.current_role()))
             th.start()
             th.join()
-        assert tiermem.current_role() is Role.ACTIVATION
+        assert tiermem.arrays.current_role() is Role.ACTIVATION
         with pytest.raises(ZeroDivisionError):
-            with tiermem.using_role("gradient"):
+            with tiermem.arrays.using_role("gradient"):
                 1 / 0
-        assert tiermem.current_role() is Role.ACTIVATION
-    assert tiermem.current_role() is None
+        assert tiermem.arrays.current_role() is Role.ACTIVATION
+    assert tiermem.arrays.current_role() is None
     assert seen == [None]
     with pytest.raises(RoleError):
-        with tiermem.using_role("nope"):
+        with tiermem.arrays.using_role("nope"):
             pass

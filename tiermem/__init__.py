@@ -8,38 +8,49 @@
 See README.md. A GPU is needed for everything that touches memory; ``python -m tiermem info``
 says what this machine has.
 """
+from . import arrays, errors, planning, roles, torch_memory, types
 from ._api import (allocator, configure, default_tier, empty, evict, load_pretrained, memory_summary, policy_override,
                    prefetch, stats, synchronize, unwrap, use, wrap, wrap_module, wrap_training)
-from ._module import Plan, TieredModule, plan_host, plan_residency
-from ._load import Checkpoint
-from ._train import TieredTraining
-from ._trainplan import StepTrace, TrainPlan, plan_training
-from ._cuda import Capabilities, RangeInfo
-from ._cupy import current_role, using_role
-from ._scoped import ArrayUse
-from ._errors import (BuildError, CapExceededError, CheckpointError, ConfigError, ConfigTypeError, CUDAError,
-                      CUDAOutOfMemoryError, CUDAUnavailableError, DeviceFullError, HostBudgetError, OutOfBudgetError,
-                      RoleError, TierMemError, ViewError, WrapError)
-from ._limits import parse_bytes
+from ._cupy import using_role
+from ._errors import CUDAError, ConfigError, OutOfBudgetError, TierMemError
 from ._tensor import TieredTensor
 from ._tier import Tier
 from ._torch import tiered_of
-from ._transfer import Transfer
-from ._torch_alloc import (ManagedAllocation, TorchAllocations, TorchAllocatorStats, build_torch_allocator, is_managed,
-                           set_torch_managed_cap, torch_allocations, torch_allocator_stats, torch_managed_allocations)
-from .roles import DEFAULT_POLICIES, Evict, Location, Policy, PolicyTable, Prefetch, Role
+from ._torch_alloc import torch_allocations
+from .roles import Location, Policy, Role
 
 __version__ = "0.1.0"
 
+# The names most code needs; the rest live in named submodules (NOTE [public names]).
 __all__ = [
-    "Tier", "TieredTensor", "Transfer", "Role", "Location", "Policy", "PolicyTable", "Prefetch", "Evict",
-    "DEFAULT_POLICIES", "Capabilities", "RangeInfo",
-    "configure", "default_tier", "empty", "wrap", "wrap_module", "wrap_training", "TieredTraining", "TrainPlan",
-    "StepTrace", "plan_training", "unwrap", "TieredModule", "Plan", "plan_residency", "plan_host",
-    "load_pretrained", "Checkpoint", "tiered_of", "prefetch", "evict", "allocator",
-    "using_role", "current_role", "use", "ArrayUse", "policy_override", "stats", "memory_summary", "synchronize", "parse_bytes",
-    "TierMemError", "ConfigError", "ConfigTypeError", "CUDAError", "CUDAOutOfMemoryError", "CUDAUnavailableError", "OutOfBudgetError", "CapExceededError", "DeviceFullError", "RoleError",
-    "WrapError", "ViewError", "BuildError", "CheckpointError", "HostBudgetError", "__version__",
-    "torch_allocations", "TorchAllocations", "is_managed", "torch_allocator_stats", "TorchAllocatorStats",
-    "torch_managed_allocations", "ManagedAllocation", "set_torch_managed_cap", "build_torch_allocator",
+    "Tier", "TieredTensor", "Role", "Policy", "Location",
+    "configure", "default_tier", "policy_override",
+    "empty", "wrap", "unwrap", "tiered_of", "wrap_module", "wrap_training", "load_pretrained",
+    "prefetch", "evict", "synchronize", "allocator", "using_role", "use", "torch_allocations",
+    "stats", "memory_summary",
+    "TierMemError", "ConfigError", "OutOfBudgetError", "CUDAError",
+    "__version__",
 ]
+
+# NOTE [public names]
+#     The top level keeps what most code calls; everything else has a home named for what it
+#     holds: tiermem.errors, .planning, .types, .arrays (CuPy), .torch_memory, .roles. The names
+#     that stood at the top level before keep working from there, with a DeprecationWarning that
+#     says where each one lives now.
+_MOVED = {
+    **{n: "errors" for n in errors.__all__},
+    **{n: "planning" for n in planning.__all__},
+    **{n: "types" for n in types.__all__},
+    **{n: "arrays" for n in arrays.__all__},
+    **{n: "torch_memory" for n in torch_memory.__all__},
+    **{n: "roles" for n in ("PolicyTable", "Prefetch", "Evict", "DEFAULT_POLICIES")},
+}
+
+
+def __getattr__(name: str):
+    home = _MOVED.get(name)
+    if home is None or name in __all__:
+        raise AttributeError(f"module 'tiermem' has no attribute {name!r}")
+    import warnings
+    warnings.warn(f"tiermem.{name} is now tiermem.{home}.{name}", DeprecationWarning, stacklevel=2)
+    return getattr(globals()[home], name)

@@ -2,7 +2,7 @@
 
     import cupy, tiermem
     cupy.cuda.set_allocator(tiermem.allocator())            # every CuPy array is tiered
-    with tiermem.using_role("activation"):                   # ... and counted under a role
+    with tiermem.arrays.using_role("activation"):                   # ... and counted under a role
         x = cupy.empty(1 << 20)
     with cupy.cuda.using_allocator(tiermem.allocator("input")):
         batch = cupy.asarray(host_batch)                     # thread-local, CuPy's own scope

@@ -1,10 +1,10 @@
 """PyTorch's own CUDA allocations in managed memory, scoped, under a tiermem role.
 
     import torch, tiermem
-    with tiermem.torch_allocations("activation"):
+    with tiermem.torch_memory.torch_allocations("activation"):
         loss = model(x).sum()          # every tensor torch allocates here is managed memory,
         loss.backward()                # the backward's gradients too (see NOTE [routing])
-    tiermem.is_managed(model.fc.weight.grad)    # True; the tensors outlive the block
+    tiermem.torch_memory.is_managed(model.fc.weight.grad)    # True; the tensors outlive the block
 
 The managed allocation is a small C allocator (``csrc/managed_alloc.c``) that torch calls
 through ``torch.cuda.memory.CUDAPluggableAllocator``. It is compiled at first use into a

@@ -69,7 +69,7 @@ class UMBudget:
     """Hold the estimated device bytes of managed segments within ``budget`` bytes.
 
     segments  callable returning the live segments: objects with ``ptr``, ``nbytes`` and
-              ``device`` (default: :func:`tiermem.torch_managed_allocations`).
+              ``device`` (default: :func:`tiermem.torch_memory.torch_managed_allocations`).
     evict     callable ``(ptr, nbytes)`` that moves one segment to the host (default: a prefetch
               to the host through tiermem._cuda on torch's current stream).
     """

@@ -178,7 +178,7 @@ def main() -> None:
     checks: dict = {}
     raw: dict = {"tokens": args.tokens, "decode_tokens": args.decode_tokens, "budget": args.budget,
                  "host_budget": args.host_budget, "transformers_version": tf.__version__, "dir": args.dir}
-    budget, host_budget = tiermem.types.parse_bytes(args.budget), tiermem.types.parse_bytes(args.host_budget)
+    budget, host_budget = tiermem.planning.parse_bytes(args.budget), tiermem.planning.parse_bytes(args.host_budget)
     ckpt_dir = os.path.join(args.dir, "model")
     offload_dir = os.path.join(args.dir, "accelerate-offload")
     shutil.rmtree(args.dir, ignore_errors=True)

@@ -312,7 +312,7 @@ def run_arch(arch, args, link, watch, raw, atomic):
         model.cpu()                               # a model bigger than the GPU starts on the host
         gc.collect()
         torch.cuda.empty_cache()
-        budget = tiermem.types.parse_bytes(args.budget, total=W)
+        budget = tiermem.planning.parse_bytes(args.budget, total=W)
         blob = None
         if not args.no_small_gpu:
             free, _ = torch.cuda.mem_get_info()

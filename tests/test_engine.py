@@ -17,7 +17,7 @@ from fakes import FakeBackend, _State
 from helpers import MiB, calls, expected_stats, role_stats
 from tiermem import Location, OutOfBudgetError, Role, TierMemError
 from tiermem.errors import CapExceededError
-from tiermem.types import RangeInfo
+from tiermem.handles import RangeInfo
 from tiermem._backend import round_request
 from tiermem._engine import coalesce
 from tiermem.roles import advice_plan

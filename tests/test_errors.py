@@ -13,7 +13,7 @@ import tiermem
 from tiermem import ConfigError, Policy, TierMemError
 from tiermem.errors import ConfigTypeError, CUDAUnavailableError, RoleError, WrapError
 from tiermem.planning import plan_training, StepTrace
-from tiermem.types import parse_bytes
+from tiermem.planning import parse_bytes
 from tiermem import _cuda, _torch_alloc
 from tiermem._limits import ENV_BUDGET, ENV_CAP, check_bytes, resolve_budget, resolve_cap
 from tiermem._staging import Staging, StagingRing, ring_slot

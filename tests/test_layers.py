@@ -19,7 +19,7 @@ LAYERS = [
     ("adapters", {"_torch", "_swap", "_trainplan", "_module", "_train", "_load", "_disk", "_torch_alloc",
                   "_um_budget", "_cupy", "_scoped", "models"}),
     ("face", {"_tier"}),
-    ("api", {"_api", "__init__", "_plan", "_demo", "_cli", "__main__", "errors", "planning", "types", "arrays",
+    ("api", {"_api", "__init__", "_plan", "_demo", "_cli", "__main__", "errors", "planning", "handles", "arrays",
              "torch_memory"}),
 ]
 LAYER = {m: i for i, (_, mods) in enumerate(LAYERS) for m in mods}

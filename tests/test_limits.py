@@ -8,7 +8,7 @@ import pytest
 
 from tiermem import OutOfBudgetError, TierMemError
 from tiermem.errors import CapExceededError
-from tiermem.types import parse_bytes
+from tiermem.planning import parse_bytes
 from tiermem._limits import ENV_BUDGET, ENV_CAP, ENV_OVERSUBSCRIBE, CapGuard, resolve_budget, resolve_cap
 
 GiB = 1 << 30

@@ -8,7 +8,7 @@
 See README.md. A GPU is needed for everything that touches memory; ``python -m tiermem info``
 says what this machine has.
 """
-from . import arrays, errors, planning, roles, torch_memory, types
+from . import arrays, errors, handles, planning, roles, torch_memory
 from ._api import (allocator, configure, default_tier, empty, evict, load_pretrained, memory_summary, policy_override,
                    prefetch, stats, synchronize, unwrap, use, wrap, wrap_module, wrap_training)
 from ._cupy import using_role
@@ -34,13 +34,13 @@ __all__ = [
 
 # NOTE [public names]
 #     The top level keeps what most code calls; everything else has a home named for what it
-#     holds: tiermem.errors, .planning, .types, .arrays (CuPy), .torch_memory, .roles. The names
+#     holds: tiermem.errors, .planning, .handles, .arrays (CuPy), .torch_memory, .roles. The names
 #     that stood at the top level before keep working from there, with a DeprecationWarning that
 #     says where each one lives now.
 _MOVED = {
     **{n: "errors" for n in errors.__all__},
     **{n: "planning" for n in planning.__all__},
-    **{n: "types" for n in types.__all__},
+    **{n: "handles" for n in handles.__all__},
     **{n: "arrays" for n in arrays.__all__},
     **{n: "torch_memory" for n in torch_memory.__all__},
     **{n: "roles" for n in ("PolicyTable", "Prefetch", "Evict", "DEFAULT_POLICIES")},

@@ -257,7 +257,7 @@ class TieredTensor:
 
     def range_info(self) -> Any:
         """What CUDA reports for this range (preferred location, read-mostly, accessed-by, last
-        prefetch location): a :class:`tiermem.types.RangeInfo`."""
+        prefetch location): a :class:`tiermem.handles.RangeInfo`."""
         return self.tier.backend.range_info(self._b.ptr, self._b.span if self._b.owns_pages else self._b.nbytes)
 
     def free(self) -> None:

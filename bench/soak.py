@@ -3,7 +3,7 @@ a wrap_module inference loop between them, and failures injected at random throu
 backend's hook (NOTE [failure injection] in tiermem/_backend.py), recovering from each.
 
 First it takes all but ``--keep-gb`` of the card with one plain allocation, so the driver really
-has little free (shared/FACTS.md, "A really small GPU"); tiermem's default managed cap is the free
+has little free (docs/facts.md, "A really small GPU"); tiermem's default managed cap is the free
 memory at its start, so managed memory stays below what the driver has. tiermem's own use stays
 well under 1 GiB.
 

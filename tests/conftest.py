@@ -58,6 +58,31 @@ def _reset_global_state():
     gc.collect()
 
 
+@pytest.fixture(autouse=True)
+def _gpu_memory_after(request):
+    """After each gpu test: drop the frames pytest keeps of a failure (``sys.last_traceback``
+    holds the failed test's locals, its tiers and models with them, until the next failure),
+    give torch's cache back, and, where ``TIERMEM_GPU_MEMLOG`` names a file, write the driver's
+    free memory there, so that a test that leaves memory taken is named by the first line whose
+    free memory drops and stays down."""
+    yield
+    if request.node.get_closest_marker("gpu") is None or gpu_reason() is not None:
+        return
+    import torch
+    for name in ("last_type", "last_value", "last_traceback", "last_exc"):
+        if hasattr(sys, name):
+            setattr(sys, name, None)
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    log = os.environ.get("TIERMEM_GPU_MEMLOG")
+    if log:
+        free, total = torch.cuda.mem_get_info()
+        with open(log, "a") as f:
+            f.write(f"{free / 2**30:8.3f} GiB free  torch {torch.cuda.memory_allocated() / 2**20:8.1f} MiB allocated "
+                    f"{torch.cuda.memory_reserved() / 2**20:8.1f} MiB reserved  {request.node.nodeid}\n")
+
+
 @pytest.fixture
 def fake():
     from fakes import FakeBackend

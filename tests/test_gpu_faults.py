@@ -45,7 +45,9 @@ def test_ctrl_c_at_every_call_of_an_eviction_loses_nothing_and_leaks_nothing(bud
     import torch
     import tiermem
     torch.manual_seed(0)
-    free0 = torch.cuda.mem_get_info()[0]
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    free0, torch0 = torch.cuda.mem_get_info()[0], torch.cuda.memory_reserved()
     tier = tiermem.Tier(0, cap="1GiB", budget=budget, staging="8MiB")
     tts = [tier.empty(8 * MiB, "uint8", role="activation"), tier.empty(5000, "uint8", role="gradient"),
            tier.empty(4 * MiB, "uint8", role="activation", read_only=True)]
@@ -102,7 +104,15 @@ def test_ctrl_c_at_every_call_of_an_eviction_loses_nothing_and_leaks_nothing(bud
             s["staging_bytes.current"], s["managed.reserved_bytes.current"]) == (0, 0, 0, 0, 0)
     assert tier.backend.pool_bytes() == {"used": 0, "cached": 0, "reserved": 0}
     # The driver has back what tiermem took (streams and events take a little of their own).
-    assert torch.cuda.mem_get_info()[0] >= free0 - 8 * MiB
+    # The test's own torch tensors go first: torch's cache is torch's, not a leak of ours.
+    del refs, lin, frozen, x, want
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    free, kept = torch.cuda.mem_get_info()[0], torch.cuda.memory_reserved() - torch0   # cuBLAS's workspaces stay
+    assert free >= free0 - max(kept, 0) - 8 * MiB, (
+        f"{(free0 - free) / MiB:.1f} MiB of the driver's memory not back; torch has "
+        f"{torch.cuda.memory_allocated() / MiB:.1f} MiB allocated, {torch.cuda.memory_reserved() / MiB:.1f} MiB reserved")
 
 
 @pytest.fixture
@@ -131,7 +141,9 @@ def _failing_loss(model, ids, where):
     handles = []
     if where == "middle":
         mid = model.blocks[len(model.blocks) // 2]
-        handles.append(mid.register_forward_hook(lambda m, i, o: o.register_hook(fail)))
+        def hook(m, i, out):      # returns None: a forward hook's return value replaces the output
+            out.register_hook(fail)
+        handles.append(mid.register_forward_hook(hook))
     try:
         logits = model(ids[:, :-1])
     finally:
@@ -219,16 +231,20 @@ def test_ctrl_c_at_a_backend_call_inside_a_training_step_leaves_no_leak_and_trai
     for ids in batches[:2]:
         with train.step():
             _loss(model, ids).backward()
-    calls0 = injector.calls
-    with train.step():
-        _loss(model, batches[2]).backward()
-    per_step = injector.calls - calls0
-    assert per_step > 20, per_step
+    # The third step may still set things up (slots, events); the fourth is the steady one.
+    counts = []
+    for ids in batches[2:4]:
+        calls0 = injector.calls
+        with train.step():
+            _loss(model, ids).backward()
+        counts.append(injector.calls - calls0)
+    per_step = min(counts)
+    assert per_step > 20, counts
     for k, n in enumerate((per_step // 7, per_step // 2, per_step - 3)):
         injector.fail_at(n, "interrupt")
         with pytest.raises(BaseException) as ei:
             with train.step():
-                _loss(model, batches[3 + k]).backward()
+                _loss(model, batches[4 + k]).backward()
         # Raised in a backward hook, the interrupt crosses autograd's engine, which may hand it
         # on as a RuntimeError that carries its message.
         assert ei.type is KeyboardInterrupt or "injected at" in str(ei.value), ei.value
@@ -239,7 +255,7 @@ def test_ctrl_c_at_a_backend_call_inside_a_training_step_leaves_no_leak_and_trai
         del ei
         assert all(p.grad is None for p in model.parameters())
         with train.step():
-            loss = _loss(model, batches[3 + k])
+            loss = _loss(model, batches[4 + k])
             loss.backward()
         assert torch.isfinite(loss)
     train.unwrap()

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import logging
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -223,6 +224,7 @@ class TieredTraining:
         self._need: list[int] = []             # swapped storages in backward-read order
         self._tracing = True
         self._in_step = False
+        self._failed = False
         self._backward = False
         self._got = set()
         self._written: list[_Block] = []
@@ -272,6 +274,11 @@ class TieredTraining:
     # let go of a caller's frames, so tiermem does not try: the caller drops the exception, or
     # calls ``traceback.clear_frames(e.__traceback__)``. The soak (bench/soak.py) does the
     # latter after each injected failure; on the H100 it then recovered from 279 of 279.
+    # A dropped exception is not always freed at once: ``with train.step():`` passes it through
+    # contextlib's ``__exit__``, whose frame holds the exception that holds the frame, a cycle
+    # that only the garbage collector frees. The step after a failed one therefore collects
+    # first (seen on the H100 at f215f40: the step after a backward that raised half-way ran
+    # 20 MiB over its cap while the failed step's graph waited for a collection).
     def _set_cap(self) -> None:
         """torch's allocator may use the budget minus tiermem's resident managed bytes."""
         room = max(self.budget - self.tier.resident_bytes, 0) + self.outside
@@ -559,6 +566,9 @@ class TieredTraining:
         if self._in_step:
             raise TierMemError("train.step() is already open; steps do not nest")
         self._in_step = True
+        if self._failed:                 # NOTE [kept exceptions]: free the failed step's cycle
+            self._failed = False
+            gc.collect()
         self._backward = False
         self._got: set[int] = set()
         self._written: list[_Block] = []
@@ -612,6 +622,7 @@ class TieredTraining:
             for d in ("h2d", "d2h"):
                 self.moved[d] += self.swap.moved[d]
         if not ok:
+            self._failed = True
             # A step that raised (in forward, or part-way through backward) leaves no gradients:
             # the next step would add its own to them. Blocks whose backward had finished took
             # their optimizer step already, as in any step (NOTE [training transport]).

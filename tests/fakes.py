@@ -88,6 +88,8 @@ class FakeBackend:
         self._kind: dict[int, str] = {}
         self.state: dict[int, _State] = {}
         self._streams = itertools.count(1)
+        self.live_streams: set[int] = set()     # made by new_stream, not yet destroyed
+        self.dead_streams: set[int] = set()
         self.live_blocks = 0
         self.device_full = False       # device_alloc then fails as cudaMalloc does on a full device
         self.events_pending = False    # query() then says no event is done yet (the work is, here)
@@ -209,6 +211,7 @@ class FakeBackend:
                 st.accessed_by.discard(advice.location)
 
     def prefetch(self, ranges, location: Location, stream: int) -> None:
+        self._stream_ok(stream)
         self.calls.append(("prefetch", tuple(ranges), location, stream))
         for p, n in ranges:
             for st in self._blocks_in(p, n):
@@ -236,6 +239,7 @@ class FakeBackend:
                 st.last_prefetch = location
 
     def copy(self, dst: int, src: int, nbytes: int, stream: int) -> None:
+        self._stream_ok(stream)
         self.calls.append(("copy", dst, src, nbytes, stream))
         self._find(dst)
         self._find(src)
@@ -261,15 +265,28 @@ class FakeBackend:
         return 0
 
     def new_stream(self) -> int:
-        return next(self._streams)
+        s = next(self._streams)
+        self.live_streams.add(s)
+        return s
+
+    def destroy_stream(self, stream: int) -> None:
+        assert stream in self.live_streams, f"destroying stream {stream}, which is not live"
+        self.live_streams.discard(stream)
+        self.dead_streams.add(stream)
+
+    def _stream_ok(self, stream: int) -> None:
+        # The driver answers a destroyed stream with cudaErrorInvalidResourceHandle, or worse.
+        assert stream not in self.dead_streams, f"work queued on destroyed stream {stream}"
 
     def new_event(self, timing: bool = False) -> Any:
         return _Event()
 
     def record(self, event: Any, stream: int) -> None:
+        self._stream_ok(stream)
         event.stream = stream
 
     def wait(self, stream: int, event: Any) -> None:
+        self._stream_ok(stream)
         self.calls.append(("wait", stream))
         self.waits.append((stream, event.stream))
 

@@ -174,7 +174,7 @@ def test_use_orders_moves_after_evictions_and_the_stream_after_moves(btier, fake
     fake.calls.clear()
     fake.waits.clear()
     h = btier.use(a)
-    side = residency(btier)._stream
+    side = btier.side_stream("scoped")
     d2h, h2d = stream(btier, "d2h"), stream(btier, "h2d")
     assert (a.buf.where, b.buf.where) == (Location.DEVICE, Location.HOST)   # b was the coldest
     # The eviction waits for the current stream; the side stream for the eviction; the move for it.
@@ -200,7 +200,7 @@ def test_use_moves_wait_for_the_overrun_evictions_too(btier, fake):
     with btier.use(b):
         pass
     fake.events_pending = False
-    side, d2h = residency(btier)._stream, stream(btier, "d2h")
+    side, d2h = btier.side_stream("scoped"), stream(btier, "d2h")
     assert (c.buf.where, d.buf.where) == (Location.HOST, Location.HOST)    # one for the overrun, one for b
     assert fake.waits.count((side, d2h)) == 2
     assert btier.stats()["residency.budget_overruns"] == 1

@@ -384,3 +384,23 @@ def test_a_ring_that_gave_way_stays_off_until_the_budget_changes():
     t.prefetch(a)
     assert (t.staging_bytes, t.resident_bytes) == (16 * MiB, 24 * MiB)
     assert torch.equal(read(a), data) and w.location is Location.DEVICE
+
+
+def test_close_destroys_every_stream_the_tier_made_and_later_moves_make_new_ones():
+    """A Tier's streams (its move streams and its rings') are the driver's: close() destroys
+    them, and a tier used after close() makes new ones, never queueing work on a dead one."""
+    fake = FakeBackend(total=1 << 30)
+    t = tiermem.Tier(backend=fake, staging="8MiB")
+    g = t.empty_group([((n,), "uint8") for n in (16 * MiB, 8 * MiB, 4096)], role="gradient")
+    data = [fill_random(x) for x in g]
+    t.evict(g)
+    t.prefetch(g)
+    assert len(fake.live_streams) >= 3          # both directions' move streams and a ring's
+    t.close()
+    assert fake.live_streams == set()
+    t.evict(g)                                  # the fake refuses work on a destroyed stream
+    t.prefetch(g)
+    assert all(torch.equal(read(x), d) for x, d in zip(g, data))
+    assert fake.live_streams and not (fake.live_streams & fake.dead_streams)
+    t.close()
+    assert fake.live_streams == set()

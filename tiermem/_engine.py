@@ -1251,7 +1251,14 @@ class Engine:
         return summary(self)
 
     def close(self) -> None:
-        """Wait for outstanding moves, give parked pages back, and release cached pool blocks."""
+        """Wait for outstanding moves, give parked pages back, release cached pool blocks, and
+        destroy tiermem's streams (a later move makes new ones)."""
         self.synchronize()
         self.trim()
         self.backend.release_cached()
+        with self._lock:
+            # Every stream's work is done (synchronize); events recorded on them stay valid.
+            streams = list(self._streams.values()) + self._staging.drop_streams()
+            self._streams.clear()
+            for s in streams:
+                self.backend.destroy_stream(s)

@@ -196,7 +196,6 @@ class ArrayResidency:
         # Arrays whose range has had device pages: the driver keeps them once the data leaves
         # (NOTE [retained pages]).
         self.backed: weakref.WeakSet[Buffer] = weakref.WeakSet()
-        self._stream: int | None = None
         self._settled_at = -1         # the evictions count at the last _settle
         self._warned = False
         tier.accounting.add_refresher(self._refresh_for_stats)
@@ -379,9 +378,7 @@ class ArrayResidency:
     # -- scoped moves -----------------------------------------------------------------------------
     def side_stream(self) -> int:
         """The stream the scoped moves of allocator arrays are ordered on (NOTE [scoped moves])."""
-        if self._stream is None:
-            self._stream = self.tier.backend.new_stream()
-        return self._stream
+        return self.tier.side_stream("scoped")       # the tier's: close() destroys it
 
     def use(self, items: Iterable[Any], stream: Any = None, read_only: bool = False, once: bool = False) -> ArrayUse:
         tier = self.tier

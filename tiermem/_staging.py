@@ -82,6 +82,12 @@ class StagingRing:
             # From the driver, not a pool: trim() is there to hand device memory to others.
             self.mem = self.backend.device_alloc(self.nbytes, pooled=False)
 
+    def drop_stream(self) -> list[int]:
+        """Forget the ring's own stream (its memory must be released first); returns it, for the
+        caller to destroy."""
+        s, self._stream = self._stream, None
+        return [] if s is None else [s]
+
     def release(self, side: int) -> None:
         """Give the memory back to the driver once the work queued on ``side`` (which is after
         every session's work, see the NOTE) is done."""
@@ -138,6 +144,10 @@ class Staging:
     def nbytes(self) -> int:
         """Device bytes the allocated rings hold."""
         return sum(r.nbytes for r in self.rings.values() if r is not None and r.allocated)
+
+    def drop_streams(self) -> list[int]:
+        """The rings' own streams, forgotten (see :meth:`StagingRing.drop_stream`)."""
+        return [s for r in self.rings.values() if r is not None and not r.allocated for s in r.drop_stream()]
 
     def ring(self, direction: str) -> StagingRing | None:
         return self.rings[direction]

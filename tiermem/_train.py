@@ -598,7 +598,29 @@ class TieredTraining:
         return self._tracing or self.plan is None or self.plan.swapped_bytes > 0
 
     def _finish_step(self, ok: bool) -> None:
+        try:
+            self._close_step(ok)
+        except BaseException:
+            # A failure while finishing (an optimizer step, a wait; Ctrl-C lands here as well)
+            # fails the step as one inside it does.
+            self._clear_failed_step()
+            raise
+        if not ok:
+            self._clear_failed_step()
+            return
         torch = self.torch
+        self.steps += 1
+        self.last_peak = torch.cuda.max_memory_reserved(self.dev)
+        diverged = self.swap is not None and self.swap.diverged
+        if self._tracing:
+            # Reserved, not allocated: the cap applies to what torch reserves, fragmentation included.
+            self._replan(torch.cuda.max_memory_reserved(self.dev))
+        elif diverged:
+            log.info("tiermem: the step's saved tensors changed (another shape?); tracing the next step")
+            self._tracing = True
+
+    def _close_step(self, ok: bool) -> None:
+        """Step what is left to step (when ``ok``), and end the step's moves and swap."""
         for b in self.blocks:
             if b.entered and not b.stepped and ok:
                 self._step_block(b)
@@ -621,24 +643,20 @@ class TieredTraining:
             self.swap.end()
             for d in ("h2d", "d2h"):
                 self.moved[d] += self.swap.moved[d]
-        if not ok:
-            self._failed = True
-            # A step that raised (in forward, or part-way through backward) leaves no gradients:
-            # the next step would add its own to them. Blocks whose backward had finished took
-            # their optimizer step already, as in any step (NOTE [training transport]).
-            for b in self.blocks:
-                for p in b.trainable:
-                    p.grad = None
-            return
-        self.steps += 1
-        self.last_peak = torch.cuda.max_memory_reserved(self.dev)
-        diverged = self.swap is not None and self.swap.diverged
-        if self._tracing:
-            # Reserved, not allocated: the cap applies to what torch reserves, fragmentation included.
-            self._replan(torch.cuda.max_memory_reserved(self.dev))
-        elif diverged:
-            log.info("tiermem: the step's saved tensors changed (another shape?); tracing the next step")
-            self._tracing = True
+
+    def _clear_failed_step(self) -> None:
+        """A step that raised (in forward, part-way through backward, or while finishing) leaves
+        no gradients: the next step would add its own to them. Blocks whose backward had finished
+        took their optimizer step already, as in any step (NOTE [training transport])."""
+        self._failed = True
+        self._backward = False
+        for b in self.blocks:
+            if b.slot is not None:
+                b.slot.busy = False
+            for p in b.trainable:
+                p.grad = None
+        if self.swap is not None:
+            self.swap.end()
 
     def _replan(self, floor: int) -> None:
         recs = self.swap.records() if self.swap is not None else []

@@ -278,7 +278,10 @@ class TieredTraining:
     # contextlib's ``__exit__``, whose frame holds the exception that holds the frame, a cycle
     # that only the garbage collector frees. The step after a failed one therefore collects
     # first (seen on the H100 at f215f40: the step after a backward that raised half-way ran
-    # 20 MiB over its cap while the failed step's graph waited for a collection).
+    # 20 MiB over its cap while the failed step's graph waited for a collection). It also
+    # empties torch's cache: the cap is the traced step's reserved peak, and a step that failed
+    # part-way leaves the cache cut up as no traced step left it (on the H200 at 5ccef39 the
+    # next step asked for 20 MiB with 14 MiB reserved and unallocated, 226 MiB allowed).
     def _set_cap(self) -> None:
         """torch's allocator may use the budget minus tiermem's resident managed bytes."""
         room = max(self.budget - self.tier.resident_bytes, 0) + self.outside
@@ -569,6 +572,7 @@ class TieredTraining:
         if self._failed:                 # NOTE [kept exceptions]: free the failed step's cycle
             self._failed = False
             gc.collect()
+            torch.cuda.empty_cache()
         self._backward = False
         self._got: set[int] = set()
         self._written: list[_Block] = []

@@ -1,9 +1,13 @@
 """Out-of-core CuPy: Y = X @ W for an X three times the device budget, one row block at a time.
 
 Every CuPy array comes from tiermem's allocator. X's blocks live wherever the budget puts them;
-``tier.use`` brings the next block in at link rate while the current one multiplies, and keeps
-W (read by every block) on the device. Blocks the loop does not name would still work: they
-are read in place from the host, at link rate, never faulted back behind the budget's back.
+``tier.use`` brings the next block in while the current one multiplies, and keeps W (read by
+every block) on the device. Blocks the loop does not name would still work: they are read in
+place from the host, never faulted back behind the budget's back.
+
+Speed: allocator arrays move by Unified Memory's own prefetches. On the H100 a read-only array
+moved this way cost 22-26x the link bound (bench/cupy_budget.py, "reuse"): the example shows
+the API, not a fast path. Data read many times is faster as TieredTensors (``tier.empty``).
 
     PYTHONPATH=. python examples/cupy_out_of_core.py [--budget-mib 256] [--blocks 12]   (needs a GPU)
 """

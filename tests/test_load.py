@@ -342,3 +342,94 @@ def test_a_disk_read_that_fails_raises_in_the_forward(tier, ckpt):
         m(torch.randn(2, 256))
     open(path, "wb").write(data)
     h.unwrap()
+
+
+# -- merged tensors (NOTE [merged tensors]) -------------------------------------------------------
+def _moe(kind: str, seed: int = 0):
+    import transformers as tf
+    torch.manual_seed(seed)
+    if kind == "mixtral":
+        cfg = tf.MixtralConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=8, num_attention_heads=4,
+                               num_key_value_heads=2, vocab_size=256, num_local_experts=4, num_experts_per_tok=2)
+    else:
+        cfg = tf.Qwen2MoeConfig(hidden_size=64, intermediate_size=96, moe_intermediate_size=48,
+                                shared_expert_intermediate_size=64, num_hidden_layers=8, num_attention_heads=4,
+                                num_key_value_heads=2, vocab_size=256, num_experts=4, num_experts_per_tok=2)
+    return tf.AutoModelForCausalLM.from_config(cfg).eval()
+
+
+@pytest.fixture(scope="module", params=["mixtral", "qwen2_moe"])
+def saved_moe(request, tmp_path_factory):
+    """An MoE model saved as transformers saves it, one tensor per expert and projection, in shards."""
+    ref = _moe(request.param)
+    d = tmp_path_factory.mktemp(request.param)
+    ref.save_pretrained(d, max_shard_size="100KB")
+    return ref, d
+
+
+def test_experts_saved_one_by_one_are_read_stacked_in_place_and_give_the_models_tokens(tier, fake, saved_moe):
+    """transformers stacks each layer's experts as it loads them; load_pretrained reads every
+    expert's bytes straight into its place in the stacked parameter, through the pinned home and
+    through the disk tier, and the model gives the reference's logits and tokens."""
+    from tiermem._load import Pieces, model_weights
+    ref, d = saved_moe
+    ck = Checkpoint(d)
+    weights = model_weights(ck, _meta(lambda: _moe("mixtral" if "mixtral" in str(d) else "qwen2_moe")))
+    merged = {k: v for k, v in weights.items() if isinstance(v, Pieces)}
+    assert merged and all(k.endswith(("gate_up_proj", "down_proj")) for k in merged)
+    assert all(v.nbytes == sum(p.nbytes for p in v.pieces) for v in merged.values())
+    assert len({p.path for v in merged.values() for p in v.pieces}) > 1        # pieces in several shards
+    ids = torch.randint(0, 256, (1, 10), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = ref(ids).logits
+    tokens = ref.generate(ids, max_new_tokens=5, do_sample=False)
+    host_budget = None
+    for _ in range(2):          # all streamed groups in the pinned home, then 80% of them and the rest on disk
+        model, h = load_pretrained(d, budget="30%", host_budget=host_budget, tier=tier, max_group_bytes=60_000)
+        assert bool(h.plan.on_disk) == (host_budget is not None)
+        home = h.stats()["pinned_bytes.home"]
+        with torch.no_grad():
+            assert torch.equal(model(ids).logits, want), host_budget
+        assert torch.equal(model.generate(ids, max_new_tokens=5, do_sample=False), tokens)
+        if host_budget is not None:
+            assert h.stats()["pinned_bytes.current"] <= host_budget
+        h.unwrap()
+        assert _live(fake) == 0
+        host_budget = int(0.8 * home)
+
+
+def test_a_merged_tensor_reads_any_byte_range_across_its_pieces(saved_moe):
+    from tiermem._load import Pieces, Reader, model_weights
+    ref, d = saved_moe
+    weights = model_weights(Checkpoint(d), _meta(lambda: _moe("mixtral" if "mixtral" in str(d) else "qwen2_moe")))
+    name, pc = next((k, v) for k, v in weights.items() if isinstance(v, Pieces) and k.endswith("gate_up_proj"))
+    whole = pc.tensor()
+    assert torch.equal(whole, ref.state_dict()[name])
+    raw = whole.view(torch.uint8).flatten()
+    reader = Reader(threads=3, chunk=1000)
+    edge = pc.pieces[0].nbytes
+    for start, n in ((0, 7), (edge - 5, 10), (edge, edge), (3, pc.nbytes - 3), (pc.nbytes - 1, 1)):
+        buf = torch.empty(n, dtype=torch.uint8)
+        reader.read_range(pc, start, memoryview(buf.numpy()))
+        assert torch.equal(buf, raw[start:start + n]), (start, n)
+    reader.close()
+
+
+def test_a_merged_tensor_with_a_missing_expert_is_refused_with_nothing_allocated(tier, fake, saved_moe, tmp_path):
+    import shutil
+    from safetensors.torch import load_file
+    _, d = saved_moe
+    bad = tmp_path / "bad"
+    shutil.copytree(d, bad)
+    index = json.load(open(bad / "model.safetensors.index.json"))
+    gone = next(k for k in index["weight_map"] if ".experts.3." in k)
+    f = bad / index["weight_map"].pop(gone)
+    sd = load_file(f)
+    del sd[gone]
+    save_file(sd, f, metadata={"format": "pt"})
+    json.dump(index, open(bad / "model.safetensors.index.json", "w"))
+    stats = tier.stats()
+    with pytest.raises(CheckpointError, match="do not have the same members|numbered|make shape") as e:
+        load_pretrained(bad, budget="30%", tier=tier)
+    assert isinstance(e.value, ValueError) and "wrap_module" in str(e.value)
+    assert _live(fake) == 0 and tier.budget is None and tier.stats() == stats

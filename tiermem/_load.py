@@ -63,6 +63,38 @@ class FileTensor:
         return out
 
 
+# NOTE [merged tensors]
+# transformers 5 builds some parameters from several checkpoint tensors as it loads them (its
+# WeightConverter rules): Mixtral's and Qwen2-MoE's experts are saved one tensor per expert and
+# projection, and the model holds them stacked, ``experts.gate_up_proj`` of shape (experts,
+# 2 x intermediate, hidden) from each expert's w1 then w3. Stacking along dim 0, and
+# concatenating along the first dim that the stack left whole, lay the sources' bytes end to
+# end: a row-major (E, a + b, h) tensor is, for each expert, a's bytes then b's. So such a
+# parameter is read in place as well, as a list of file ranges (:class:`Pieces`), and every
+# reader (the home, the resident fill, the disk tier) reads it as it reads one tensor. Other
+# operations (a transpose, a split, tensor-parallel shards) do not lay bytes end to end; a
+# checkpoint that needs them is refused with the way around it.
+@dataclasses.dataclass(frozen=True)
+class Pieces(FileTensor):
+    """A parameter whose bytes are ``pieces``' end to end (NOTE [merged tensors]); its ``path``
+    is its first piece's, and ``offset`` is -1."""
+
+    pieces: tuple[FileTensor, ...] = ()
+
+
+def _ranges(ft: FileTensor, start: int, mv: memoryview) -> list[tuple[str, int, memoryview]]:
+    """The (file, offset, destination) reads that fill ``mv`` with ``ft``'s bytes from ``start``."""
+    if not isinstance(ft, Pieces):
+        return [(ft.path, ft.offset + start, mv)]
+    out, pos, end = [], 0, start + len(mv)
+    for p in ft.pieces:
+        lo, hi = max(start, pos), min(end, pos + p.nbytes)
+        if lo < hi:
+            out.append((p.path, p.offset + lo - pos, mv[lo - start:hi - start]))
+        pos += p.nbytes
+    return out
+
+
 class _Cast:
     """A checkpoint tensor converted to another dtype as it is read (NOTE [reading a checkpoint])."""
 
@@ -134,13 +166,13 @@ class Reader:
         for ft, mv in jobs:
             if len(mv) != ft.nbytes:
                 raise TierMemError(f"{ft.name}: {len(mv):,} bytes of room for {ft.nbytes:,} bytes")
-        return self._read([(ft.path, ft.offset, mv) for ft, mv in jobs])
+        return self._read([r for ft, mv in jobs for r in _ranges(ft, 0, mv)])
 
     def read_range(self, ft: FileTensor, start: int, mv: memoryview) -> int:
         """Read ``len(mv)`` bytes of ``ft`` from its byte ``start``."""
         if start < 0 or start + len(mv) > ft.nbytes:
             raise TierMemError(f"{ft.name}: bytes {start:,}..{start + len(mv):,} of {ft.nbytes:,}")
-        return self._read([(ft.path, ft.offset + start, mv)])
+        return self._read(_ranges(ft, start, mv))
 
     def _read(self, ranges: list[tuple[str, int, memoryview]]) -> int:
         import time
@@ -309,9 +341,10 @@ class Loaded(tuple):
 
 def model_weights(ckpt: Mapping[str, FileTensor], model: Any) -> dict[str, FileTensor]:
     """The checkpoint's tensors under the model's state-dict names. transformers renames some
-    keys as it loads them (GPT-NeoX's ``embed_out`` is the model's ``lm_head``); its own renaming
-    rules are applied here. Keys it would merge into another tensor (Mixtral's experts, stacked
-    as they load) have no bytes of their own in the files: a :class:`CheckpointError` says so."""
+    keys as it loads them (GPT-NeoX's ``embed_out`` is the model's ``lm_head``) and merges others
+    (Mixtral's experts, stacked); its own rules are applied here, merges as :class:`Pieces`
+    (NOTE [merged tensors]). A merge whose bytes are not laid end to end raises
+    :class:`CheckpointError`."""
     try:
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
@@ -321,20 +354,72 @@ def model_weights(ckpt: Mapping[str, FileTensor], model: Any) -> dict[str, FileT
     renames = [m for m in mapping if isinstance(m, WeightRenaming)]
     merges = [m for m in mapping if isinstance(m, WeightConverter)]
     meta = model.state_dict()
-    out, merged = {}, []
+    out: dict[str, FileTensor] = {}
+    pending: dict[str, tuple[Any, dict[int, dict[int | None, FileTensor]]]] = {}
     for k, v in ckpt.items():
-        name, merge = rename_source_key(k, renames, merges, getattr(model, "base_model_prefix", None), meta)
-        if merge is not None:
-            merged.append(k)
-        else:
+        name, pattern = rename_source_key(k, renames, merges, getattr(model, "base_model_prefix", None), meta)
+        if pattern is None:
             out[name] = v
-    if merged:
-        raise CheckpointError(f"{len(merged)} tensor(s) of this checkpoint ({', '.join(merged[:3])} ...) are merged "
-                              "into other tensors as transformers loads them (stacked experts, say): their bytes are "
-                              "not in the files as the model holds them, so load_pretrained cannot read them in "
-                              "place; load this model with transformers and call tiermem.wrap_module",
-                              getattr(ckpt, "path", ""))
+            continue
+        conv = next(c for c in merges if pattern in c.source_patterns)
+        at = _star(pattern, k)
+        pending.setdefault(name, (conv, {}))[1].setdefault(conv.source_patterns.index(pattern), {})[at] = v
+    path = getattr(ckpt, "path", "")
+    for name, (conv, sources) in pending.items():
+        m = meta.get(name)
+        out[name] = _merged(name, conv, sources, None if m is None else tuple(m.shape), path)
     return out
+
+
+def _star(pattern: str, key: str) -> int | None:
+    """The number that ``*`` stands for in ``key`` (an expert's index), or None."""
+    import re
+    if "*" not in pattern:
+        return None
+    rx = re.escape(pattern).replace(r"\*", r"(\d+)")
+    found = re.search(rx, key)
+    return int(found.group(1)) if found else None
+
+
+def _merged(name: str, conv: Any, sources: dict[int, dict[int | None, FileTensor]], want: tuple[int, ...] | None,
+            path: str) -> Pieces:
+    """The :class:`Pieces` of one merged parameter (NOTE [merged tensors])."""
+    ops = [(type(o).__name__, getattr(o, "dim", None), getattr(o, "num_shards_attribute", None)) for o in conv.operations]
+    kinds = [(k, d) for k, d, shards in ops if shards is None]
+    nsrc = len(conv.source_patterns)
+
+    def refuse(why: str) -> CheckpointError:
+        return CheckpointError(f"{name}: transformers builds it from {', '.join(conv.source_patterns)} by "
+                               f"{[k for k, _, _ in ops]}; {why}, so load_pretrained cannot read it in place; load this "
+                               "model with transformers and call tiermem.wrap_module", path)
+    if len(kinds) != len(ops) or kinds not in ([("MergeModulelist", 0)], [("MergeModulelist", 0), ("Concatenate", 1)],
+                                               [("Concatenate", 0)]):
+        raise refuse("its bytes are not the sources' end to end")
+    if set(sources) != set(range(nsrc)):
+        raise refuse(f"the checkpoint has {len(sources)} of its {nsrc} sources")
+    stacked = kinds[0][0] == "MergeModulelist"
+    index = sorted(sources[0], key=lambda i: -1 if i is None else i)
+    if stacked and (None in index or index != list(range(len(index)))):
+        raise refuse(f"its stacked tensors are numbered {index[:8]}, not 0 to {len(index) - 1}")
+    if any(sorted(s, key=lambda i: -1 if i is None else i) != index for s in sources.values()):
+        raise refuse("its sources do not have the same members")
+    pieces = tuple(sources[s][i] for i in index for s in range(nsrc))
+    first = pieces[0]
+    if any(p.dtype != first.dtype or tuple(p.shape[1:]) != tuple(first.shape[1:]) or len(p.shape) != len(first.shape)
+           or (stacked and nsrc == 1 and tuple(p.shape) != tuple(first.shape)) for p in pieces):
+        raise refuse("its pieces differ in dtype or shape")
+    rows = sum(sources[s][index[0]].shape[0] for s in range(nsrc)) if first.shape else 0
+    if stacked:
+        shape = (len(index), *first.shape) if nsrc == 1 else (len(index), rows, *first.shape[1:])
+        if nsrc > 1 and any(sum(sources[s][i].shape[0] for s in range(nsrc)) != rows for i in index):
+            raise refuse("its experts' pieces differ in shape")
+    else:
+        shape = (rows, *first.shape[1:])
+    shape = tuple(int(x) for x in shape)
+    if want is not None and shape != want:
+        raise refuse(f"its pieces make shape {shape}, the model's is {want}")
+    return Pieces(name=name, path=first.path, offset=-1, nbytes=sum(p.nbytes for p in pieces), dtype=first.dtype,
+                  shape=shape, pieces=pieces)
 
 
 def config_dtype(config: Any) -> Any:

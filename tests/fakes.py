@@ -73,8 +73,13 @@ class FakeBackend:
     kind = "fake"
 
     def __init__(self, *, total: int = 8 << 30, free: int | None = None, cap: Any = None,
-                 allow_oversubscribe: bool | None = None, concurrent: bool = True, batch: bool = True):
+                 allow_oversubscribe: bool | None = None, concurrent: bool = True, batch: bool = True,
+                 foreign_host: bool = False):
         self.device = 0
+        # Training on the CPU keeps its slots in torch's CPU memory, as on a GPU it keeps them in
+        # torch's device memory: with ``foreign_host`` the fake views and copies memory it did
+        # not allocate (a wrong address then crashes instead of failing an assert).
+        self.foreign_host = foreign_host
         self._caps = Capabilities(
             device=0, name="FakeGPU", total_memory=total, compute_capability=(9, 0), managed_memory=True,
             concurrent_managed_access=concurrent, pageable_memory_access=False,
@@ -241,8 +246,10 @@ class FakeBackend:
     def copy(self, dst: int, src: int, nbytes: int, stream: int) -> None:
         self._stream_ok(stream)
         self.calls.append(("copy", dst, src, nbytes, stream))
-        self._find(dst)
-        self._find(src)
+        if self._foreign(dst, nbytes) is None:
+            self._find(dst)
+        if self._foreign(src, nbytes) is None:
+            self._find(src)
         ctypes.memmove(dst, src, nbytes)
 
     def range_info(self, ptr: int, nbytes: int) -> RangeInfo:
@@ -300,8 +307,24 @@ class FakeBackend:
         return 1.0
 
     # -- views ----------------------------------------------------------------------------------
+    def _foreign(self, ptr: int, nbytes: int) -> np.ndarray | None:
+        """A byte array over ``nbytes`` at ``ptr`` when that is memory the fake did not allocate
+        and ``foreign_host`` allows it, else None."""
+        if not self.foreign_host:
+            return None
+        try:
+            self._find(ptr)
+            return None
+        except AssertionError:
+            return np.ctypeslib.as_array((ctypes.c_uint8 * max(nbytes, 1)).from_address(ptr))[:nbytes]
+
     def torch_view(self, ptr: int, nbytes: int, token: Any) -> Any:
         import torch
+        raw = self._foreign(ptr, nbytes)
+        if raw is not None:
+            held = raw.view(_Held)
+            held.token = token
+            return torch.from_numpy(held)
         base, arr = self._find(ptr)
         held = arr[ptr - base: ptr - base + nbytes].view(_Held)
         held.token = token

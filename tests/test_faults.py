@@ -14,9 +14,8 @@ out-of-memory error (allocations only) or a KeyboardInterrupt. After the failure
   - the same operation then succeeds, the bytes are still there, and once everything is let go,
     nothing is left allocated.
 
-Not swept here: activation swap (``_swap.py``) and ``wrap_training`` copy through
-``torch.cuda`` and only run on a GPU (tests/test_gpu_faults.py interrupts them there);
-``wrap_module`` and the CuPy allocator inject through the same ``fail_at`` in their own tests.
+``wrap_training`` (adoption, the traced and a planned step with activation swap, unwrap) has its
+sweep in tests/test_train_faults.py; ``wrap_module``'s failures are in tests/test_module_use.py.
 """
 from __future__ import annotations
 

@@ -97,8 +97,9 @@ class _Arena:
 class ActivationSwap:
     """The saved-tensor hooks of one training handle (NOTE [activation swap])."""
 
-    def __init__(self, tier: Tier, params: Any, *, min_swap: int, window: int):
+    def __init__(self, tier: Tier, params: Any, *, min_swap: int, window: int, device: Any):
         self.tier = tier
+        self.device = device          # where the step's tensors live (NOTE [device memory] in _devmem.py)
         self.params = params          # storage address -> parameter, for streamed parameters
         self.min_swap = int(min_swap)
         self.window = int(window)
@@ -142,7 +143,7 @@ class ActivationSwap:
 
     # -- hooks -------------------------------------------------------------------------------------
     def pack(self, t: Any) -> Any:
-        if not t.is_cuda or t.numel() == 0:
+        if t.device != self.device or t.numel() == 0:
             return t
         st = t.untyped_storage()
         ptr = st.data_ptr()
@@ -244,7 +245,7 @@ class ActivationSwap:
             be.synchronize(s.out_event)
         # Allocated on the compute stream; the copy waits for that stream so the memory's last
         # user there is done, and the compute stream waits for the copy before reading it.
-        s.dev = torch.empty(s.nbytes, dtype=torch.uint8, device=f"cuda:{tier.device}")
+        s.dev = torch.empty(s.nbytes, dtype=torch.uint8, device=self.device)
         side = tier.side_stream("h2d")
         dep = be.new_event()
         be.record(dep, cur)

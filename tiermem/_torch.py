@@ -185,6 +185,17 @@ def unwrap(tier: Tier, x: Any) -> Any:
     return out
 
 
+def rebind_plain(t: Any, plain: Any) -> None:
+    """Point ``t`` at ``plain`` and, if it was wrapped, forget its tiered buffer (which lives on
+    until it is freed). Makes no backend call, so it cannot fail half-way."""
+    tt = getattr(t, TIERED_ATTR, None)
+    t.data = plain
+    if isinstance(tt, TieredTensor):
+        buf = tt.buffer
+        buf.bindings = [r for r in buf.bindings if r() is not None and r() is not t]
+        delattr(t, TIERED_ATTR)
+
+
 def wrap_group(tier: Tier, tensors: list[Any], role: Role | str, *, names: list[str] | None = None,
                on_host: bool = False, policy: Policy | None = None) -> list[TieredTensor]:
     """Wrap several tensors of one role as one group: adjacent slices of a single allocation that

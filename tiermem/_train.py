@@ -45,6 +45,7 @@ import logging
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from ._devmem import device_memory
 from ._errors import ConfigError, ConfigTypeError, TierMemError, WrapError
 from ._limits import check_bytes, parse_bytes
 from ._module import module_groups
@@ -141,7 +142,8 @@ class TieredTraining:
         total = be.capabilities().total_memory
         self.budget = parse_bytes(budget, total=total, what="training budget", max_percent=100)
         self.total = total
-        self.dev = torch.device("cuda", tier.device)
+        self.mem = device_memory(torch, be, tier.device)     # NOTE [device memory]
+        self.dev = self.mem.device
         self.margin = margin
         in_opt = {id(p) for g in optimizer.param_groups for p in g["params"]}
         self.blocks: list[_Block] = []
@@ -192,20 +194,20 @@ class TieredTraining:
 
     def _adopt(self, tier: Tier, model: Any, lookahead: int, min_swap: int, window: int | None, swap: bool) -> None:
         torch, be = self.torch, tier.backend
-        torch.cuda.synchronize(self.dev)
+        self.mem.synchronize()
         with torch.no_grad():
             for b in self.blocks:
                 b.home_p = be.host_alloc(b.p_bytes)
                 b.home_views = self._views(b.home_p.ptr, b, b.home_p, "p")
                 for p, v in zip(b.params, b.home_views):
                     v.copy_(p.data)
-                torch.cuda.synchronize(self.dev)
+                self.mem.synchronize()
                 for p, v in zip(b.params, b.home_views):
                     self._bind(p, v)
-        torch.cuda.empty_cache()
+        self.mem.empty_cache()
         # Memory torch held before tiermem took over (the caller's other tensors) is not the
         # step's: the cap leaves it out of the budget.
-        self.outside = torch.cuda.memory_reserved(self.dev)
+        self.outside = self.mem.reserved()
         self.lookahead = lookahead
         self.nslots = lookahead + 1
         self._slot_mem: Any = None
@@ -215,7 +217,7 @@ class TieredTraining:
         # Copies in flight hold device memory: 1/32 of the budget each way keeps the link busy
         # (a copy of 1/32 of a 1.4 GB budget takes ~0.8 ms) and costs little capacity.
         window = max(1 << 20, self.budget // 32) if window is None else int(window)
-        self.swap = ActivationSwap(tier, self.params, min_swap=min_swap, window=window) if swap else None
+        self.swap = ActivationSwap(tier, self.params, min_swap=min_swap, window=window, device=self.dev) if swap else None
         if self.swap is not None:
             self.swap.on_param = self._on_param_read
         self.plan: TrainPlan | None = None
@@ -245,26 +247,21 @@ class TieredTraining:
         """Undo a failed adoption (NOTE [all or nothing] in _module.py): the parameters get their
         own memory back, and every byte, hook, cap and lease the adoption took is given back.
         Must not raise over the adoption's error."""
-        torch = self.torch
         for h in self._hooks:
             h.remove()
         self._hooks = []
-        torch.cuda.synchronize(self.dev)
+        self.mem.synchronize()
         for p, data in originals:
             p.data = data
         if self._old_fraction is not None:
-            torch.cuda.set_per_process_memory_fraction(self._old_fraction, self.dev)
+            self.mem.set_fraction(self._old_fraction)
         self._give_back()
         self._lease.release()
-        torch.cuda.empty_cache()
+        self.mem.empty_cache()
 
     # -- memory ------------------------------------------------------------------------------------
     def _fraction(self) -> float:
-        get = getattr(self.torch.cuda, "get_per_process_memory_fraction", None)
-        try:
-            return float(get(self.dev)) if get is not None else 1.0
-        except Exception:
-            return 1.0
+        return self.mem.fraction()
 
     # NOTE [kept exceptions]
     # The cap on torch's allocator leaves the step the budget and no more. A step that raised
@@ -285,7 +282,7 @@ class TieredTraining:
     def _set_cap(self) -> None:
         """torch's allocator may use the budget minus tiermem's resident managed bytes."""
         room = max(self.budget - self.tier.resident_bytes, 0) + self.outside
-        self.torch.cuda.set_per_process_memory_fraction(min(room / self.total, 1.0), self.dev)
+        self.mem.set_fraction(min(room / self.total, 1.0))
 
     def _slot_bytes(self) -> int:
         streamed = [b for b in self.blocks if not b.resident]
@@ -397,6 +394,9 @@ class TieredTraining:
             self._count("h2d", Role.WEIGHT, b.p_bytes)
             s.has_params = True
         if states and b.states and not s.has_states:
+            if b.p_bytes + b.g_bytes + b.s_bytes > self.slot_bytes:    # never copy past a slot's end
+                raise TierMemError(f"block {b.name} needs {b.p_bytes + b.g_bytes + b.s_bytes:,} bytes of slot, the "
+                                   f"slots have {self.slot_bytes:,}: a tiermem bug, please report it")
             be.copy(s.ptr + b.p_bytes + b.g_bytes, b.home_s.ptr, b.s_bytes, side)
             self._count("h2d", Role.OPTIMIZER_STATE, b.s_bytes)
             s.has_states = True
@@ -542,22 +542,30 @@ class TieredTraining:
     def _adopt_states(self, b: _Block) -> None:
         """The optimizer made its state tensors on the first step: give them a pinned home."""
         torch = self.torch
-        off = 0
+        off, states = 0, []
         for p in b.trainable:
             for key, v in self.opt.state[p].items():
-                if torch.is_tensor(v) and v.is_cuda and v.shape == p.shape and v.dtype.is_floating_point:
-                    b.states.append((p, key, off))
+                if torch.is_tensor(v) and v.device == self.dev and v.shape == p.shape and v.dtype.is_floating_point:
+                    states.append((p, key, off))
                     off += _aligned(v.numel() * v.element_size())
-        b.s_bytes = off
         if not off:
             return
-        b.home_s = self.tier.backend.host_alloc(off)
-        b.home_state_views = self._views(b.home_s.ptr, b, b.home_s, "s")
-        with torch.no_grad():
-            for (p, key, _), hv in zip(b.states, b.home_state_views):
-                hv.copy_(self.opt.state[p][key])
-        torch.cuda.current_stream(self.dev).synchronize()
-        self._bind_states(b, b.home_state_views)
+        # All or nothing: a block whose states are half adopted would read a home never written
+        # (tests/test_train_faults.py found NaN losses after a failed view here).
+        home = self.tier.backend.host_alloc(off)
+        try:
+            b.states = states
+            views = self._views(home.ptr, b, home, "s")
+            with torch.no_grad():
+                for (p, key, _), hv in zip(states, views):
+                    hv.copy_(self.opt.state[p][key])
+            self.mem.sync_current()
+        except BaseException:
+            b.states = []
+            home.release()
+            raise
+        b.s_bytes, b.home_s, b.home_state_views = off, home, views
+        self._bind_states(b, views)
         self._count("d2h", Role.OPTIMIZER_STATE, b.s_bytes)
 
     # -- steps -------------------------------------------------------------------------------------
@@ -572,14 +580,21 @@ class TieredTraining:
         if self._failed:                 # NOTE [kept exceptions]: free the failed step's cycle
             self._failed = False
             gc.collect()
-            torch.cuda.empty_cache()
+            self.mem.empty_cache()
+            # Blocks whose states were adopted in a traced step that failed before its replan
+            # need slots the replan would have grown: a fill would run past a slot's end
+            # (tests/test_train_faults.py crashed on the CPU; on a GPU it writes over torch's memory).
+            streamed = any(not b.resident for b in self.blocks)
+            if (streamed and not self.slots) or _aligned(self._slot_bytes()) > self.slot_bytes:
+                self._alloc_slots()
+            self._set_cap()
         self._backward = False
         self._got: set[int] = set()
         self._written: list[_Block] = []
         self.moved = {"h2d": 0, "d2h": 0}
         for b in self.blocks:
             b.entered, b.stepped, b.waiting = False, False, 0
-        torch.cuda.reset_peak_memory_stats(self.dev)
+        self.mem.reset_peak()
         if self.swap is not None:
             if self._tracing or self.plan is None:
                 self.swap.begin(None, frozenset(), [])
@@ -612,13 +627,18 @@ class TieredTraining:
         if not ok:
             self._clear_failed_step()
             return
-        torch = self.torch
         self.steps += 1
-        self.last_peak = torch.cuda.max_memory_reserved(self.dev)
+        self.last_peak = self.mem.max_reserved()
         diverged = self.swap is not None and self.swap.diverged
         if self._tracing:
             # Reserved, not allocated: the cap applies to what torch reserves, fragmentation included.
-            self._replan(torch.cuda.max_memory_reserved(self.dev))
+            try:
+                self._replan(self.mem.max_reserved())
+            except BaseException:
+                # The plan did not take: trace again, and let the next step set the slots and the
+                # cap for the blocks as they are (some may have become resident).
+                self._tracing, self._failed = True, True
+                raise
         elif diverged:
             log.info("tiermem: the step's saved tensors changed (another shape?); tracing the next step")
             self._tracing = True
@@ -683,7 +703,7 @@ class TieredTraining:
                 self._make_resident(self.blocks[i])
         self._alloc_slots()
         self._set_cap()
-        self.torch.cuda.empty_cache()
+        self.mem.empty_cache()
         if not plan.streamed_blocks and plan.swapped_bytes == 0:
             # In capacity: nothing moves, so no hook is needed, and a module with hooks takes
             # torch's slower call path. Steps are then plain steps on managed memory.
@@ -693,21 +713,17 @@ class TieredTraining:
         log.info("tiermem: %s", plan.table())
 
     def _make_resident(self, b: _Block) -> None:
-        """Move a block into managed memory kept on the device (NOTE [training transport])."""
+        """Move a block into managed memory kept on the device (NOTE [training transport]). All or
+        nothing: the states' new memory is filled first, the parameters are wrapped (itself all
+        or nothing), and only then does anything point at the new memory."""
         from ._torch import wrap_group
         torch = self.torch
         tier = self.tier
         if b.slot is not None and b.slot.occupant is b:
             self._unbind_slot(b.slot)
-        torch.cuda.synchronize(self.dev)
-        for p in b.params:
-            old = p.data.untyped_storage().data_ptr()
-            if self.params.get(old) is p:
-                del self.params[old]
-        b.resident = True
-        pol = tier.policies[Role.WEIGHT].replace(evict=Evict.NEVER)
-        b.tiered = wrap_group(tier, b.params, Role.WEIGHT, names=[f"{b.name}.{i}" for i in range(len(b.params))],
-                              policy=pol)
+        self.mem.synchronize()
+        views: list[Any] = []
+        tts: list[Any] = []
         if b.states:
             # Filled below by a device copy; prefetch NEVER leaves the group unplaced until then
             # (the plan counts these bytes itself, NOTE [training plan]), whatever the role's
@@ -722,9 +738,19 @@ class TieredTraining:
                 for (p, key, _), tt, hv in zip(b.states, tts, b.home_state_views):
                     v = tt.torch().view(p.dtype).view(p.shape)
                     v.copy_(hv)
-                    self.opt.state[p][key] = v
-            b.tiered += tts
-        torch.cuda.synchronize(self.dev)
+                    views.append(v)
+        olds = [p.data.untyped_storage().data_ptr() for p in b.params]
+        pol = tier.policies[Role.WEIGHT].replace(evict=Evict.NEVER)
+        b.tiered = wrap_group(tier, b.params, Role.WEIGHT, names=[f"{b.name}.{i}" for i in range(len(b.params))],
+                              policy=pol)
+        b.resident = True
+        for p, old in zip(b.params, olds):
+            if self.params.get(old) is p:
+                del self.params[old]
+        for (p, key, _), v in zip(b.states, views):
+            self.opt.state[p][key] = v
+        b.tiered += tts
+        self.mem.synchronize()
         b.home_views, b.home_state_views = [], []
         for h in (b.home_p, b.home_s):
             if h is not None:
@@ -745,35 +771,42 @@ class TieredTraining:
                 "slots": len(self.slots), "slot_bytes": self.slot_bytes}
 
     def unwrap(self) -> Any:
-        """Remove the hooks, give every parameter and optimizer state plain device memory again,
-        and restore torch's memory fraction and give the budget lease back."""
-        from ._torch import unwrap
+        """Give every parameter and optimizer state plain device memory again, remove the hooks,
+        restore torch's memory fraction and give the budget lease back. All or nothing: the
+        copies are made first, and a failure there leaves the model trained by tiermem as it was
+        (tests/test_train_faults.py)."""
+        from ._torch import rebind_plain
         torch = self.torch
+        cap = self.mem.fraction()
+        self.mem.set_fraction(self._old_fraction)    # the plain copies are outside the budget
+        try:
+            for s in self.slots:         # streamed blocks go home: they still train from there
+                if s.occupant is not None:
+                    self._unbind_slot(s)
+            self.mem.synchronize()
+            with torch.no_grad():
+                plains = [(p, torch.empty(p.shape, dtype=p.dtype, device=self.dev).copy_(p.data))
+                          for b in self.blocks for p in b.params]
+                states = [(p, key, self.opt.state[p][key].clone()) for b in self.blocks for p, key, _ in b.states]
+            self.mem.synchronize()
+        except BaseException:
+            self.mem.set_fraction(cap)
+            raise
+        # Nothing below calls the backend before the memory is given back.
         for h in self._hooks:
             h.remove()
         self._hooks = []
-        torch.cuda.synchronize(self.dev)
-        torch.cuda.set_per_process_memory_fraction(self._old_fraction, self.dev)
-        for s in self.slots:
-            if s.occupant is not None:
-                self._unbind_slot(s)
-        torch.cuda.synchronize(self.dev)
-        with torch.no_grad():
-            for b in self.blocks:
-                for p, key, _ in b.states:
-                    self.opt.state[p][key] = self.opt.state[p][key].clone()
-                for p in b.params:
-                    if b.resident:
-                        unwrap(self.tier, p)
-                    else:
-                        plain = torch.empty(p.shape, dtype=p.dtype, device=self.dev)
-                        plain.copy_(p.data)
-                        self._bind(p, plain)
-        torch.cuda.synchronize(self.dev)
+        for p, key, v in states:
+            self.opt.state[p][key] = v
+        for p, plain in plains:
+            old = p.data.untyped_storage().data_ptr()
+            if self.params.get(old) is p:
+                del self.params[old]
+            rebind_plain(p, plain)
+        self.model._tiermem_handle = None
         self._give_back()
         self.tier.synchronize()      # finished moves let go of the buffers they held
         self._lease.release()
-        self.model._tiermem_handle = None
         return self.model
 
     def _give_back(self) -> None:

@@ -35,6 +35,18 @@ NOTE [training transport]
     Between uses a streamed parameter stays bound to its slot while the slot still holds it, then
     to its home, which the GPU can read in place (zero-copy): evaluation outside a step, or a
     tied weight used by another block, reads correct data either way.
+
+NOTE [data parallel]
+    With ``process_group`` each rank trains its own replica, and a block's gradients are averaged
+    over the group (``all_reduce``, then divided by its size) as soon as they are complete, just
+    before that block's optimizer step inside backward; resident blocks' gradients are averaged
+    at the step's end, before theirs. Every rank runs the same graph, so the blocks complete, and
+    the all-reduces run, in the same order on every rank. DDP does not compose: its reducer
+    averages gradients at the end of backward, after tiermem has stepped the blocks, so wrap the
+    bare replica and pass the group instead. Not handled: parameters that get a gradient on some
+    ranks only (data-dependent routing) would leave the all-reduces out of step, and a rank whose
+    step fails leaves the others waiting in theirs. tests/test_train_dp.py runs two ranks under
+    gloo on the CPU; the NCCL run on two GPUs is not made yet.
 """
 from __future__ import annotations
 
@@ -131,13 +143,14 @@ class TieredTraining:
 
     def __init__(self, tier: Tier, model: Any, optimizer: Any, budget: int | str, *, lookahead: int = 2,
                  min_swap: int = 1 << 20, window: int | None = None, swap: bool = True,
-                 block_bytes: int = BLOCK_BYTES, margin: int | None = None):
+                 block_bytes: int = BLOCK_BYTES, margin: int | None = None, process_group: Any = None):
         import torch
         self.torch = torch
         check_options(budget, lookahead=lookahead)
         if getattr(model, "_tiermem_handle", None) is not None:
             raise WrapError("this model is already adopted by tiermem; unwrap it first")
         self.tier, self.model, self.opt = tier, model, optimizer
+        self.group = _group(process_group)      # NOTE [data parallel]
         be = tier.backend
         total = be.capabilities().total_memory
         self.budget = parse_bytes(budget, total=total, what="training budget", max_percent=100)
@@ -496,9 +509,21 @@ class TieredTraining:
         self._got.add(id(p))
         b.waiting -= 1
         if b.waiting == 0:
+            self._average([p for p in b.trainable if id(p) in self._got])
             self._step_block(b)
 
     # -- optimizer ---------------------------------------------------------------------------------
+    def _average(self, params: list[Any]) -> None:
+        """Average ``params``' gradients over the process group (NOTE [data parallel])."""
+        if self.group is None:
+            return
+        import torch.distributed as dist
+        size = dist.get_world_size(self.group)
+        for p in params:
+            if p.grad is not None:
+                dist.all_reduce(p.grad, group=self.group)
+                p.grad.div_(size)
+
     def _opt_step(self, params: list[Any]) -> None:
         ids = {id(p) for p in params}
         groups = self.opt.param_groups
@@ -659,6 +684,7 @@ class TieredTraining:
             # A foreach step makes temporaries as large as the parameters it updates, which the
             # traced step (every block stepped alone) never saw: step the resident blocks a few
             # at a time. With no hooks left (in capacity) it is one call, as plain PyTorch does.
+            self._average(res)
             for chunk in _chunks(res, RESIDENT_STEP_BYTES if self._hooks else None):
                 self._opt_step(chunk)
             for p in res:
@@ -827,6 +853,18 @@ class TieredTraining:
     def __repr__(self) -> str:
         plan = self.plan.table() if self.plan is not None else "not planned yet (the first step is traced)"
         return f"<TieredTraining {type(self.model).__name__}, {len(self.blocks)} blocks: {plan}>"
+
+
+def _group(process_group: Any) -> Any:
+    """The process group a ``process_group`` argument names: None (no averaging), True (the
+    default group), or a group; one rank alone needs no averaging."""
+    if process_group is None or process_group is False:
+        return None
+    import torch.distributed as dist
+    if not dist.is_available() or not dist.is_initialized():
+        raise ConfigError("process_group needs torch.distributed initialised first (init_process_group)")
+    group = dist.group.WORLD if process_group is True else process_group
+    return group if dist.get_world_size(group) > 1 else None
 
 
 def _chunks(params: list[Any], limit: int | None) -> list[list[Any]]:

@@ -1,0 +1,99 @@
+"""Data-parallel tiered training on the CPU: two ranks under gloo, each with its own replica on the
+fake backend, against one process training on the whole batch (NOTE [data parallel] in
+tiermem/_train.py). The NCCL run on two GPUs is for the multi-GPU machine."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+dist = pytest.importorskip("torch.distributed")
+if not dist.is_available():
+    pytest.skip("torch.distributed is not available", allow_module_level=True)
+
+STEPS = 4
+# Against the whole batch in one process the gradients differ by float rounding, which AdamW's
+# normalised update turns into up to 2e-5 here after four steps (lr 1e-3).
+TOL = dict(rtol=0, atol=1e-4)
+
+
+def _rank(rank: int, world: int, init: str, out: str) -> None:
+    import sys
+    sys.path.insert(0, os.path.dirname(__file__))
+    import tiermem
+    from fakes import FakeBackend
+    from test_train import batches, gpt, loss_of, state_bytes
+    torch.use_deterministic_algorithms(True)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        model, opt = gpt()
+        tier = tiermem.Tier(backend=FakeBackend(total=1 << 30, foreign_host=True))
+        train = tier.wrap_training(model, opt, state_bytes(model), block_bytes=16 << 10, min_swap=4096,
+                                   process_group=True)
+        losses = []
+        for ids in batches(STEPS):
+            part = ids.chunk(world)[rank]
+            with train.step():
+                loss = loss_of(model, part)
+                loss.backward()
+            losses.append(float(loss.detach()))
+        plan = str(train.plan)
+        streamed = len(train.plan.streamed_blocks)
+        train.unwrap()
+        torch.save({"params": [p.detach().clone() for p in model.parameters()], "losses": losses, "plan": plan,
+                    "streamed": streamed}, os.path.join(out, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_ranks_train_as_one_process_averaging_their_gradients(tmp_path):
+    import torch.multiprocessing as mp
+    from test_train import batches, gpt, loss_of
+    world = 2
+    mp.spawn(_rank, args=(world, f"file://{tmp_path / 'rendezvous'}", str(tmp_path)), nprocs=world, join=True)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+    # Every rank stepped the same averaged gradients: the replicas are bitwise the same.
+    for a, b in zip(ranks[0]["params"], ranks[1]["params"]):
+        assert torch.equal(a, b)
+    assert ranks[0]["plan"] == ranks[1]["plan"] and ranks[0]["streamed"] > 0
+    # One process computing each half's gradients, summing them and halving, as the all-reduce
+    # does, then stepping: bitwise the ranks' run. (Float addition of two is commutative, so the
+    # order gloo sums in does not matter.)
+    torch.use_deterministic_algorithms(True)
+    model, opt = gpt()
+    whole, _ = gpt()
+    whole_opt = torch.optim.AdamW(whole.parameters(), lr=1e-3)
+    for step, ids in enumerate(batches(STEPS)):
+        grads, losses = [], []
+        for part in ids.chunk(world):
+            loss = loss_of(model, part)
+            loss.backward()
+            losses.append(float(loss.detach()))
+            grads.append([p.grad.clone() for p in model.parameters()])
+            opt.zero_grad(set_to_none=True)
+        for p, *gs in zip(model.parameters(), *grads):
+            p.grad = (gs[0] + gs[1]).div_(world)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        assert [ranks[r]["losses"][step] for r in range(world)] == losses
+        loss_of(whole, ids).backward()       # the whole batch at once: the same, to rounding
+        whole_opt.step()
+        whole_opt.zero_grad(set_to_none=True)
+    for a, p, q in zip(ranks[0]["params"], model.parameters(), whole.parameters()):
+        assert torch.equal(a, p.detach())
+        assert torch.allclose(a, q.detach(), **TOL)
+
+
+def test_process_group_needs_torch_distributed_initialised():
+    import sys
+    sys.path.insert(0, os.path.dirname(__file__))
+    import tiermem
+    from fakes import FakeBackend
+    from test_train import gpt, state_bytes
+    assert not dist.is_initialized()
+    model, opt = gpt()
+    tier = tiermem.Tier(backend=FakeBackend(total=1 << 30, foreign_host=True))
+    with pytest.raises(tiermem.ConfigError, match="init_process_group"):
+        tier.wrap_training(model, opt, state_bytes(model), process_group=True)
+    assert getattr(model, "_tiermem_handle", None) is None

@@ -448,6 +448,12 @@ class _PinnedTransport:
                 return False
         src = self.home.ptr + g.offset if stage is None else self.disk.stages[stage].ptr
         side = tier.side_stream("h2d")
+        # The slot holds nothing from here until the copy is queued and its event recorded: a
+        # failure in between must not leave the old occupant's name on new bytes (a later
+        # forward would compute with them; tests/test_module_faults.py).
+        if self.occupant[slot] is not None:
+            self.slot_of.pop(id(self.occupant[slot]), None)
+        self.occupant[slot], self.loaded[slot] = None, None
         if self.freed[slot] is not None:
             be.wait(side, self.freed[slot])          # the slot's last user has finished with it
         else:
@@ -464,8 +470,6 @@ class _PinnedTransport:
         tier.accounting.on_move(self.role, "h2d", g.nbytes)
         tier.accounting.count(self.role, "prefetch_ops")
         self.ready[slot] = end
-        if self.occupant[slot] is not None:
-            self.slot_of.pop(id(self.occupant[slot]), None)
         self.occupant[slot] = g
         self.slot_of[id(g)] = slot
         self.loaded[slot] = _versions(g)

@@ -55,3 +55,22 @@ def fill_random(tt: Any) -> torch.Tensor:
 def read(tt: Any) -> torch.Tensor:
     """A copy of ``tt``'s current contents (the view is dropped before returning)."""
     return tt.torch().clone()
+
+
+ALLOCATING = ("allocate", "host_alloc", "device_alloc")
+
+
+def fault_params(name: str, seen: list[str], positions: list[int] | None = None) -> list[Any]:
+    """The fault sweeps' cases for one operation: a pytest.param (name, n, call, kind) for each
+    1-based position ``n`` of the faultable calls ``seen`` (all, or ``positions``) and each
+    failure kind; out-of-memory only for allocations. Ids start with "fault", for ``-k fault``."""
+    import pytest
+    from tiermem._backend import FaultInjector
+    out = []
+    for n in positions or range(1, len(seen) + 1):
+        call = seen[n - 1]
+        for kind in FaultInjector.KINDS:
+            if kind == "oom" and call not in ALLOCATING:
+                continue
+            out.append(pytest.param(name, n, call, kind, id=f"fault-{name}-{n:03d}-{call}-{kind}"))
+    return out

@@ -30,14 +30,13 @@ import torch
 from torch import nn
 
 import tiermem
-from fakes import FAULT_KINDS, FakeBackend, _FakeBlock
-from helpers import MiB
+from fakes import FakeBackend, _FakeBlock
+from helpers import MiB, fault_params
 from tiermem import Location, TierMemError
 from tiermem._staging import StagingRing
 from tiermem._engine import _SharedBlock
 from tiermem._torch import tiered_of
 
-ALLOCATING = ("allocate", "host_alloc", "device_alloc")
 RNG = np.random.default_rng(18)
 DATA = np.random.default_rng(0).integers(0, 256, 12 << 20, dtype=np.uint8)   # never written
 
@@ -608,14 +607,7 @@ def _calls(name: str) -> list[str]:
 
 
 def _cases() -> list[Any]:
-    out = []
-    for name in SCENES:
-        for i, call in enumerate(_calls(name), 1):
-            for kind in FAULT_KINDS:
-                if kind == "oom" and call not in ALLOCATING:
-                    continue
-                out.append(pytest.param(name, i, call, kind, id=f"fault-{name}-{i:02d}-{call}-{kind}"))
-    return out
+    return [c for name in SCENES for c in fault_params(name, _calls(name))]
 
 
 CASES = _cases()

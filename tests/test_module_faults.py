@@ -18,12 +18,12 @@ import torch
 import torch.nn as nn
 
 import tiermem
-from fakes import FAULT_KINDS, FakeBackend
+from fakes import FakeBackend
+from helpers import fault_params
 
 save_file = pytest.importorskip("safetensors.torch").save_file
 
 MiB = 1 << 20
-ALLOCATING = ("allocate", "host_alloc", "device_alloc")
 SCENES = ("module_forward", "module_forward_disk", "module_unwrap", "module_unwrap_device")
 
 
@@ -76,18 +76,13 @@ def _calls(name: str, tmp: Any) -> list[str]:
     return seen
 
 
-def _cases(tmp_factory: Any = None) -> list[Any]:
+def _cases() -> list[Any]:
     import tempfile
     from pathlib import Path
     out = []
     for name in SCENES:
         with tempfile.TemporaryDirectory() as d:
-            seen = _calls(name, Path(d))
-        for n, call in enumerate(seen, 1):
-            for kind in FAULT_KINDS:
-                if kind == "oom" and call not in ALLOCATING:
-                    continue
-                out.append(pytest.param(name, n, call, kind, id=f"fault-{name}-{n:03d}-{call}-{kind}"))
+            out += fault_params(name, _calls(name, Path(d)))
     return out
 
 

@@ -21,10 +21,10 @@ import pytest
 import torch
 
 import tiermem
-from fakes import FAULT_KINDS, FakeBackend
+from fakes import FakeBackend
+from helpers import fault_params
 from test_train import batches, gpt, loss_of, state_bytes
 
-ALLOCATING = ("allocate", "host_alloc", "device_alloc")
 SMALL = dict(layers=2, d=32, seq=16)
 KW = dict(block_bytes=4 << 10, min_swap=1024)
 EVERY = 64
@@ -101,12 +101,7 @@ def _cases() -> list[Any]:
     out = []
     for name in ("train_adopt", "train_traced_step", "train_step", "train_unwrap"):
         seen = _calls(name)
-        for n in _picked(seen):
-            call = seen[n - 1]
-            for kind in FAULT_KINDS:
-                if kind == "oom" and call not in ALLOCATING:
-                    continue
-                out.append(pytest.param(name, n, call, kind, id=f"fault-{name}-{n:03d}-{call}-{kind}"))
+        out += fault_params(name, seen, _picked(seen))
     return out
 
 

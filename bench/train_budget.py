@@ -8,6 +8,9 @@ In one run, side by side (random data, fixed seeds, CUDA-event medians after war
      The bound is max(resident step, bytes moved / link rate), the link rate measured here.
      A sweep over budgets gives the plot of step time vs budget.
   2. In capacity (budget >= everything): tiermem against plain PyTorch.
+  4. Keep, swap or recompute (bench/_recompute_study.py): the GPT and a transformers Qwen2-style
+     model at 1/1.5, 1/2.5 and 1/4 of their training state, tiermem's swap-only plan and its new
+     plan against resident, FSDP2's CPUOffloadPolicy, save_on_cpu and torch's checkpointing.
   3. The activation-swap study: at one fixed budget (torch's allocator capped to it for the
      resident runs), the largest batch that trains, resident vs tiermem, for ResNet-50 and a
      smaller GPT, with time per sample at each.
@@ -23,6 +26,7 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")   # deterministic cu
 
 import argparse
 import gc
+import sys
 
 from _common import cuda_times, median, plot_path, progress, table, write_results
 
@@ -154,15 +158,25 @@ def tiermem_run(torch, tiermem, build, loss_fn, batches, budget, label, **kw):
     train = tier.wrap_training(model, opt, budget, **kw)
     st = Stepper(torch, model, opt, loss_fn, train=train)
     peaks = []
-    for i, bt in enumerate(batches):
-        st.step(bt)
-        peaks.append(train.resident_peak())
-        if i in (0, len(batches) - 1) or (i + 1) % 10 == 0:
-            progress(f"  {label}: step {i + 1}/{len(batches)} {st.times[-1] * 1e3:.1f} ms")
-    info = {"plan": train.plan.table() if train.plan else None, "resident_peak_bytes": max(peaks),
+    try:
+        for i, bt in enumerate(batches):
+            st.step(bt)
+            peaks.append(train.resident_peak())
+            if i in (0, len(batches) - 1) or (i + 1) % 10 == 0:
+                progress(f"  {label}: step {i + 1}/{len(batches)} {st.times[-1] * 1e3:.1f} ms")
+    except BaseException:
+        try:
+            train.unwrap()          # the cap and the lease go back, whatever the step left
+        except Exception as e:
+            progress(f"  unwrap after failure: {e!r}")
+        raise
+    plan = train.plan
+    info = {"plan": plan.table() if plan else None, "resident_peak_bytes": max(peaks),
             "report": train.report(), "moved_last": st.moved[-1], "floor_bytes": train.floor,
-            "streamed_blocks": len(train.plan.streamed_blocks) if train.plan else -1,
-            "swapped_bytes": train.plan.swapped_bytes if train.plan else -1}
+            "streamed_blocks": len(plan.streamed_blocks) if plan else -1,
+            "swapped_bytes": plan.swapped_bytes if plan else -1,
+            "predicted_ms": plan.predicted_seconds() * 1e3 if plan else float("nan"),
+            "recomputed": len(plan.recompute) if plan else 0, "kind": plan.kind if plan else "none"}
     res = Result(st)
     train.unwrap()
     del train, st, model, opt
@@ -440,14 +454,19 @@ def plot(out, path):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--quick", action="store_true", help="small sizes: a smoke run in about a minute")
-    p.add_argument("--only", default="123")
+    p.add_argument("--only", default="1234", help="parts to run: 1 budget, 2 in capacity, 3 batch study, "
+                   "4 keep/swap/recompute study")
     a = p.parse_args()
     big = dict(vocab=8192, seq=512, d=1024, layers=16, heads=16, batch=4, ratio=2.5, steps=30, soc_steps=8,
                block_mib=16, sweep=[0.6, 0.8, 1.0], sweep_steps=8, cap_steps=10, capacity_budget=30 * GiB,
-               study_gib=3.0, study_start=8, study_limit=512, study_steps=4, small_d=768, small_layers=8)
+               study_gib=3.0, study_start=8, study_limit=512, study_steps=4, small_d=768, small_layers=8,
+               hf_vocab=8192, hf_d=1024, hf_ff=2816, hf_layers=20, hf_heads=16, hf_kv=4, peer_steps=8,
+               plan_steps=10, block4_mib=64)
     small = dict(vocab=2048, seq=128, d=384, layers=8, heads=4, batch=8, ratio=2.5, steps=12, soc_steps=6,
                  block_mib=1, sweep=[0.8], sweep_steps=6, cap_steps=6, capacity_budget=4 * GiB,
-                 study_gib=0.5, study_start=4, study_limit=64, study_steps=3, small_d=256, small_layers=4)
+                 study_gib=0.5, study_start=4, study_limit=64, study_steps=3, small_d=256, small_layers=4,
+                 hf_vocab=2048, hf_d=384, hf_ff=1024, hf_layers=6, hf_heads=6, hf_kv=2, peer_steps=5,
+                 plan_steps=6, block4_mib=16)
     for k, v in (small if a.quick else big).items():
         setattr(a, k, v)
     torch = setup()
@@ -465,12 +484,17 @@ def main():
         free()
     if "3" in a.only:
         part3(torch, tiermem, a, rates, out)
+    p4 = None
+    if "4" in a.only:
+        from _recompute_study import part4, plot4
+        part4(sys.modules[__name__], torch, tiermem, a, rates, out)
+        p4 = plot4(out, plot_path("train_budget_recompute"))
     m = out["metrics"]
     rows = [[k, v] for k, v in m.items()]
     print(table(rows, ["metric", "value"]))
     print(out["checks"])
     pp = plot(out, plot_path("train_budget")) if "1" in a.only else None
-    write_results("train_budget", m, out["checks"], out["raw"], extra_files=[pp] if pp else [])
+    write_results("train_budget", m, out["checks"], out["raw"], extra_files=[f for f in (pp, p4) if f])
 
 
 if __name__ == "__main__":

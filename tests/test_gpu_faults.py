@@ -249,7 +249,9 @@ def test_ctrl_c_at_a_backend_call_inside_a_training_step_leaves_no_leak_and_trai
         counts.append(injector.calls - calls0)
     per_step = min(counts)
     assert per_step > 20, counts
-    for k, n in enumerate((per_step // 7, per_step // 2, per_step - 3)):
+    # A step's call count varies with the link's timing (a copy found done or not: seen on the
+    # H100 at 1ec2eef, 2233 and 2371 calls, then 2226): the last interrupt aims at 95% of the fewest.
+    for k, n in enumerate((per_step // 7, per_step // 2, per_step * 19 // 20)):
         injector.fail_at(n, "interrupt")
         injector.seen, calls0, err = [], injector.calls, None
         try:

@@ -91,3 +91,104 @@ def test_the_predicted_peak_never_passes_the_budget_when_the_floor_fits(saved, p
         assert not p.keep and not p.resident_blocks      # nothing is added to a floor that does not fit
     assert p.kept_bytes == sum(t.saved[i].nbytes for i in p.keep)
     assert 0 <= p.swapped_bytes <= t.saved_bytes
+
+
+# -- recompute (NOTE [recompute plan]) ---------------------------------------------------------------
+
+def seg_trace(blocks=4, act=64 * MiB, saves=4, fwd_ms=1.0, param=10 * MiB, floor=100 * MiB,
+              boundary=8 * MiB, compute=(4.0, 8.0), recomputable=None, other=0):
+    """``blocks`` blocks whose forwards each save ``saves`` storages of ``act`` bytes in all and
+    take ``fwd_ms``; ``other`` bytes saved outside every block (the loss's inputs)."""
+    recs, i = [], 0
+    for b in range(blocks):
+        for _ in range(saves):
+            recs.append((i, act // saves, b))
+            i += 1
+    if other:
+        recs.append((i, other, -1))
+        i += 1
+    n = len(recs)
+    saved = tuple(SavedRecord(j, nb, n - 1 - j, g) for j, nb, g in recs)
+    rc = frozenset(range(blocks)) if recomputable is None else frozenset(recomputable)
+    return StepTrace(saved, (param,) * blocks, (2 * param,) * blocks, floor, frozenset(),
+                     block_fwd_ms=(fwd_ms,) * blocks, recomputable=rc, boundary_bytes=(boundary,) * blocks,
+                     fwd_ms=compute[0], bwd_ms=compute[1], block_names=tuple(f"layer{b}" for b in range(blocks)))
+
+
+def test_a_link_bound_step_recomputes_its_blocks_rather_than_swap_them():
+    # 256 MiB of activations: ~5 ms over the link each way, 4 ms to recompute, 3 ms of other compute
+    t = seg_trace(compute=(1.0, 2.0))
+    p = plan_training(t, 100 * MiB + 80 * MiB, margin=0)
+    assert len(p.recompute) >= 3 and p.kind in ("recompute", "mixed")
+    never = plan_training(t, 100 * MiB + 80 * MiB, margin=0, recompute="never")
+    assert not never.recompute
+    assert p.predicted_seconds() < never.predicted_seconds()
+    assert p.swapped_bytes < never.swapped_bytes / 2     # the recomputed blocks' inputs move, not their saves
+    assert p.recomputed_bytes == len(p.recompute) * 64 * MiB
+    assert p.recompute_ms == pytest.approx(len(p.recompute) * 1.0)
+    assert p.predicted_peak <= p.budget
+
+
+def test_an_expensive_forward_is_swapped_not_recomputed():
+    t = seg_trace(act=4 * MiB, fwd_ms=50.0, compute=(200.0, 400.0))
+    p = plan_training(t, 100 * MiB + 20 * MiB, margin=0)
+    assert p.recompute == frozenset()
+
+
+def test_recompute_needs_room_for_the_largest_segment_at_once():
+    t = seg_trace()
+    p = plan_training(t, 100 * MiB + 32 * MiB, margin=0)    # a 64 MiB segment does not fit
+    assert p.recompute == frozenset()
+    assert p.predicted_peak <= p.budget
+
+
+def test_only_recomputable_blocks_are_recomputed_and_always_recomputes_them_all():
+    t = seg_trace(recomputable={1, 2}, fwd_ms=30.0)
+    p = plan_training(t, 100 * MiB + 80 * MiB, margin=0, recompute="always")
+    assert p.recompute == frozenset({1, 2}) and p.kind == "recompute"
+    assert plan_training(t, 100 * MiB + 80 * MiB, margin=0, recompute="never").recompute == frozenset()
+
+
+def test_an_untimed_trace_plans_as_before():
+    t = trace(saved=[8 * MiB] * 5)         # no segments, no timings: the swap-only plan
+    p = plan_training(t, 100 * MiB + 60 * MiB + 16 * MiB, margin=0)
+    assert p.kind == "swap" and p.recompute == frozenset() and p.keep == frozenset({3, 4})
+
+
+def test_the_table_names_each_blocks_choice_and_the_measured_time():
+    p = plan_training(seg_trace(compute=(1.0, 2.0)), 100 * MiB + 80 * MiB, margin=0)
+    p.measured["step_ms"] = 20.0
+    s = str(p)
+    assert "layer0" in s and "recompute" in s and "predicted" in s and "measured" in s
+
+
+def test_a_bad_recompute_mode_or_link_rate_is_a_value_error():
+    with pytest.raises(ValueError, match="recompute"):
+        plan_training(seg_trace(), 1 << 30, recompute="sometimes")
+    with pytest.raises(ValueError, match="link_GBps"):
+        plan_training(seg_trace(), 1 << 30, link_GBps=0)
+
+
+@settings(max_examples=300, deadline=None)
+@given(blocks=st.integers(1, 10), act=st.integers(1, 256 * MiB), saves=st.integers(1, 6),
+       fwd_ms=st.floats(0.0, 40.0), param=st.integers(1, 64 * MiB), floor=st.integers(0, 512 * MiB),
+       budget=st.integers(1, 4096 * MiB), margin=st.integers(0, 64 * MiB), boundary=st.integers(0, 32 * MiB),
+       fwd=st.floats(0.0, 100.0), bwd=st.floats(0.0, 200.0), other=st.integers(0, 64 * MiB),
+       rc=st.sets(st.integers(0, 9)), link=st.floats(1.0, 100.0))
+def test_the_chosen_plan_fits_and_is_never_slower_than_swap_only_or_recompute_only(
+        blocks, act, saves, fwd_ms, param, floor, budget, margin, boundary, fwd, bwd, other, rc, link):
+    t = seg_trace(blocks, act, saves, fwd_ms, param, floor, boundary, (fwd, bwd), rc, other)
+    p = plan_training(t, budget, margin=margin, link_GBps=link)
+    swap = plan_training(t, budget, margin=margin, link_GBps=link, recompute="never")
+    rec = plan_training(t, budget, margin=margin, link_GBps=link, recompute="always")
+    if floor + margin <= budget:
+        assert p.predicted_peak + margin <= budget
+        assert rec.predicted_peak + margin <= budget
+    else:
+        assert not p.keep and not p.resident_blocks and not p.recompute
+    assert p.recompute <= t.recomputable
+    assert p.predicted_seconds() <= swap.predicted_seconds() + 1e-9
+    assert p.predicted_seconds() <= rec.predicted_seconds() + 1e-9
+    assert not (p.keep & {r.index for r in t.saved if r.segment in p.recompute})   # recomputed: not kept too
+    assert p.kept_bytes == sum(t.saved[i].nbytes for i in p.keep)
+    assert p.swapped_bytes >= 0

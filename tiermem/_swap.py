@@ -17,10 +17,20 @@ NOTE [activation swap]
     torch's allocator reuses it. Holding is bounded: past ``window`` bytes in flight the host
     waits for the oldest copy, so a forward that makes activations faster than the link carries
     them cannot grow the device peak. Copies back are bounded the same way.
+
+    A view of a resident block's parameter is saved as it is: it never leaves the device.
+
+    Each saved storage is known by its *key*: the block whose forward saved it (its segment,
+    -1 outside every block) and its place among that segment's saves. Keys, not places in the
+    whole step, are what the plan names, so a segment that is recomputed (and saves only its
+    inputs, NOTE [recompute plan]) leaves the other segments' keys as the trace saw them. A
+    step whose sizes differ from the trace's, key by key, has another shape: it swaps
+    everything and is traced again.
 """
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
@@ -40,10 +50,14 @@ class _Saved:
     index: int
     nbytes: int
     keep: bool
+    seg: int = -1                 # the block whose forward saved it; -1: outside every block
+    k: int = 0                    # its place among its segment's saves
+    segs: set[int] = dataclasses.field(default_factory=set)   # segments that saved it
     refs: int = 0                 # saved tensors that are views of it
     reads: int = 0                # unpacks so far
     use: int = -1                 # order of its first unpack in backward
     storage: Any = None           # the device storage while kept or while its copy out runs
+    ref: Any = None               # a weak reference to it once the copy is done (see pack)
     host: int = 0                 # address in the pinned arena
     out_event: Any = None
     dev: Any = None               # uint8 device tensor holding it again in backward
@@ -72,7 +86,7 @@ class _Arena:
     def reset(self) -> None:
         self.at = (0, 0)
 
-    def take(self, nbytes: int) -> int:
+    def take(self, nbytes: int, meter: Any = None) -> int:
         n = -(-nbytes // ALIGN) * ALIGN
         c, off = self.at
         while c < len(self.chunks) and off + n > self.chunks[c].nbytes:
@@ -80,7 +94,9 @@ class _Arena:
         if c == len(self.chunks):
             # Whole multiples of the chunk size, so that a later step or run of another batch
             # size finds the same sizes cached in the pinned pool (cudaHostAlloc costs ~1 s/GB).
-            self.chunks.append(self.tier.backend.host_alloc(-(-n // CHUNK_MIN) * CHUNK_MIN))
+            # The host waits for it: a wait of the step, not compute (NOTE [recompute plan]).
+            with meter.host() if meter is not None else contextlib.nullcontext():
+                self.chunks.append(self.tier.backend.host_alloc(-(-n // CHUNK_MIN) * CHUNK_MIN))
         self.at = (c, off + n)
         return self.chunks[c].ptr + off
 
@@ -101,18 +117,24 @@ class ActivationSwap:
         self.tier = tier
         self.device = device          # where the step's tensors live (NOTE [device memory] in _devmem.py)
         self.params = params          # storage address -> parameter, for streamed parameters
+        self.fixed: set[int] = set()  # storage addresses of resident parameters: saved as they are
         self.min_swap = int(min_swap)
         self.window = int(window)
         self.arena = _Arena(tier)
-        self.expect: tuple[int, ...] | None = None    # sizes in saving order from the trace
-        self.keep: frozenset[int] = frozenset()
-        self.need: list[int] = []                     # swapped indices in backward-read order
+        self.expect: dict[int, tuple[int, ...]] | None = None   # per segment, sizes in saving order
+        self.keep: frozenset[tuple[int, int]] = frozenset()      # keys kept on the device
+        self.recompute: frozenset[int] = frozenset()            # segments recomputed in backward
+        self.need: list[tuple[int, int]] = []                   # swapped keys in backward-read order
         self.diverged = False
+        self.segment: Any = lambda: -1      # the innermost block in forward (set by the training handle)
+        self.meter: Any = None              # times the step's waits (the training handle's StallMeter)
         self._begin_fields()
 
     def _begin_fields(self) -> None:
         self.saved: list[_Saved] = []
         self.by_ptr: dict[int, _Saved] = {}
+        self.by_key: dict[tuple[int, int], _Saved] = {}
+        self.count: dict[int, int] = {}
         self.out_q: collections.deque[_Saved] = collections.deque()
         self.out_bytes = 0
         self.in_bytes = 0
@@ -121,10 +143,11 @@ class ActivationSwap:
         self.moved = {"h2d": 0, "d2h": 0}
 
     # -- per step --------------------------------------------------------------------------------
-    def begin(self, expect: tuple[int, ...] | None, keep: frozenset[int], need: list[int]) -> None:
+    def begin(self, expect: dict[int, tuple[int, ...]] | None, keep: frozenset[tuple[int, int]],
+              need: list[tuple[int, int]], recompute: frozenset[int] = frozenset()) -> None:
         self._begin_fields()
         self.arena.reset()
-        self.expect, self.keep, self.need = expect, keep, need
+        self.expect, self.keep, self.need, self.recompute = expect, keep, need, recompute
         self.diverged = False
 
     def end(self) -> None:
@@ -136,10 +159,16 @@ class ActivationSwap:
         for s in self.saved:
             s.storage = s.dev = None
         self.by_ptr.clear()
+        self.by_key.clear()
 
-    def records(self) -> list[tuple[int, int, int]]:
-        """(index, nbytes, first read) of each saved storage this step."""
-        return [(s.index, s.nbytes, s.use) for s in self.saved]
+    def records(self) -> list[tuple[int, int, int, int]]:
+        """(index, nbytes, first read, segment) of each saved storage this step."""
+        return [(s.index, s.nbytes, s.use, s.seg) for s in self.saved]
+
+    def shared_segments(self) -> set[int]:
+        """Segments that saved a storage another segment saved too: recomputing one would move
+        that save to the other segment and change its keys."""
+        return {g for s in self.saved if len(s.segs) > 1 for g in s.segs}
 
     # -- hooks -------------------------------------------------------------------------------------
     def pack(self, t: Any) -> Any:
@@ -150,26 +179,40 @@ class ActivationSwap:
         p = self.params.get(ptr)
         if p is not None:
             return _ParamRef(p, t)
+        if ptr in self.fixed:
+            # A resident block's parameter: it stays on the device, and saving it as an
+            # activation would swap a weight and give the step keys the trace never saw.
+            return t
         n = st.nbytes()
         if n < self.min_swap:
             return t
         s = self.by_ptr.get(ptr)
+        if s is not None and s.storage is None and (s.ref is None or s.ref.expired() or s.ref.cdata != st._cdata):
+            s = None                     # the address was handed out again: a new storage, a new save
+        seg = self.segment()
         if s is None or s.nbytes != n:
-            i = len(self.saved)
+            k = self.count.get(seg, 0)
+            self.count[seg] = k + 1
             if self.expect is None or self.diverged:
                 keep = False
-            elif i < len(self.expect) and self.expect[i] == n:
-                keep = i in self.keep
+            elif seg in self.recompute:
+                keep = False             # a recomputed block's inputs (NOTE [recompute plan])
             else:
-                self.diverged = True     # another step shape: swap everything, trace again
-                keep = False
-            s = _Saved(i, n, keep)
+                sizes = self.expect.get(seg, ())
+                if k < len(sizes) and sizes[k] == n:
+                    keep = (seg, k) in self.keep
+                else:
+                    self.diverged = True     # another step shape: swap everything, trace again
+                    keep = False
+            s = _Saved(len(self.saved), n, keep, seg, k)
             self.saved.append(s)
             self.by_ptr[ptr] = s
+            self.by_key[(seg, k)] = s
             if keep:
                 s.storage = st
             else:
                 self._out(s, st, ptr)
+        s.segs.add(seg)
         s.refs += 1
         if s.keep:
             return t
@@ -192,7 +235,7 @@ class ActivationSwap:
         if s.dev is None:
             self._in(s, cur)
         self._ahead(cur)
-        be.wait(cur, s.in_event)
+        self._wait(cur, s.in_event)
         dev = s.dev
         s.reads += 1
         if s.reads >= s.refs:
@@ -203,6 +246,19 @@ class ActivationSwap:
     def on_param(self, p: Any) -> None:
         """Called when backward reads a streamed parameter (the training handle loads it)."""
 
+    def _wait(self, stream: int, event: Any) -> None:
+        if self.meter is not None:
+            self.meter.wait(stream, event)
+        else:
+            self.tier.backend.wait(stream, event)
+
+    def _host_wait(self, event: Any) -> None:
+        if self.meter is not None:
+            with self.meter.host():
+                self.tier.backend.synchronize(event)
+        else:
+            self.tier.backend.synchronize(event)
+
     # -- moves -------------------------------------------------------------------------------------
     def _out(self, s: _Saved, st: Any, ptr: int) -> None:
         tier, be = self.tier, self.tier.backend
@@ -210,7 +266,7 @@ class ActivationSwap:
         dep = be.new_event()
         be.record(dep, be.current_stream())
         be.wait(side, dep)
-        s.host = self.arena.take(s.nbytes)
+        s.host = self.arena.take(s.nbytes, self.meter)
         be.copy(s.host, ptr, s.nbytes, side)
         s.out_event = be.new_event()
         be.record(s.out_event, side)
@@ -229,12 +285,14 @@ class ActivationSwap:
             if not be.query(s.out_event):
                 if not block:
                     return
-                be.synchronize(s.out_event)
+                self._host_wait(s.out_event)
             self.out_q.popleft()
             self.out_bytes -= s.nbytes
-            # Its address may be handed out again now: a new storage there is a new save.
-            if self.by_ptr.get(s.storage.data_ptr()) is s:
-                del self.by_ptr[s.storage.data_ptr()]
+            # Once dropped, its address may be handed out again, and a new storage there is a new
+            # save; while the storage lives, a save of it is the same save whenever the copy ended
+            # (a step's keys must not depend on the link's timing: NOTE [activation swap]).
+            from torch.multiprocessing.reductions import StorageWeakRef
+            s.ref = StorageWeakRef(s.storage)
             s.storage = None
             block = block and self.out_bytes > self.window
 
@@ -242,7 +300,7 @@ class ActivationSwap:
         import torch
         tier, be = self.tier, self.tier.backend
         if s.out_event is not None and not be.query(s.out_event):
-            be.synchronize(s.out_event)
+            self._host_wait(s.out_event)
         # Allocated on the compute stream; the copy waits for that stream so the memory's last
         # user there is done, and the compute stream waits for the copy before reading it.
         s.dev = torch.empty(s.nbytes, dtype=torch.uint8, device=self.device)
@@ -263,14 +321,14 @@ class ActivationSwap:
         order = self.need if self.need and not self.diverged else None
         if order is None:
             # No trace yet: backward reads roughly in reverse order of saving.
-            order = [s.index for s in reversed(self.saved) if not s.keep]
+            order = [(s.seg, s.k) for s in reversed(self.saved) if not s.keep]
             self.need = order
         while self.cursor < len(order) and self.in_bytes < self.window:
-            i = order[self.cursor]
+            key = order[self.cursor]
             self.cursor += 1
-            if i >= len(self.saved):
+            s = self.by_key.get(key)
+            if s is None:
                 continue
-            s = self.saved[i]
             if s.keep or s.dev is not None or s.reads >= s.refs:
                 continue
             self._in(s, cur)

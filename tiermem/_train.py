@@ -60,9 +60,11 @@ from typing import TYPE_CHECKING, Any
 from ._devmem import device_memory
 from ._errors import ConfigError, ConfigTypeError, TierMemError, WrapError
 from ._limits import check_bytes, parse_bytes
+from ._meter import StallMeter
 from ._module import module_groups
+from ._recompute import Recompute
 from ._swap import ActivationSwap
-from ._trainplan import SavedRecord, StepTrace, TrainPlan, plan_training
+from ._trainplan import LINK_GBPS, RECOMPUTE_MODES, SavedRecord, StepTrace, TrainPlan, plan_training
 from .roles import Evict, Location, Prefetch, Role
 
 if TYPE_CHECKING:
@@ -120,15 +122,21 @@ class _Slot:
     last: int = 0
 
 
-def check_options(budget: int | str, *, lookahead: int = 2, **_: Any) -> None:
-    """Raise :class:`ConfigError` for a bad budget or lookahead of :func:`wrap_training`. Needs no
-    GPU, so tiermem.wrap_training checks them before it looks for one; it takes all of
-    wrap_training's options, and the others are checked where they are used."""
+def check_options(budget: int | str, *, lookahead: int = 2, recompute: str = "auto",
+                  link_GBps: float | None = None, **_: Any) -> None:
+    """Raise :class:`ConfigError` for a bad budget, lookahead, recompute or link rate of
+    :func:`wrap_training`. Needs no GPU, so tiermem.wrap_training checks them before it looks for
+    one; it takes all of wrap_training's options, and the others are checked where they are used."""
     check_bytes(budget, what="training budget", max_percent=100, positive=True)
     if isinstance(lookahead, bool) or not isinstance(lookahead, int):
         raise ConfigTypeError(f"lookahead must be an int, got {lookahead!r}")
     if lookahead < 1:
         raise ConfigError(f"lookahead must be at least 1, got {lookahead}")
+    if recompute not in RECOMPUTE_MODES:
+        raise ConfigError(f"recompute must be one of {', '.join(map(repr, RECOMPUTE_MODES))}, got {recompute!r}")
+    if link_GBps is not None and (isinstance(link_GBps, bool) or not isinstance(link_GBps, (int, float))
+                                  or not link_GBps > 0):
+        raise ConfigError(f"link_GBps must be a positive number of GB/s, got {link_GBps!r}")
 
 
 class TieredTraining:
@@ -137,16 +145,22 @@ class TieredTraining:
     ``budget``: bytes, "2GiB" or a share of the device ("25%"). ``lookahead``: blocks brought in
     ahead of use (the slots are ``lookahead + 1``). ``min_swap``: saved storages smaller than this
     stay on the device. ``window``: bytes of activation copies in flight each way (default
-    budget/32). ``swap=False`` never swaps activations. ``margin``: bytes the plan leaves free
-    (default budget/8).
+    budget/32). ``swap=False`` never swaps activations (nor recomputes them). ``margin``: bytes
+    the plan leaves free (default budget/8). ``recompute``: "auto" lets the plan choose per block
+    between keeping, swapping and recomputing its activations (NOTE [recompute plan]), "never"
+    keeps or swaps only, "always" recomputes every block it can. ``link_GBps``: the link's rate
+    each way that the plan assumes (default 55, the H100 machine's).
     """
 
     def __init__(self, tier: Tier, model: Any, optimizer: Any, budget: int | str, *, lookahead: int = 2,
                  min_swap: int = 1 << 20, window: int | None = None, swap: bool = True,
-                 block_bytes: int = BLOCK_BYTES, margin: int | None = None, process_group: Any = None):
+                 block_bytes: int = BLOCK_BYTES, margin: int | None = None, process_group: Any = None,
+                 recompute: str = "auto", link_GBps: float | None = None):
         import torch
         self.torch = torch
-        check_options(budget, lookahead=lookahead)
+        check_options(budget, lookahead=lookahead, recompute=recompute, link_GBps=link_GBps)
+        self.recompute_mode = recompute if swap else "never"
+        self.link_GBps = float(link_GBps) if link_GBps is not None else LINK_GBPS
         if getattr(model, "_tiermem_handle", None) is not None:
             raise WrapError("this model is already adopted by tiermem; unwrap it first")
         self.tier, self.model, self.opt = tier, model, optimizer
@@ -197,6 +211,8 @@ class TieredTraining:
         self._old_fraction: float | None = None
         self.slots: list[_Slot] = []
         self.swap: ActivationSwap | None = None
+        self.recomputing = Recompute(torch, lambda: self._in_step)
+        self.meter = StallMeter(tier.backend)
         self._lease = tier.lease(self.budget, owner=f"wrap_training({type(model).__name__})")
         originals = [(p, p.data) for b in self.blocks for p in b.params]
         try:
@@ -233,10 +249,29 @@ class TieredTraining:
         self.swap = ActivationSwap(tier, self.params, min_swap=min_swap, window=window, device=self.dev) if swap else None
         if self.swap is not None:
             self.swap.on_param = self._on_param_read
+            self.swap.segment = self._segment
+            self.swap.meter = self.meter
+        self.min_swap = min_swap
+        self._seg: list[int] = []              # blocks whose forward is running, innermost last
+        self._calls: dict[int, int] = {}       # forward calls per block in the traced step
+        self._boundary: dict[int, tuple[int, int]] = {}   # block -> (bytes, saves) of its inputs
+        self._keep_keys: frozenset[tuple[int, int]] = frozenset()
+        self._boundary_saves: dict[int, int] = {}
+        self._expect: dict[int, tuple[int, ...]] | None = None
+        self._refine = False                   # the next step re-measures compute for the plan
+        self._no_recompute = False             # recompute moved other segments' saves: plan without it
+        self._step_events: Any = None
+        self.step_ms: list[float] = []         # measured step times since the last plan
+        containers = {id(b.module) for b in self.blocks for o in self.blocks
+                      if o is not b and any(m is o.module for m in b.module.modules())}
+        # A block can be recomputed when no other block runs inside it (its forward is its own
+        # ops) and the user did not ask transformers to checkpoint it already.
+        self._leaf = {b.index for b in self.blocks
+                      if id(b.module) not in containers and not getattr(b.module, "gradient_checkpointing", False)}
         self.plan: TrainPlan | None = None
         self.trace: StepTrace | None = None
         self._order: list[int] = []            # blocks in forward order, from the traced step
-        self._need: list[int] = []             # swapped storages in backward-read order
+        self._need: list[tuple[int, int]] = []   # swapped keys in backward-read order
         self._tracing = True
         self._in_step = False
         self._failed = False
@@ -249,7 +284,7 @@ class TieredTraining:
         self.floor = 0                         # the traced step's peak, everything moving
         self.steps = 0
         for b in self.blocks:
-            self._hooks.append(b.module.register_forward_pre_hook(lambda m, a, b=b: self._fwd_pre(b)))
+            self._hooks.append(b.module.register_forward_pre_hook(lambda m, a, b=b: self._fwd_pre(b, a)))
             self._hooks.append(b.module.register_forward_hook(lambda m, a, out, b=b: self._fwd_post(b, out)))
             for p in b.trainable:
                 self._hooks.append(p.register_post_accumulate_grad_hook(lambda p, b=b: self._grad_done(b, p)))
@@ -263,6 +298,7 @@ class TieredTraining:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        self.recomputing.set({})
         self.mem.synchronize()
         for p, data in originals:
             p.data = data
@@ -365,7 +401,7 @@ class TieredTraining:
         b = s.occupant
         be = self.tier.backend
         if b.home_ready is not None and not self._backward:
-            be.wait(be.current_stream(), b.home_ready)
+            self.meter.wait(be.current_stream(), b.home_ready)
         for p, v in zip(b.params, b.home_views):
             self._bind(p, v)
         if b.states:
@@ -423,7 +459,7 @@ class TieredTraining:
                                f"(nesting deeper than lookahead={self.lookahead}); raise lookahead")
         s = b.slot
         be = self.tier.backend
-        be.wait(be.current_stream(), s.ready)
+        self.meter.wait(be.current_stream(), s.ready)
         s.busy = True
         self._clock += 1
         s.last = self._clock
@@ -447,22 +483,49 @@ class TieredTraining:
         self.tier.accounting.on_move(role, direction, n)
 
     # -- hooks -------------------------------------------------------------------------------------
-    def _fwd_pre(self, b: _Block) -> None:
+    def _segment(self) -> int:
+        return self._seg[-1] if self._seg else -1
+
+    def _fwd_pre(self, b: _Block, args: Any) -> None:
         if not self._in_step:
             return
-        if self._tracing and b.index not in self._order:
-            self._order.append(b.index)
-        if b.resident:
-            return
-        pos = self._order.index(b.index) if b.index in self._order else len(self._order)
-        upcoming = self._order[pos + 1:] if not self._tracing else []
-        self._ensure(b, states=False, upcoming=upcoming)
-        if upcoming:
-            self._ahead(upcoming)
+        if self._tracing:
+            if b.index not in self._order:
+                self._order.append(b.index)
+            self._calls[b.index] = self._calls.get(b.index, 0) + 1
+            self._boundary[b.index] = self._inputs(args)
+        if not b.resident:
+            pos = self._order.index(b.index) if b.index in self._order else len(self._order)
+            upcoming = self._order[pos + 1:] if not self._tracing else []
+            self._ensure(b, states=False, upcoming=upcoming)
+            if upcoming:
+                self._ahead(upcoming)
+        self._seg.append(b.index)
+        self.meter.mark(("block", b.index, "start"))
+
+    def _inputs(self, args: Any) -> tuple[int, int]:
+        """Bytes and storages a recomputed block would save: its positional tensor inputs that the
+        swap would take (NOTE [recompute plan]; torch's checkpoint saves exactly those)."""
+        torch = self.torch
+        seen: set[int] = set()
+        n = 0
+        for a in args:
+            if not torch.is_tensor(a) or a.device != self.dev or a.numel() == 0:
+                continue
+            st = a.untyped_storage()
+            ptr = st.data_ptr()
+            if ptr in seen or ptr in self.params or st.nbytes() < self.min_swap:
+                continue
+            seen.add(ptr)
+            n += st.nbytes()
+        return n, len(seen)
 
     def _fwd_post(self, b: _Block, out: Any) -> None:
         if not self._in_step:
             return
+        self.meter.mark(("block", b.index, "end"))
+        if self._seg and self._seg[-1] == b.index:
+            self._seg.pop()
         torch = self.torch
         if not b.resident and b.slot is not None:
             s = b.slot
@@ -475,6 +538,9 @@ class TieredTraining:
                 t.register_hook(lambda g, b=b: self._bwd_enter(b))
 
     def _bwd_enter(self, b: _Block) -> None:
+        if not self._backward:
+            self.meter.mark(("fwd", "end"))
+            self.meter.mark(("bwd", "start"))
         self._backward = True
         if b.resident or b.entered:
             return
@@ -577,6 +643,11 @@ class TieredTraining:
             return
         # All or nothing: a block whose states are half adopted would read a home never written
         # (tests/test_train_faults.py found NaN losses after a failed view here).
+        with self.meter.host():             # a pinned allocation: the step waits, it does not compute
+            self._adopt_states_into(b, states, off)
+
+    def _adopt_states_into(self, b: _Block, states: list[tuple[Any, str, int]], off: int) -> None:
+        torch = self.torch
         home = self.tier.backend.host_alloc(off)
         try:
             b.states = states
@@ -602,6 +673,21 @@ class TieredTraining:
         if self._in_step:
             raise TierMemError("train.step() is already open; steps do not nest")
         self._in_step = True
+        ok = False
+        try:
+            self._begin_step()
+            hooks = (torch.autograd.graph.saved_tensors_hooks(self.swap.pack, self.swap.unpack)
+                     if self.swap is not None and self._swapping() else contextlib.nullcontext())
+            with hooks:
+                yield self
+            ok = True
+        finally:
+            try:
+                self._finish_step(ok)
+            finally:
+                self._in_step = False
+
+    def _begin_step(self) -> None:
         if self._failed:                 # NOTE [kept exceptions]: free the failed step's cycle
             self._failed = False
             gc.collect()
@@ -613,30 +699,46 @@ class TieredTraining:
             if (streamed and not self.slots) or _aligned(self._slot_bytes()) > self.slot_bytes:
                 self._alloc_slots()
             self._set_cap()
+            # And it is traced again, everything moving: the least memory a step can take. On the
+            # H100 at 1ec2eef the planned step after a backward that failed half-way asked for
+            # 20 MiB over its cap (202 MiB allocated, 14 MiB cached, 226.5 MiB allowed).
+            self._tracing = True
+        self._read_step_time()
         self._backward = False
         self._got: set[int] = set()
         self._written: list[_Block] = []
+        self._seg = []
         self.moved = {"h2d": 0, "d2h": 0}
         for b in self.blocks:
             b.entered, b.stepped, b.waiting = False, False, 0
         self.mem.reset_peak()
+        if self._tracing:
+            self._calls, self._boundary = {}, {}
+            self.recomputing.set({})             # the trace sees every block's own saves
         if self.swap is not None:
             if self._tracing or self.plan is None:
                 self.swap.begin(None, frozenset(), [])
             else:
-                self.swap.begin(self.trace.key, self.plan.keep, list(self._need))
-        hooks = (torch.autograd.graph.saved_tensors_hooks(self.swap.pack, self.swap.unpack)
-                 if self.swap is not None and self._swapping() else contextlib.nullcontext())
-        ok = False
-        try:
-            with hooks:
-                yield self
-            ok = True
-        finally:
-            try:
-                self._finish_step(ok)
-            finally:
-                self._in_step = False
+                self.swap.begin(self._expect, self._keep_keys, list(self._need), self.plan.recompute)
+        if self._tracing or self._refine:
+            self.meter.start()
+        self.meter.mark(("fwd", "start"))
+        be = self.tier.backend
+        start, end = be.new_event(timing=True), be.new_event(timing=True)
+        be.record(start, be.current_stream())
+        self._step_events = (start, end, False)
+
+    def _read_step_time(self) -> None:
+        """The last step's time on the compute stream, once its end event has completed."""
+        ev, self._step_events = self._step_events, None
+        if ev is None or not ev[2]:
+            return
+        be = self.tier.backend
+        if be.query(ev[1]):
+            self.step_ms.append(be.elapsed_ms(ev[0], ev[1]))
+            if self.plan is not None:
+                ms = sorted(self.step_ms[-10:])
+                self.plan.measured["step_ms"] = ms[len(ms) // 2]
 
     def _swapping(self) -> bool:
         return self._tracing or self.plan is None or self.plan.swapped_bytes > 0
@@ -647,8 +749,11 @@ class TieredTraining:
         except BaseException:
             # A failure while finishing (an optimizer step, a wait; Ctrl-C lands here as well)
             # fails the step as one inside it does.
+            self.meter.stop()
             self._clear_failed_step()
             raise
+        metered = self.meter.on
+        self.meter.stop()
         if not ok:
             self._clear_failed_step()
             return
@@ -667,6 +772,10 @@ class TieredTraining:
         elif diverged:
             log.info("tiermem: the step's saved tensors changed (another shape?); tracing the next step")
             self._tracing = True
+            self.step_ms = []
+        elif self._refine and metered:
+            self._refine = False
+            self._replan_measured()
 
     def _close_step(self, ok: bool) -> None:
         """Step what is left to step (when ``ok``), and end the step's moves and swap."""
@@ -677,7 +786,7 @@ class TieredTraining:
                 b.slot.busy = False
         be = self.tier.backend
         for b in self._written:
-            be.wait(be.current_stream(), b.home_ready)   # this step's write-backs; see _unbind_slot
+            self.meter.wait(be.current_stream(), b.home_ready)   # this step's write-backs; see _unbind_slot
         self._backward = False
         res = [p for b in self.blocks if b.resident for p in b.trainable if p.grad is not None]
         if ok and res:
@@ -689,6 +798,11 @@ class TieredTraining:
                 self._opt_step(chunk)
             for p in res:
                 p.grad = None
+        self.meter.mark(("bwd", "end"))
+        if ok and self._step_events is not None:
+            start, end, _ = self._step_events
+            be.record(end, be.current_stream())
+            self._step_events = (start, end, True)
         if self.swap is not None:
             self.swap.end()
             for d in ("h2d", "d2h"):
@@ -700,6 +814,8 @@ class TieredTraining:
         took their optimizer step already, as in any step (NOTE [training transport])."""
         self._failed = True
         self._backward = False
+        self._seg = []
+        self._step_events = None
         for b in self.blocks:
             if b.slot is not None:
                 b.slot.busy = False
@@ -708,29 +824,105 @@ class TieredTraining:
         if self.swap is not None:
             self.swap.end()
 
+    # -- plans -------------------------------------------------------------------------------------
+    def _timings(self) -> tuple[tuple[float, ...], float, float]:
+        """Per block forward compute, forward and backward compute of the metered step (ms),
+        waits taken out (NOTE [recompute plan]). Blocks not seen get -1."""
+        self.mem.synchronize()
+        spans = self.meter.spans()
+        per = tuple(spans.get(("block", b.index), -1.0) for b in self.blocks)
+        return per, spans.get(("fwd",), 0.0), spans.get(("bwd",), 0.0)
+
     def _replan(self, floor: int) -> None:
         recs = self.swap.records() if self.swap is not None else []
-        saved = tuple(SavedRecord(i, n, u) for i, n, u in recs)
-        self._need = [i for i, _, u in sorted(recs, key=lambda r: (r[2] < 0, r[2])) if u >= 0]
+        saved = tuple(SavedRecord(i, n, u, g) for i, n, u, g in recs)
+        per, fwd, bwd = self._timings()
+        shared = self.swap.shared_segments() if self.swap is not None else set()
+        segs = {r.segment for r in saved}
+        recomputable = frozenset(
+            i for i in self._leaf
+            if self._calls.get(i) == 1 and i not in shared and i in segs and per[i] >= 0
+            and self._boundary.get(i, (0, 0))[1] <= sum(r.segment == i for r in saved))
         floor = max(floor - self.outside, 0)
         self.floor = floor
         old_slot = self.slot_bytes
         new_slot = _aligned(self._slot_bytes())
         floor += self.nslots * max(new_slot - old_slot, 0)     # the slots grow to hold states
+        old = self.trace
         self.trace = StepTrace(saved, tuple(b.p_bytes for b in self.blocks),
                                tuple(b.s_bytes for b in self.blocks), floor,
-                               frozenset(b.index for b in self.blocks if b.resident))
-        margin = self.budget // 8 if self.margin is None else self.margin
-        plan = plan_training(self.trace, self.budget, margin=margin)
-        self.plan = plan
+                               frozenset(b.index for b in self.blocks if b.resident),
+                               block_fwd_ms=tuple(max(x, 0.0) for x in per), recomputable=recomputable,
+                               boundary_bytes=tuple(self._boundary.get(b.index, (0, 0))[0] for b in self.blocks),
+                               fwd_ms=fwd, bwd_ms=bwd, block_names=tuple(b.name for b in self.blocks))
+        if old is not None and old.key == self.trace.key and self.plan is not None and self.plan.recompute:
+            # The same shapes diverged under a plan that recomputed: recomputing moved saves
+            # from one segment to another. Plan without it from now on.
+            log.info("tiermem: recomputing changed the step's saves; planning without recompute")
+            self._no_recompute = True
+        self._boundary_saves = {b.index: self._boundary.get(b.index, (0, 0))[1] for b in self.blocks}
+        self._take(self._plan_for(self.trace))
         self._tracing = False
+        # The first step is also the first of every kernel (lazy loading, autotuning): the next
+        # step measures compute again, warm, and the plan is made again from that.
+        self._refine = bool(self.trace.recomputable) and self.recompute_mode == "auto" and not self._no_recompute
+        self.step_ms = []
+
+    def _replan_measured(self) -> None:
+        """Plan again with the compute the last (planned, warm) step measured."""
+        per, fwd, bwd = self._timings()
+        t = self.trace
+        rec = sum(per[i] for i in self.plan.recompute if per[i] >= 0)
+        block = tuple(x if x >= 0 else old for x, old in zip(per, t.block_fwd_ms))
+        self.trace = dataclasses.replace(t, block_fwd_ms=block, fwd_ms=fwd, bwd_ms=max(bwd - rec, 0.0),
+                                         resident_blocks=frozenset(b.index for b in self.blocks if b.resident))
+        plan = self._plan_for(self.trace)
+        if (plan.resident_blocks, plan.recompute, plan.keep) != (self.plan.resident_blocks, self.plan.recompute,
+                                                                  self.plan.keep):
+            self._take(plan)
+            self.step_ms = []
+        else:
+            self.plan = plan
+
+    def _plan_for(self, trace: StepTrace) -> TrainPlan:
+        margin = self.budget // 8 if self.margin is None else self.margin
+        mode = "never" if self._no_recompute else self.recompute_mode
+        return plan_training(trace, self.budget, margin=margin, recompute=mode, link_GBps=self.link_GBps)
+
+    def _take(self, plan: TrainPlan) -> None:
+        """Make ``plan`` the one the next steps follow."""
+        t = self.trace
+        self.plan = plan
+        key: dict[int, tuple[int, int]] = {}
+        count: dict[int, int] = {}
+        for r in t.saved:                        # the swap's keys (NOTE [activation swap])
+            key[r.index] = (r.segment, count.get(r.segment, 0))
+            count[r.segment] = key[r.index][1] + 1
+        self._keep_keys = frozenset(key[i] for i in plan.keep)
+        self._expect = {}
+        for r in t.saved:
+            self._expect.setdefault(r.segment, ())
+            self._expect[r.segment] += (r.nbytes,)
+        # Swapped storages in the order backward first read them; a recomputed segment's inputs
+        # are read when its backward begins, just before its own saves were.
+        need: list[tuple[int, int]] = []
+        done: set[int] = set()
+        for r in sorted((r for r in t.saved if r.use >= 0), key=lambda r: r.use):
+            if r.segment in plan.recompute:
+                if r.segment not in done:
+                    done.add(r.segment)
+                    need += [(r.segment, k) for k in range(self._boundary_saves.get(r.segment, 0))]
+            else:
+                need.append(key[r.index])
+        self._need = need
         for i in sorted(plan.resident_blocks):
             if not self.blocks[i].resident:
                 self._make_resident(self.blocks[i])
         self._alloc_slots()
         self._set_cap()
         self.mem.empty_cache()
-        if not plan.streamed_blocks and plan.swapped_bytes == 0:
+        self.recomputing.set({i: self.blocks[i].module for i in plan.recompute})
+        if not plan.streamed_blocks and plan.swapped_bytes == 0 and not plan.recompute:
             # In capacity: nothing moves, so no hook is needed, and a module with hooks takes
             # torch's slower call path. Steps are then plain steps on managed memory.
             for h in self._hooks:
@@ -773,6 +965,8 @@ class TieredTraining:
         for p, old in zip(b.params, olds):
             if self.params.get(old) is p:
                 del self.params[old]
+            if self.swap is not None:
+                self.swap.fixed.add(p.data.untyped_storage().data_ptr())
         for (p, key, _), v in zip(b.states, views):
             self.opt.state[p][key] = v
         b.tiered += tts
@@ -794,6 +988,8 @@ class TieredTraining:
                 "torch_peak_reserved_bytes": self.last_peak, "managed_resident_bytes": self.tier.resident_bytes,
                 "moved_h2d_bytes": self.moved["h2d"], "moved_d2h_bytes": self.moved["d2h"],
                 "blocks": len(self.blocks), "resident_blocks": sum(b.resident for b in self.blocks),
+                "recomputed_blocks": len(self.plan.recompute) if self.plan is not None else 0,
+                "step_ms": self.plan.measured.get("step_ms", 0.0) if self.plan is not None else 0.0,
                 "slots": len(self.slots), "slot_bytes": self.slot_bytes}
 
     def unwrap(self) -> Any:
@@ -822,6 +1018,7 @@ class TieredTraining:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        self.recomputing.set({})
         for p, key, v in states:
             self.opt.state[p][key] = v
         for p, plain in plains:

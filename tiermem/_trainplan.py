@@ -20,17 +20,48 @@ NOTE [training plan]
     Everything not kept moves at the link rate on tiermem's two copy streams while the GPU
     computes. The floor plus what was kept is the plan's predicted peak; a step that diverges
     from the trace (another batch shape) is traced again and re-planned.
+
+NOTE [recompute plan]
+    Swapping a saved activation costs its bytes twice over the link (out in forward, back in
+    backward); recomputing it costs the forward ops that made it, run again in backward. On an
+    H100 the forward of a GPT block of 1024 wide and 2048 tokens takes ~1 ms, and the 0.3 GB it
+    saves take ~11 ms over a 55 GB/s link each way: a swapped block is link-bound four times over.
+    So, as Capuchin (ASPLOS 2020) does per tensor, the plan chooses per *block segment* (the
+    activations one module block saves; a block that contains no other block) between keeping
+    them on the device, swapping them, and recomputing them in backward.
+
+    The traced step measures what the choice needs: each record's segment, each block's forward
+    compute time (CUDA events around it, less every wait the step made inside it: the GPU's waits
+    for copies and the host's waits for the swap window, each bracketed by events of its own),
+    the step's forward and backward compute with those waits taken out, and the bytes a
+    recomputed block would still save (its inputs). The predicted step is two phases, each as
+    slow as its slowest resource:
+
+        forward   max(F,      streamed params in,  swapped activations out)
+        backward  max(B + R,  streamed params, states and swapped activations in,
+                              streamed params and states out)
+
+    with F and B the measured compute, R the recomputed blocks' forward times, and the link
+    rate per direction. The plan is chosen greedily by predicted time saved per device byte:
+    recompute where it is faster than swapping, then whole blocks resident and whole segments
+    kept, then single activations kept, latest first; a last pass flips any segment between
+    swap and recompute where that is faster. Its predicted time is never above that of the
+    swap-only and the recompute-everywhere plans, which are built too, and the fastest that fits
+    is taken. A recomputed segment's activations are all alive at once in its backward: the
+    predicted peak adds the largest of them.
 """
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
 from ._errors import ConfigError
 
-__all__ = ["SavedRecord", "StepTrace", "TrainPlan", "plan_training"]
+__all__ = ["SavedRecord", "StepTrace", "TrainPlan", "plan_training", "RECOMPUTE_MODES"]
 
 LINK_GBPS = 55.0   # pinned copies each way on the H100 machine (docs/facts.md)
+RECOMPUTE_MODES = ("auto", "never", "always")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,11 +71,12 @@ class SavedRecord:
     index: int          # order of saving (forward order)
     nbytes: int
     use: int            # order of its first read in backward; -1: never read
+    segment: int = -1   # the innermost block whose forward saved it; -1: outside every block
 
 
 @dataclasses.dataclass(frozen=True)
 class StepTrace:
-    """What the traced step did. Sizes are bytes."""
+    """What the traced step did. Sizes are bytes, times milliseconds of compute (NOTE [recompute plan])."""
 
     saved: tuple[SavedRecord, ...]
     block_param_bytes: tuple[int, ...]     # per block, forward order
@@ -52,6 +84,12 @@ class StepTrace:
     floor_peak: int                        # torch's peak allocated bytes, everything moving
     resident_blocks: frozenset[int] = frozenset()   # blocks already resident (in managed memory,
                                                     # outside torch's allocator) while tracing
+    block_fwd_ms: tuple[float, ...] = ()   # per block: its forward's compute; () when not measured
+    recomputable: frozenset[int] = frozenset()      # blocks whose segment can be recomputed
+    boundary_bytes: tuple[int, ...] = ()   # per block: bytes a recomputed block still saves (its inputs)
+    fwd_ms: float = 0.0                    # the step's forward compute
+    bwd_ms: float = 0.0                    # the step's backward and optimizer compute
+    block_names: tuple[str, ...] = ()
 
     @property
     def saved_bytes(self) -> int:
@@ -62,10 +100,17 @@ class StepTrace:
         """Sizes in saving order: a step whose saves differ from this needs another plan."""
         return tuple(r.nbytes for r in self.saved)
 
+    def segment_bytes(self) -> dict[int, int]:
+        out: dict[int, int] = {}
+        for r in self.saved:
+            out[r.segment] = out.get(r.segment, 0) + r.nbytes
+        return out
+
 
 @dataclasses.dataclass(frozen=True)
 class TrainPlan:
-    """What each step keeps on the device; see NOTE [training plan]. Sizes are bytes."""
+    """What each step keeps on the device, moves and recomputes; see NOTE [training plan] and
+    NOTE [recompute plan]. Sizes are bytes."""
 
     budget: int
     floor_peak: int
@@ -76,6 +121,18 @@ class TrainPlan:
     saved_bytes: int
     kept_bytes: int
     margin: int
+    recompute: frozenset[int] = frozenset()  # blocks whose segment is recomputed in backward
+    recomputed_bytes: int = 0                # saved bytes of those segments, no longer saved
+    boundary_bytes: int = 0                  # what the recomputed blocks save instead (swapped)
+    recompute_peak: int = 0                  # the largest recomputed segment, alive in its backward
+    fwd_ms: float = 0.0
+    bwd_ms: float = 0.0
+    recompute_ms: float = 0.0
+    link_GBps: float = LINK_GBPS
+    kind: str = "swap"                       # which candidate won: "swap", "recompute" or "mixed"
+    segment_modes: tuple[str, ...] = ()      # per block: "keep", "swap", "recompute", "mixed", "-"
+    block_names: tuple[str, ...] = ()
+    measured: dict[str, float] = dataclasses.field(default_factory=dict, compare=False, hash=False)
 
     @property
     def streamed_blocks(self) -> tuple[int, ...]:
@@ -87,7 +144,8 @@ class TrainPlan:
 
     @property
     def swapped_bytes(self) -> int:
-        return self.saved_bytes - self.kept_bytes
+        """Activation bytes swapped out (and back) per step."""
+        return self.saved_bytes - self.kept_bytes - self.recomputed_bytes + self.boundary_bytes
 
     @property
     def h2d_bytes(self) -> int:
@@ -103,71 +161,255 @@ class TrainPlan:
 
     @property
     def predicted_peak(self) -> int:
-        return self.floor_peak + self.kept_bytes + self.resident_block_bytes
+        return self.floor_peak + self.kept_bytes + self.resident_block_bytes + self.recompute_peak
 
-    def predicted_seconds(self, link_GBps: float = LINK_GBPS) -> float:
-        """The step's transfer time if nothing else limits it: the busier direction at link rate."""
-        return max(self.h2d_bytes, self.d2h_bytes) / (link_GBps * 1e9)
+    def predicted_seconds(self, link_GBps: float | None = None) -> float:
+        """The step's predicted time (NOTE [recompute plan]): forward and backward, each as slow
+        as the busiest of compute and the two directions of the link."""
+        rate = (self.link_GBps if link_GBps is None else link_GBps) * 1e9
+        return _phases(self.fwd_ms, self.bwd_ms + self.recompute_ms, self._params_in(), self._moved_out(),
+                       self.swapped_bytes, rate)
+
+    def _params_in(self) -> int:
+        return sum(self.block_param_bytes[i] for i in self.streamed_blocks)
+
+    def _moved_out(self) -> int:
+        return sum(self.block_param_bytes[i] + self.block_state_bytes[i] for i in self.streamed_blocks)
 
     def table(self) -> str:
         gb = lambda n: f"{n / 1e9:.3f} GB"  # noqa: E731
         nb = len(self.block_param_bytes)
+        pred = self.predicted_seconds() * 1e3
         lines = [
-            f"training plan for a {gb(self.budget)} budget",
+            f"training plan for a {gb(self.budget)} budget ({self.kind})",
             f"  blocks resident  {len(self.resident_blocks)}/{nb} ({gb(self.resident_block_bytes)} params+states)",
             f"  blocks streamed  {nb - len(self.resident_blocks)}/{nb}",
             f"  activations      {gb(self.saved_bytes)} saved: {gb(self.kept_bytes)} kept, "
-            f"{gb(self.swapped_bytes)} swapped ({len(self.keep)} storages kept)",
-            f"  per step         {gb(self.h2d_bytes)} in, {gb(self.d2h_bytes)} out, "
-            f">= {self.predicted_seconds() * 1e3:.1f} ms at {LINK_GBPS:.0f} GB/s",
+            f"{gb(self.swapped_bytes)} swapped, {gb(self.recomputed_bytes)} recomputed "
+            f"({len(self.keep)} storages kept, {len(self.recompute)} blocks recomputed)",
+            f"  per step         {gb(self.h2d_bytes)} in, {gb(self.d2h_bytes)} out at {self.link_GBps:.0f} GB/s; "
+            f"compute {self.fwd_ms:.1f} ms forward, {self.bwd_ms:.1f} ms backward, {self.recompute_ms:.1f} ms recomputed",
+            f"  step time        {pred:.1f} ms predicted" + (
+                f", {self.measured['step_ms']:.1f} ms measured ({self.measured['step_ms'] / pred:.2f}x)"
+                if self.measured.get("step_ms") and pred > 0 else ""),
             f"  device peak      {gb(self.predicted_peak)} predicted (floor {gb(self.floor_peak)}, "
             f"margin {gb(self.margin)})",
         ]
+        if self.segment_modes and self.block_names:
+            lines.append("  per block        params / activations")
+            for i, (name, mode) in enumerate(zip(self.block_names, self.segment_modes)):
+                where = "resident" if i in self.resident_blocks else "streamed"
+                lines.append(f"    {name:<30} {where:<9} {mode}")
         return "\n".join(lines)
 
     def __str__(self) -> str:
         return self.table()
 
 
+def _phases(fwd_ms: float, bwd_ms: float, params_in: int, out: int, swapped: int, rate: float) -> float:
+    fwd = max(fwd_ms / 1e3, params_in / rate, swapped / rate)
+    # backward: parameters again, states and swapped activations in; parameters and states out
+    states_in = out - params_in
+    bwd = max(bwd_ms / 1e3, (params_in + states_in + swapped) / rate, out / rate)
+    return fwd + bwd
+
+
+@dataclasses.dataclass
+class _Choice:
+    """A plan under construction (NOTE [recompute plan])."""
+
+    resident: set[int]
+    recompute: set[int]
+    keep: set[int]               # record indices
+
+
+class _Planner:
+    def __init__(self, trace: StepTrace, budget: int, margin: int, can_reside: Sequence[bool] | None,
+                 recompute: str, link_GBps: float):
+        self.t, self.budget, self.margin, self.rate = trace, budget, margin, link_GBps * 1e9
+        nb = len(trace.block_param_bytes)
+        self.nb = nb
+        self.size = [trace.block_param_bytes[i] + trace.block_state_bytes[i] for i in range(nb)]
+        self.already = frozenset(trace.resident_blocks)
+        self.can_reside = [can_reside is None or bool(can_reside[i]) for i in range(nb)]
+        self.seg_recs: dict[int, list[SavedRecord]] = {}
+        for r in trace.saved:
+            self.seg_recs.setdefault(r.segment, []).append(r)
+        self.seg_bytes = {s: sum(r.nbytes for r in rs) for s, rs in self.seg_recs.items()}
+        timed = len(trace.block_fwd_ms) == nb and len(trace.boundary_bytes) == nb
+        self.recomputable = sorted(i for i in trace.recomputable if 0 <= i < nb and (timed or recompute == "always")) \
+            if recompute != "never" else []
+        self.fwd_ms = [float(x) for x in trace.block_fwd_ms] if len(trace.block_fwd_ms) == nb else [0.0] * nb
+        self.boundary = list(trace.boundary_bytes) if len(trace.boundary_bytes) == nb else [0] * nb
+        self.room = budget - margin - trace.floor_peak
+
+    # -- evaluation ----------------------------------------------------------------------------------
+    def peak_extra(self, c: _Choice) -> int:
+        """Bytes above the floor: resident blocks, kept activations, the largest recomputed segment."""
+        kept = sum(self.t.saved[i].nbytes for i in c.keep)
+        rec = max((self.seg_bytes.get(i, 0) for i in c.recompute), default=0)
+        return sum(self.size[i] for i in c.resident) + kept + rec
+
+    def fits(self, c: _Choice) -> bool:
+        return self.peak_extra(c) <= self.room
+
+    def swapped(self, c: _Choice) -> int:
+        n = sum(r.nbytes for r in self.t.saved if r.index not in c.keep and r.segment not in c.recompute)
+        return n + sum(self.boundary[i] for i in c.recompute)
+
+    def seconds(self, c: _Choice) -> float:
+        streamed = [i for i in range(self.nb) if i not in c.resident]
+        params_in = sum(self.t.block_param_bytes[i] for i in streamed)
+        out = sum(self.size[i] for i in streamed)
+        rec = sum(self.fwd_ms[i] for i in c.recompute)
+        return _phases(self.t.fwd_ms, self.t.bwd_ms + rec, params_in, out, self.swapped(c), self.rate)
+
+    # -- candidates ----------------------------------------------------------------------------------
+    def base(self) -> _Choice:
+        return _Choice(set(self.already), set(), set())
+
+    def swap_only(self) -> _Choice:
+        """Today's plan (NOTE [training plan]): blocks smallest first, then activations latest first."""
+        c = self.base()
+        self._blocks_smallest_first(c)
+        self._fill_records(c)
+        return c
+
+    def recompute_all(self) -> _Choice:
+        c = self.base()
+        c.recompute = set(self.recomputable)
+        while c.recompute and not self.fits(c):       # the largest recomputed segment must fit
+            c.recompute.discard(max(c.recompute, key=lambda i: self.seg_bytes.get(i, 0)))
+        self._blocks_smallest_first(c)
+        self._fill_records(c)
+        return c
+
+    def mixed(self) -> _Choice:
+        c = self.base()
+        self._flip(c)
+        while True:
+            best, best_gain = None, 0.0
+            now = self.seconds(c)
+            for move in self._moves(c):
+                after = move(c)
+                if after is None or not self.fits(after):
+                    continue
+                dt = now - self.seconds(after)
+                db = max(self.peak_extra(after) - self.peak_extra(c), 1)
+                gain = dt / db
+                if dt > 0 and gain > best_gain:
+                    best, best_gain = after, gain
+            if best is None:
+                break
+            c = best
+            self._flip(c)
+        self._fill_records(c)
+        self._flip(c)
+        return c
+
+    def _moves(self, c: _Choice) -> list[Any]:
+        moves: list[Any] = []
+        for i in range(self.nb):
+            if i not in c.resident and self.can_reside[i]:
+                moves.append(lambda c, i=i: _Choice(c.resident | {i}, set(c.recompute), set(c.keep)))
+        for s, recs in self.seg_recs.items():
+            idx = {r.index for r in recs}
+            if not idx <= c.keep:
+                moves.append(lambda c, s=s, idx=idx: _Choice(set(c.resident), c.recompute - {s}, c.keep | idx))
+        return moves
+
+    def _flip(self, c: _Choice) -> None:
+        """Move segments between swap and recompute while that is faster and fits."""
+        for _ in range(2 * len(self.recomputable) + 1):
+            best, best_t = None, self.seconds(c)
+            for i in self.recomputable:
+                recs = {r.index for r in self.seg_recs.get(i, [])}
+                if recs and recs <= c.keep:
+                    continue                               # kept: neither swapped nor recomputed
+                trial = _Choice(set(c.resident), c.recompute ^ {i}, c.keep - recs)
+                t = self.seconds(trial)
+                if t < best_t - 1e-9 and self.fits(trial):
+                    best, best_t = trial, t
+            if best is None:
+                return
+            c.resident, c.recompute, c.keep = best.resident, best.recompute, best.keep
+
+    def _blocks_smallest_first(self, c: _Choice) -> None:
+        for i in sorted((i for i in range(self.nb) if i not in c.resident and self.can_reside[i]),
+                        key=lambda i: self.size[i]):
+            c.resident.add(i)
+            if not self.fits(c):
+                c.resident.discard(i)
+
+    def _fill_records(self, c: _Choice) -> None:
+        left = self.room - self.peak_extra(c)
+        for r in sorted(self.t.saved, key=lambda r: -r.index):
+            if r.segment in c.recompute or r.index in c.keep:
+                continue
+            if r.nbytes <= left:
+                c.keep.add(r.index)
+                left -= r.nbytes
+
+
 def plan_training(trace: StepTrace, budget: int, *, margin: int | None = None,
-                  can_reside: Sequence[bool] | None = None) -> TrainPlan:
-    """Plan the steps after ``trace`` within ``budget`` bytes (NOTE [training plan]).
+                  can_reside: Sequence[bool] | None = None, recompute: str = "auto",
+                  link_GBps: float = LINK_GBPS) -> TrainPlan:
+    """Plan the steps after ``trace`` within ``budget`` bytes (NOTE [training plan], NOTE
+    [recompute plan]).
 
     Blocks resident while tracing (``trace.resident_blocks``) stay resident; they live in managed
     memory, outside the floor, which counts torch's allocator only. ``can_reside[i]`` False keeps block i
     streamed. ``margin`` (default 1/16 of the budget) is left free for what the trace could not
-    see (allocator rounding, a larger temporary on another step).
+    see (allocator rounding, a larger temporary on another step). ``recompute``: "auto" chooses
+    per block segment, "never" swaps or keeps only, "always" recomputes every recomputable
+    segment that fits. ``link_GBps``: the link's rate each way.
     """
     if budget <= 0:
         raise ConfigError(f"budget must be positive, got {budget}")
+    if recompute not in RECOMPUTE_MODES:
+        raise ConfigError(f"recompute must be one of {', '.join(RECOMPUTE_MODES)}, got {recompute!r}")
+    if not link_GBps > 0:
+        raise ConfigError(f"link_GBps must be positive, got {link_GBps}")
     margin = budget // 16 if margin is None else int(margin)
     nb = len(trace.block_param_bytes)
     if len(trace.block_state_bytes) != nb:
         raise ConfigError(f"block_param_bytes and block_state_bytes differ in length ({nb} and "
                           f"{len(trace.block_state_bytes)})")
-    already = frozenset(trace.resident_blocks)
-    size = lambda i: trace.block_param_bytes[i] + trace.block_state_bytes[i]  # noqa: E731
-    left = budget - margin - trace.floor_peak - sum(size(i) for i in already)
-    resident = set(already)
-    # 1. whole blocks, smallest first: many small blocks save more traffic than one big one
-    #    that does not fit, and each saves ~2.3 bytes moved per byte kept.
-    order = sorted((i for i in range(nb) if i not in already and (can_reside is None or can_reside[i])),
-                   key=size)
-    for i in order:
-        n = size(i)
-        if n <= left:
-            resident.add(i)
-            left -= n
-    # 2. activations, latest saved first.
-    keep: set[int] = set()
-    kept = 0
-    for r in sorted(trace.saved, key=lambda r: -r.index):
-        if r.nbytes <= left:
-            keep.add(r.index)
-            kept += r.nbytes
-            left -= r.nbytes
-    plan = TrainPlan(budget=budget, floor_peak=trace.floor_peak,
-                     resident_blocks=frozenset(resident), keep=frozenset(keep),
-                     block_param_bytes=tuple(trace.block_param_bytes), block_state_bytes=tuple(trace.block_state_bytes),
-                     saved_bytes=trace.saved_bytes, kept_bytes=kept, margin=margin)
-    return plan
+    pl = _Planner(trace, budget, margin, can_reside, recompute, link_GBps)
+    if pl.room - sum(pl.size[i] for i in pl.already) < 0:
+        c, kind = pl.base(), "swap"          # nothing is added to a floor that does not fit
+    elif recompute == "never" or not pl.recomputable:
+        c, kind = pl.swap_only(), "swap"
+    elif recompute == "always":
+        c, kind = pl.recompute_all(), "recompute"
+    else:
+        cands = [(pl.swap_only(), "swap"), (pl.recompute_all(), "recompute"), (pl.mixed(), "mixed")]
+        # the fastest; on a tie the one that recomputes least (then the earlier candidate)
+        c, kind = min(cands, key=lambda ck: (round(pl.seconds(ck[0]), 9), len(ck[0].recompute)))
+    return _make(pl, c, kind)
+
+
+def _make(pl: _Planner, c: _Choice, kind: str) -> TrainPlan:
+    t = pl.t
+    kept = sum(t.saved[i].nbytes for i in c.keep)
+    modes = []
+    for i in range(pl.nb):
+        recs = pl.seg_recs.get(i, [])
+        if i in c.recompute:
+            modes.append("recompute")
+        elif not recs:
+            modes.append("-")
+        else:
+            k = sum(r.index in c.keep for r in recs)
+            modes.append("keep" if k == len(recs) else "swap" if k == 0 else "mixed")
+    return TrainPlan(budget=pl.budget, floor_peak=t.floor_peak,
+                     resident_blocks=frozenset(c.resident), keep=frozenset(c.keep),
+                     block_param_bytes=tuple(t.block_param_bytes), block_state_bytes=tuple(t.block_state_bytes),
+                     saved_bytes=t.saved_bytes, kept_bytes=kept, margin=pl.margin,
+                     recompute=frozenset(c.recompute),
+                     recomputed_bytes=sum(pl.seg_bytes.get(i, 0) for i in c.recompute),
+                     boundary_bytes=sum(pl.boundary[i] for i in c.recompute),
+                     recompute_peak=max((pl.seg_bytes.get(i, 0) for i in c.recompute), default=0),
+                     fwd_ms=t.fwd_ms, bwd_ms=t.bwd_ms, recompute_ms=sum(pl.fwd_ms[i] for i in c.recompute),
+                     link_GBps=pl.rate / 1e9, kind=kind, segment_modes=tuple(modes),
+                     block_names=tuple(t.block_names))

@@ -1,0 +1,196 @@
+"""Part 4 of bench/train_budget.py: keep, swap or recompute (NOTE [recompute plan] in tiermem/_trainplan.py).
+
+For the GPT-style model and a transformers Qwen2-style model (its default flags, but eager
+attention: see DETERMINISM), side by side in one process:
+  - resident PyTorch (no cap);
+  - torch FSDP2 with CPUOffloadPolicy on one GPU (world size 1);
+  - torch's save_on_cpu for the activations;
+  - torch's activation checkpointing on every block (non-reentrant), all else resident;
+  - tiermem's swap-only plan (recompute="never") and its new plan (recompute="auto") at budgets of
+    1/1.5, 1/2.5 and 1/4 of the training state (fp32 parameters, gradients, AdamW's two moments).
+"""
+from __future__ import annotations
+
+from _common import progress
+
+GiB, MiB = 1 << 30, 1 << 20
+RATIOS = (1.5, 2.5, 4.0)
+
+# NOTE: DETERMINISM
+# Losses are compared bitwise with the resident run, which needs the same kernels to give the
+# same bits twice. The GPT's attention is matmuls and a softmax (deterministic with
+# CUBLAS_WORKSPACE_CONFIG set). transformers' default attention is SDPA, whose flash and
+# memory-efficient backward kernels add into dQ with atomics unless determinism is enforced
+# without warn_only (which other ops here refuse); the study runs the Qwen2 model with
+# attn_implementation="eager" so both runs are comparable bit for bit.
+
+
+def qwen2(torch, a):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    cfg = Qwen2Config(vocab_size=a.hf_vocab, hidden_size=a.hf_d, intermediate_size=a.hf_ff,
+                      num_hidden_layers=a.hf_layers, num_attention_heads=a.hf_heads, num_key_value_heads=a.hf_kv,
+                      max_position_embeddings=a.seq, tie_word_embeddings=False, attn_implementation="eager",
+                      use_cache=False)
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM(cfg).cuda()          # requires_grad=True everywhere: the default
+
+
+def hf_loss(model, ids):
+    import torch.nn.functional as F
+    logits = model(input_ids=ids[:, :-1]).logits
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+
+
+def _checkpointed(torch, model, blocks):
+    """torch's activation checkpointing on every block, the way users add it."""
+    if hasattr(model, "gradient_checkpointing_enable"):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return model
+    for b in blocks:
+        f = b.forward
+        b.forward = lambda *x, f=f, **k: torch.utils.checkpoint.checkpoint(f, *x, use_reentrant=False, **k)
+    return model
+
+
+def _fsdp(torch, model, blocks):
+    import torch.distributed as dist
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+    if not dist.is_initialized():
+        dist.init_process_group("nccl", init_method="tcp://127.0.0.1:29533", rank=0, world_size=1)
+    for b in blocks:
+        fully_shard(b, offload_policy=CPUOffloadPolicy())
+    fully_shard(model, offload_policy=CPUOffloadPolicy())
+    return model
+
+
+def study(kit, torch, tiermem, name, build, blocks_of, loss_fn, batches, a, rates, out):
+    """One model: the peers, then tiermem's two plans at each budget. ``kit``: train_budget's
+    module (its Stepper, Result, tiermem_run and free), passed in as it runs as __main__."""
+    Result, Stepper, free, tiermem_run = kit.Result, kit.Stepper, kit.free, kit.tiermem_run
+    m, raw = out["metrics"], out["raw"].setdefault("recompute_study", {})
+    model = build()
+    n = sum(p.numel() for p in model.parameters())
+    footprint = 16 * n
+    progress(f"part 4: {name}, {n / 1e6:.0f}M parameters, training state {footprint / 1e9:.2f} GB, "
+             f"batch {tuple(batches[0].shape)}")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    torch.cuda.reset_peak_memory_stats()
+    res = Result(Stepper(torch, model, opt, loss_fn).run(batches, f"{name} resident"))
+    resident_ms, resident_peak, want = res.median_ms(), torch.cuda.max_memory_reserved(), res.loss_values()
+    del model, opt
+    free()
+    peers = {"resident": resident_ms}
+    for label in ("checkpoint", "save_on_cpu", "fsdp_offload"):
+        model = build()
+        if label == "checkpoint":
+            model = _checkpointed(torch, model, blocks_of(model))
+        if label == "fsdp_offload":
+            model = _fsdp(torch, model, blocks_of(model))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        torch.cuda.reset_peak_memory_stats()
+        steps = batches[: a.peer_steps]
+        r = Result(Stepper(torch, model, opt, loss_fn, save_on_cpu=label == "save_on_cpu").run(steps, f"{name} {label}"))
+        peers[label] = r.median_ms(skip=2)
+        raw[f"{name}_{label}_peak_reserved_bytes"] = torch.cuda.max_memory_reserved()
+        del model, opt, r
+        free()
+    rate = min(rates["h2d"], rates["d2h"])
+    runs = {}
+    for ratio in RATIOS:
+        budget = int(footprint / ratio)
+        for mode in ("never", "auto"):
+            full = ratio == 2.5 and mode == "auto"
+            steps = batches if full else batches[: a.plan_steps]
+            try:
+                r, info = tiermem_run(torch, tiermem, build, loss_fn, steps, budget, f"{name} 1/{ratio:g} {mode}",
+                                      block_bytes=a.block4_mib * MiB, recompute=mode, link_GBps=rate)
+            except torch.OutOfMemoryError as e:
+                progress(f"  {name} 1/{ratio:g} {mode}: out of memory ({str(e)[:160]})")
+                free()
+                runs[(ratio, mode)] = {"step_ms": float("nan"), "predicted_ms": float("nan"), "moved": 0, "peak": 0,
+                                       "budget": budget, "recomputed": 0, "kind": "oom", "losses_equal": False}
+                raw[f"{name}_{ratio:g}_{mode}"] = runs[(ratio, mode)]
+                continue
+            pred = info["predicted_ms"]
+            meas = r.median_ms(skip=2)
+            mv = r.moved[-1]
+            runs[(ratio, mode)] = {"step_ms": meas, "predicted_ms": pred, "moved": mv["h2d"] + mv["d2h"],
+                                   "peak": info["resident_peak_bytes"], "budget": budget,
+                                   "recomputed": info["recomputed"], "kind": info["kind"],
+                                   "losses_equal": r.loss_values() == want[: len(steps)]}
+            raw[f"{name}_{ratio:g}_{mode}"] = dict(runs[(ratio, mode)], plan=info["plan"])
+            progress(f"  {name} 1/{ratio:g} {mode}: {meas:.1f} ms (predicted {pred:.1f}), "
+                     f"{info['recomputed']} blocks recomputed, plan {info['kind']}")
+    main = runs[(2.5, "auto")]
+    m.update({
+        f"{name}_state_bytes": footprint,
+        f"{name}_resident_ms": round(resident_ms, 2),
+        f"{name}_resident_peak_reserved_bytes": resident_peak,
+        **{f"{name}_{k}_ms": round(v, 2) for k, v in peers.items() if k != "resident"},
+        **{f"{name}_{mode}_{ratio:g}_ms": round(runs[(ratio, mode)]["step_ms"], 2) for ratio in RATIOS
+           for mode in ("never", "auto")},
+        f"{name}_step_over_resident": round(main["step_ms"] / resident_ms, 3),
+        f"{name}_swap_only_over_resident": round(runs[(2.5, "never")]["step_ms"] / resident_ms, 3),
+        f"{name}_fsdp_offload_over_tiermem": round(peers["fsdp_offload"] / main["step_ms"], 3),
+        f"{name}_checkpoint_over_resident": round(peers["checkpoint"] / resident_ms, 3),
+        f"{name}_plan_error_max": round(max(abs(v["predicted_ms"] - v["step_ms"]) / v["step_ms"] for v in runs.values()), 3),
+        f"{name}_plan_error_2_5": round(abs(main["predicted_ms"] - main["step_ms"]) / main["step_ms"], 3),
+        f"{name}_bytes_moved_per_state_byte": round(main["moved"] / footprint, 3),
+        f"{name}_swap_only_bytes_moved_per_state_byte": round(runs[(2.5, "never")]["moved"] / footprint, 3),
+    })
+    out["checks"][f"{name}_losses_equal_resident"] = main["losses_equal"]
+    out["checks"][f"{name}_resident_within_budget"] = all(v["peak"] <= v["budget"] for v in runs.values())
+    return runs, peers
+
+
+def part4(kit, torch, tiermem, a, rates, out):
+    from tiermem.models import GPTConfig
+    build_gpt, gpt_batches, gpt_loss = kit.build_gpt, kit.gpt_batches, kit.gpt_loss
+    cfg = GPTConfig(vocab=a.vocab, seq=a.seq, d=a.d, layers=a.layers, heads=a.heads)
+    gb = gpt_batches(torch, cfg, a.steps, a.batch)
+    g_runs = study(kit, torch, tiermem, "gpt", lambda: build_gpt(torch, cfg), lambda m: list(m.blocks), gpt_loss,
+                   gb, a, rates, out)
+    del gb
+    hcfg = GPTConfig(vocab=a.hf_vocab, seq=a.seq, d=a.hf_d, layers=a.hf_layers, heads=a.hf_heads)
+    hb = gpt_batches(torch, hcfg, a.steps, a.batch, seed=2)
+    h_runs = study(kit, torch, tiermem, "hf", lambda: qwen2(torch, a), lambda m: list(m.model.layers), hf_loss,
+                   hb, a, rates, out)
+    m = out["metrics"]
+    m["fsdp_offload_over_tiermem"] = min(m["gpt_fsdp_offload_over_tiermem"], m["hf_fsdp_offload_over_tiermem"])
+    m["plan_error"] = max(m["gpt_plan_error_2_5"], m["hf_plan_error_2_5"])
+    m["bytes_moved_per_state_byte"] = m["gpt_bytes_moved_per_state_byte"]
+    c = out["checks"]
+    c["losses_equal_resident"] = c.get("losses_equal_resident", True) and c["gpt_losses_equal_resident"] and \
+        c["hf_losses_equal_resident"]
+    c["resident_within_budget"] = c.get("resident_within_budget", True) and c["gpt_resident_within_budget"] and \
+        c["hf_resident_within_budget"]
+    out["raw"]["recompute_runs"] = {n: {f"{k[0]:g}_{k[1]}": v for k, v in r[0].items()} | {"peers": r[1]}
+                                    for n, r in (("gpt", g_runs), ("hf", h_runs))}
+
+
+def plot4(out, path):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        progress("matplotlib missing: no plot")
+        return None
+    runs = out["raw"].get("recompute_runs", {})
+    fig, axes = plt.subplots(1, len(runs), figsize=(6 * len(runs), 4), squeeze=False)
+    for ax, (name, r) in zip(axes[0], runs.items()):
+        peers = r["peers"]
+        for mode, style in (("never", "s--"), ("auto", "o-")):
+            xs = [1 / ratio for ratio in RATIOS]
+            ys = [r[f"{ratio:g}_{mode}"]["step_ms"] for ratio in RATIOS]
+            ax.plot(xs, ys, style, label=f"tiermem {'swap only' if mode == 'never' else 'keep/swap/recompute'}")
+        for label, color in (("resident", "g"), ("checkpoint", "c"), ("save_on_cpu", "r"), ("fsdp_offload", "m")):
+            ax.axhline(peers[label], color=color, ls=":", label=f"{label} (no budget)")
+        ax.set_xlabel("budget / training state")
+        ax.set_ylabel("step time (ms)")
+        ax.set_yscale("log")
+        ax.set_title(name)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return path

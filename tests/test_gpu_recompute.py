@@ -1,0 +1,108 @@
+"""GPU tests of recompute in wrap_training (NOTE [recompute plan] in tiermem/_trainplan.py):
+recomputed and swapped activations in one step give the resident run's losses bitwise, dropout
+inside a recomputed block draws the same masks, and the plan's measured times are real ones."""
+from __future__ import annotations
+
+import pytest
+
+from test_gpu_train import CFG, _batches, _cleanup, _resident_losses, _setup, _train_losses
+
+pytestmark = pytest.mark.gpu
+
+MiB = 1 << 20
+
+
+def _tiered(budget, **kw):
+    import torch
+    import tiermem
+    from test_gpu_train import _gpt
+    model, c = _gpt()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    tier = tiermem.Tier(0, cap="1GiB")
+    # 16 MiB: each transformer block (7 MB of parameters) is one block, with no block inside it
+    train = tier.wrap_training(model, opt, budget, block_bytes=16 * MiB, min_swap=256 << 10, **kw)
+    return tier, model, opt, train, c
+
+
+@pytest.mark.parametrize("recompute", ["always", "auto"])
+def test_thirty_steps_recomputing_and_swapping_give_the_resident_losses_bitwise(recompute):
+    torch = _setup()
+    from tiermem.models import GPTConfig
+    batches = _batches(GPTConfig(**CFG), 30)
+    want, want_params = _resident_losses(batches)
+    _cleanup()
+    budget = 192 * MiB
+    tier, model, opt, train, c = _tiered(budget, recompute=recompute)
+    got, peaks = _train_losses(train, model, batches)
+    plan = train.plan
+    print(plan.table())
+    assert got == want                                   # bitwise: same floats, same order
+    for p, q in zip(model.parameters(), want_params):
+        assert torch.equal(p.detach(), q)
+    assert max(peaks) <= budget, (max(peaks), budget)
+    assert plan.streamed_blocks                          # the budget bit
+    if recompute == "always":
+        assert len(plan.recompute) >= CFG["layers"] and plan.swapped_bytes > 0   # both in one step
+    assert plan.fwd_ms > 0 and plan.bwd_ms > 0           # measured on the GPU, waits taken out
+    assert plan.measured.get("step_ms", 0) > 0
+    _cleanup(tier, train)
+
+
+def test_dropout_in_recomputed_blocks_gives_the_resident_losses_bitwise():
+    torch = _setup()
+    import torch.nn as nn
+    import torch.nn.functional as F
+    import tiermem
+
+    def build():
+        torch.manual_seed(0)
+        d = 512
+        blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(d), nn.Linear(d, 4 * d), nn.GELU(), nn.Dropout(0.2),
+                                             nn.Linear(4 * d, d), nn.Dropout(0.1)) for _ in range(6))
+        return blocks.cuda()
+
+    g = torch.Generator(device="cuda").manual_seed(5)
+    data = [(torch.randn(64, 256, 512, device="cuda", generator=g), torch.randn(64, 256, 512, device="cuda", generator=g))
+            for _ in range(8)]
+
+    def forward(blocks, x):
+        for b in blocks:
+            x = x + b(x)
+        return x
+
+    def run(tiered):
+        blocks = build()
+        opt = torch.optim.AdamW(blocks.parameters(), lr=1e-3)
+        tier = train = None
+        if tiered:
+            tier = tiermem.Tier(0, cap="1GiB")
+            train = tier.wrap_training(blocks, opt, 160 * MiB, block_bytes=16 * MiB, min_swap=256 << 10,
+                                       recompute="always")
+        torch.manual_seed(7)
+        out = []
+        for x, y in data:
+            if train is not None:
+                with train.step():
+                    loss = F.mse_loss(forward(blocks, x), y)
+                    loss.backward()
+            else:
+                loss = F.mse_loss(forward(blocks, x), y)
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            out.append(loss.detach())
+        losses = [float(v) for v in torch.stack(out).cpu()]
+        params = [p.detach().clone() for p in blocks.parameters()]
+        plan = train.plan if train is not None else None
+        if train is not None:
+            _cleanup(tier, train)
+        return losses, params, plan
+
+    want, want_params, _ = run(False)
+    _cleanup()
+    got, got_params, plan = run(True)
+    print(plan.table())
+    assert len(plan.recompute) == 6
+    assert got == want
+    for p, q in zip(got_params, want_params):
+        assert torch.equal(p, q)

@@ -1,0 +1,167 @@
+"""Recompute in wrap_training on the CPU, over the fake backend (NOTE [recompute plan] in
+tiermem/_trainplan.py, tiermem/_recompute.py): recomputed blocks give the plain run's losses and
+parameters bitwise, dropout included; they move fewer bytes than swapping them; unwrap gives every
+module its own forward back. What the plan chooses from measured times is tested on synthetic
+traces (tests/test_trainplan.py); the fake backend's clock is not a GPU's."""
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import tiermem
+from fakes import FakeBackend
+from test_train import batches, gpt, loss_of, plain_run, state_bytes
+
+BLOCK = 1 << 20            # each of the GPT's transformer blocks (200 KB of parameters, 64 KiB a tensor as spans count) is one block
+
+
+@pytest.fixture(autouse=True)
+def _deterministic():
+    old = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    yield
+    torch.use_deterministic_algorithms(old)
+
+
+def tiered_gpt(recompute: str):
+    model, opt = gpt()
+    fake = FakeBackend(total=1 << 30, foreign_host=True)
+    tier = tiermem.Tier(backend=fake)
+    # 4x the parameters: the slots (three blocks' parameters, gradients and AdamW states) take
+    # most of it, and what is left holds one block's saves at a time, not every block's.
+    train = tier.wrap_training(model, opt, 4 * state_bytes(model), block_bytes=BLOCK, min_swap=4096,
+                               recompute=recompute)
+    return fake, tier, model, opt, train
+
+
+def run(train, model, bs):
+    out = []
+    for ids in bs:
+        with train.step():
+            loss = loss_of(model, ids)
+            loss.backward()
+        out.append(float(loss.detach()))
+    return out
+
+
+@pytest.mark.parametrize("recompute", ["always", "auto", "never"])
+def test_recomputed_blocks_give_the_plain_runs_losses_and_parameters_bitwise(recompute):
+    bs = batches(6)
+    want, want_params = plain_run(bs)
+    fake, tier, model, opt, train = tiered_gpt(recompute)
+    got = run(train, model, bs)
+    assert got == want
+    for p, q in zip(model.parameters(), want_params):
+        assert torch.equal(p.detach(), q)
+    names = {train.plan.block_names[i] for i in train.plan.recompute}
+    if recompute == "always":
+        assert {f"blocks.{i}" for i in range(4)} <= names     # the transformer blocks: no block inside them
+        assert train.report()["recomputed_blocks"] == len(names)
+    if recompute == "never":
+        assert not names
+    assert all(train.plan.segment_modes[i] == "recompute" for i in train.plan.recompute)
+    train.unwrap()
+    assert all("forward" not in m.__dict__ for m in model.modules())
+    del train
+    gc.collect()
+    tier.close()
+    assert fake.live() == {"managed": 0, "pinned": 0, "device": 0}
+
+
+def test_recomputing_moves_fewer_activation_bytes_than_swapping():
+    bs = batches(4)
+    moved = {}
+    for mode in ("always", "never"):
+        fake, tier, model, opt, train = tiered_gpt(mode)
+        run(train, model, bs)
+        moved[mode] = train.swap.moved["d2h"]
+        assert train.plan.swapped_bytes == pytest.approx(moved[mode], rel=0.01)
+        train.unwrap()
+    assert moved["always"] < moved["never"] / 2
+
+
+class DropNet(nn.Module):
+    """Residual MLP blocks with dropout inside: a recomputed block must draw the same masks."""
+
+    def __init__(self, d: int = 64, layers: int = 4):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(d), nn.Linear(d, 4 * d), nn.GELU(), nn.Dropout(0.3),
+                                                  nn.Linear(4 * d, d), nn.Dropout(0.1)) for _ in range(layers))
+        self.head = nn.Linear(d, 1)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = x + b(x)
+        return self.head(x).squeeze(-1)
+
+
+def drop_run(tiered: bool, steps: int = 5):
+    torch.manual_seed(0)
+    model = DropNet()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(3)
+    data = [(torch.randn(16, 64, generator=g), torch.randn(16, generator=g)) for _ in range(steps)]
+    train = None
+    if tiered:
+        tier = tiermem.Tier(backend=FakeBackend(total=1 << 30, foreign_host=True))
+        nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        train = tier.wrap_training(model, opt, 8 * nbytes, block_bytes=1 << 20, min_swap=1024, recompute="always")
+    torch.manual_seed(42)              # dropout's draws start here in both runs
+    out = []
+    for x, y in data:
+        if train is not None:
+            with train.step():
+                loss = F.mse_loss(model(x), y)
+                loss.backward()
+        else:
+            loss = F.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        out.append(float(loss.detach()))
+    return out, [p.detach().clone() for p in model.parameters()], train, torch.rand(1)
+
+
+def test_dropout_in_a_recomputed_block_draws_the_same_masks():
+    want, want_params, _, want_next = drop_run(False)
+    got, got_params, train, got_next = drop_run(True)
+    assert {0, 1, 2, 3} <= train.plan.recompute          # every block with dropout
+    assert got == want
+    for p, q in zip(got_params, want_params):
+        assert torch.equal(p, q)
+    assert torch.equal(got_next, want_next)       # the global RNG is where the plain run left it
+
+
+def test_a_bad_recompute_option_is_a_value_error_before_anything_is_taken():
+    model, opt = gpt()
+    tier = tiermem.Tier(backend=FakeBackend(total=1 << 30, foreign_host=True))
+    with pytest.raises(ValueError, match="recompute"):
+        tier.wrap_training(model, opt, "50%", recompute="sometimes")
+    with pytest.raises(ValueError, match="link_GBps"):
+        tier.wrap_training(model, opt, "50%", link_GBps=-1)
+    assert not tier.leases
+
+
+def test_a_module_that_has_its_own_forward_attribute_gets_it_back():
+    """accelerate and others set an instance ``forward``: recompute wraps it and unwrap restores it."""
+    model, opt = gpt()
+    blk = model.blocks[1]
+    seen = []
+    own = blk.forward
+
+    def patched(x):
+        seen.append(1)
+        return own(x)
+    blk.forward = patched
+    fake = FakeBackend(total=1 << 30, foreign_host=True)
+    tier = tiermem.Tier(backend=fake)
+    train = tier.wrap_training(model, opt, 4 * state_bytes(model), block_bytes=BLOCK, min_swap=4096,
+                               recompute="always")
+    run(train, model, batches(3))
+    assert train.plan.recompute and len(seen) >= 3 + 2      # forward in every step, again in recompute
+    train.unwrap()
+    assert blk.__dict__["forward"] is patched

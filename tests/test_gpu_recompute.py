@@ -62,7 +62,7 @@ def test_dropout_in_recomputed_blocks_gives_the_resident_losses_bitwise():
         return blocks.cuda()
 
     g = torch.Generator(device="cuda").manual_seed(5)
-    data = [(torch.randn(64, 256, 512, device="cuda", generator=g), torch.randn(64, 256, 512, device="cuda", generator=g))
+    data = [(torch.randn(8, 128, 512, device="cuda", generator=g), torch.randn(8, 128, 512, device="cuda", generator=g))
             for _ in range(8)]
 
     def forward(blocks, x):

@@ -699,10 +699,6 @@ class TieredTraining:
             if (streamed and not self.slots) or _aligned(self._slot_bytes()) > self.slot_bytes:
                 self._alloc_slots()
             self._set_cap()
-            # And it is traced again, everything moving: the least memory a step can take. On the
-            # H100 at 1ec2eef the planned step after a backward that failed half-way asked for
-            # 20 MiB over its cap (202 MiB allocated, 14 MiB cached, 226.5 MiB allowed).
-            self._tracing = True
         self._read_step_time()
         self._backward = False
         self._got: set[int] = set()

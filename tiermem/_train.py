@@ -857,20 +857,22 @@ class TieredTraining:
             log.info("tiermem: recomputing changed the step's saves; planning without recompute")
             self._no_recompute = True
         self._boundary_saves = {b.index: self._boundary.get(b.index, (0, 0))[1] for b in self.blocks}
-        self._take(self._plan_for(self.trace))
-        self._tracing = False
-        # The first step is also the first of every kernel (lazy loading, autotuning): the next
-        # step measures compute again, warm, and the plan is made again from that.
+        # The next step is the probe (NOTE [recompute plan]): every block that can be recomputed
+        # is, and its forward is timed without the swap's hooks; the plan after it uses both.
         self._refine = bool(self.trace.recomputable) and self.recompute_mode == "auto" and not self._no_recompute
+        self._take(self._plan_for(self.trace, "always" if self._refine else None))
+        self._tracing = False
         self.step_ms = []
 
     def _replan_measured(self) -> None:
-        """Plan again with the compute the last (planned, warm) step measured."""
+        """Plan again after the probe step (NOTE [recompute plan]): its recomputed blocks' forwards are
+        their compute alone; the trace's are the same forwards with the swap's hooks."""
         per, fwd, bwd = self._timings()
         t = self.trace
-        rec = sum(per[i] for i in self.plan.recompute if per[i] >= 0)
-        block = tuple(x if x >= 0 else old for x, old in zip(per, t.block_fwd_ms))
-        self.trace = dataclasses.replace(t, block_fwd_ms=block, fwd_ms=fwd, bwd_ms=max(bwd - rec, 0.0),
+        probe = self.plan.recompute
+        clean = tuple(per[i] if i in probe and per[i] >= 0 else old for i, old in enumerate(t.block_fwd_ms))
+        self.trace = dataclasses.replace(t, block_fwd_ms=clean, block_swap_ms=t.block_fwd_ms, fwd_ms=fwd, bwd_ms=bwd,
+                                         measured_recompute=probe,
                                          resident_blocks=frozenset(b.index for b in self.blocks if b.resident))
         plan = self._plan_for(self.trace)
         if (plan.resident_blocks, plan.recompute, plan.keep) != (self.plan.resident_blocks, self.plan.recompute,
@@ -880,9 +882,9 @@ class TieredTraining:
         else:
             self.plan = plan
 
-    def _plan_for(self, trace: StepTrace) -> TrainPlan:
+    def _plan_for(self, trace: StepTrace, mode: str | None = None) -> TrainPlan:
         margin = self.budget // 8 if self.margin is None else self.margin
-        mode = "never" if self._no_recompute else self.recompute_mode
+        mode = mode or ("never" if self._no_recompute else self.recompute_mode)
         return plan_training(trace, self.budget, margin=margin, recompute=mode, link_GBps=self.link_GBps)
 
     def _take(self, plan: TrainPlan) -> None:

@@ -31,10 +31,17 @@ NOTE [recompute plan]
     them on the device, swapping them, and recomputing them in backward.
 
     The traced step measures what the choice needs: each record's segment, each block's forward
-    compute time (CUDA events around it, less every wait the step made inside it: the GPU's waits
-    for copies and the host's waits for the swap window, each bracketed by events of its own),
-    the step's forward and backward compute with those waits taken out, and the bytes a
-    recomputed block would still save (its inputs). The predicted step is two phases, each as
+    time (CUDA events around it, less every wait the step made inside it: the GPU's waits for
+    copies and the host's waits for the swap window, each bracketed by events of its own), the
+    step's forward and backward time with those waits taken out, and the bytes a recomputed
+    block would still save (its inputs). What it cannot see is how long a block's forward
+    takes when its saves do not go through the swap: the hooks' host work (events, copies, a
+    dozen CUDA calls per save) starves the GPU. On the H100 at 2ed0d69 a GPT block of 1024 wide
+    took 1.6 ms resident and 3-15 ms in the traced step, though no wait was left in it. So the
+    second step is a probe: every block that can be recomputed is, and its forward, now the
+    forward alone, is timed again. The third step follows the plan made from both: a block's
+    recompute costs its probe time, and swapping it costs what its hooks added (taken twice,
+    for pack in forward and unpack in backward). The predicted step is two phases, each as
     slow as its slowest resource:
 
         forward   max(F,      streamed params in,  swapped activations out)
@@ -84,7 +91,10 @@ class StepTrace:
     floor_peak: int                        # torch's peak allocated bytes, everything moving
     resident_blocks: frozenset[int] = frozenset()   # blocks already resident (in managed memory,
                                                     # outside torch's allocator) while tracing
-    block_fwd_ms: tuple[float, ...] = ()   # per block: its forward's compute; () when not measured
+    block_fwd_ms: tuple[float, ...] = ()   # per block: its forward's compute, recomputed; () when not measured
+    block_swap_ms: tuple[float, ...] = ()  # per block: its forward with its saves through the swap (the
+                                           # hooks' host time included); () when the same
+    measured_recompute: frozenset[int] = frozenset()   # blocks recomputed when fwd_ms/bwd_ms were measured
     recomputable: frozenset[int] = frozenset()      # blocks whose segment can be recomputed
     boundary_bytes: tuple[int, ...] = ()   # per block: bytes a recomputed block still saves (its inputs)
     fwd_ms: float = 0.0                    # the step's forward compute
@@ -237,9 +247,14 @@ class _Planner:
             self.seg_recs.setdefault(r.segment, []).append(r)
         self.seg_bytes = {s: sum(r.nbytes for r in rs) for s, rs in self.seg_recs.items()}
         timed = len(trace.block_fwd_ms) == nb and len(trace.boundary_bytes) == nb
+        swap_ms = trace.block_swap_ms if len(trace.block_swap_ms) == nb else trace.block_fwd_ms
         self.recomputable = sorted(i for i in trace.recomputable if 0 <= i < nb and (timed or recompute == "always")) \
             if recompute != "never" else []
         self.fwd_ms = [float(x) for x in trace.block_fwd_ms] if len(trace.block_fwd_ms) == nb else [0.0] * nb
+        # the host time a block's saves cost when they go through the swap's hooks rather than
+        # torch's checkpoint: in forward (pack) and, about as much, in backward (unpack)
+        self.hook_ms = [max(float(a) - b, 0.0) for a, b in zip(swap_ms, self.fwd_ms)] if timed else [0.0] * nb
+        self.probed = frozenset(trace.measured_recompute)
         self.boundary = list(trace.boundary_bytes) if len(trace.boundary_bytes) == nb else [0] * nb
         self.room = budget - margin - trace.floor_peak
 
@@ -257,12 +272,21 @@ class _Planner:
         n = sum(r.nbytes for r in self.t.saved if r.index not in c.keep and r.segment not in c.recompute)
         return n + sum(self.boundary[i] for i in c.recompute)
 
+    def compute(self, rec: set[int] | frozenset[int]) -> tuple[float, float, float]:
+        """Forward, backward (recompute excluded) and recompute ms with ``rec`` recomputed, from
+        the step measured with ``trace.measured_recompute`` recomputed (NOTE [recompute plan])."""
+        more, fewer = set(rec) - self.probed, self.probed - set(rec)
+        fwd = self.t.fwd_ms - sum(self.hook_ms[i] for i in more) + sum(self.hook_ms[i] for i in fewer)
+        bwd = self.t.bwd_ms - sum(self.fwd_ms[i] for i in self.probed)        # the measured recompute out
+        bwd += sum(self.hook_ms[i] for i in fewer) - sum(self.hook_ms[i] for i in more)
+        return max(fwd, 0.0), max(bwd, 0.0), sum(self.fwd_ms[i] for i in rec)
+
     def seconds(self, c: _Choice) -> float:
         streamed = [i for i in range(self.nb) if i not in c.resident]
         params_in = sum(self.t.block_param_bytes[i] for i in streamed)
         out = sum(self.size[i] for i in streamed)
-        rec = sum(self.fwd_ms[i] for i in c.recompute)
-        return _phases(self.t.fwd_ms, self.t.bwd_ms + rec, params_in, out, self.swapped(c), self.rate)
+        fwd, bwd, rec = self.compute(c.recompute)
+        return _phases(fwd, bwd + rec, params_in, out, self.swapped(c), self.rate)
 
     # -- candidates ----------------------------------------------------------------------------------
     def base(self) -> _Choice:
@@ -392,6 +416,7 @@ def plan_training(trace: StepTrace, budget: int, *, margin: int | None = None,
 def _make(pl: _Planner, c: _Choice, kind: str) -> TrainPlan:
     t = pl.t
     kept = sum(t.saved[i].nbytes for i in c.keep)
+    fwd, bwd, rec = pl.compute(c.recompute)
     modes = []
     for i in range(pl.nb):
         recs = pl.seg_recs.get(i, [])
@@ -410,6 +435,6 @@ def _make(pl: _Planner, c: _Choice, kind: str) -> TrainPlan:
                      recomputed_bytes=sum(pl.seg_bytes.get(i, 0) for i in c.recompute),
                      boundary_bytes=sum(pl.boundary[i] for i in c.recompute),
                      recompute_peak=max((pl.seg_bytes.get(i, 0) for i in c.recompute), default=0),
-                     fwd_ms=t.fwd_ms, bwd_ms=t.bwd_ms, recompute_ms=sum(pl.fwd_ms[i] for i in c.recompute),
+                     fwd_ms=fwd, bwd_ms=bwd, recompute_ms=rec,
                      link_GBps=pl.rate / 1e9, kind=kind, segment_modes=tuple(modes),
                      block_names=tuple(t.block_names))

@@ -210,3 +210,14 @@ def test_a_probe_measured_with_every_block_recomputed_predicts_its_own_compute_a
     assert never.bwd_ms == pytest.approx(90.0 - 4 * 1.6 + 4 * 2.9)              # no recompute; unpack's host time
     auto = plan_training(t, 100 * MiB + 80 * MiB, margin=0)
     assert auto.recompute and auto.predicted_seconds() < never.predicted_seconds()
+
+
+def test_in_capacity_after_a_probe_everything_is_kept_and_nothing_recomputed():
+    """Seen on the H100 at 877d8b9: in capacity, the plan after the probe recomputed a block
+    because kept blocks were priced with the swap hooks' host time."""
+    base = seg_trace(fwd_ms=1.6, compute=(30.0, 90.0))
+    t = StepTrace(base.saved, base.block_param_bytes, base.block_state_bytes, base.floor_peak,
+                  block_fwd_ms=(1.6,) * 4, block_swap_ms=(4.5,) * 4, measured_recompute=frozenset(range(4)),
+                  recomputable=base.recomputable, boundary_bytes=base.boundary_bytes, fwd_ms=30.0, bwd_ms=90.0)
+    p = plan_training(t, 1 << 34)
+    assert p.recompute == frozenset() and p.swapped_bytes == 0 and len(p.resident_blocks) == 4

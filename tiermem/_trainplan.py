@@ -272,10 +272,13 @@ class _Planner:
         n = sum(r.nbytes for r in self.t.saved if r.index not in c.keep and r.segment not in c.recompute)
         return n + sum(self.boundary[i] for i in c.recompute)
 
-    def compute(self, rec: set[int] | frozenset[int]) -> tuple[float, float, float]:
+    def compute(self, rec: set[int] | frozenset[int], keep: set[int] | frozenset[int] = frozenset()
+                ) -> tuple[float, float, float]:
         """Forward, backward (recompute excluded) and recompute ms with ``rec`` recomputed, from
-        the step measured with ``trace.measured_recompute`` recomputed (NOTE [recompute plan])."""
-        more, fewer = set(rec) - self.probed, self.probed - set(rec)
+        the step measured with ``trace.measured_recompute`` recomputed (NOTE [recompute plan]).
+        A block whose saves are all kept pays no swap hooks' host time (``keep``: record indices)."""
+        kept = {s for s, recs in self.seg_recs.items() if recs and all(r.index in keep for r in recs)}
+        more, fewer = set(rec) - self.probed, self.probed - set(rec) - kept
         fwd = self.t.fwd_ms - sum(self.hook_ms[i] for i in more) + sum(self.hook_ms[i] for i in fewer)
         bwd = self.t.bwd_ms - sum(self.fwd_ms[i] for i in self.probed)        # the measured recompute out
         bwd += sum(self.hook_ms[i] for i in fewer) - sum(self.hook_ms[i] for i in more)
@@ -285,7 +288,7 @@ class _Planner:
         streamed = [i for i in range(self.nb) if i not in c.resident]
         params_in = sum(self.t.block_param_bytes[i] for i in streamed)
         out = sum(self.size[i] for i in streamed)
-        fwd, bwd, rec = self.compute(c.recompute)
+        fwd, bwd, rec = self.compute(c.recompute, c.keep)
         return _phases(fwd, bwd + rec, params_in, out, self.swapped(c), self.rate)
 
     # -- candidates ----------------------------------------------------------------------------------
@@ -416,7 +419,7 @@ def plan_training(trace: StepTrace, budget: int, *, margin: int | None = None,
 def _make(pl: _Planner, c: _Choice, kind: str) -> TrainPlan:
     t = pl.t
     kept = sum(t.saved[i].nbytes for i in c.keep)
-    fwd, bwd, rec = pl.compute(c.recompute)
+    fwd, bwd, rec = pl.compute(c.recompute, c.keep)
     modes = []
     for i in range(pl.nb):
         recs = pl.seg_recs.get(i, [])

@@ -107,6 +107,10 @@ class DiskTier:
             while True:
                 if self._error is not None:
                     e, self._error = self._error, None
+                    # An interrupt stays an interrupt and a tiermem error (a CUDAError) keeps
+                    # its name; anything else (a file's OSError) joins tiermem's hierarchy.
+                    if isinstance(e, TierMemError) or not isinstance(e, Exception):
+                        raise e
                     raise TierMemError(f"the disk tier could not read a group: {e}") from e
                 if self._ready and self._ready[0][0] is g:
                     _, i = self._ready.popleft()

@@ -103,9 +103,10 @@ class FakeBackend:
         self.faults = FaultInjector()
 
     # -- failure injection (see the module docstring) ------------------------------------------
-    def fail_at(self, n: int, kind: str = "cuda") -> None:
-        """Make the ``n``-th faultable call from now (1-based) fail once with ``kind``."""
-        self.faults.fail_at(n, kind)
+    def fail_at(self, n: int, kind: str = "cuda", thread: str | None = None) -> None:
+        """Make the ``n``-th faultable call from now (1-based; on ``thread`` only, if given) fail
+        once with ``kind``."""
+        self.faults.fail_at(n, kind, thread)
 
     def disarm(self) -> None:
         self.faults.disarm()
@@ -115,15 +116,16 @@ class FakeBackend:
         return self.faults.fired
 
     @contextlib.contextmanager
-    def counting(self):
-        """Record the names of the faultable calls made inside the block (nothing fails)."""
+    def counting(self, thread: str | None = None):
+        """Record the names of the faultable calls made inside the block (on ``thread`` only, if
+        given); nothing fails."""
         inj, seen = self.faults, []
-        armed = (inj._left, inj._n, inj._kind)
-        inj._left, inj.seen = None, seen
+        armed = (inj._left, inj._n, inj._kind, inj.thread)
+        inj._left, inj.seen, inj.thread = None, seen, thread
         try:
             yield seen
         finally:
-            (inj._left, inj._n, inj._kind), inj.seen = armed, None
+            (inj._left, inj._n, inj._kind, inj.thread), inj.seen = armed, None
 
     def live(self) -> dict[str, int]:
         """Bytes of live allocations by kind: managed, pinned, device."""

@@ -368,34 +368,44 @@ class FaultInjector:
         self.injected = 0
         self.fired: tuple[int, str, str] | None = None
         self.seen: list[str] | None = None
+        self.thread: str | None = None      # count (and fail) only calls made on this thread
         self._left: int | None = None
         self._n = 0
         self._kind = "cuda"
+        self._lock = threading.Lock()        # the disk tier's reader thread calls too
 
     @property
     def armed(self) -> bool:
         return self._left is not None
 
-    def fail_at(self, n: int, kind: str = "cuda") -> None:
+    def fail_at(self, n: int, kind: str = "cuda", thread: str | None = None) -> None:
+        """Fail the ``n``-th faultable call from now; with ``thread``, the n-th made on the thread
+        of that name (the disk tier's reader is "tiermem-disk", the caller's thread "MainThread"),
+        so that a sweep over one thread's calls does not depend on how threads interleave."""
         if n < 1 or kind not in self.KINDS:
             raise ValueError(f"fail_at(n >= 1, kind in {self.KINDS}), got ({n}, {kind!r})")
-        self._left, self._n, self._kind, self.fired = n, n, kind, None
+        with self._lock:
+            self._left, self._n, self._kind, self.fired, self.thread = n, n, kind, None, thread
 
     def disarm(self) -> None:
-        self._left = None
+        with self._lock:
+            self._left, self.thread = None, None
 
     def __call__(self, call: str) -> None:
-        self.calls += 1
-        if self.seen is not None:
-            self.seen.append(call)
-        if self._left is None:
-            return
-        self._left -= 1
-        if self._left > 0:
-            return
-        self._left = None
-        self.fired = (self._n, call, self._kind)
-        self.injected += 1
+        with self._lock:
+            self.calls += 1
+            if self.thread is not None and threading.current_thread().name != self.thread:
+                return
+            if self.seen is not None:
+                self.seen.append(call)
+            if self._left is None:
+                return
+            self._left -= 1
+            if self._left > 0:
+                return
+            self._left = None
+            self.fired = (self._n, call, self._kind)
+            self.injected += 1
         if self._kind == "interrupt":
             raise KeyboardInterrupt(f"injected at {call}")
         if self._kind == "oom":

@@ -28,6 +28,16 @@ NOTE [disk tier]
     cannot run with a disk tier; it is refused. Groups with buffers (a forward may write them) and
     groups whose tensors are not in the files byte for byte (a dtype converted as it was loaded)
     stay in the home.
+
+NOTE [disk read errors]
+    The reader reads ahead, across forwards, so a read can fail (a drive's EIO, a failed fence
+    wait) while no forward needs that group, or after the forward that started it has returned.
+    Raising it from whatever call comes next would fail an operation that did nothing wrong, and
+    a read ahead is only a guess. So a failed read is kept with its group; the forward that needs
+    the group has it read again, on demand, and raises only if that read fails too. A transient
+    error costs one read; a lasting one reaches the forward that needs the data, as the read
+    that would have served it. The reader runs on its own thread, where Python never delivers a
+    Ctrl-C; an interrupt there (only a test injects one) is handled the same way.
 """
 from __future__ import annotations
 
@@ -68,9 +78,9 @@ class DiskTier:
         self._busy: Any = None
         self._gen = 0
         self._stop = False
-        self._error: BaseException | None = None
+        self._failed: dict[int, BaseException] = {}     # id(group) -> why its last read failed
         self.stats = {"read_bytes": 0, "read_seconds": 0.0, "wait_seconds": 0.0, "reads": 0, "stage_reuse": 0,
-                      "resyncs": 0, "dropped": 0}
+                      "resyncs": 0, "dropped": 0, "retries": 0}
         self._thread: threading.Thread | None = None
         try:
             for _ in range(stages):
@@ -101,17 +111,24 @@ class DiskTier:
 
     def take(self, g: Any, wait: bool = True) -> int | None:
         """The staging buffer (index) holding ``g``, read whole; without ``wait``, None unless it is
-        the next one ready. The caller copies it out and then calls :meth:`give_back`."""
+        the next one ready. The caller copies it out and then calls :meth:`give_back`.
+
+        A read of ``g`` that failed (read ahead, maybe during an earlier forward) is made again
+        once, on demand; if that fails too, its error is raised here (NOTE [disk read errors])."""
         t0 = time.perf_counter()
+        retried = False
         with self._cv:
             while True:
-                if self._error is not None:
-                    e, self._error = self._error, None
-                    # An interrupt stays an interrupt and a tiermem error (a CUDAError) keeps
-                    # its name; anything else (a file's OSError) joins tiermem's hierarchy.
-                    if isinstance(e, TierMemError) or not isinstance(e, Exception):
-                        raise e
-                    raise TierMemError(f"the disk tier could not read a group: {e}") from e
+                e = self._failed.pop(id(g), None)
+                if e is not None:
+                    if retried:
+                        self._raise(e)
+                    retried = True
+                    self.stats["retries"] += 1
+                    self._resync(g)
+                    if not wait:
+                        return None
+                    continue
                 if self._ready and self._ready[0][0] is g:
                     _, i = self._ready.popleft()
                     self._cv.notify_all()
@@ -127,6 +144,14 @@ class DiskTier:
                 if not self._coming(g):
                     self._resync(g)
                 self._cv.wait()
+
+    @staticmethod
+    def _raise(e: BaseException) -> None:
+        # An interrupt stays an interrupt and a tiermem error (a CUDAError) keeps its name;
+        # anything else (a file's OSError) joins tiermem's hierarchy.
+        if isinstance(e, TierMemError) or not isinstance(e, Exception):
+            raise e
+        raise TierMemError(f"the disk tier could not read a group: {e}") from e
 
     def give_back(self, i: int, fence: Any) -> None:
         """Staging buffer ``i`` is free once ``fence`` (the event after its copy out) is done."""
@@ -193,9 +218,9 @@ class DiskTier:
                 base = self.stages[i].ptr
                 n = self.reader.read([(ft, host_bytes(base + off, ft.nbytes)) for ft, off in self.files[g]])
                 dt = time.perf_counter() - t0
-            except BaseException as e:   # handed to the consumer, which raises it in its thread
+            except BaseException as e:   # the consumer reads g again, or raises it (NOTE [disk read errors])
                 with self._cv:
-                    self._error = e
+                    self._failed[id(g)] = e
                     self._busy = None
                     self._free.append(i)
                     self._cv.notify_all()

@@ -709,7 +709,8 @@ class TieredModule:
         and the disk tier's totals since adoption: ``disk.read_bytes``, ``disk.read_seconds`` (the
         reader's time), ``disk.wait_seconds`` (the forward's time waiting on the reader),
         ``disk.reads``, ``disk.stage_reuse`` (reads into a staging buffer used before),
-        ``disk.resyncs`` and ``disk.dropped`` (reads thrown away when a forward changed order)."""
+        ``disk.resyncs``, ``disk.dropped`` (reads thrown away when a forward changed order) and
+        ``disk.retries`` (failed reads made again; NOTE [disk read errors])."""
         st = self._stream
         disk = st.disk if st is not None else None
         out: dict[str, Any] = {
@@ -719,7 +720,8 @@ class TieredModule:
             "host_budget": -1 if self.host_budget is None else self.host_budget,
             "disk_bytes.per_forward": sum(ft.nbytes for fs in disk.files.values() for ft, _ in fs) if disk else 0,
         }
-        for k in ("read_bytes", "read_seconds", "wait_seconds", "reads", "stage_reuse", "resyncs", "dropped"):
+        for k in ("read_bytes", "read_seconds", "wait_seconds", "reads", "stage_reuse", "resyncs", "dropped",
+                  "retries"):
             out[f"disk.{k}"] = disk.stats[k] if disk is not None else 0
         return out
 

@@ -15,6 +15,7 @@ from _common import progress
 
 GiB, MiB = 1 << 30, 1 << 20
 RATIOS = (1.5, 2.5, 4.0)
+SETTLE = 6      # steps before the plan settles: trace, probe (2), check (2), a changed plan's first
 
 # NOTE: DETERMINISM
 # Losses are compared bitwise with the resident run, which needs the same kernels to give the
@@ -112,13 +113,15 @@ def study(kit, torch, tiermem, name, build, blocks_of, loss_fn, batches, a, rate
                 raw[f"{name}_{ratio:g}_{mode}"] = runs[(ratio, mode)]
                 continue
             pred = info["predicted_ms"]
-            meas = r.median_ms(skip=2)
+            # the plan settles after the trace, the probe and the check (NOTE [measured choice]):
+            # steps 1-5, and a step more if the check changed the plan
+            meas = r.median_ms(skip=SETTLE)
             mv = r.moved[-1]
             runs[(ratio, mode)] = {"step_ms": meas, "predicted_ms": pred, "moved": mv["h2d"] + mv["d2h"],
                                    "peak": info["resident_peak_bytes"], "budget": budget,
                                    "recomputed": info["recomputed"], "kind": info["kind"],
                                    "losses_equal": r.loss_values() == want[: len(steps)]}
-            raw[f"{name}_{ratio:g}_{mode}"] = dict(runs[(ratio, mode)], plan=info["plan"])
+            raw[f"{name}_{ratio:g}_{mode}"] = dict(runs[(ratio, mode)], plan=info["plan"], checked=info["measured"])
             progress(f"  {name} 1/{ratio:g} {mode}: {meas:.1f} ms (predicted {pred:.1f}), "
                      f"{info['recomputed']} blocks recomputed, plan {info['kind']}")
     main = runs[(2.5, "auto")]

@@ -41,7 +41,16 @@ OPS = ["alloc", "group", "wrap", "unwrap", "free", "write", "evict", "prefetch",
 WEIGHTS = [10, 2, 3, 2, 8, 16, 14, 14, 24, 3, 3, 6, 3, 1]
 TRAIN_EVERY, INFER_EVERY = 400, 150     # a training step, an inference forward, every so many ops
 MAX_MINUTES = 10
-LEAK_SLACK = 16 * MiB         # the driver's free memory moves by whole pages; streams take a little
+WARM_OPS = 3000               # the unmeasured first pass (NOTE [soak warm-up])
+
+# NOTE [soak warm-up]
+#     CUDA loads a kernel's module when the kernel first runs (lazy loading, the default since
+#     CUDA 12.2), and torch and CuPy keep what they load: device memory taken on a first use and
+#     never given back. A seed that is the first to reach some path (a fault's recovery, a dtype,
+#     the staging ring on) then showed 2 MiB less free memory at its end than at its start (H100,
+#     1ec2eef), though nothing of tiermem's was left. So a short pass with the same operations
+#     and faults runs first, unmeasured; each measured seed must then give the driver back every
+#     byte (no slack).
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -84,9 +93,8 @@ def assemble(seeds: list[dict[str, Any]], min_free: float) -> tuple[dict[str, fl
     }
     checks = {
         "no_mismatch": metrics["mismatches"] == 0,
-        # tiermem must hold nothing; the driver's free memory may differ by LEAK_SLACK per seed
-        "no_leak": metrics["tiermem_leaked_bytes"] == 0
-        and all(s["driver_leaked_bytes"] <= LEAK_SLACK for s in seeds),
+        # tiermem holds nothing, and the driver has every byte back (NOTE [soak warm-up])
+        "no_leak": metrics["tiermem_leaked_bytes"] == 0 and metrics["driver_leaked_bytes"] == 0,
         "all_recovered": metrics["faults_recovered"] == metrics["faults_injected"] and metrics["unexpected_errors"] == 0,
     }
     return metrics, checks
@@ -537,6 +545,10 @@ def main(argv: list[str] | None = None) -> int:
     inject_faults(inj)
     results = []
     try:
+        progress(f"warm-up pass: {WARM_OPS:,} ops, not counted (NOTE [soak warm-up])")
+        w = Soak(args.seed - 1, min(WARM_OPS, args.ops), 60, args.fault_rate, inj, progress).run()
+        progress(f"warm-up: driver free {w['free_before'] / 1e9:.3f} -> {w['free_after'] / 1e9:.3f} GB, "
+                 f"{w['unexpected_errors']} unexpected errors")
         for k in range(args.seeds):
             seed = args.seed + k
             progress(f"seed {seed}: up to {args.ops:,} ops or {args.minutes:g} min")

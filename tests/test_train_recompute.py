@@ -165,3 +165,38 @@ def test_a_module_that_has_its_own_forward_attribute_gets_it_back():
     assert train.plan.recompute and len(seen) >= 3 + 2      # forward in every step, again in recompute
     train.unwrap()
     assert blk.__dict__["forward"] is patched
+
+
+@pytest.mark.parametrize("plan_slower", [True, False])
+def test_a_plan_slower_than_the_probe_gives_way_to_recomputing_everywhere(plan_slower):
+    # NOTE [measured choice]: the fake's clock says every step takes 1 ms, and, with plan_slower,
+    # 5 ms while a plan other than recompute-everywhere runs; the model (which sees 1 ms per
+    # block of recompute and a near-free link) proposes such a plan after the probe.
+    bs = batches(8)
+    want, want_params = plain_run(bs)
+    fake, tier, model, opt, train = tiered_gpt("auto")
+    fake.elapsed_ms = lambda start, end: (5.0 if plan_slower and train.plan is not None
+                                          and train.plan.kind != "recompute" else 1.0)
+    got = []
+    kinds = []
+    for ids in bs:
+        got += run(train, model, [ids])
+        kinds.append(train.plan.kind)
+    assert got == want
+    for p, q in zip(model.parameters(), want_params):
+        assert torch.equal(p.detach(), q)
+    # the plan after each step: step 1 traced, steps 2-3 the probe (recompute everywhere), steps
+    # 4-5 the model's plan, checked after step 5
+    assert kinds[:2] == ["recompute"] * 2 and kinds[2] != "recompute" and kinds[3] == kinds[2], kinds
+    m = train.plan.measured
+    if plan_slower:
+        assert kinds[4:] == ["recompute"] * 4, kinds
+        assert (m["checked_ms"], m["probe_ms"], m["chosen_by"]) == (5.0, 1.0, "measured")
+    else:
+        assert kinds[4:] == [kinds[2]] * 4, kinds
+        assert (m["checked_ms"], m["probe_ms"]) == (1.0, 1.0) and "chosen_by" not in m
+    train.unwrap()
+    del train
+    gc.collect()
+    tier.close()
+    assert fake.live() == {"managed": 0, "pinned": 0, "device": 0}

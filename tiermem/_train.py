@@ -47,6 +47,20 @@ NOTE [data parallel]
     ranks only (data-dependent routing) would leave the all-reduces out of step, and a rank whose
     step fails leaves the others waiting in theirs. tests/test_train_dp.py runs two ranks under
     gloo on the CPU; the NCCL run on two GPUs is not made yet.
+
+NOTE [measured choice]
+    The plan's model of a step (NOTE [recompute plan]) adds up measured compute and bytes over
+    the link, but what it cannot see, the host's work in the swap's hooks and how the copies
+    share the link with the fills, made it wrong by 20-40%: on the H100 at 70cd840 it chose a
+    mixed plan for the GPT model at 1/2.5 of its state (predicted 269 ms, measured 226 ms) where
+    recomputing every block ran in 141 ms. So the model proposes, and a measurement decides, as
+    cuDNN's benchmark mode does for kernels. After the trace, the probe's plan (recompute every
+    block that can be) runs PROBE_STEPS steps and the last is timed; the plan made after it runs
+    VERIFY_STEPS steps and the last is timed too (the first step under a plan pays for its
+    allocations). If it was more than VERIFY_SLACK slower than the probe, the steps go back to
+    recomputing everywhere (planned again from the blocks now resident, if that still fits).
+    ``train.plan.measured`` keeps both times (``checked_ms``, ``probe_ms``). The probe is timed
+    with the meter on, which only makes the model's plan likelier to stay.
 """
 from __future__ import annotations
 
@@ -77,6 +91,9 @@ log = logging.getLogger("tiermem")
 ALIGN = 256
 BLOCK_BYTES = 64 << 20    # parameter bytes per block: a slot holds ~4x that (params, grads, Adam's two moments)
 RESIDENT_STEP_BYTES = 64 << 20   # parameter bytes per optimizer call for resident blocks
+PROBE_STEPS = 2     # steps under the probe's plan; the last is metered (NOTE [measured choice])
+VERIFY_STEPS = 2    # steps under the plan made after it; the last is timed against the probe
+VERIFY_SLACK = 0.02
 
 
 def _aligned(n: int) -> int:
@@ -258,7 +275,9 @@ class TieredTraining:
         self._keep_keys: frozenset[tuple[int, int]] = frozenset()
         self._boundary_saves: dict[int, int] = {}
         self._expect: dict[int, tuple[int, ...]] | None = None
-        self._refine = False                   # the next step re-measures compute for the plan
+        self._refine = 0                       # steps left until the probe step (metered) is done
+        self._verify = 0                       # steps left before the plan is checked against the probe
+        self._probe: tuple[TrainPlan, float] | None = None   # the probe's plan and its measured step (ms)
         self._no_recompute = False             # recompute moved other segments' saves: plan without it
         self._step_events: Any = None
         self.step_ms: list[float] = []         # measured step times since the last plan
@@ -716,7 +735,7 @@ class TieredTraining:
                 self.swap.begin(None, frozenset(), [])
             else:
                 self.swap.begin(self._expect, self._keep_keys, list(self._need), self.plan.recompute)
-        if self._tracing or self._refine:
+        if self._tracing or self._refine == 1:
             self.meter.start()
         self.meter.mark(("fwd", "start"))
         be = self.tier.backend
@@ -769,9 +788,14 @@ class TieredTraining:
             log.info("tiermem: the step's saved tensors changed (another shape?); tracing the next step")
             self._tracing = True
             self.step_ms = []
-        elif self._refine and metered:
-            self._refine = False
-            self._replan_measured()
+        elif self._refine:
+            self._refine -= 1
+            if not self._refine and metered:
+                self._replan_measured()
+        elif self._verify:
+            self._verify -= 1
+            if not self._verify:
+                self._check_against_probe()
 
     def _close_step(self, ok: bool) -> None:
         """Step what is left to step (when ``ok``), and end the step's moves and swap."""
@@ -859,14 +883,47 @@ class TieredTraining:
         self._boundary_saves = {b.index: self._boundary.get(b.index, (0, 0))[1] for b in self.blocks}
         # The next step is the probe (NOTE [recompute plan]): every block that can be recomputed
         # is, and its forward is timed without the swap's hooks; the plan after it uses both.
-        self._refine = bool(self.trace.recomputable) and self.recompute_mode == "auto" and not self._no_recompute
-        self._take(self._plan_for(self.trace, "always" if self._refine else None))
+        probe = bool(self.trace.recomputable) and self.recompute_mode == "auto" and not self._no_recompute
+        self._refine = PROBE_STEPS if probe else 0
+        self._verify = 0
+        self._take(self._plan_for(self.trace, "always" if probe else None))
         self._tracing = False
+        self.step_ms = []
+
+    def _last_step_ms(self) -> float:
+        """The step just finished, on the compute stream (waits for it). 0 when not timed."""
+        ev = self._step_events
+        if ev is None or not ev[2]:
+            return 0.0
+        be = self.tier.backend
+        be.synchronize(ev[1])
+        return float(be.elapsed_ms(ev[0], ev[1]))
+
+    def _check_against_probe(self) -> None:
+        """NOTE [measured choice]: keep the model's plan only if it ran no slower than the probe's
+        plan (recompute everywhere) did; else go back to recomputing everywhere."""
+        probe, probe_ms = self._probe or (None, 0.0)
+        self._probe = None
+        ms = self._last_step_ms()
+        if probe is None or not ms or not probe_ms:
+            return
+        self.plan.measured.update(checked_ms=ms, probe_ms=probe_ms)
+        if ms <= probe_ms * (1 + VERIFY_SLACK):
+            return
+        t = dataclasses.replace(self.trace, resident_blocks=frozenset(b.index for b in self.blocks if b.resident))
+        back = self._plan_for(t, "always")
+        if back.predicted_peak > self.budget:
+            return                    # blocks the model made resident leave no room for it
+        log.info("tiermem: the plan's step took %.1f ms, the probe's (recompute everywhere) %.1f ms: "
+                 "recomputing everywhere", ms, probe_ms)
+        back.measured.update(checked_ms=ms, probe_ms=probe_ms, chosen_by="measured")
+        self._take(back)
         self.step_ms = []
 
     def _replan_measured(self) -> None:
         """Plan again after the probe step (NOTE [recompute plan]): its recomputed blocks' forwards are
         their compute alone; the trace's are the same forwards with the swap's hooks."""
+        probe_ms = self._last_step_ms()
         per, fwd, bwd = self._timings()
         t = self.trace
         probe = self.plan.recompute
@@ -877,6 +934,8 @@ class TieredTraining:
         plan = self._plan_for(self.trace)
         if (plan.resident_blocks, plan.recompute, plan.keep) != (self.plan.resident_blocks, self.plan.recompute,
                                                                   self.plan.keep):
+            self._probe = (self.plan, probe_ms)
+            self._verify = VERIFY_STEPS
             self._take(plan)
             self.step_ms = []
         else:

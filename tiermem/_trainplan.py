@@ -205,6 +205,12 @@ class TrainPlan:
             f"  device peak      {gb(self.predicted_peak)} predicted (floor {gb(self.floor_peak)}, "
             f"margin {gb(self.margin)})",
         ]
+        if self.measured.get("probe_ms"):
+            # NOTE [measured choice] in _train.py
+            lines.append(f"  checked          the model's plan took {self.measured['checked_ms']:.1f} ms a step, "
+                         f"recomputing everywhere {self.measured['probe_ms']:.1f} ms: "
+                         + ("recomputing everywhere" if self.measured.get("chosen_by") == "measured"
+                            else "the model's plan kept"))
         if self.segment_modes and self.block_names:
             lines.append("  per block        params / activations")
             for i, (name, mode) in enumerate(zip(self.block_names, self.segment_modes)):

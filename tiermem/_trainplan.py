@@ -38,8 +38,9 @@ NOTE [recompute plan]
     takes when its saves do not go through the swap: the hooks' host work (events, copies, a
     dozen CUDA calls per save) starves the GPU. On the H100 at 2ed0d69 a GPT block of 1024 wide
     took 1.6 ms resident and 3-15 ms in the traced step, though no wait was left in it. So the
-    second step is a probe: every block that can be recomputed is, and its forward, now the
-    forward alone, is timed again. The third step follows the plan made from both: a block's
+    next steps are a probe: every block that can be recomputed is, and its forward, now the
+    forward alone, is timed again. The steps after follow the plan made from both (and a timed
+    check of it, NOTE [measured choice] in _train.py): a block's
     recompute costs its probe time, and swapping it costs what its hooks added (taken twice,
     for pack in forward and unpack in backward). The predicted step is two phases, each as
     slow as its slowest resource:

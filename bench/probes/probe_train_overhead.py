@@ -1,0 +1,133 @@
+"""Where a tiered training step's time goes, against the resident step and torch's checkpointing:
+the Qwen2-style model of bench/train_budget.py part 4 (eager attention, fp32, AdamW, batch 4x512).
+
+For each run: the step's median time (CUDA events, after warm-up), the GPU's kernel time in one
+profiled step (torch.profiler; what the GPU really computed), so time minus kernels is idle GPU
+(host-bound or waiting for the link), and the top kernels. Runs: resident; torch's non-reentrant
+checkpoint on every layer, with and without preserve_rng_state; tiermem at 1/2.5 of the training
+state with recompute="always" and "never".
+
+    python bench/probes/probe_train_overhead.py [--model hf|gpt]
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import _path  # noqa: F401 - bench/ and the repository root on sys.path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+
+def steps(run, n):
+    times = []
+    for _ in range(n):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        run()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return times
+
+
+def kernels(run):
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    ev = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+    busy = sum(e.self_device_time_total for e in ev) / 1e3
+    top = sorted(ev, key=lambda e: -e.self_device_time_total)[:8]
+    return busy, [(e.key[:70], round(e.self_device_time_total / 1e3, 2), e.count) for e in top]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="hf", choices=["hf", "gpt"])
+    ap.add_argument("--steps", type=int, default=8)
+    a = ap.parse_args()
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    import tiermem
+    from _recompute_study import hf_loss, qwen2
+    args = argparse.Namespace(hf_vocab=8192, hf_d=1024, hf_ff=2816, hf_layers=20, hf_heads=16, hf_kv=4, seq=512)
+    if a.model == "hf":
+        build, loss_fn, layers = (lambda: qwen2(torch, args)), hf_loss, (lambda m: list(m.model.layers))
+        vocab = args.hf_vocab
+    else:
+        from tiermem.models import GPT, GPTConfig
+        cfg = GPTConfig(vocab=8192, seq=512, d=1024, layers=16, heads=16)
+
+        def build():
+            torch.manual_seed(0)
+            return GPT(cfg).cuda()
+
+        def loss_fn(model, ids):
+            logits = model(ids[:, :-1])
+            return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+        layers, vocab = (lambda m: list(m.blocks)), 8192
+    g = torch.Generator(device="cuda").manual_seed(1)
+    ids = torch.randint(0, vocab, (4, 513), device="cuda", generator=g)
+    out = {}
+
+    def plain(model, opt):
+        def run():
+            loss_fn(model, ids).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return run
+
+    def record(name, run, extra=None):
+        t = steps(run, a.steps)
+        med = statistics.median(t[2:])
+        busy, top = kernels(run)
+        out[name] = {"step_ms": round(med, 1), "kernel_ms": round(busy, 1), "idle_ms": round(med - busy, 1),
+                     "top": top, **(extra or {})}
+        print(f"{name:<28} step {med:7.1f} ms  kernels {busy:7.1f} ms  idle {med - busy:6.1f} ms", flush=True)
+        for k in top[:5]:
+            print(f"      {k[1]:8.2f} ms x{k[2]:<5} {k[0]}", flush=True)
+
+    model = build()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    record("resident", plain(model, opt))
+    for keep_rng in (True, False):
+        for blk in layers(model):
+            f = blk.__class__.forward.__get__(blk)
+            blk.forward = (lambda *x, f=f, r=keep_rng, **k:
+                           torch.utils.checkpoint.checkpoint(f, *x, use_reentrant=False, preserve_rng_state=r, **k))
+        record(f"checkpoint rng={keep_rng}", plain(model, opt))
+    for blk in layers(model):
+        del blk.forward
+    n = sum(p.numel() for p in model.parameters())
+    del model, opt
+    torch.cuda.empty_cache()
+    for mode in ("always", "never"):
+        model = build()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        tier = tiermem.Tier(0, cap="12GiB")
+        train = tier.wrap_training(model, opt, int(16 * n / 2.5), block_bytes=64 << 20, recompute=mode)
+
+        def run():
+            with train.step():
+                loss_fn(model, ids).backward()
+        for _ in range(6):
+            run()
+        record(f"tiermem {mode}", run, {"plan": str(train.plan).split("\n")[:7]})
+        print("\n".join(str(train.plan).split("\n")[:7]), flush=True)
+        train.unwrap()
+        del train, model, opt
+        tier.close()
+        torch.cuda.empty_cache()
+    path = os.path.join(os.environ.get("OUT", "bench/results"),
+                        f"probe_train_overhead-{a.model}-{time.strftime('%Y%m%d')}.json")
+    with open(path, "w") as fh:
+        json.dump({"device": torch.cuda.get_device_name(0), "results": out}, fh, indent=1)
+    print("wrote", path)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

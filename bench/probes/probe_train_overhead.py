@@ -1,13 +1,14 @@
 """Where a tiered training step's time goes, against the resident step and torch's checkpointing:
 the Qwen2-style model of bench/train_budget.py part 4 (eager attention, fp32, AdamW, batch 4x512).
 
-For each run: the step's median time (CUDA events, after warm-up), the GPU's kernel time in one
-profiled step (torch.profiler; what the GPU really computed), so time minus kernels is idle GPU
-(host-bound or waiting for the link), and the top kernels. Runs: resident; torch's non-reentrant
-checkpoint on every layer, with and without preserve_rng_state; tiermem at 1/2.5 of the training
-state with recompute="always" and "never".
+For each run: the step's median time (CUDA events, after warm-up). Runs: resident; torch's
+non-reentrant checkpoint on every layer, with and without preserve_rng_state; tiermem at 1/2.5 of
+the training state with recompute="always" (and with torch's checkpoint made to skip the RNG
+state), and "never". With ``--profile``, also the GPU's kernel time in one profiled step and the
+top kernels; the profiler stays attached to CUDA once used (CUPTI), which slowed tiermem's later
+runs, whose many CUDA calls each pay for it, by 1.2-1.5x on the H100: time without it.
 
-    python bench/probes/probe_train_overhead.py [--model hf|gpt]
+    python bench/probes/probe_train_overhead.py [--model hf|gpt] [--profile]
 """
 import argparse
 import json
@@ -39,7 +40,8 @@ def kernels(run):
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         run()
         torch.cuda.synchronize()
-    ev = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+    from torch.autograd import DeviceType
+    ev = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA and e.self_device_time_total > 0]
     busy = sum(e.self_device_time_total for e in ev) / 1e3
     top = sorted(ev, key=lambda e: -e.self_device_time_total)[:8]
     return busy, [(e.key[:70], round(e.self_device_time_total / 1e3, 2), e.count) for e in top]
@@ -49,6 +51,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="hf", choices=["hf", "gpt"])
     ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--profile", action="store_true")
     a = ap.parse_args()
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True, warn_only=True)
@@ -84,10 +87,13 @@ def main():
     def record(name, run, extra=None):
         t = steps(run, a.steps)
         med = statistics.median(t[2:])
+        out[name] = {"step_ms": round(med, 1), **(extra or {})}
+        if not a.profile:
+            print(f"{name:<32} step {med:7.1f} ms", flush=True)
+            return
         busy, top = kernels(run)
-        out[name] = {"step_ms": round(med, 1), "kernel_ms": round(busy, 1), "idle_ms": round(med - busy, 1),
-                     "top": top, **(extra or {})}
-        print(f"{name:<28} step {med:7.1f} ms  kernels {busy:7.1f} ms  idle {med - busy:6.1f} ms", flush=True)
+        out[name].update(kernel_ms=round(busy, 1), idle_ms=round(med - busy, 1), top=top)
+        print(f"{name:<32} step {med:7.1f} ms  kernels {busy:7.1f} ms  idle {med - busy:6.1f} ms", flush=True)
         for k in top[:5]:
             print(f"      {k[1]:8.2f} ms x{k[2]:<5} {k[0]}", flush=True)
 
@@ -105,11 +111,15 @@ def main():
     n = sum(p.numel() for p in model.parameters())
     del model, opt
     torch.cuda.empty_cache()
-    for mode in ("always", "never"):
+    import functools
+    plain_ckpt = torch.utils.checkpoint.checkpoint
+    for mode in ("always", "always, no rng", "never"):
+        torch.utils.checkpoint.checkpoint = (functools.partial(plain_ckpt, preserve_rng_state=False)
+                                             if mode.endswith("no rng") else plain_ckpt)
         model = build()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         tier = tiermem.Tier(0, cap="12GiB")
-        train = tier.wrap_training(model, opt, int(16 * n / 2.5), block_bytes=64 << 20, recompute=mode)
+        train = tier.wrap_training(model, opt, int(16 * n / 2.5), block_bytes=64 << 20, recompute=mode.split(",")[0])
 
         def run():
             with train.step():

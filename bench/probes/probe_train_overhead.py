@@ -6,7 +6,8 @@ non-reentrant checkpoint on every layer, with and without preserve_rng_state; ti
 the training state with recompute="always" (and with torch's checkpoint made to skip the RNG
 state), and "never". With ``--profile``, also the GPU's kernel time in one profiled step and the
 top kernels; the profiler stays attached to CUDA once used (CUPTI), which slowed tiermem's later
-runs, whose many CUDA calls each pay for it, by 1.2-1.5x on the H100: time without it.
+runs, whose many CUDA calls each pay for it (on the H100 at 42516af, tiermem's recompute-everywhere
+step took 169 and 328 ms after a profiled run, 147 and 254 ms without one): time without it.
 
     python bench/probes/probe_train_overhead.py [--model hf|gpt] [--profile]
 """

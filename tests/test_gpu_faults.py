@@ -69,8 +69,7 @@ def test_ctrl_c_at_every_call_of_an_eviction_loses_nothing_and_leaks_nothing(bud
     # the process (NOTE [retained pages] in tiermem/_scoped.py; 112 MiB of them after the first
     # round here on the H100), so only what the interrupted rounds take on top is ours to find.
     # CuPy's default pool, like torch's cache, keeps what is freed into it (the staging rings'
-    # device memory comes from there): both caches are emptied before each reading. Run alone,
-    # this test found 32 MiB "lost" that was the rings' memory cached in CuPy's pool (H100, d45e09a).
+    # device memory comes from there): both caches are emptied before each reading.
     cupy = pytest.importorskip("cupy")
     torch.cuda.empty_cache()
     cupy.get_default_memory_pool().free_all_blocks()
@@ -99,6 +98,13 @@ def test_ctrl_c_at_every_call_of_an_eviction_loses_nothing_and_leaks_nothing(bud
         if fired is None:       # the eviction made fewer calls than ``rounds``: all were tried
             break
     assert rounds > 10, rounds
+    # No round takes more than the first: an interrupted eviction leaves nothing behind. The
+    # first round's own drop is the driver keeping the pages that bringing everything back
+    # touched (NOTE [retained pages]): run alone, this test saw 90 MiB less free from round 1 on,
+    # the same in every round, and 32 MiB of it still kept after close (H100, 140fe40); after
+    # other GPU tests the driver already keeps them and the drop is 0.
+    first = frees[0][2]
+    assert all(d >= first - 8 * MiB for _, _, d in frees), [(r, c, round(d / MiB, 1)) for r, c, d in frees]
     print(f"{rounds - 1} calls interrupted in turn")
     tiermem.unwrap(lin.weight)
     tiermem.unwrap(frozen.weight)
@@ -120,7 +126,7 @@ def test_ctrl_c_at_every_call_of_an_eviction_loses_nothing_and_leaks_nothing(bud
     torch.cuda.empty_cache()
     cupy.get_default_memory_pool().free_all_blocks()
     free, kept = torch.cuda.mem_get_info()[0], torch.cuda.memory_reserved() - torch0   # cuBLAS's workspaces stay
-    assert free >= free0 - max(kept, 0) - 8 * MiB, (
+    assert free >= free0 + min(first, 0) - max(kept, 0) - 8 * MiB, (
         f"{(free0 - free) / MiB:.1f} MiB of the driver's memory lost in the rounds; torch has "
         f"{torch.cuda.memory_allocated() / MiB:.1f} MiB allocated, {torch.cuda.memory_reserved() / MiB:.1f} MiB reserved; "
         f"by round: {[(r, c, round(d / MiB, 1)) for r, c, d in frees if d]}")

@@ -231,7 +231,9 @@ def test_a_failed_adoption_leaves_nothing_behind(monkeypatch):
         want = model(ids).logits
     h = t.wrap_module(model, budget="30%", max_group_bytes=2 * MiB)   # streams and events exist from here on
     h.unwrap()
+    cupy = pytest.importorskip("cupy")
     t.backend.release_cached()
+    cupy.get_default_memory_pool().free_all_blocks()    # the slots' device memory comes from it
     torch.cuda.synchronize()
     tensors = [(p, p.data_ptr(), p.detach().clone()) for p in model.parameters()]
     torch.cuda.empty_cache()
@@ -244,6 +246,11 @@ def test_a_failed_adoption_leaves_nothing_behind(monkeypatch):
         t.wrap_module(model, budget="30%", max_group_bytes=2 * MiB)
     monkeypatch.undo()
     torch.cuda.synchronize()
+    # As before the baseline: the device memory the failed adoption took came back to the pools
+    # it came from (CuPy's, tiermem's); emptying them gives it to the driver. Without this the
+    # driver showed 128 MiB less free in one run of the suite (H100, 140fe40), none in others.
+    t.backend.release_cached()
+    cupy.get_default_memory_pool().free_all_blocks()
     for p, ptr, data in tensors:
         assert p.data_ptr() == ptr and torch.equal(p.data, data) and tiermem.tiered_of(p) is None
     now = t.stats()

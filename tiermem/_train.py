@@ -912,7 +912,7 @@ class TieredTraining:
             return
         t = dataclasses.replace(self.trace, resident_blocks=frozenset(b.index for b in self.blocks if b.resident))
         back = self._plan_for(t, "always")
-        if back.predicted_peak > self.budget:
+        if back.predicted_peak > self.budget - back.margin:
             return                    # blocks the model made resident leave no room for it
         log.info("tiermem: the plan's step took %.1f ms, the probe's (recompute everywhere) %.1f ms: "
                  "recomputing everywhere", ms, probe_ms)

@@ -14,17 +14,9 @@ import torch.nn.functional as F
 
 import tiermem
 from fakes import FakeBackend
-from test_train import batches, gpt, loss_of, plain_run, state_bytes
+from test_train import _deterministic, batches, gpt, loss_of, plain_run, state_bytes  # noqa: F401 - the fixture, autouse here too
 
 BLOCK = 1 << 20            # each of the GPT's transformer blocks (200 KB of parameters, 64 KiB a tensor as spans count) is one block
-
-
-@pytest.fixture(autouse=True)
-def _deterministic():
-    old = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    yield
-    torch.use_deterministic_algorithms(old)
 
 
 def tiered_gpt(recompute: str):

@@ -5,7 +5,7 @@ residual; Mixtral, a mixture of experts; Phi), a model of >= 5 GB fp16 is built 
 with random weights and transformers' default flags (requires_grad=True, eval mode), and run side
 by side in one process:
   resident     the model fully on the GPU (the ceiling, and the reference tokens)
-  tiermem      tier.wrap_module(model, budget="25%") on a GPU made really small: before tiermem
+  tiermem      tier.wrap_module(model, budget=<25% of its weights, in bytes>) on a GPU made really small: before tiermem
                starts, one cudaMalloc reservation takes all but budget + margin of the card, so
                the driver really has only that much free (docs/facts.md)
   accelerate   accelerate.cpu_offload(model), under the same reservation
@@ -197,7 +197,7 @@ def measure_loop(model, ids, reps: int, decode_tokens: int):
     return pre, t / decode_tokens
 
 
-def adoption_atomic(model, tier_cls, budget: str) -> bool:
+def adoption_atomic(model, tier_cls, budget: int) -> bool:
     """A wrap_module made to fail midway (after its resident groups took managed memory) leaves
     the model's tensors, the tier's stats and the driver's free memory as they were."""
     import torch
@@ -236,7 +236,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--archs", default=",".join(ARCHS))
     ap.add_argument("--weights-gb", type=float, default=5.2)
-    ap.add_argument("--budget", default="25%")
+    ap.add_argument("--budget", default="25%", help="bytes, or a share of each model's weights like 25%%")
     ap.add_argument("--margin-gb", type=float, default=2.0, help="free memory left beside the budget (activations, KV cache, CUDA's own)")
     ap.add_argument("--floor-gb", type=float, default=1.0, help="the free memory the run must never go below")
     ap.add_argument("--tokens", type=int, default=128)
@@ -312,7 +312,9 @@ def run_arch(arch, args, link, watch, raw, atomic):
         model.cpu()                               # a model bigger than the GPU starts on the host
         gc.collect()
         torch.cuda.empty_cache()
-        budget = tiermem.planning.parse_bytes(args.budget, total=W)
+        # The bench's --budget is a share of each model's weights; tiermem's own percentages are
+        # shares of the GPU (NOTE [sizes]), so the bench hands it bytes.
+        budget = tiermem.planning.parse_bytes(args.budget, total=tiermem.planning.weight_bytes(model))
         blob = None
         if not args.no_small_gpu:
             free, _ = torch.cuda.mem_get_info()
@@ -323,12 +325,12 @@ def run_arch(arch, args, link, watch, raw, atomic):
                      f"for a {W / 1e9:.2f} GB model")
             r["small"] = torch.cuda.mem_get_info()[0] < W
         if atomic is None:
-            atomic = adoption_atomic(model, tiermem.Tier, args.budget)
+            atomic = adoption_atomic(model, tiermem.Tier, budget)
 
         progress(f"{arch}: tiermem at {args.budget}")
         watch.reset()
         tier = tiermem.Tier(0)                    # the default cap: the memory free now
-        hd = tier.wrap_module(model, budget=args.budget)
+        hd = tier.wrap_module(model, budget=budget)
         streamed = {id(p) for g in hd._groups.values() if not g.pinned for p in g.tensors}
         routing = Routing(model, streamed)
         pre, dec, tokens = measure(model, ids, args.reps, args.decode_tokens, 3)

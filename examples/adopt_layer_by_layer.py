@@ -21,7 +21,7 @@ with torch.no_grad():
     first.unwrap()
 
     # then the whole model, within a quarter of its weights
-    handle = tier.wrap_module(model, budget="25%")
+    handle = tier.wrap_module(model, budget=tier.planning.weight_bytes(model) // 4)
     print(handle.plan)
     model(ids)                                  # learns the execution order
     assert torch.equal(model(ids).logits, want)

@@ -74,3 +74,16 @@ def fault_params(name: str, seen: list[str], positions: list[int] | None = None)
                 continue
             out.append(pytest.param(name, n, call, kind, id=f"fault-{name}-{n:03d}-{call}-{kind}"))
     return out
+
+
+def share(module: Any, percent: int) -> int:
+    """``percent`` of ``module``'s weights, in bytes: a percentage budget is a share of the device
+    (NOTE [sizes] in tiermem/_limits.py), so a share of a model is spelled in bytes."""
+    from tiermem.planning import weight_bytes
+    return weight_bytes(module) * percent // 100
+
+
+def checkpoint_share(path: Any, percent: int) -> int:
+    """``percent`` of the weights load_pretrained would read from ``path``, in bytes."""
+    from tiermem._plan import plan_model
+    return plan_model(path, 1 << 50).plan.total * percent // 100

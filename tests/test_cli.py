@@ -117,12 +117,18 @@ def test_user_errors_are_one_line_with_exit_status_2(args, reason):
 
 
 def test_demo_dry_run_prints_a_labelled_plan():
-    out = run_cli("demo", "--dry-run", "--weights-gb", "1", "--budget", "50%")
+    out = run_cli("demo", "--dry-run", "--weights-gb", "1", "--budget", "0.5GB")
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert lines[0].startswith("DRY RUN: no model is built and nothing runs (--dry-run)")
     assert re.search(r"Llama-shaped fp16 model: .*: \d\.\d\d GB of weights in \d+ groups", lines[1])
     assert re.search(r"groups resident", out.stdout) and "streamed" in out.stdout
+    assert lines[2].startswith("budget    0.500 GB of    0.985 GB weights")
+    default = run_cli("demo", "--dry-run", "--weights-gb", "1")       # a quarter of the weights
+    assert default.returncode == 0 and re.search(r"^budget\s+0\.246 GB of\s+0\.985 GB", default.stdout, re.M), default.stdout
+    # A percentage is a share of the GPU (NOTE [sizes]): a dry run has none to take it of.
+    pct = run_cli("demo", "--dry-run", "--budget", "50%")
+    assert pct.returncode == 2 and "share of the device's memory" in pct.stderr and "Traceback" not in pct.stderr
 
 
 @pytest.mark.skipif(_has_cuda_bindings(), reason="cuda-bindings is installed: this test checks the demo of a "

@@ -4,6 +4,7 @@ transformers itself; logits and tokens compared bit for bit, the disk tier's inc
 from __future__ import annotations
 
 import pytest
+from helpers import checkpoint_share
 
 pytestmark = pytest.mark.gpu
 MiB = 1 << 20
@@ -36,7 +37,7 @@ def test_loaded_logits_and_tokens_equal_transformers(saved, host_budget):
     import tiermem
     path, ref, cfg = saved
     t = tiermem.Tier(0, cap="1GiB")
-    model, h = tiermem.load_pretrained(path, budget="30%", host_budget=host_budget, tier=t, max_group_bytes=2 * MiB)
+    model, h = tiermem.load_pretrained(path, budget=checkpoint_share(path, 30), host_budget=host_budget, tier=t, max_group_bytes=2 * MiB)
     assert 0 < len(h.plan.pinned) < len(h.plan.sizes)
     assert bool(h.plan.on_disk) == (host_budget is not None)
     ids = _ids(cfg)
@@ -71,7 +72,7 @@ def test_a_bad_checkpoint_leaves_the_device_as_it_was(saved, tmp_path):
     torch.cuda.synchronize()
     free, stats = torch.cuda.mem_get_info()[0], t.stats()
     with pytest.raises(tiermem.errors.CheckpointError, match="truncated"):
-        tiermem.load_pretrained(bad, budget="30%", host_budget=16 * MiB, tier=t)
+        tiermem.load_pretrained(bad, budget=checkpoint_share(bad, 30), host_budget=16 * MiB, tier=t)
     torch.cuda.synchronize()
     assert t.stats() == stats and abs(torch.cuda.mem_get_info()[0] - free) <= 32 * MiB
     t.close()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 
 import pytest
+from helpers import share
 
 pytestmark = pytest.mark.gpu
 KiB, MiB = 1 << 10, 1 << 20
@@ -30,7 +31,7 @@ def test_transformers_model_streams_within_budget_bitwise_equal(frozen):
     ref = copy.deepcopy(model)
     role = "frozen_weight" if frozen else "weight"
     t = tiermem.Tier(0, cap="1GiB")
-    h = t.wrap_module(model, budget="30%", max_group_bytes=2 * MiB, mode="stream", lookahead=2)
+    h = t.wrap_module(model, budget=share(model, 30), max_group_bytes=2 * MiB, mode="stream", lookahead=2)
     assert 0 < len(h.plan.pinned) < len(h.plan.sizes) and not h.plan.zero_copy_only
     ids = torch.randint(0, cfg.vocab_size, (1, 64), device="cuda")
     with torch.no_grad():
@@ -56,7 +57,7 @@ def test_decode_streams_and_weights_rest_at_home():
     model, cfg = _llama()
     ref = copy.deepcopy(model)
     t = tiermem.Tier(0, cap="1GiB")
-    h = t.wrap_module(model, budget="30%", max_group_bytes=2 * MiB, lookahead=2)   # mode auto
+    h = t.wrap_module(model, budget=share(model, 30), max_group_bytes=2 * MiB, lookahead=2)   # mode auto
     ids = torch.randint(0, cfg.vocab_size, (1, 32), device="cuda")
     with torch.no_grad():
         out, out_ref = model(ids, use_cache=True), ref(ids, use_cache=True)
@@ -104,7 +105,7 @@ def test_sequential_and_custom_module_and_single_layer():
     x = torch.randn(16, 512, device="cuda")
     for model, inp in ((seq, x), (cus, x[:, :256])):
         want = model(inp)
-        h = t.wrap_module(model, budget="40%", max_group_bytes=1 * MiB, mode="stream", lookahead=2)
+        h = t.wrap_module(model, budget=share(model, 40), max_group_bytes=1 * MiB, mode="stream", lookahead=2)
         for _ in range(3):
             assert torch.equal(model(inp), want)
         h.drain()
@@ -130,7 +131,7 @@ def test_default_flags_no_grad_forward_streams_then_a_training_step_has_right_gr
     model.float()                                  # fp32 so the SGD step below is exact to compare
     ref = copy.deepcopy(model)
     t = tiermem.Tier(0, cap="1GiB")
-    h = t.wrap_module(model, budget="30%", max_group_bytes=2 * MiB, lookahead=2)
+    h = t.wrap_module(model, budget=share(model, 30), max_group_bytes=2 * MiB, lookahead=2)
     ids = torch.randint(0, cfg.vocab_size, (2, 64), device="cuda")
     with torch.no_grad():
         for _ in range(2):
@@ -201,7 +202,7 @@ def test_a_model_bigger_than_the_really_small_gpu_runs_generate():
         free, _ = torch.cuda.mem_get_info()
         assert free < weights
         t = tiermem.Tier(0)                       # the default cap: the memory free now
-        h = t.wrap_module(model, budget="25%")
+        h = t.wrap_module(model, budget=share(model, 25))
         assert t.backend.guard.reserved <= free
         with torch.no_grad():
             got = model.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=None)
@@ -229,7 +230,7 @@ def test_a_failed_adoption_leaves_nothing_behind(monkeypatch):
     ids = torch.randint(0, cfg.vocab_size, (1, 16), device="cuda")
     with torch.no_grad():
         want = model(ids).logits
-    h = t.wrap_module(model, budget="30%", max_group_bytes=2 * MiB)   # streams and events exist from here on
+    h = t.wrap_module(model, budget=share(model, 30), max_group_bytes=2 * MiB)   # streams and events exist from here on
     h.unwrap()
     cupy = pytest.importorskip("cupy")
     t.backend.release_cached()
@@ -243,7 +244,7 @@ def test_a_failed_adoption_leaves_nothing_behind(monkeypatch):
         raise tiermem.CUDAError("cudaHostAlloc", 2, "cudaErrorMemoryAllocation")
     monkeypatch.setattr(t.backend, "host_alloc", boom)
     with pytest.raises(tiermem.CUDAError, match="cudaErrorMemoryAllocation"):
-        t.wrap_module(model, budget="30%", max_group_bytes=2 * MiB)
+        t.wrap_module(model, budget=share(model, 30), max_group_bytes=2 * MiB)
     monkeypatch.undo()
     torch.cuda.synchronize()
     # As before the baseline: the device memory the failed adoption took came back to the pools

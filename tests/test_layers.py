@@ -15,7 +15,7 @@ PKG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 
 LAYERS = [
     ("base", {"_errors", "_dtypes", "_limits", "roles", "_default"}),
     ("cuda", {"_cuda", "_backend", "_staging"}),
-    ("core", {"_stats", "_lease", "_transfer", "_tensor", "_report", "_engine"}),
+    ("core", {"_stats", "_lease", "_transfer", "_stream", "_tensor", "_report", "_engine"}),
     ("adapters", {"_devmem", "_torch", "_swap", "_trainplan", "_meter", "_recompute", "_module", "_train", "_load", "_disk", "_torch_alloc",
                   "_um_budget", "_cupy", "_scoped", "models"}),
     ("face", {"_tier"}),

@@ -11,6 +11,7 @@ import torch.nn as nn
 
 import tiermem
 from tiermem import OutOfBudgetError, TierMemError
+from helpers import share
 
 MiB = 1 << 20
 
@@ -82,8 +83,8 @@ def test_bad_lease_sizes_are_value_errors(fake, configured):
 def test_two_modules_on_one_tier_each_keep_their_budget(tier):
     m1, m2 = _model(0), _model(1)
     r1, r2 = copy.deepcopy(m1), copy.deepcopy(m2)
-    h1 = tier.wrap_module(m1, budget="40%", max_group_bytes=1 * MiB)
-    h2 = tier.wrap_module(m2, budget="30%", max_group_bytes=1 * MiB)
+    h1 = tier.wrap_module(m1, budget=share(m1, 40), max_group_bytes=1 * MiB)
+    h2 = tier.wrap_module(m2, budget=share(m2, 30), max_group_bytes=1 * MiB)
     assert [x.nbytes for x in tier.leases] == [h1.budget, h2.budget]
     assert tier.budget == h1.budget + h2.budget       # before leases: h2's budget replaced h1's
     x = torch.randn(8, 256)
@@ -101,7 +102,7 @@ def test_two_modules_on_one_tier_each_keep_their_budget(tier):
 def test_a_module_under_a_configured_budget_leaves_it_alone(fake):
     t = tiermem.Tier(backend=fake, budget="64MiB")
     m = _model()
-    h = t.wrap_module(m, budget="50%", max_group_bytes=1 * MiB)
+    h = t.wrap_module(m, budget=share(m, 50), max_group_bytes=1 * MiB)
     # the share is of the weights as tiermem lays them out (whole pages per group)
     assert t.budget == 64 * MiB and t.leases[0].nbytes == h.budget >= _weights(m) // 2
     h.unwrap()
@@ -113,7 +114,7 @@ def test_a_module_budget_past_the_configured_room_is_cut_to_it_with_a_warning(fa
     other = t.lease(1 * MiB, "someone else")
     m, ref = _model(), _model()
     with caplog.at_level(logging.WARNING, logger="tiermem"):
-        h = t.wrap_module(m, budget="50%", max_group_bytes=1 * MiB)
+        h = t.wrap_module(m, budget=share(m, 50), max_group_bytes=1 * MiB)
     assert h.budget == 3 * MiB and "configured budget" in caplog.text
     x = torch.randn(8, 256)
     with torch.no_grad():
@@ -134,7 +135,7 @@ def test_a_failed_adoption_gives_its_lease_back(tier, fake):
     fake.host_alloc = boom
     try:
         with pytest.raises(TierMemError, match="cudaErrorMemoryAllocation"):
-            tier.wrap_module(m, budget="40%", max_group_bytes=1 * MiB)
+            tier.wrap_module(m, budget=share(m, 40), max_group_bytes=1 * MiB)
     finally:
         fake.host_alloc = real
     assert fake_calls["n"] >= 1 and tier.leases == () and tier.budget is None

@@ -41,7 +41,7 @@ def test_parse_bytes(value, total, expected):
     ("-1", r"size='-1' is not a size"),
     (-1, r"size must not be negative, got -1"),
     (True, r"size must be a byte count, got True"),
-    ("25%", r"size='25%' is a percentage, but the device size is unknown"),
+    ("25%", r"size='25%' is a percentage, a share of the device's memory, and here no device size is known"),
     ("4 parsecs", r"size='4 parsecs' is not a size"),
 ])
 def test_parse_bytes_errors_name_the_bad_value(value, pattern):

@@ -18,6 +18,7 @@ from tiermem.errors import CheckpointError, HostBudgetError
 from tiermem.planning import plan_host, plan_residency
 from tiermem._load import Checkpoint, empty_weights
 from tiermem._torch import TIERED_ATTR
+from helpers import checkpoint_share, share
 
 MiB = 1 << 20
 
@@ -45,7 +46,7 @@ def test_a_meta_model_adopted_from_a_state_dict_is_bitwise_equal_and_unwraps_ont
     ref = _mlp()
     m = _meta(_mlp)
     assert all(p.is_meta for p in m.parameters())
-    h = tier.wrap_module(m, budget="30%", max_group_bytes=1 * MiB, weights=ref.state_dict())
+    h = tier.wrap_module(m, budget=share(m, 30), max_group_bytes=1 * MiB, weights=ref.state_dict())
     assert 0 < len(h.plan.pinned) < len(h.plan.sizes)
     x = torch.randn(8, 256)
     with torch.no_grad():
@@ -76,7 +77,7 @@ def test_tied_weights_take_their_bytes_under_either_name(tier, name):
     sd[name] = ref.emb.weight.detach()
     m = _meta(_LM)
     assert m.head.weight is m.emb.weight
-    h = tier.wrap_module(m, budget="40%", max_group_bytes=256 << 10, weights=sd)
+    h = tier.wrap_module(m, budget=share(m, 40), max_group_bytes=256 << 10, weights=sd)
     assert m.head.weight is m.emb.weight
     ids = torch.randint(0, 4096, (2, 16))
     with torch.no_grad():
@@ -99,12 +100,12 @@ def test_a_missing_or_mismatched_tensor_is_refused_with_nothing_allocated(tier, 
     before = list(m.parameters())
     stats = tier.stats()
     with pytest.raises(CheckpointError, match="3.2.weight") as e:
-        tier.wrap_module(m, budget="30%", max_group_bytes=1 * MiB, weights=sd)
+        tier.wrap_module(m, budget=share(m, 30), max_group_bytes=1 * MiB, weights=sd)
     assert isinstance(e.value, ValueError)
     assert list(m.parameters()) == before and all(p.is_meta for p in m.parameters())   # the meta tensors are back
     assert _live(fake) == 0 and tier.budget is None and tier.stats() == stats
     with pytest.raises(tiermem.errors.WrapError, match="meta"):
-        tier.wrap_module(m, budget="30%")                       # and no source: a meta tensor has no data
+        tier.wrap_module(m, budget=share(m, 30))                       # and no source: a meta tensor has no data
 
 
 @pytest.mark.parametrize("disk", [False, True], ids=["home", "disk"])
@@ -113,7 +114,7 @@ def test_a_failed_adoption_from_weights_puts_the_meta_tensors_back(tier, fake, t
     ref = _mlp().requires_grad_(False)
     save_file(ref.state_dict(), tmp_path / "model.safetensors")
     weights = Checkpoint(tmp_path) if disk else ref.state_dict()
-    build = lambda m: tier.wrap_module(m, budget="30%", max_group_bytes=1 * MiB, weights=weights,  # noqa: E731
+    build = lambda m: tier.wrap_module(m, budget=share(m, 30), max_group_bytes=1 * MiB, weights=weights,  # noqa: E731
                                        host_budget=2_000_000 if disk else None)
     real = getattr(fake, method)
     seen = []
@@ -168,7 +169,7 @@ def test_load_pretrained_gives_the_models_logits_and_tokens(tier, fake, saved, w
     monkeypatch.setattr(tiermem._module, "FILL_CHUNK", 1000)   # resident tensors read in many pieces
     ref, one, shards = saved
     ids = torch.randint(0, 512, (1, 12), generator=torch.Generator().manual_seed(1))
-    model, h = load_pretrained(one if which == "one" else shards, budget="30%", tier=tier, max_group_bytes=300_000)
+    model, h = load_pretrained(one if which == "one" else shards, budget=checkpoint_share(one if which == "one" else shards, 30), tier=tier, max_group_bytes=300_000)
     assert 0 < len(h.plan.pinned) < len(h.plan.sizes)
     with torch.no_grad():
         assert torch.equal(model(ids).logits, ref(ids).logits)
@@ -231,7 +232,7 @@ def test_a_bad_checkpoint_raises_a_clear_error_and_leaves_nothing_allocated(tier
     words = {"missing shard": "missing", "truncated": "truncated", "bad header": "header", "missing tensor": "lack",
              "wrong dtype": "float16", "wrong shape": "do not match"}[how]
     with pytest.raises(CheckpointError, match=words) as e:
-        load_pretrained(bad, budget="30%", host_budget=10 * MiB, tier=tier)
+        load_pretrained(bad, budget=checkpoint_share(bad, 30), host_budget=10 * MiB, tier=tier)
     assert isinstance(e.value, ValueError) and e.value.path
     assert _live(fake) == 0 and tier.budget is None and tier.stats() == stats
 
@@ -281,7 +282,7 @@ def test_the_disk_tier_gives_bitwise_equal_outputs_within_the_host_budget(tier, 
     ref, ck = ckpt
     m = _meta(_mlp)
     host = 2_000_000
-    h = tier.wrap_module(m, budget="25%", max_group_bytes=1 * MiB, weights=ck, host_budget=host)
+    h = tier.wrap_module(m, budget=share(m, 25), max_group_bytes=1 * MiB, weights=ck, host_budget=host)
     p = h.plan
     assert p.on_disk and p.home_bytes > 0 and p.stages >= 2
     s = h.stats()
@@ -309,7 +310,7 @@ def test_the_disk_tier_gives_bitwise_equal_outputs_within_the_host_budget(tier, 
 def test_the_disk_tier_follows_a_forward_that_changes_order(tier, ckpt):
     ref, ck = ckpt
     m = _meta(_mlp)
-    h = tier.wrap_module(m, budget="25%", max_group_bytes=1 * MiB, weights=ck, host_budget=2_000_000)
+    h = tier.wrap_module(m, budget=share(m, 25), max_group_bytes=1 * MiB, weights=ck, host_budget=2_000_000)
     x = torch.randn(8, 256)
     with torch.no_grad():
         m(x), m(x)
@@ -325,7 +326,7 @@ def test_the_disk_tier_refuses_a_forward_that_records_gradients(tier, ckpt):
     _, ck = ckpt
     m = _meta(_mlp)
     m.requires_grad_(True)
-    h = tier.wrap_module(m, budget="25%", max_group_bytes=1 * MiB, weights=ck, host_budget=2_000_000)
+    h = tier.wrap_module(m, budget=share(m, 25), max_group_bytes=1 * MiB, weights=ck, host_budget=2_000_000)
     with pytest.raises(tiermem.TierMemError, match="no_grad"):
         m(torch.randn(2, 256))
     h.unwrap()
@@ -334,7 +335,7 @@ def test_the_disk_tier_refuses_a_forward_that_records_gradients(tier, ckpt):
 def test_a_disk_read_that_fails_raises_in_the_forward(tier, ckpt):
     _, ck = ckpt
     m = _meta(_mlp)
-    h = tier.wrap_module(m, budget="25%", max_group_bytes=1 * MiB, weights=ck, host_budget=2_000_000)
+    h = tier.wrap_module(m, budget=share(m, 25), max_group_bytes=1 * MiB, weights=ck, host_budget=2_000_000)
     path = ck.files[0]
     data = open(path, "rb").read()
     os.truncate(path, 1000)                             # the file changed under the model
@@ -385,7 +386,7 @@ def test_experts_saved_one_by_one_are_read_stacked_in_place_and_give_the_models_
     tokens = ref.generate(ids, max_new_tokens=5, do_sample=False)
     host_budget = None
     for _ in range(2):          # all streamed groups in the pinned home, then 80% of them and the rest on disk
-        model, h = load_pretrained(d, budget="30%", host_budget=host_budget, tier=tier, max_group_bytes=60_000)
+        model, h = load_pretrained(d, budget=checkpoint_share(d, 30), host_budget=host_budget, tier=tier, max_group_bytes=60_000)
         assert bool(h.plan.on_disk) == (host_budget is not None)
         home = h.stats()["pinned_bytes.home"]
         with torch.no_grad():
@@ -430,6 +431,6 @@ def test_a_merged_tensor_with_a_missing_expert_is_refused_with_nothing_allocated
     json.dump(index, open(bad / "model.safetensors.index.json", "w"))
     stats = tier.stats()
     with pytest.raises(CheckpointError, match="do not have the same members|numbered|make shape") as e:
-        load_pretrained(bad, budget="30%", tier=tier)
+        load_pretrained(bad, budget=checkpoint_share(bad, 30), tier=tier)
     assert isinstance(e.value, ValueError) and "wrap_module" in str(e.value)
     assert _live(fake) == 0 and tier.budget is None and tier.stats() == stats

@@ -11,6 +11,7 @@ import torch.nn as nn
 import tiermem
 from tiermem.planning import plan_residency
 from tiermem._module import module_groups
+from helpers import share
 
 MiB = 1 << 20
 
@@ -68,7 +69,7 @@ def _model():
 def test_streamed_module_is_bitwise_equal_and_within_budget(tier, fake):
     m = _model()
     ref = copy.deepcopy(m)
-    h = tier.wrap_module(m, budget="40%", max_group_bytes=1 * MiB, mode="stream")
+    h = tier.wrap_module(m, budget=share(m, 40), max_group_bytes=1 * MiB, mode="stream")
     assert h.transport == "pinned"
     assert 0 < len(h.plan.pinned) < len(h.plan.sizes)
     x = torch.randn(8, 256)
@@ -112,7 +113,7 @@ def test_few_token_forwards_stream_dense_groups_and_read_stacked_experts_in_plac
     torch.manual_seed(0)
     m = _MoE().requires_grad_(False)
     ref = copy.deepcopy(m)
-    h = tier.wrap_module(m, budget="30%", max_group_bytes=64 << 10, zero_copy_max_tokens=2)
+    h = tier.wrap_module(m, budget=share(m, 30), max_group_bytes=64 << 10, zero_copy_max_tokens=2)
     experts = [g for g in h._groups.values() if g.stacked]
     assert len(experts) == 4 and not any(g.stacked for g in h._groups.values() if g.name.startswith("lins"))
     assert all(not g.pinned for g in experts)
@@ -171,7 +172,7 @@ def test_an_embedding_is_read_in_place_and_never_takes_a_slot(tier, fake):
     torch.manual_seed(0)
     m = _LM()
     ref = copy.deepcopy(m)
-    h = tier.wrap_module(m, budget="30%", max_group_bytes=1 * MiB, mode="stream")
+    h = tier.wrap_module(m, budget=share(m, 30), max_group_bytes=1 * MiB, mode="stream")
     assert h.plan.in_place == {"emb"} and "emb" not in h.plan.pinned
     assert h.plan.moved_bytes == h.plan.streamed_bytes - dict(h.plan.sizes)["emb"]
     assert h._stream.slot_bytes < dict(h.plan.sizes)["emb"]        # the window is sized without it
@@ -184,7 +185,7 @@ def test_an_embedding_is_read_in_place_and_never_takes_a_slot(tier, fake):
     h.unwrap()
     # Tied to the head, the table is read whole: it streams like any group.
     tied = _LM(tied=True)
-    h = tier.wrap_module(tied, budget="30%", max_group_bytes=1 * MiB, mode="stream")
+    h = tier.wrap_module(tied, budget=share(tied, 30), max_group_bytes=1 * MiB, mode="stream")
     assert h.plan.in_place == frozenset()
     h.unwrap()
 

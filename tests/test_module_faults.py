@@ -22,7 +22,7 @@ import torch.nn as nn
 
 import tiermem
 from fakes import FakeBackend
-from helpers import fault_params
+from helpers import fault_params, share
 
 save_file = pytest.importorskip("safetensors.torch").save_file
 
@@ -53,12 +53,12 @@ class Scene:
             from tiermem._load import Checkpoint, empty_weights
             with empty_weights():
                 self.model = _mlp()
-            self.handle = self.tier.wrap_module(self.model, budget="25%", max_group_bytes=MiB // 4,
+            self.handle = self.tier.wrap_module(self.model, budget=share(self.model, 25), max_group_bytes=MiB // 4,
                                                 weights=Checkpoint(tmp), host_budget=700_000)
             assert self.handle.plan.on_disk
         else:
             self.model = self.ref
-            self.handle = self.tier.wrap_module(self.model, budget="25%", max_group_bytes=MiB // 4)
+            self.handle = self.tier.wrap_module(self.model, budget=share(self.model, 25), max_group_bytes=MiB // 4)
         self.forward()                          # the first forward learns the order
         if name.startswith("module_forward_disk"):
             self.settle()

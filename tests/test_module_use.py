@@ -13,6 +13,7 @@ import torch.nn as nn
 
 import tiermem
 from tiermem._torch import TIERED_ATTR
+from helpers import share
 
 MiB = 1 << 20
 
@@ -31,7 +32,7 @@ def _live(fake) -> int:
 def test_no_grad_forwards_stream_whatever_requires_grad_says(tier, fake):
     m = _model()                                  # every parameter requires grad, as transformers leaves them
     ref = copy.deepcopy(m)
-    h = tier.wrap_module(m, budget="40%", max_group_bytes=1 * MiB)
+    h = tier.wrap_module(m, budget=share(m, 40), max_group_bytes=1 * MiB)
     assert h.transport == "pinned" and 0 < len(h.plan.pinned) < len(h.plan.sizes)
     streamed = [t for g in h._groups.values() if not g.pinned for t in g.tensors]
     assert all(fake.pointer_kind(t.data_ptr()) == "host" for t in streamed)   # a pinned home, not managed memory
@@ -50,7 +51,7 @@ def test_no_grad_forwards_stream_whatever_requires_grad_says(tier, fake):
 def test_a_forward_that_records_gradients_reads_in_place_and_gives_the_right_gradients(tier, fake):
     m = _model()
     ref = copy.deepcopy(m)
-    h = tier.wrap_module(m, budget="40%", max_group_bytes=1 * MiB, lookahead=2)
+    h = tier.wrap_module(m, budget=share(m, 40), max_group_bytes=1 * MiB, lookahead=2)
     x = torch.randn(32, 256)
     with torch.no_grad():
         m(x), m(x)                                # learn the order; slots are loaded ahead for the next forward
@@ -88,7 +89,7 @@ def test_a_write_made_in_a_slot_during_a_forward_is_kept(tier, fake):
     m = nn.Sequential(*[nn.Sequential(nn.Linear(128, 128), nn.BatchNorm1d(128)) for _ in range(6)])
     ref = copy.deepcopy(m)
     m.train(), ref.train()                        # BatchNorm updates its running stats in its forward
-    h = tier.wrap_module(m, budget="30%", max_group_bytes=256 << 10, mode="stream")
+    h = tier.wrap_module(m, budget=share(m, 30), max_group_bytes=256 << 10, mode="stream")
     assert len(h.plan.pinned) < len(h.plan.sizes)
     with torch.no_grad():
         for _ in range(4):
@@ -106,7 +107,7 @@ def test_a_write_made_in_a_slot_during_a_forward_is_kept(tier, fake):
 def test_unwrap_onto_the_host_and_only_once(tier, fake):
     m = _model()
     ref = copy.deepcopy(m)
-    h = tier.wrap_module(m, budget="40%", max_group_bytes=1 * MiB)
+    h = tier.wrap_module(m, budget=share(m, 40), max_group_bytes=1 * MiB)
     h.unwrap(device="cpu")
     assert all(fake.pointer_kind(p.data_ptr()) == "unregistered" and p.device.type == "cpu" for p in m.parameters())
     assert all(not hasattr(p, TIERED_ATTR) for p in m.parameters())
@@ -157,7 +158,7 @@ def test_fault_in_wrap_module_leaves_the_module_as_it_was(tier, fake, method, ex
     with torch.no_grad():
         want = m(x)
     live = _live(fake)
-    build = lambda: tier.wrap_module(m, budget="40%", max_group_bytes=1 * MiB)  # noqa: E731
+    build = lambda: tier.wrap_module(m, budget=share(m, 40), max_group_bytes=1 * MiB)  # noqa: E731
     n_calls = _calls(fake, method, build)         # a clean adoption and unwrap, counting the calls
     assert _live(fake) == live and tier.budget is None
     params = [(p, p.data_ptr(), p.detach().clone(), p.requires_grad) for p in m.parameters()]

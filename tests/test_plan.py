@@ -11,8 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
+import tiermem
 from tiermem import load_pretrained
 from tiermem._plan import plan_model
+from helpers import checkpoint_share, share
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -39,10 +41,11 @@ def _config(arch: str):
 def test_the_plan_is_the_one_wrap_module_makes(tier, arch):
     import transformers
     cfg = _config(arch)
-    mp = plan_model(cfg, "30%", max_group_bytes=GROUP)
+    budget = plan_model(cfg, 1 << 50).plan.total * 30 // 100     # 30% of the weights, in bytes
+    mp = plan_model(cfg, budget, max_group_bytes=GROUP)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
-    h = tier.wrap_module(model, budget="30%", max_group_bytes=GROUP)
+    h = tier.wrap_module(model, budget=share(model, 30), max_group_bytes=GROUP)
     assert h.plan == mp.plan
     assert 0 < len(mp.plan.pinned) < len(mp.plan.sizes) and mp.plan.in_place
     assert mp.prefill_seconds == pytest.approx(mp.plan.moved_bytes / 55e9)
@@ -59,14 +62,15 @@ def test_the_plan_with_a_disk_tier_is_the_one_load_pretrained_makes(tier, tmp_pa
     cfg = _config(arch)
     torch.manual_seed(0)
     transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path)
-    whole = plan_model(tmp_path, "30%", 1 << 40, max_group_bytes=GROUP).plan
+    budget = checkpoint_share(tmp_path, 30)
+    whole = plan_model(tmp_path, budget, 1 << 40, max_group_bytes=GROUP).plan
     assert not whole.on_disk
     host = int(0.6 * whole.home_bytes)
-    mp = plan_model(tmp_path, "30%", host, link_GBps=50, disk_GBps=4, max_group_bytes=GROUP)
+    mp = plan_model(tmp_path, budget, host, link_GBps=50, disk_GBps=4, max_group_bytes=GROUP)
     p = mp.plan
     assert p.on_disk and p.pinned_host_bytes <= host
     assert mp.prefill_seconds == pytest.approx((p.moved_bytes - p.disk_bytes) / 50e9 + p.disk_bytes / 4e9)
-    model, h = load_pretrained(tmp_path, budget="30%", host_budget=host, tier=tier, max_group_bytes=GROUP)
+    model, h = load_pretrained(tmp_path, budget=budget, host_budget=host, tier=tier, max_group_bytes=GROUP)
     assert h.plan == p
     s = h.stats()
     assert s["pinned_bytes.current"] <= host and s["pinned_bytes.staging"] == p.stages * p.stage_bytes
@@ -74,7 +78,7 @@ def test_the_plan_with_a_disk_tier_is_the_one_load_pretrained_makes(tier, tmp_pa
 
 
 def test_plan_tokens_of_a_decode_step_predict_the_decode(tmp_path):
-    mp = plan_model(_config("mixtral"), "30%", tokens=1, max_group_bytes=GROUP)
+    mp = plan_model(_config("mixtral"), "1MB", tokens=1, max_group_bytes=GROUP)
     assert mp.prefill_seconds == mp.decode_seconds
 
 
@@ -96,10 +100,24 @@ def test_the_plan_command_takes_a_model_type_with_overrides_and_a_checkpoint(tmp
     assert "prefill 1x128" in out and "ms per token" in out
     import transformers
     _config("llama").save_pretrained(tmp_path)
-    r = _cli(str(tmp_path / "config.json"), "--budget", "50%", "--tokens", "8")
+    # The 3 MB model in one group: 50% of an 8 MB device holds it, 50% of a 2 MB one does not.
+    r = _cli(str(tmp_path / "config.json"), "--budget", "50%", "--device-memory", "8MB", "--tokens", "8")
     assert r.returncode == 0, r.stderr
     assert "LlamaForCausalLM" in r.stdout and "from disk" not in r.stdout and "groups (module order)" in r.stdout
+    assert "resident    0.003 GB" in r.stdout, r.stdout
+    r = _cli(str(tmp_path / "config.json"), "--budget", "50%", "--device-memory", "2MB", "--tokens", "8")
+    assert r.returncode == 0 and "streamed    0.003 GB" in r.stdout, r.stdout + r.stderr
     assert transformers  # the import above is the one the command makes
+
+
+def test_a_percentage_is_a_share_of_the_device_and_the_plan_command_needs_its_size():
+    # NOTE [sizes]: "25%" of an 8 MB device is 2 MB, whatever the model's size.
+    cfg = _config("llama")
+    assert plan_model(cfg, "25%", device_memory="8MB").plan == plan_model(cfg, 2_000_000).plan
+    with pytest.raises(tiermem.errors.ConfigError, match="share of the device's memory"):
+        plan_model(cfg, "25%")
+    r = _cli("llama", "hidden_size=64", "--budget", "25%")
+    assert r.returncode == 2 and "share of the device's memory" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_the_plan_command_refuses_what_it_cannot_read():

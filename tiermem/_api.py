@@ -74,8 +74,9 @@ def wrap_training(model: Any, optimizer: Any, budget: int | str, **kwargs: Any) 
 
 
 def wrap_module(module: Any, budget: int | str | None = None, **kwargs: Any) -> Any:
-    """Adopt every parameter and buffer of ``module`` and run it within ``budget`` (bytes, or a
-    share of its weights like "25%"): the largest groups stay resident, the rest stream in ahead
+    """Adopt every parameter and buffer of ``module`` and run it within ``budget`` (bytes, "8GB",
+    or a share of the device like "25%"; ``tiermem.planning.weight_bytes(module) // 4`` is a
+    quarter of its weights: NOTE [sizes] in _limits.py): the largest groups stay resident, the rest stream in ahead
     of use and out behind it, or are read in place for single-token forwards. Returns a
     :class:`TieredModule` (its ``plan``; ``unwrap()`` restores the module). Keyword arguments:
     ``mode`` ("auto", "stream", "zero_copy"), ``lookahead`` (groups in flight),

@@ -114,7 +114,7 @@ def _weights_gb(text: str) -> float:
 
 
 def _budget(text: str) -> str:
-    # A share above 100% would keep more than the weights resident, and 0 bytes none at all.
+    # A share above 100% would be more than the GPU has, and 0 bytes would keep nothing.
     try:
         check_bytes(text, what="budget", max_percent=100, positive=True)
     except ConfigError as e:
@@ -132,9 +132,9 @@ def _parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="run a model bigger than its budget (a dry-run plan without a GPU)")
     d.add_argument("--weights-gb", type=_weights_gb, default=None, metavar="GB",
                    help=f"model weight size in GB, more than 0 and at most {MAX_WEIGHTS_GB:g} (default: 2)")
-    d.add_argument("--budget", type=_budget, default="25%", metavar="SIZE",
-                   help="device budget: bytes, '1GiB', or a share of the weights up to 100%% like '25%%' "
-                        "(default: 25%%)")
+    d.add_argument("--budget", type=_budget, default=None, metavar="SIZE",
+                   help="device budget: bytes, '1GiB', or a share of the GPU up to 100%% like '25%%' "
+                        "(default: a quarter of the weights)")
     d.add_argument("--dry-run", action="store_true", help="print the plan only, even on a GPU")
     from . import _plan
     _plan.add_parser(sub)

@@ -69,11 +69,12 @@ def build_llama(shape: dict[str, int], device: str = "cuda") -> Any:
     return model.eval()      # requires_grad stays True, as transformers leaves it
 
 
-def _dry_run(weights_gb: float, budget: str, why: str) -> int:
+def _dry_run(weights_gb: float, budget: str | None, why: str) -> int:
     shape = llama_shape(weights_gb)
     groups = llama_groups(shape)
     total = sum(n for _, n in groups)
-    b = parse_bytes(budget, total=total, what="budget", max_percent=100)
+    # No device here: a percentage (a share of the GPU, NOTE [sizes]) cannot be resolved.
+    b = total // 4 if budget is None else parse_bytes(budget, what="budget", max_percent=100)
     # The plan wrap_module would make: the embedding is only looked up, so it is read in place.
     plan = plan_residency(groups, b, LOOKAHEAD, in_place={"model.embed_tokens"})
     print(f"DRY RUN: no model is built and nothing runs ({why}).")
@@ -99,7 +100,9 @@ def _median_ms(fn, reps: int = 5) -> float:
     return statistics.median(ts)
 
 
-def demo(weights_gb: float | None = None, budget: str = "25%", dry_run: bool = False) -> int:
+def demo(weights_gb: float | None = None, budget: str | None = None, dry_run: bool = False) -> int:
+    """Run a Llama-shaped model of ``weights_gb`` GB resident and within ``budget`` (a size, or a
+    share of the GPU; default a quarter of the weights), or print the plan without a GPU."""
     from . import _cuda
     ok, why = _cuda.available()
     weights_gb = weights_gb or 2.0
@@ -121,7 +124,8 @@ def demo(weights_gb: float | None = None, budget: str = "25%", dry_run: bool = F
         resident_ms = _median_ms(lambda: model(ids))
         ref = model(ids).logits
     tier = tiermem.Tier(cap=f"{int(total * 1.2) + (256 << 20)}")
-    handle = tier.wrap_module(model, budget=budget, mode="stream")   # prefill: stream (auto would too)
+    handle = tier.wrap_module(model, budget=total // 4 if budget is None else budget,
+                              mode="stream")   # prefill: stream (auto would too)
     torch.cuda.empty_cache()
     with torch.no_grad():
         model(ids)                       # learns the execution order
@@ -139,7 +143,7 @@ def demo(weights_gb: float | None = None, budget: str = "25%", dry_run: bool = F
     print()
     print(f"{'prefill 1x128 tokens':<28}{'ms':>9}{'GB in / forward':>17}{'resident peak GB':>18}")
     print(f"{'fully resident':<28}{resident_ms:>9.1f}{0:>17.2f}{total / 1e9:>18.2f}")
-    print(f"{'tiermem, budget ' + budget:<28}{tier_ms:>9.1f}{moved / 1e9:>17.2f}{peak / 1e9:>18.2f}")
+    print(f"{'tiermem, budget ' + f'{handle.budget / 1e9:.2f} GB':<28}{tier_ms:>9.1f}{moved / 1e9:>17.2f}{peak / 1e9:>18.2f}")
     print(f"{'link bound':<28}{bound_ms:>9.1f}")
     print()
     print(f"logits bitwise equal to the resident model: {equal}; resident bytes within the budget: "

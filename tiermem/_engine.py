@@ -89,6 +89,7 @@ from ._staging import Staging, ring_slot
 from ._stats import Accounting
 from ._tensor import TieredTensor, Buffer
 from ._transfer import Transfer
+from ._stream import Lane, now
 from .roles import (DEFAULT_POLICIES, Advice, Evict, Location, Policy, PolicyTable, Prefetch, Role,
                     advice_plan, as_role, check_policy)
 
@@ -596,22 +597,15 @@ class Engine:
     def _begin(self, bufs: list[Buffer], cur: int, side: int) -> Any:
         """Order ``side`` after the caller's stream and after earlier moves of ``bufs``; returns the
         timing event that starts the transfer."""
-        be = self.backend
-        dep = be.new_event()
-        be.record(dep, cur)
-        be.wait(side, dep)
-        for b in bufs:
-            if b.pending is not None and not b.pending.done() and b.pending.stream != side:
-                be.wait(side, b.pending.event)
-        start = be.new_event(timing=True)
-        be.record(start, side)
-        return start
+        lane = Lane(self.backend, side)        # NOTE [ordered copies] in _stream.py
+        lane.after([now(cur)] + [b.pending.event for b in bufs
+                                 if b.pending is not None and not b.pending.done() and b.pending.stream != side])
+        return lane.mark(timing=True)
 
     def _finish(self, direction: str, bufs: list[Buffer], cur: int, side: int, start: Any,
                 moved: dict[Role, int], non_blocking: bool) -> Transfer:
         be = self.backend
-        end = be.new_event(timing=True)
-        be.record(end, side)
+        end = Lane(be, side).mark(timing=True)
         tr = Transfer(self, direction, side, start, end, list(bufs), sum(moved.values()), moved)
         for b in bufs:
             b.pending = tr
@@ -1214,9 +1208,7 @@ class Engine:
                 self._unpark(b, pages_gone=True)
             side = self.um_stream("h2d")
             self._fresh_pages([b], Location.HOST, side)
-            self.backend.copy(b.ptr, b.shadow.ptr, b.nbytes, side)
-            ev = self.backend.new_event()
-            self.backend.record(ev, side)
+            _, ev = Lane(self.backend, side).run([(b.ptr, b.shadow.ptr, b.nbytes)], after=())
             self.backend.synchronize(ev)
             self._rebind(b, shadow=False)   # first: if it fails, the data is still where they point
             b.in_shadow = False

@@ -16,6 +16,16 @@ NOTE [device budget]
     tiermem's own accounting of where it placed each tensor, cross-checked in the tests with CUDA
     range attributes and transfer counters; cudaMemGetInfo cannot serve, since it does not rise
     when managed pages leave the device.
+
+NOTE [sizes]
+    Every size tiermem takes (a cap, a budget, a handle's budget, a host budget, a CLI flag) is
+    read here, by one rule: an int is bytes; a string is a number and a unit, decimal ("8GB" is
+    8e9 bytes) or binary ("8GiB" is 2**33), case ignored; a percentage ("25%") is a share of the
+    total memory of the device the tier runs on, at most 100%. It is never a share of a model:
+    ``wrap_module(model, budget="25%")`` lets the module keep up to a quarter of the GPU, and
+    ``budget=tiermem.planning.weight_bytes(model) // 4`` keeps a quarter of its weights. A host
+    budget has no percentage (host memory is not the device's), and where no device is known (the
+    ``plan`` command on a CPU) a percentage needs the device's size given.
 """
 from __future__ import annotations
 
@@ -77,7 +87,8 @@ def parse_bytes(value: int | float | str, *, total: int | None = None, what: str
     if not percent:
         return int(num)
     if total is None:
-        raise ConfigError(f"{what}={value!r} is a percentage, but the device size is unknown")
+        raise ConfigError(f"{what}={value!r} is a percentage, a share of the device's memory, and here no device "
+                          f"size is known: give a size like '8GB'")
     return int(total * num / 100)
 
 

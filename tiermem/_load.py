@@ -443,7 +443,7 @@ def load_pretrained(path: str | os.PathLike, budget: int | str | None = None, ho
                     make_tier: Any = None, **kwargs: Any) -> Loaded:
     """A transformers causal LM from a local checkpoint folder (``config.json`` plus safetensors, as
     ``save_pretrained`` writes them), ready to run within ``budget`` bytes of device memory
-    (bytes, "8GB", or a share of its weights like "25%"); returns ``(model, handle)``.
+    (bytes, "8GB", or a share of the device like "25%": NOTE [sizes]); returns ``(model, handle)``.
 
     The model is built on the meta device and each tensor is read from the files straight into
     its tiermem home (NOTE [reading a checkpoint], NOTE [weight source]): resident groups into

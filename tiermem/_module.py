@@ -1,6 +1,6 @@
 """Module-level adoption: a whole nn.Module in tiered memory, run within a device budget.
 
-    handle = tier.wrap_module(model, budget="25%")   # 25% of the model's weights stay resident
+    handle = tier.wrap_module(model, budget=weight_bytes(model) // 4)   # a quarter stays resident
     logits = model(ids)                                # no change inside the model
     print(handle.plan)
 
@@ -46,13 +46,15 @@ from ._errors import CheckpointError, ConfigError, DeviceFullError, TierMemError
 from ._limits import parse_bytes
 from ._disk import STAGES, DiskTier
 from ._load import FileTensor, Reader, host_bytes
+from ._stream import Lane, SlotRing, now
 from .roles import Evict, Location, Policy, Role
 
 if TYPE_CHECKING:
     from ._tensor import TieredTensor
     from ._engine import Engine as Tier   # what an adapter uses is the engine's interface
 
-__all__ = ["Plan", "plan_residency", "plan_host", "stay_home", "TieredModule", "wrap_module", "module_groups"]
+__all__ = ["Plan", "plan_residency", "plan_host", "stay_home", "TieredModule", "wrap_module", "module_groups",
+           "weight_bytes"]
 
 log = logging.getLogger("tiermem")
 
@@ -399,10 +401,9 @@ class _PinnedTransport:
         except BaseException:
             self.discard()
             raise
-        self.occupant: list[_Group | None] = [None] * self.nslots
-        self.ready: list[Any] = [None] * self.nslots
-        self.freed: list[Any] = [None] * self.nslots
-        self.loaded: list[tuple[int, ...] | None] = [None] * self.nslots   # versions when copied in
+        # A slot's ``held`` is its group's versions when copied in (NOTE [ordered copies] in _stream.py).
+        self.ring = SlotRing(self.window.ptr if self.window is not None else 0, self.slot_bytes, self.nslots)
+        self.lane = Lane(be, lambda: tier.side_stream("h2d"))
         self.slot_of: dict[int, int] = {}
         self.in_use: dict[int, tuple[int, ...]] = {}    # group -> versions when bound to its slot
         self.count = 0                 # streamed group uses so far: use c runs in slot c % nslots
@@ -440,39 +441,28 @@ class _PinnedTransport:
         """Queue ``g``'s copy into ``slot``; False (nothing queued) when ``g`` is on disk, not read
         yet, and ``wait`` is off."""
         from ._transfer import Transfer
-        tier, be = self.tier, self.tier.backend
+        tier = self.tier
         stage = None
         if g.on_disk:
             stage = self.disk.take(g, wait)
             if stage is None:
                 return False
         src = self.home.ptr + g.offset if stage is None else self.disk.stages[stage].ptr
-        side = tier.side_stream("h2d")
+        s = self.ring[slot]
         # The slot holds nothing from here until the copy is queued and its event recorded: a
         # failure in between must not leave the old occupant's name on new bytes (a later
         # forward would compute with them; tests/test_module_faults.py).
-        if self.occupant[slot] is not None:
-            self.slot_of.pop(id(self.occupant[slot]), None)
-        self.occupant[slot], self.loaded[slot] = None, None
-        if self.freed[slot] is not None:
-            be.wait(side, self.freed[slot])          # the slot's last user has finished with it
-        else:
-            dep = be.new_event()
-            be.record(dep, be.current_stream())
-            be.wait(side, dep)
-        start, end = be.new_event(timing=True), be.new_event(timing=True)
-        be.record(start, side)
-        be.copy(self.window.ptr + slot * self.slot_bytes, src, g.nbytes, side)
-        be.record(end, side)
+        old = self.ring.vacate(s)
+        if old is not None:
+            self.slot_of.pop(id(old), None)
+        start, end = self.ring.fill(self.lane, s, [(0, src, g.nbytes)], timed=True)
         if stage is not None:
             self.disk.give_back(stage, end)
-        tier.track(Transfer(tier, "h2d", side, start, end, [], g.nbytes, {self.role: g.nbytes}))
+        tier.track(Transfer(tier, "h2d", self.lane.stream, start, end, [], g.nbytes, {self.role: g.nbytes}))
         tier.accounting.on_move(self.role, "h2d", g.nbytes)
         tier.accounting.count(self.role, "prefetch_ops")
-        self.ready[slot] = end
-        self.occupant[slot] = g
+        s.occupant, s.held = g, _versions(g)
         self.slot_of[id(g)] = slot
-        self.loaded[slot] = _versions(g)
         return True
 
     def ensure(self, g: _Group) -> None:
@@ -480,10 +470,10 @@ class _PinnedTransport:
         self.count += 1
         now = _versions(g)
         # Not brought in ahead, or written at home since (an optimizer step between forwards).
-        if self.slot_of.get(id(g)) != slot or self.loaded[slot] != now:
+        if self.slot_of.get(id(g)) != slot or self.ring[slot].held != now:
             self._load(g, slot)
         be = self.tier.backend
-        be.wait(be.current_stream(), self.ready[slot])
+        be.wait(be.current_stream(), self.ring[slot].ready)
         for t, v, s in zip(g.tensors, self._views(g, slot), g.in_slot):
             if s:
                 t.data = v
@@ -492,7 +482,8 @@ class _PinnedTransport:
     def ahead(self, upcoming: list[_Group]) -> None:
         for d, g in enumerate(upcoming[: self.nslots - 1], start=0):
             slot = (self.count + d) % self.nslots
-            if self.occupant[slot] is g and self.slot_of.get(id(g)) == slot and self.loaded[slot] == _versions(g):
+            s = self.ring[slot]
+            if s.occupant is g and self.slot_of.get(id(g)) == slot and s.held == _versions(g):
                 continue
             self._load(g, slot, wait=False)     # a group still being read from disk comes in at ensure()
 
@@ -511,12 +502,8 @@ class _PinnedTransport:
             for t, h, old, new, s in zip(g.tensors, home, before, _versions(g), g.in_slot):
                 if old != new and s:
                     h.copy_(t.data)
-            done = be.new_event()
-            be.record(done, be.current_stream())
-            be.wait(self.tier.side_stream("h2d"), done)
-        ev = be.new_event()
-        be.record(ev, be.current_stream())
-        self.freed[slot] = ev
+            self.lane.after([now()])
+        self.ring.release(self.ring[slot], be)
         for t, v, s in zip(g.tensors, home, g.in_slot):
             if s:
                 t.data = v                           # back to its home: correct to read, zero-copy
@@ -661,7 +648,9 @@ class TieredModule:
                     check_tensor(tier, t)
         sizes = [(mname, sum(span_of(t) for _, t in own)) for mname, _, own in found]
         total = sum(n for _, n in sizes)
-        asked = total if budget is None else parse_bytes(budget, total=total, what="module budget", max_percent=100)
+        # NOTE [sizes] in _limits.py: a percentage is a share of the device, as everywhere.
+        asked = total if budget is None else parse_bytes(budget, total=tier.backend.capabilities().total_memory,
+                                                         what="module budget", max_percent=100)
         self.budget = self._within_device(asked, [t for _, _, own in found for _, t in own])
         self.plan = plan_residency(sizes, self.budget, lookahead, in_place=gathered_groups(module, found))
         self.lookahead = max(self.plan.lookahead, 1)
@@ -1037,6 +1026,13 @@ def span_bytes(nbytes: int) -> int:
     return member_span(nbytes)[0]
 
 
+def weight_bytes(module: Any) -> int:
+    """The bytes of ``module``'s parameters and buffers as wrap_module lays them out (each
+    tensor once, tied weights too): ``budget=weight_bytes(model) // 4`` keeps about a quarter of
+    them resident. Meta tensors count too, so a model built on the meta device can be sized."""
+    return sum(span_of(t) for _, _, own in module_groups(module) for _, t in own)
+
+
 def span_of(t: Any) -> int:
     return span_bytes(t.numel() * t.element_size())
 
@@ -1189,5 +1185,6 @@ def _wrap_from(tier: Tier, tensors: list[Any], sources: list[Any], names: list[s
 
 def wrap_module(tier: Tier, module: Any, budget: int | str | None = None, **kwargs: Any) -> TieredModule:
     """Adopt every parameter and buffer of ``module``; see :class:`TieredModule` and NOTE
-    [streaming plan]. ``budget`` is bytes, or a share of the module's weights like "25%"."""
+    [streaming plan]. ``budget`` is bytes, "8GB", or a share of the device like "25%" (NOTE [sizes]
+    in _limits.py); :func:`weight_bytes` sizes a share of the module's weights."""
     return TieredModule(tier, module, budget, **kwargs)

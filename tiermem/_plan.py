@@ -1,7 +1,7 @@
 """``python -m tiermem plan``: what wrap_module / load_pretrained would do with a model, on any machine.
 
     python -m tiermem plan path/to/checkpoint --budget 8GB --host-budget 16GB --disk-gbps 6
-    python -m tiermem plan llama hidden_size=4096 num_hidden_layers=32 --budget 25%
+    python -m tiermem plan llama hidden_size=4096 num_hidden_layers=32 --budget 25% --device-memory 80GB
 
 The model is built from its config with meta parameters (no weights, no GPU), grouped by
 module_groups, and planned by plan_residency and plan_host: the same functions, with the same
@@ -110,11 +110,12 @@ def load_config(model: str | os.PathLike, overrides: dict[str, Any] | None = Non
 def plan_model(model: str | os.PathLike | Any, budget: int | str, host_budget: int | str | None = None, *,
                link_GBps: float = LINK_GBPS, disk_GBps: float | None = None, tokens: int = 128,
                overrides: dict[str, Any] | None = None, dtype: Any = None, lookahead: int = LOOKAHEAD,
-               max_group_bytes: int = MAX_GROUP) -> ModelPlan:
+               max_group_bytes: int = MAX_GROUP, device_memory: int | str | None = None) -> ModelPlan:
     """The plan adoption makes for ``model`` (a checkpoint folder, a config.json, a model type with
     ``overrides``, or a transformers config) within ``budget`` device bytes and ``host_budget``
     pinned bytes, and its predicted prefill of ``tokens`` tokens and decode per token (seconds) at
-    ``link_GBps`` and ``disk_GBps``. Builds nothing real; needs no GPU."""
+    ``link_GBps`` and ``disk_GBps``. A percentage budget is a share of ``device_memory`` (the
+    GPU's total memory; NOTE [sizes] in _limits.py). Builds nothing real; needs no GPU."""
     import torch
     import transformers
     from ._load import Checkpoint, to_torch_dtype, config_dtype, empty_weights, model_weights
@@ -136,8 +137,8 @@ def plan_model(model: str | os.PathLike | Any, budget: int | str, host_budget: i
         m = transformers.AutoModelForCausalLM.from_config(cfg, dtype=want)
     found = module_groups(m, max_group_bytes)
     sizes = [(name, sum(span_of(t) for _, t in own)) for name, _, own in found]
-    total = sum(n for _, n in sizes)
-    plan = plan_residency(sizes, parse_bytes(budget, total=total, what="module budget"), lookahead,
+    device = None if device_memory is None else parse_bytes(device_memory, what="device memory")
+    plan = plan_residency(sizes, parse_bytes(budget, total=device, what="module budget", max_percent=100), lookahead,
                           in_place=gathered_groups(m, found))
     if host_budget is not None:
         # Every parameter is in the files byte for byte (as save_pretrained writes them), unless the
@@ -181,7 +182,10 @@ def add_parser(sub: Any) -> None:
                                      "time per token, for any transformers model (no GPU needed)")
     p.add_argument("model", nargs="+", help="a checkpoint folder, a config.json, or a model type followed by "
                                             "overrides like hidden_size=4096 num_hidden_layers=32")
-    p.add_argument("--budget", default="25%", help="device budget: bytes, '8GB', or a share of the weights like '25%%'")
+    p.add_argument("--budget", required=True, help="device budget: bytes, '8GB', or a share of the GPU like '25%%' "
+                                                   "(with --device-memory)")
+    p.add_argument("--device-memory", default=None, metavar="SIZE", help="the GPU's total memory, which a percentage "
+                                                                        "budget is a share of, e.g. 80GB")
     p.add_argument("--host-budget", default=None, help="pinned host memory allowed; the rest is read from disk")
     p.add_argument("--link-gbps", type=float, default=LINK_GBPS, help="pinned host-to-device rate, GB/s")
     p.add_argument("--disk-gbps", type=float, default=None, help=f"disk read rate, GB/s (default {DISK_GBPS:g})")
@@ -200,6 +204,6 @@ def run(args: Any) -> int:
             raise TierMemError(f"override {kv!r} is not field=value")
         overrides[k] = _value(v)
     mp = plan_model(args.model[0], args.budget, args.host_budget, link_GBps=args.link_gbps, disk_GBps=args.disk_gbps,
-                    tokens=args.tokens, overrides=overrides, dtype=args.dtype)
+                    tokens=args.tokens, overrides=overrides, dtype=args.dtype, device_memory=args.device_memory)
     print(mp.text(limit=args.groups))
     return 0

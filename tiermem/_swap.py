@@ -30,20 +30,16 @@ NOTE [activation swap]
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
+from ._stream import Lane, PinnedArena, now
 from .roles import Role
 
 if TYPE_CHECKING:
     from ._engine import Engine as Tier   # what an adapter uses is the engine's interface
 
 __all__ = ["ActivationSwap"]
-
-ALIGN = 512
-CHUNK_MIN = 256 << 20
-
 
 @dataclasses.dataclass(eq=False)
 class _Saved:
@@ -75,41 +71,6 @@ class _ParamRef(_Ref):
     pass
 
 
-class _Arena:
-    """Pinned host chunks, handed out bump-style once per step and reused every step."""
-
-    def __init__(self, tier: Tier):
-        self.tier = tier
-        self.chunks: list[Any] = []
-        self.at = (0, 0)          # (chunk, offset)
-
-    def reset(self) -> None:
-        self.at = (0, 0)
-
-    def take(self, nbytes: int, meter: Any = None) -> int:
-        n = -(-nbytes // ALIGN) * ALIGN
-        c, off = self.at
-        while c < len(self.chunks) and off + n > self.chunks[c].nbytes:
-            c, off = c + 1, 0
-        if c == len(self.chunks):
-            # Whole multiples of the chunk size, so that a later step or run of another batch
-            # size finds the same sizes cached in the pinned pool (cudaHostAlloc costs ~1 s/GB).
-            # The host waits for it: a wait of the step, not compute (NOTE [recompute plan]).
-            with meter.host() if meter is not None else contextlib.nullcontext():
-                self.chunks.append(self.tier.backend.host_alloc(-(-n // CHUNK_MIN) * CHUNK_MIN))
-        self.at = (c, off + n)
-        return self.chunks[c].ptr + off
-
-    @property
-    def nbytes(self) -> int:
-        return sum(ch.nbytes for ch in self.chunks)
-
-    def release(self) -> None:
-        for ch in self.chunks:
-            ch.release()
-        self.chunks = []
-
-
 class ActivationSwap:
     """The saved-tensor hooks of one training handle (NOTE [activation swap])."""
 
@@ -120,7 +81,9 @@ class ActivationSwap:
         self.fixed: set[int] = set()  # storage addresses of resident parameters: saved as they are
         self.min_swap = int(min_swap)
         self.window = int(window)
-        self.arena = _Arena(tier)
+        self.arena = PinnedArena(tier.backend)
+        self.out_lane = Lane(tier.backend, lambda: tier.side_stream("d2h"))
+        self.in_lane = Lane(tier.backend, lambda: tier.side_stream("h2d"))
         self.expect: dict[int, tuple[int, ...]] | None = None   # per segment, sizes in saving order
         self.keep: frozenset[tuple[int, int]] = frozenset()      # keys kept on the device
         self.recompute: frozenset[int] = frozenset()            # segments recomputed in backward
@@ -261,15 +224,10 @@ class ActivationSwap:
 
     # -- moves -------------------------------------------------------------------------------------
     def _out(self, s: _Saved, st: Any, ptr: int) -> None:
-        tier, be = self.tier, self.tier.backend
-        side = tier.side_stream("d2h")
-        dep = be.new_event()
-        be.record(dep, be.current_stream())
-        be.wait(side, dep)
-        s.host = self.arena.take(s.nbytes, self.meter)
-        be.copy(s.host, ptr, s.nbytes, side)
-        s.out_event = be.new_event()
-        be.record(s.out_event, side)
+        tier = self.tier
+        self.out_lane.after([now()])
+        s.host = self.arena.take(s.nbytes, self.meter.host() if self.meter is not None else None)
+        _, s.out_event = self.out_lane.run([(s.host, ptr, s.nbytes)], after=())
         s.storage = st                 # held until the copy is done (see _reap)
         self.out_q.append(s)
         self.out_bytes += s.nbytes
@@ -304,13 +262,7 @@ class ActivationSwap:
         # Allocated on the compute stream; the copy waits for that stream so the memory's last
         # user there is done, and the compute stream waits for the copy before reading it.
         s.dev = torch.empty(s.nbytes, dtype=torch.uint8, device=self.device)
-        side = tier.side_stream("h2d")
-        dep = be.new_event()
-        be.record(dep, cur)
-        be.wait(side, dep)
-        be.copy(s.dev.data_ptr(), s.host, s.nbytes, side)
-        s.in_event = be.new_event()
-        be.record(s.in_event, side)
+        _, s.in_event = self.in_lane.run([(s.dev.data_ptr(), s.host, s.nbytes)], after=[now(cur)])
         self.in_bytes += s.nbytes
         self.moved["h2d"] += s.nbytes
         tier.accounting.on_move(Role.ACTIVATION, "h2d", s.nbytes)

@@ -77,6 +77,7 @@ from ._limits import check_bytes, parse_bytes
 from ._meter import StallMeter
 from ._module import module_groups
 from ._recompute import Recompute
+from ._stream import Lane, Slot, SlotRing
 from ._swap import ActivationSwap
 from ._trainplan import LINK_GBPS, RECOMPUTE_MODES, SavedRecord, StepTrace, TrainPlan, plan_training
 from .roles import Evict, Location, Prefetch, Role
@@ -127,16 +128,10 @@ class _Block:
 
 
 @dataclasses.dataclass(eq=False)
-class _Slot:
-    index: int
-    ptr: int
-    occupant: _Block | None = None
+class _Slot(Slot):
+    """A slot of the training ring (NOTE [ordered copies] in _stream.py): its occupant is a block."""
     has_params: bool = False
     has_states: bool = False
-    ready: Any = None             # event: the fill is done
-    free: Any = None              # event: the last user (compute or write-back) is done
-    busy: bool = False
-    last: int = 0
 
 
 def check_options(budget: int | str, *, lookahead: int = 2, recompute: str = "auto",
@@ -297,7 +292,8 @@ class TieredTraining:
         self._backward = False
         self._got = set()
         self._written: list[_Block] = []
-        self._clock = 0
+        self._h2d = Lane(tier.backend, lambda: tier.side_stream("h2d"))   # fills of the slots
+        self._d2h = Lane(tier.backend, lambda: tier.side_stream("d2h"))   # write-backs home
         self.moved = {"h2d": 0, "d2h": 0}      # bytes moved in the last step
         self.last_peak = 0                     # torch's peak reserved bytes in the last step
         self.floor = 0                         # the traced step's peak, everything moving
@@ -362,14 +358,14 @@ class TieredTraining:
             if s.occupant is not None:
                 self._unbind_slot(s)
         self._slot_mem = None
-        self.slots: list[_Slot] = []
+        self.slots: SlotRing | list[_Slot] = []
         self._view_cache: dict[tuple[int, int], tuple[list, list, list]] = {}
         self.slot_bytes = _aligned(self._slot_bytes()) if any(not b.resident for b in self.blocks) else 0
         if not self.slot_bytes:
             return
         self._slot_mem = torch.empty(self.nslots * self.slot_bytes, dtype=torch.uint8, device=self.dev)
         base = self._slot_mem.data_ptr()
-        self.slots = [_Slot(i, base + i * self.slot_bytes) for i in range(self.nslots)]
+        self.slots = SlotRing(base, self.slot_bytes, self.nslots, make=_Slot)
 
     def _views(self, base: int, b: _Block, owner: Any, what: str) -> list[Any]:
         be = self.tier.backend
@@ -428,48 +424,34 @@ class TieredTraining:
         b.slot = None
         s.occupant, s.has_params, s.has_states = None, False, False
 
-    def _pick_slot(self, protect: set[int]) -> _Slot | None:
-        free = [s for s in self.slots if not s.busy and (s.occupant is None or s.occupant.index not in protect)]
-        if not free:
-            return None
-        return min(free, key=lambda s: (s.occupant is not None, s.last))
-
     def _fill(self, b: _Block, states: bool, protect: set[int]) -> bool:
         """Start bringing ``b`` (and, with ``states``, its optimizer states) into a slot on the H2D
         stream. Returns False when no slot is free."""
-        tier, be = self.tier, self.tier.backend
         s = b.slot
         if s is not None and s.has_params and (s.has_states or not states or not b.states):
             return True
         if s is None:
-            s = self._pick_slot(protect | {b.index})
+            s = self.slots.pick(lambda occ: occ.index in protect or occ is b)
             if s is None:
                 return False
             if s.occupant is not None:
                 self._unbind_slot(s)
             s.occupant, b.slot = b, s
-        side = tier.side_stream("h2d")
-        if s.free is not None:
-            be.wait(side, s.free)
-        else:
-            dep = be.new_event()
-            be.record(dep, be.current_stream())
-            be.wait(side, dep)
-        if b.home_ready is not None:
-            be.wait(side, b.home_ready)
+        parts, got = [], []
         if not s.has_params:
-            be.copy(s.ptr, b.home_p.ptr, b.p_bytes, side)
-            self._count("h2d", Role.WEIGHT, b.p_bytes)
-            s.has_params = True
+            parts.append((0, b.home_p.ptr, b.p_bytes))
+            got.append(("has_params", Role.WEIGHT, b.p_bytes))
         if states and b.states and not s.has_states:
             if b.p_bytes + b.g_bytes + b.s_bytes > self.slot_bytes:    # never copy past a slot's end
                 raise TierMemError(f"block {b.name} needs {b.p_bytes + b.g_bytes + b.s_bytes:,} bytes of slot, the "
                                    f"slots have {self.slot_bytes:,}: a tiermem bug, please report it")
-            be.copy(s.ptr + b.p_bytes + b.g_bytes, b.home_s.ptr, b.s_bytes, side)
-            self._count("h2d", Role.OPTIMIZER_STATE, b.s_bytes)
-            s.has_states = True
-        s.ready = be.new_event()
-        be.record(s.ready, side)
+            parts.append((b.p_bytes + b.g_bytes, b.home_s.ptr, b.s_bytes))
+            got.append(("has_states", Role.OPTIMIZER_STATE, b.s_bytes))
+        # After the slot's last user and the block's last write-back home (NOTE [ordered copies]).
+        self.slots.fill(self._h2d, s, parts, after=(b.home_ready,))
+        for what, role, n in got:
+            self._count("h2d", role, n)
+            setattr(s, what, True)
         return True
 
     def _ensure(self, b: _Block, states: bool, upcoming: list[int]) -> _Slot:
@@ -479,9 +461,7 @@ class TieredTraining:
         s = b.slot
         be = self.tier.backend
         self.meter.wait(be.current_stream(), s.ready)
-        s.busy = True
-        self._clock += 1
-        s.last = self._clock
+        self.slots.use(s)
         pv, gv, sv = self._slot_views(s, b)
         if b.params[0].data.data_ptr() != pv[0].data_ptr():
             for p, v in zip(b.params, pv):
@@ -547,10 +527,7 @@ class TieredTraining:
             self._seg.pop()
         torch = self.torch
         if not b.resident and b.slot is not None:
-            s = b.slot
-            s.busy = False
-            s.free = self.tier.backend.new_event()
-            self.tier.backend.record(s.free, self.tier.backend.current_stream())
+            self.slots.release(b.slot, self.tier.backend)
         if torch.is_grad_enabled():
             t = _first_grad_tensor(out)
             if t is not None:
@@ -622,28 +599,21 @@ class TieredTraining:
                 g["params"] = ps
 
     def _step_block(self, b: _Block) -> None:
-        tier, be = self.tier, self.tier.backend
         s = b.slot
         for p in b.trainable:
             if id(p) not in self._got:
                 p.grad = None     # no gradient reached it: the optimizer skips it, as it would resident
         self._opt_step(b.trainable)
         b.stepped = True
-        cur = be.current_stream()
         if not b.states and b.trainable:
             self._adopt_states(b)
-        side = tier.side_stream("d2h")
-        dep = be.new_event()
-        be.record(dep, cur)
-        be.wait(side, dep)
-        be.copy(b.home_p.ptr, s.ptr, b.p_bytes, side)
-        self._count("d2h", Role.WEIGHT, b.p_bytes)
+        parts = [(b.home_p.ptr, 0, b.p_bytes)]
         if b.states and s.has_states:
-            be.copy(b.home_s.ptr, s.ptr + b.p_bytes + b.g_bytes, b.s_bytes, side)
+            parts.append((b.home_s.ptr, b.p_bytes + b.g_bytes, b.s_bytes))
+        b.home_ready = self.slots.drain(self._d2h, s, parts)     # the write-back home frees the slot
+        self._count("d2h", Role.WEIGHT, b.p_bytes)
+        if len(parts) > 1:
             self._count("d2h", Role.OPTIMIZER_STATE, b.s_bytes)
-        done = be.new_event()
-        be.record(done, side)
-        b.home_ready = s.free = done
         self._written.append(b)
         for p in b.trainable:
             p.grad = None

@@ -42,7 +42,7 @@ from typing import Any, Protocol
 
 from . import _cuda
 from ._cuda import Capabilities, RangeInfo
-from ._errors import CapExceededError, CUDAError, CUDAOutOfMemoryError, CUDAUnavailableError, ViewError
+from ._errors import CapExceededError, ConfigError, CUDAError, CUDAOutOfMemoryError, CUDAUnavailableError, ViewError
 from ._limits import CapGuard, resolve_cap
 from .roles import Advice, Location
 
@@ -383,7 +383,7 @@ class FaultInjector:
         of that name (the disk tier's reader is "tiermem-disk", the caller's thread "MainThread"),
         so that a sweep over one thread's calls does not depend on how threads interleave."""
         if n < 1 or kind not in self.KINDS:
-            raise ValueError(f"fail_at(n >= 1, kind in {self.KINDS}), got ({n}, {kind!r})")
+            raise ConfigError(f"fail_at(n >= 1, kind in {self.KINDS}), got ({n}, {kind!r})")
         with self._lock:
             self._left, self._n, self._kind, self.fired, self.thread = n, n, kind, None, thread
 

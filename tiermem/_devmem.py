@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from ._errors import ConfigError
+
 KDL_CPU = 1
 
 
@@ -83,7 +85,7 @@ class HostMemory:
 
     def set_fraction(self, fraction: float) -> None:
         if not 0.0 <= fraction <= 1.0:
-            raise ValueError(f"a memory fraction is in [0, 1], got {fraction}")
+            raise ConfigError(f"a memory fraction is in [0, 1], got {fraction}")
         self._fraction = float(fraction)
 
 

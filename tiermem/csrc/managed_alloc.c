@@ -7,7 +7,7 @@
  * counters, and the registry of live allocations (a later budget enforcer reads it to pick
  * cold allocations to evict).
  *
- * Rules (shared/STYLE.md, lesson 6): nothing here may crash the process or unwind into torch.
+ * Rules: nothing here may crash the process or unwind into torch.
  * A failure is counted, logged to stderr once per kind, and tm_alloc returns NULL, which torch
  * turns into its own OutOfMemoryError. A failed advice or prefetch is only a hint lost: it is
  * counted and logged, and the memory is still returned. Every failed CUDA call is followed by

@@ -180,7 +180,7 @@ class FakeBackend:
     def pool_bytes(self) -> dict[str, int]:
         return {"used": self.guard.reserved, "cached": 0, "reserved": self.guard.reserved}
 
-    def host_alloc(self, nbytes: int) -> HostBlock:
+    def host_alloc(self, nbytes: int, pooled: bool = True) -> HostBlock:
         ptr, arr = self._new(nbytes, "pinned")
         self.calls.append(("host_alloc", nbytes))
         return _FakeHostBlock(self, ptr, nbytes, arr)

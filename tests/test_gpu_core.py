@@ -350,3 +350,34 @@ def test_info_reports_the_device():
     assert info(out) == 0
     text = out.getvalue()
     assert "concurrent_managed_access" in text and "device 0:" in text and "managed cap" in text
+
+
+def test_a_large_unpooled_host_block_is_registered_pinned_memory_the_gpu_reads_in_place(gtier):
+    """NOTE [pinned by registration]: pinned, mapped at its host address, read and written by the
+    GPU in place and by copies at its address, and unpinned when released."""
+    import ctypes
+
+    import torch
+    from tiermem import _cuda
+    be = gtier.backend
+    n = 80 * MiB
+    b = be.host_alloc(n, pooled=False)
+    assert _cuda.pointer_kind(b.ptr) == "host"
+    src = _rand_bytes(n)
+    view = be.torch_view(b.ptr, n, b)          # the GPU's view of the host pages, zero-copy
+    view.copy_(src)
+    torch.cuda.synchronize()
+    host = (ctypes.c_ubyte * n).from_address(b.ptr)
+    assert bytes(host[n - 4096:]) == bytes(src[n - 4096:].cpu().numpy())
+    back = torch.empty(n, dtype=torch.uint8, device="cuda")
+    be.copy(back.data_ptr(), b.ptr, n, torch.cuda.current_stream().cuda_stream)
+    torch.cuda.synchronize()
+    assert torch.equal(back, src)
+    small = be.host_alloc(MiB, pooled=False)   # small blocks keep the pool
+    assert _cuda.pointer_kind(small.ptr) == "host"
+    small.release()
+    ptr = b.ptr
+    del view, host
+    b.release()
+    gc.collect()
+    assert _cuda.pointer_kind(ptr) == "unregistered"

@@ -166,7 +166,7 @@ def saved(tmp_path_factory):
 @pytest.mark.parametrize("which", ["one", "shards"])
 def test_load_pretrained_gives_the_models_logits_and_tokens(tier, fake, saved, which, monkeypatch):
     import tiermem._module
-    monkeypatch.setattr(tiermem._module, "FILL_CHUNK", 1000)   # resident tensors read in many pieces
+    monkeypatch.setattr(tiermem._module, "FILL_CHUNK", 1000)   # resident tensors read in many pieces, two buffers in turn
     ref, one, shards = saved
     ids = torch.randint(0, 512, (1, 12), generator=torch.Generator().manual_seed(1))
     model, h = load_pretrained(one if which == "one" else shards, budget=checkpoint_share(one if which == "one" else shards, 30), tier=tier, max_group_bytes=300_000)

@@ -35,6 +35,7 @@ NOTE [discard fence]
 """
 from __future__ import annotations
 
+import os
 import sys
 import threading
 from collections.abc import Sequence
@@ -52,6 +53,8 @@ __all__ = ["Backend", "Block", "HostBlock", "CudaBackend", "LARGE", "round_reque
 LARGE = 2 << 20      # see NOTE [size classes]
 SMALL_ALIGN = 512    # CuPy's own rounding
 PAGE = 4096
+HOST_REGISTER_MIN = 64 << 20   # pinned blocks from this size are made by registration
+HOST_THREADS = min(8, os.cpu_count() or 1)
 
 
 def round_request(nbytes: int) -> tuple[int, str]:
@@ -95,7 +98,7 @@ class Backend(Protocol):
     def allocate(self, nbytes: int, pool_key: str) -> Block: ...
     def release_cached(self) -> int: ...
     def pool_bytes(self) -> dict[str, int]: ...
-    def host_alloc(self, nbytes: int) -> HostBlock: ...
+    def host_alloc(self, nbytes: int, pooled: bool = True) -> HostBlock: ...
     def device_alloc(self, nbytes: int, pooled: bool = True) -> Block: ...
     def advise(self, ptr: int, nbytes: int, advice: Advice) -> None: ...
     def prefetch(self, ranges: Sequence[tuple[int, int]], location: Location, stream: int) -> None: ...
@@ -235,7 +238,16 @@ class CudaBackend:
         total = sum(p.total_bytes() for p in pools.values())
         return {"used": used, "cached": total - used, "reserved": total}
 
-    def host_alloc(self, nbytes: int) -> HostBlock:
+    def host_alloc(self, nbytes: int, pooled: bool = True) -> HostBlock:
+        """Pinned host memory from CuPy's pinned pool, which keeps it for reuse when released; or,
+        with ``pooled=False``, for memory that lives long (a module's or a training's home), a
+        large block made by registration, ~8x faster to get than from cudaHostAlloc and given
+        back to the host when released (NOTE [pinned by registration])."""
+        if not pooled and nbytes >= HOST_REGISTER_MIN:
+            with self._cupy.cuda.Device(self.device):
+                reg = _cuda.host_register(nbytes, threads=HOST_THREADS)
+            if reg is not None:
+                return HostBlock(reg.ptr, nbytes, "pinned", reg)
         mp = self._pinned.malloc(nbytes)
         return HostBlock(mp.ptr, nbytes, "pinned", mp)
 

@@ -84,7 +84,7 @@ class DiskTier:
         self._thread: threading.Thread | None = None
         try:
             for _ in range(stages):
-                self.stages.append(backend.host_alloc(self.stage_bytes))
+                self.stages.append(backend.host_alloc(self.stage_bytes, pooled=False))
                 self._fence.append(None)
         except BaseException:
             self.close()

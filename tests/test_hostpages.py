@@ -1,0 +1,51 @@
+"""Anonymous host pages made resident on several threads (tiermem/_hostpages.py), the memory a
+large pinned block is registered from (NOTE [pinned by registration]). OS calls only: no GPU."""
+from __future__ import annotations
+
+import ctypes
+import os
+
+import pytest
+
+from tiermem import _hostpages
+
+pytestmark = pytest.mark.skipif(not _hostpages.available(), reason="needs anonymous mappings (Linux)")
+
+MiB = 1 << 20
+
+
+def _rss_kb() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1])
+    pytest.skip("no RssAnon in /proc/self/status")
+
+
+@pytest.mark.parametrize("nbytes,threads", [(4096, 8), (3 * MiB + 123, 1), (64 * MiB + 4096, 8), (48 * MiB, 3)])
+def test_pages_are_zeroed_resident_writable_and_given_back(nbytes, threads):
+    before = _rss_kb()
+    ptr = _hostpages.map_pages(nbytes, threads)
+    try:
+        assert ptr % 4096 == 0
+        if nbytes >= 32 * MiB:
+            assert _rss_kb() - before >= 0.9 * nbytes / 1024     # written, so resident already
+        view = (ctypes.c_ubyte * nbytes).from_address(ptr)
+        assert bytes(view[:4096]) == bytes(4096) and bytes(view[nbytes - 4096:]) == bytes(4096)
+        pattern = os.urandom(4096)
+        ctypes.memmove(ptr + nbytes - 4096, pattern, 4096)
+        assert bytes(view[nbytes - 4096:]) == pattern
+    finally:
+        _hostpages.unmap_pages(ptr, nbytes)
+    if nbytes >= 32 * MiB:
+        assert _rss_kb() - before < 0.1 * nbytes / 1024
+
+
+def test_a_mapping_the_kernel_refuses_is_a_memory_error():
+    with pytest.raises(MemoryError, match="mmap of"):
+        _hostpages.map_pages(1 << 62)
+
+
+def test_unmapping_a_bad_address_raises():
+    with pytest.raises(OSError):
+        _hostpages.unmap_pages(4097, 4096)     # not page-aligned: EINVAL

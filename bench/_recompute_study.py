@@ -97,7 +97,7 @@ def study(kit, torch, tiermem, name, build, blocks_of, loss_fn, batches, a, rate
         free()
     rate = min(rates["h2d"], rates["d2h"])
     runs = {}
-    for ratio in RATIOS:
+    for ratio in a.ratios:
         budget = int(footprint / ratio)
         for mode in ("never", "auto"):
             full = ratio == 2.5 and mode == "auto"
@@ -130,7 +130,7 @@ def study(kit, torch, tiermem, name, build, blocks_of, loss_fn, batches, a, rate
         f"{name}_resident_ms": round(resident_ms, 2),
         f"{name}_resident_peak_reserved_bytes": resident_peak,
         **{f"{name}_{k}_ms": round(v, 2) for k, v in peers.items() if k != "resident"},
-        **{f"{name}_{mode}_{ratio:g}_ms": round(runs[(ratio, mode)]["step_ms"], 2) for ratio in RATIOS
+        **{f"{name}_{mode}_{ratio:g}_ms": round(runs[(ratio, mode)]["step_ms"], 2) for ratio in a.ratios
            for mode in ("never", "auto")},
         f"{name}_step_over_resident": round(main["step_ms"] / resident_ms, 3),
         f"{name}_swap_only_over_resident": round(runs[(2.5, "never")]["step_ms"] / resident_ms, 3),
@@ -141,6 +141,27 @@ def study(kit, torch, tiermem, name, build, blocks_of, loss_fn, batches, a, rate
         f"{name}_bytes_moved_per_state_byte": round(main["moved"] / footprint, 3),
         f"{name}_swap_only_bytes_moved_per_state_byte": round(runs[(2.5, "never")]["moved"] / footprint, 3),
     })
+    if a.bf16_states:
+        # NOTE [bf16 moments]: the same plan with the moments held and moved as bf16; its losses
+        # are close to resident's, not equal, so they are compared by their largest relative gap
+        budget = int(footprint / 2.5)
+        r, info = tiermem_run(torch, tiermem, build, loss_fn, batches, budget, f"{name} 1/2.5 auto bf16 states",
+                              block_bytes=a.block4_mib * MiB, recompute="auto", link_GBps=rate,
+                              state_dtype=torch.bfloat16)
+        meas, mv = r.median_ms(skip=SETTLE), r.moved[-1]
+        gap = max(abs(x - y) / abs(y) for x, y in zip(r.loss_values(), want))
+        runs[(2.5, "auto_bf16")] = {"step_ms": meas, "predicted_ms": info["predicted_ms"],
+                                    "moved": mv["h2d"] + mv["d2h"], "peak": info["resident_peak_bytes"],
+                                    "budget": budget, "recomputed": info["recomputed"], "kind": info["kind"],
+                                    "losses_equal": r.loss_values() == want, "loss_max_rel_gap": gap}
+        raw[f"{name}_2.5_auto_bf16"] = dict(runs[(2.5, "auto_bf16")], plan=info["plan"], checked=info["measured"])
+        progress(f"  {name} 1/2.5 auto, bf16 states: {meas:.1f} ms (predicted {info['predicted_ms']:.1f}), "
+                 f"largest loss gap {gap:.2e}")
+        m.update({f"{name}_bf16_states_2_5_ms": round(meas, 2),
+                  f"{name}_bf16_states_over_resident": round(meas / resident_ms, 3),
+                  f"{name}_bf16_states_bytes_moved_per_state_byte": round((mv["h2d"] + mv["d2h"]) / footprint, 3),
+                  f"{name}_bf16_states_loss_max_rel_gap": gap,
+                  f"{name}_fsdp_offload_over_bf16_states": round(peers["fsdp_offload"] / meas, 3)})
     out["checks"][f"{name}_losses_equal_resident"] = main["losses_equal"]
     out["checks"][f"{name}_resident_within_budget"] = all(v["peak"] <= v["budget"] for v in runs.values())
     return runs, peers
@@ -183,10 +204,13 @@ def plot4(out, path):
     fig, axes = plt.subplots(1, len(runs), figsize=(6 * len(runs), 4), squeeze=False)
     for ax, (name, r) in zip(axes[0], runs.items()):
         peers = r["peers"]
+        ratios = [x for x in RATIOS if f"{x:g}_never" in r]
         for mode, style in (("never", "s--"), ("auto", "o-")):
-            xs = [1 / ratio for ratio in RATIOS]
-            ys = [r[f"{ratio:g}_{mode}"]["step_ms"] for ratio in RATIOS]
+            xs = [1 / ratio for ratio in ratios]
+            ys = [r[f"{ratio:g}_{mode}"]["step_ms"] for ratio in ratios]
             ax.plot(xs, ys, style, label=f"tiermem {'swap only' if mode == 'never' else 'keep/swap/recompute'}")
+        if "2.5_auto_bf16" in r:
+            ax.plot([1 / 2.5], [r["2.5_auto_bf16"]["step_ms"]], "D", color="k", label="tiermem, bf16 moments")
         for label, color in (("resident", "g"), ("checkpoint", "c"), ("save_on_cpu", "r"), ("fsdp_offload", "m")):
             ax.axhline(peers[label], color=color, ls=":", label=f"{label} (no budget)")
         ax.set_xlabel("budget / training state")

@@ -457,7 +457,12 @@ def main():
     p.add_argument("--quick", action="store_true", help="small sizes: a smoke run in about a minute")
     p.add_argument("--only", default="1234", help="parts to run: 1 budget, 2 in capacity, 3 batch study, "
                    "4 keep/swap/recompute study")
+    p.add_argument("--ratios", default="1.5,2.5,4", help="part 4's budgets, as fractions 1/x of the training "
+                   "state (2.5 must be among them)")
+    p.add_argument("--bf16-states", action="store_true", help="part 4 also runs the 1/2.5 plan with "
+                   "state_dtype=torch.bfloat16 (NOTE [bf16 moments])")
     a = p.parse_args()
+    a.ratios = tuple(float(x) for x in a.ratios.split(","))
     big = dict(vocab=8192, seq=512, d=1024, layers=16, heads=16, batch=4, ratio=2.5, steps=30, soc_steps=8,
                block_mib=16, sweep=[0.6, 0.8, 1.0], sweep_steps=8, cap_steps=10, capacity_budget=30 * GiB,
                study_gib=3.0, study_start=8, study_limit=512, study_steps=4, small_d=768, small_layers=8,

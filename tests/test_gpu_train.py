@@ -215,3 +215,47 @@ def test_a_second_backward_in_one_step_is_refused_clearly():
             _loss(model, ids).backward()
             _loss(model, ids).backward()
     _cleanup(tier, train)
+
+
+def test_bf16_moments_stay_close_to_the_resident_losses_and_move_half_the_state_bytes():
+    """NOTE [bf16 moments]: streamed blocks' AdamW moments held and moved as bf16 (rounded
+    stochastically, stepped in fp32). A CPU emulation of this run (fp32 AdamW, its moments rounded
+    to bf16 after every step) stayed within 2e-6 of the fp32 losses over the 30 steps."""
+    torch = _setup()
+    from tiermem.models import GPTConfig
+    from tiermem.roles import Role
+    batches = _batches(GPTConfig(**CFG), 30)
+    want, _ = _resident_losses(batches)
+    _cleanup()
+    tier, model, opt, train, c = _tiered(BUDGET, state_dtype=torch.bfloat16)
+    counted = []                      # optimizer-state bytes of each crossing of the link
+    count = train._count
+
+    def spy(direction, role, n):
+        if role is Role.OPTIMIZER_STATE:
+            counted.append(n)
+        count(direction, role, n)
+    train._count = spy
+    rng = torch.cuda.get_rng_state()
+    got, peaks = _train_losses(train, model, batches)
+    assert torch.equal(torch.cuda.get_rng_state(), rng)        # the rounding draws from its own generator
+    plan = train.plan
+    print(plan.table())
+    assert max(abs(a - b) / abs(b) for a, b in zip(got, want)) < 2e-4, (got, want)
+    assert max(peaks) <= BUDGET, (max(peaks), BUDGET)
+    streamed = [b for b in train.blocks if not b.resident and b.states]
+    assert streamed and plan.swapped_bytes > 0
+    for b in train.blocks:
+        # every state of this model is a whole number of 128 elements: bf16 is exactly half
+        assert 2 * b.s_bytes == b.s_full
+        want_dtype = torch.float32 if b.resident else torch.bfloat16
+        assert all(opt.state[p][key].dtype == want_dtype for p, key, _ in b.states), b.name
+    assert plan.block_state_moved_bytes == tuple(n // 2 for n in plan.block_state_bytes)
+    assert counted and set(counted) <= {b.s_full // 2 for b in train.blocks if b.states}
+    s = tier.stats()
+    assert s["moved_bytes.optimizer_state.h2d"] > 0 and s["moved_bytes.optimizer_state.d2h"] > 0
+    train.unwrap()
+    for st in opt.state.values():
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert st[key].dtype == torch.float32 and st[key].is_cuda
+    _cleanup(tier)

@@ -61,6 +61,33 @@ NOTE [measured choice]
     recomputing everywhere (planned again from the blocks now resident, if that still fits).
     ``train.plan.measured`` keeps both times (``checked_ms``, ``probe_ms``). The probe is timed
     with the meter on, which only makes the model's plan likelier to stay.
+
+NOTE [bf16 moments]
+    A streamed parameter with fp32 AdamW moves 28 bytes a step (NOTE [training plan]), 16 of
+    them its two moments. ``state_dtype=torch.bfloat16`` holds a streamed block's fp32 optimizer
+    states as bf16 in its pinned home and in its slot, so they cross the link as half the bytes
+    both ways (20 bytes a parameter). The arithmetic stays fp32: inside the block's step its
+    slot's bf16 states are widened into fp32 temporaries from torch's allocator, the optimizer
+    steps those, and they are narrowed back into the slot before the write-back home is queued.
+    The traced step's peak already holds one block's fp32 states at a time (the optimizer makes
+    them there), so the plan's floor covers the temporaries.
+
+    Narrowing rounds stochastically. bf16 keeps 8 bits of mantissa: round-to-nearest drops every
+    change below 2^-9 of a value, and exp_avg_sq changes by (1 - beta2) = 1e-3 of itself a step,
+    so it would stop moving. Rounding up with the probability of the fraction cut off keeps the
+    expected value the fp32 one (:func:`round_stochastic`: uniform random 16 bits added to the
+    fp32 bit pattern, the low 16 then cleared; a few ops on the device). The bits come from a
+    generator the handle owns (``train.rounding``, seeded with ROUND_SEED): the caller's RNG
+    stream (dropout's masks) is never advanced, runs repeat, and data-parallel replicas round
+    alike and stay equal.
+
+    What does not move keeps its dtype: parameters, gradients, resident blocks' states (widened
+    back to fp32 when a block becomes resident), states that are not fp32, and "step". Between
+    steps ``opt.state[p][key]`` is the bf16 view of the home (or slot), as it is a view of them
+    without the option: ``opt.state_dict()`` saves bf16 moments, which a plain optimizer's
+    ``load_state_dict`` casts to the parameter's dtype, and ``unwrap()`` gives fp32 states back.
+    Off by default: the moments lose bits each step, so the losses are close to the resident
+    run's (tests/test_gpu_train.py), no longer bitwise equal to them.
 """
 from __future__ import annotations
 
@@ -95,6 +122,7 @@ RESIDENT_STEP_BYTES = 64 << 20   # parameter bytes per optimizer call for reside
 PROBE_STEPS = 2     # steps under the probe's plan; the last is metered (NOTE [measured choice])
 VERIFY_STEPS = 2    # steps under the plan made after it; the last is timed against the probe
 VERIFY_SLACK = 0.02
+ROUND_SEED = 0x7E57        # the stochastic rounding's generator (NOTE [bf16 moments])
 
 
 def _aligned(n: int) -> int:
@@ -113,7 +141,10 @@ class _Block:
     g_off: list[int] = dataclasses.field(default_factory=list)
     g_bytes: int = 0
     states: list[tuple[Any, str, int]] = dataclasses.field(default_factory=list)   # (param, key, offset)
-    s_bytes: int = 0
+    s_dtypes: list[tuple[Any, Any]] = dataclasses.field(default_factory=list)   # per state: (the optimizer's
+                                  # dtype, the one held at home and in a slot); NOTE [bf16 moments]
+    s_bytes: int = 0              # states' bytes at home and in a slot: what moves
+    s_full: int = 0               # the same at the optimizer's dtypes: what a resident block keeps
     home_p: Any = None
     home_s: Any = None
     home_views: list[Any] = dataclasses.field(default_factory=list)
@@ -135,10 +166,10 @@ class _Slot(Slot):
 
 
 def check_options(budget: int | str, *, lookahead: int = 2, recompute: str = "auto",
-                  link_GBps: float | None = None, **_: Any) -> None:
-    """Raise :class:`ConfigError` for a bad budget, lookahead, recompute or link rate of
-    :func:`wrap_training`. Needs no GPU, so tiermem.wrap_training checks them before it looks for
-    one; it takes all of wrap_training's options, and the others are checked where they are used."""
+                  link_GBps: float | None = None, state_dtype: Any = None, **_: Any) -> None:
+    """Raise :class:`ConfigError` for a bad budget, lookahead, recompute, link rate or state dtype
+    of :func:`wrap_training`. Needs no GPU, so tiermem.wrap_training checks them before it looks
+    for one; it takes all of wrap_training's options, and the others are checked where they are used."""
     check_bytes(budget, what="training budget", max_percent=100, positive=True)
     if isinstance(lookahead, bool) or not isinstance(lookahead, int):
         raise ConfigTypeError(f"lookahead must be an int, got {lookahead!r}")
@@ -149,6 +180,17 @@ def check_options(budget: int | str, *, lookahead: int = 2, recompute: str = "au
     if link_GBps is not None and (isinstance(link_GBps, bool) or not isinstance(link_GBps, (int, float))
                                   or not link_GBps > 0):
         raise ConfigError(f"link_GBps must be a positive number of GB/s, got {link_GBps!r}")
+    _state_dtype(state_dtype)
+
+
+def _state_dtype(state_dtype: Any) -> Any:
+    """The torch dtype ``state_dtype`` names (None: states keep their own); ConfigError if bad."""
+    if state_dtype is None:
+        return None
+    import torch
+    if state_dtype is torch.bfloat16 or (isinstance(state_dtype, str) and state_dtype == "bfloat16"):
+        return torch.bfloat16
+    raise ConfigError(f"state_dtype must be None, torch.bfloat16 or \"bfloat16\", got {state_dtype!r}")
 
 
 class TieredTraining:
@@ -161,16 +203,20 @@ class TieredTraining:
     the plan leaves free (default budget/8). ``recompute``: "auto" lets the plan choose per block
     between keeping, swapping and recomputing its activations (NOTE [recompute plan]), "never"
     keeps or swaps only, "always" recomputes every block it can. ``link_GBps``: the link's rate
-    each way that the plan assumes (default 55, the H100 machine's).
+    each way that the plan assumes (default 55, the H100 machine's). ``state_dtype``: None (the
+    default) keeps optimizer states as the optimizer made them; ``torch.bfloat16`` (or
+    "bfloat16") holds streamed blocks' fp32 states as bf16 at home and over the link, rounded
+    stochastically, stepped in fp32 (NOTE [bf16 moments]).
     """
 
     def __init__(self, tier: Tier, model: Any, optimizer: Any, budget: int | str, *, lookahead: int = 2,
                  min_swap: int = 1 << 20, window: int | None = None, swap: bool = True,
                  block_bytes: int = BLOCK_BYTES, margin: int | None = None, process_group: Any = None,
-                 recompute: str = "auto", link_GBps: float | None = None):
+                 recompute: str = "auto", link_GBps: float | None = None, state_dtype: Any = None):
         import torch
         self.torch = torch
-        check_options(budget, lookahead=lookahead, recompute=recompute, link_GBps=link_GBps)
+        check_options(budget, lookahead=lookahead, recompute=recompute, link_GBps=link_GBps, state_dtype=state_dtype)
+        self.state_dtype = _state_dtype(state_dtype)
         self.recompute_mode = recompute if swap else "never"
         self.link_GBps = float(link_GBps) if link_GBps is not None else LINK_GBPS
         if getattr(model, "_tiermem_handle", None) is not None:
@@ -183,6 +229,9 @@ class TieredTraining:
         self.total = total
         self.mem = device_memory(torch, be, tier.device)     # NOTE [device memory]
         self.dev = self.mem.device
+        # NOTE [bf16 moments]: its own generator, so the caller's RNG stream is never advanced
+        self.rounding = (torch.Generator(device=self.dev).manual_seed(ROUND_SEED)
+                         if self.state_dtype is not None else None)
         self.margin = margin
         in_opt = {id(p) for g in optimizer.param_groups for p in g["params"]}
         self.blocks: list[_Block] = []
@@ -238,7 +287,7 @@ class TieredTraining:
         self.mem.synchronize()
         with torch.no_grad():
             for b in self.blocks:
-                b.home_p = be.host_alloc(b.p_bytes)
+                b.home_p = be.host_alloc(b.p_bytes, pooled=False)
                 b.home_views = self._views(b.home_p.ptr, b, b.home_p, "p")
                 for p, v in zip(b.params, b.home_views):
                     v.copy_(p.data)
@@ -371,14 +420,14 @@ class TieredTraining:
         be = self.tier.backend
         out = []
         if what == "p":
-            items = [(p, o) for p, o in zip(b.params, b.p_off)]
+            items = [(p, p.dtype, o) for p, o in zip(b.params, b.p_off)]
         elif what == "g":
-            items = [(p, o) for p, o in zip(b.trainable, b.g_off)]
+            items = [(p, p.dtype, o) for p, o in zip(b.trainable, b.g_off)]
         else:
-            items = [(p, o) for p, _, o in b.states]
-        for p, o in items:
-            n = p.numel() * p.element_size()
-            out.append(be.torch_view(base + o, n, owner).view(p.dtype).view(p.shape))
+            items = [(p, held, o) for (p, _, o), (_, held) in zip(b.states, b.s_dtypes)]
+        for p, dt, o in items:
+            n = p.numel() * dt.itemsize
+            out.append(be.torch_view(base + o, n, owner).view(dt).view(p.shape))
         return out
 
     def _slot_views(self, s: _Slot, b: _Block) -> tuple[list, list, list]:
@@ -603,7 +652,15 @@ class TieredTraining:
         for p in b.trainable:
             if id(p) not in self._got:
                 p.grad = None     # no gradient reached it: the optimizer skips it, as it would resident
-        self._opt_step(b.trainable)
+        sv = self._slot_views(s, b)[2] if self.state_dtype is not None and s.has_states else []
+        try:
+            narrow = self._widen(b, sv)
+            self._opt_step(b.trainable)
+            for (p, key, _), v in narrow:
+                round_stochastic(self.opt.state[p][key], v, self.rounding)
+        finally:
+            if sv:
+                self._bind_states(b, sv)     # the slot's bf16 states again, stepped or not
         b.stepped = True
         if not b.states and b.trainable:
             self._adopt_states(b)
@@ -619,34 +676,55 @@ class TieredTraining:
             p.grad = None
         s.busy = False
 
+    def _widen(self, b: _Block, views: list[Any]) -> list[tuple[tuple[Any, str, int], Any]]:
+        """Point the optimizer at fp32 copies of the block's narrowed slot states ``views`` for its
+        step (NOTE [bf16 moments]); returns (state, slot view) of each to narrow back after it."""
+        out = []
+        for st, (dt, held), v in zip(b.states, b.s_dtypes, views):
+            if dt != held:
+                self.opt.state[st[0]][st[1]] = v.to(dt)
+                out.append((st, v))
+        return out
+
     def _adopt_states(self, b: _Block) -> None:
         """The optimizer made its state tensors on the first step: give them a pinned home."""
         torch = self.torch
-        off, states = 0, []
+        off, full, states, dtypes = 0, 0, [], []
         for p in b.trainable:
             for key, v in self.opt.state[p].items():
                 if torch.is_tensor(v) and v.device == self.dev and v.shape == p.shape and v.dtype.is_floating_point:
+                    # "step" keeps its dtype as torch's load_state_dict keeps it (a fused
+                    # AdamW's is an fp32 tensor, with a 0-d parameter's shape)
+                    narrow = self.state_dtype is not None and v.dtype == torch.float32 and key != "step"
+                    held = self.state_dtype if narrow else v.dtype
                     states.append((p, key, off))
-                    off += _aligned(v.numel() * v.element_size())
+                    dtypes.append((v.dtype, held))
+                    off += _aligned(v.numel() * held.itemsize)
+                    full += _aligned(v.numel() * v.element_size())
         if not off:
             return
         # All or nothing: a block whose states are half adopted would read a home never written
         # (tests/test_train_faults.py found NaN losses after a failed view here).
         with self.meter.host():             # a pinned allocation: the step waits, it does not compute
-            self._adopt_states_into(b, states, off)
+            self._adopt_states_into(b, states, dtypes, off)
+        b.s_full = full
 
-    def _adopt_states_into(self, b: _Block, states: list[tuple[Any, str, int]], off: int) -> None:
+    def _adopt_states_into(self, b: _Block, states: list[tuple[Any, str, int]], dtypes: list[tuple[Any, Any]],
+                           off: int) -> None:
         torch = self.torch
-        home = self.tier.backend.host_alloc(off)
+        home = self.tier.backend.host_alloc(off, pooled=False)
         try:
-            b.states = states
+            b.states, b.s_dtypes = states, dtypes
             views = self._views(home.ptr, b, home, "s")
             with torch.no_grad():
-                for (p, key, _), hv in zip(states, views):
-                    hv.copy_(self.opt.state[p][key])
+                for (p, key, _), (dt, held), hv in zip(states, dtypes, views):
+                    if dt != held:
+                        round_stochastic(self.opt.state[p][key], hv, self.rounding)
+                    else:
+                        hv.copy_(self.opt.state[p][key])
             self.mem.sync_current()
         except BaseException:
-            b.states = []
+            b.states, b.s_dtypes = [], []
             home.release()
             raise
         b.s_bytes, b.home_s, b.home_state_views = off, home, views
@@ -840,11 +918,12 @@ class TieredTraining:
         floor += self.nslots * max(new_slot - old_slot, 0)     # the slots grow to hold states
         old = self.trace
         self.trace = StepTrace(saved, tuple(b.p_bytes for b in self.blocks),
-                               tuple(b.s_bytes for b in self.blocks), floor,
+                               tuple(b.s_full for b in self.blocks), floor,
                                frozenset(b.index for b in self.blocks if b.resident),
                                block_fwd_ms=tuple(max(x, 0.0) for x in per), recomputable=recomputable,
                                boundary_bytes=tuple(self._boundary.get(b.index, (0, 0))[0] for b in self.blocks),
-                               fwd_ms=fwd, bwd_ms=bwd, block_names=tuple(b.name for b in self.blocks))
+                               fwd_ms=fwd, bwd_ms=bwd, block_names=tuple(b.name for b in self.blocks),
+                               block_state_moved_bytes=tuple(b.s_bytes for b in self.blocks))
         if old is not None and old.key == self.trace.key and self.plan is not None and self.plan.recompute:
             # The same shapes diverged under a plan that recomputed: recomputing moved saves
             # from one segment to another. Plan without it from now on.
@@ -976,12 +1055,13 @@ class TieredTraining:
             spol = tier.policies[Role.OPTIMIZER_STATE].replace(preferred_location=Location.DEVICE,
                                                                accessed_by_device=False, evict=Evict.NEVER,
                                                                prefetch=Prefetch.NEVER)
-            specs = [(tuple(p.shape), p.dtype) for p, _, _ in b.states]
+            # at the optimizer's dtypes: what does not move is not narrowed (NOTE [bf16 moments])
+            specs = [(tuple(p.shape), dt) for (p, _, _), (dt, _) in zip(b.states, b.s_dtypes)]
             tts = tier.empty_group([(sh, str(dt).replace("torch.", "")) for sh, dt in specs],
                                    role=Role.OPTIMIZER_STATE, policy=spol)
             with torch.no_grad():
-                for (p, key, _), tt, hv in zip(b.states, tts, b.home_state_views):
-                    v = tt.torch().view(p.dtype).view(p.shape)
+                for (p, key, _), (dt, _), tt, hv in zip(b.states, b.s_dtypes, tts, b.home_state_views):
+                    v = tt.torch().view(dt).view(p.shape)
                     v.copy_(hv)
                     views.append(v)
         olds = [p.data.untyped_storage().data_ptr() for p in b.params]
@@ -1036,7 +1116,8 @@ class TieredTraining:
             with torch.no_grad():
                 plains = [(p, torch.empty(p.shape, dtype=p.dtype, device=self.dev).copy_(p.data))
                           for b in self.blocks for p in b.params]
-                states = [(p, key, self.opt.state[p][key].clone()) for b in self.blocks for p, key, _ in b.states]
+                states = [(p, key, self.opt.state[p][key].to(dt, copy=True))     # NOTE [bf16 moments]
+                          for b in self.blocks for (p, key, _), (dt, _) in zip(b.states, b.s_dtypes)]
             self.mem.synchronize()
         except BaseException:
             self.mem.set_fraction(cap)
@@ -1077,6 +1158,18 @@ class TieredTraining:
     def __repr__(self) -> str:
         plan = self.plan.table() if self.plan is not None else "not planned yet (the first step is traced)"
         return f"<TieredTraining {type(self.model).__name__}, {len(self.blocks)} blocks: {plan}>"
+
+
+def round_stochastic(x: Any, out: Any, generator: Any) -> None:
+    """Write fp32 ``x`` into bf16 ``out`` rounded stochastically (NOTE [bf16 moments]): up with
+    the probability of the fraction of a bf16 step cut off, so the expected value is ``x``; values
+    bf16 holds exactly stay exact. Random bits from ``generator`` alone; ``x`` is not changed."""
+    import torch
+    bits = torch.randint(0, 1 << 16, x.shape, dtype=torch.int32, device=x.device, generator=generator)
+    bits.add_(x.view(torch.int32)).bitwise_and_(-(1 << 16))   # a carry into bit 16 is the rounding up
+    r = bits.view(torch.float32)
+    r.masked_fill_(x.isnan(), float("nan"))   # a NaN whose mantissa sits in the low bits would turn into inf
+    out.copy_(r)                              # exact: the low 16 bits are zero
 
 
 def _group(process_group: Any) -> Any:

@@ -13,7 +13,8 @@ NOTE [training plan]
       1. whole blocks resident (parameters and optimizer states, in managed memory kept on the
          device): a streamed block moves its parameters in twice (forward, backward) and out once
          (after its update), and its states in and out once: 28 bytes per parameter (fp32 Adam),
-         for 12 bytes of device memory, ~2.3 bytes moved per byte kept;
+         for 12 bytes of device memory, ~2.3 bytes moved per byte kept (20 bytes, ~1.7, with
+         states held in bf16: ``block_state_moved_bytes``, NOTE [bf16 moments] in _train.py);
       2. saved activations kept on the device, latest saved first (backward reads those first,
          so swapping them would leave the least time to bring them back): 2 bytes moved per byte.
 
@@ -101,6 +102,8 @@ class StepTrace:
     fwd_ms: float = 0.0                    # the step's forward compute
     bwd_ms: float = 0.0                    # the step's backward and optimizer compute
     block_names: tuple[str, ...] = ()
+    block_state_moved_bytes: tuple[int, ...] = ()   # per block: its states' bytes as they cross the
+                                                    # link (NOTE [bf16 moments]); (): block_state_bytes
 
     @property
     def saved_bytes(self) -> int:
@@ -143,11 +146,17 @@ class TrainPlan:
     kind: str = "swap"                       # which candidate won: "swap", "recompute" or "mixed"
     segment_modes: tuple[str, ...] = ()      # per block: "keep", "swap", "recompute", "mixed", "-"
     block_names: tuple[str, ...] = ()
+    block_state_moved_bytes: tuple[int, ...] = ()   # as in StepTrace; block_state_bytes is what a
+                                                    # resident block keeps on the device
     measured: dict[str, float] = dataclasses.field(default_factory=dict, compare=False, hash=False)
 
     @property
     def streamed_blocks(self) -> tuple[int, ...]:
         return tuple(i for i in range(len(self.block_param_bytes)) if i not in self.resident_blocks)
+
+    @property
+    def _states_moved(self) -> tuple[int, ...]:
+        return self.block_state_moved_bytes or self.block_state_bytes
 
     @property
     def resident_block_bytes(self) -> int:
@@ -162,13 +171,12 @@ class TrainPlan:
     def h2d_bytes(self) -> int:
         """Bytes one step moves host -> device: streamed parameters twice, their states once,
         swapped activations once."""
-        s = self.streamed_blocks
-        return sum(2 * self.block_param_bytes[i] + self.block_state_bytes[i] for i in s) + self.swapped_bytes
+        s, st = self.streamed_blocks, self._states_moved
+        return sum(2 * self.block_param_bytes[i] + st[i] for i in s) + self.swapped_bytes
 
     @property
     def d2h_bytes(self) -> int:
-        s = self.streamed_blocks
-        return sum(self.block_param_bytes[i] + self.block_state_bytes[i] for i in s) + self.swapped_bytes
+        return self._moved_out() + self.swapped_bytes
 
     @property
     def predicted_peak(self) -> int:
@@ -185,7 +193,8 @@ class TrainPlan:
         return sum(self.block_param_bytes[i] for i in self.streamed_blocks)
 
     def _moved_out(self) -> int:
-        return sum(self.block_param_bytes[i] + self.block_state_bytes[i] for i in self.streamed_blocks)
+        st = self._states_moved
+        return sum(self.block_param_bytes[i] + st[i] for i in self.streamed_blocks)
 
     def table(self) -> str:
         gb = lambda n: f"{n / 1e9:.3f} GB"  # noqa: E731
@@ -246,7 +255,9 @@ class _Planner:
         self.t, self.budget, self.margin, self.rate = trace, budget, margin, link_GBps * 1e9
         nb = len(trace.block_param_bytes)
         self.nb = nb
-        self.size = [trace.block_param_bytes[i] + trace.block_state_bytes[i] for i in range(nb)]
+        self.size = [trace.block_param_bytes[i] + trace.block_state_bytes[i] for i in range(nb)]   # resident
+        states = trace.block_state_moved_bytes or trace.block_state_bytes
+        self.moved = [trace.block_param_bytes[i] + states[i] for i in range(nb)]   # out, streamed
         self.already = frozenset(trace.resident_blocks)
         self.can_reside = [can_reside is None or bool(can_reside[i]) for i in range(nb)]
         self.seg_recs: dict[int, list[SavedRecord]] = {}
@@ -294,7 +305,7 @@ class _Planner:
     def seconds(self, c: _Choice) -> float:
         streamed = [i for i in range(self.nb) if i not in c.resident]
         params_in = sum(self.t.block_param_bytes[i] for i in streamed)
-        out = sum(self.size[i] for i in streamed)
+        out = sum(self.moved[i] for i in streamed)
         fwd, bwd, rec = self.compute(c.recompute, c.keep)
         return _phases(fwd, bwd + rec, params_in, out, self.swapped(c), self.rate)
 
@@ -409,6 +420,9 @@ def plan_training(trace: StepTrace, budget: int, *, margin: int | None = None,
     if len(trace.block_state_bytes) != nb:
         raise ConfigError(f"block_param_bytes and block_state_bytes differ in length ({nb} and "
                           f"{len(trace.block_state_bytes)})")
+    if trace.block_state_moved_bytes and len(trace.block_state_moved_bytes) != nb:
+        raise ConfigError(f"block_param_bytes and block_state_moved_bytes differ in length ({nb} and "
+                          f"{len(trace.block_state_moved_bytes)})")
     pl = _Planner(trace, budget, margin, can_reside, recompute, link_GBps)
     if pl.room - sum(pl.size[i] for i in pl.already) < 0:
         c, kind = pl.base(), "swap"          # nothing is added to a floor that does not fit
@@ -440,6 +454,7 @@ def _make(pl: _Planner, c: _Choice, kind: str) -> TrainPlan:
     return TrainPlan(budget=pl.budget, floor_peak=t.floor_peak,
                      resident_blocks=frozenset(c.resident), keep=frozenset(c.keep),
                      block_param_bytes=tuple(t.block_param_bytes), block_state_bytes=tuple(t.block_state_bytes),
+                     block_state_moved_bytes=tuple(t.block_state_moved_bytes),
                      saved_bytes=t.saved_bytes, kept_bytes=kept, margin=pl.margin,
                      recompute=frozenset(c.recompute),
                      recomputed_bytes=sum(pl.seg_bytes.get(i, 0) for i in c.recompute),

@@ -189,8 +189,9 @@ _TIER = []
 
 
 def shared_tier(tiermem):
-    """One Tier for the whole run: its pinned pool keeps the host memory of earlier runs, so a
-    run does not pay cudaHostAlloc again (~1 s per GB)."""
+    """One Tier for the whole run: its pinned pool keeps the small pinned blocks of earlier runs,
+    so a run does not pay cudaHostAlloc again (large homes are registered afresh, NOTE [pinned by
+    registration] in tiermem/_cuda.py)."""
     if not _TIER:
         _TIER.append(tiermem.Tier(0, cap="12GiB"))
     return _TIER[0]

@@ -46,6 +46,17 @@ def plain_run(bs):
     return out, [p.detach().clone() for p in model.parameters()]
 
 
+def tiered_losses(train, model, bs) -> list[float]:
+    """The losses of steps under ``train`` over the batches ``bs``."""
+    out = []
+    for ids in bs:
+        with train.step():
+            loss = loss_of(model, ids)
+            loss.backward()
+        out.append(float(loss.detach()))
+    return out
+
+
 def state_bytes(model) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 

@@ -10,21 +10,11 @@ import torch
 
 import tiermem
 from fakes import FakeBackend
-from test_train import batches, gpt, loss_of, state_bytes, tiered
+from test_train import batches, gpt, loss_of, state_bytes, tiered, tiered_losses
 from tiermem._train import check_options, round_stochastic
 from tiermem.planning import StepTrace, plan_training
 
 BF16 = torch.bfloat16
-
-
-def _run(train, model, bs) -> list[float]:
-    out = []
-    for ids in bs:
-        with train.step():
-            loss = loss_of(model, ids)
-            loss.backward()
-        out.append(float(loss.detach()))
-    return out
 
 
 def _streamed(train):
@@ -131,12 +121,12 @@ def test_losses_stay_close_to_the_default_runs_and_the_callers_rng_is_untouched(
     bs = batches(12)
     _, tier32, model32, opt32, t32 = tiered()
     torch.manual_seed(7)
-    want = _run(t32, model32, bs)
+    want = tiered_losses(t32, model32, bs)
     rng_want = torch.get_rng_state()
     _, tier16, model16, opt16, t16 = tiered(state_dtype="bfloat16")
     first = t16.rounding.get_state()
     torch.manual_seed(7)
-    got = _run(t16, model16, bs)
+    got = tiered_losses(t16, model16, bs)
     assert torch.equal(torch.get_rng_state(), rng_want)        # the rounding's bits are its own
     assert not torch.equal(t16.rounding.get_state(), first)
     assert got[0] == want[0]                    # the first step's states start at zero: no rounding yet
@@ -149,8 +139,8 @@ def test_unwrap_gives_fp32_states_close_to_the_default_runs_and_training_goes_on
     bs = batches(6)
     fake, tier, model, opt, train = tiered(state_dtype=BF16)
     _, _, model32, opt32, t32 = tiered()
-    _run(train, model, bs[:5])
-    _run(t32, model32, bs[:5])
+    tiered_losses(train, model, bs[:5])
+    tiered_losses(t32, model32, bs[:5])
     saved = opt.state_dict()                    # between steps: bf16 moments, loadable into a plain AdamW
     plain = torch.optim.AdamW(gpt()[0].parameters(), lr=1e-3)
     plain.load_state_dict(saved)

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 import tiermem
 from fakes import FakeBackend
-from test_train import _deterministic, batches, gpt, loss_of, plain_run, state_bytes  # noqa: F401 - the fixture, autouse here too
+from test_train import _deterministic, batches, gpt, plain_run, state_bytes, tiered_losses  # noqa: F401 - the fixture, autouse here too
 
 BLOCK = 1 << 20            # each of the GPT's transformer blocks (200 KB of parameters, 64 KiB a tensor as spans count) is one block
 
@@ -30,22 +30,12 @@ def tiered_gpt(recompute: str):
     return fake, tier, model, opt, train
 
 
-def run(train, model, bs):
-    out = []
-    for ids in bs:
-        with train.step():
-            loss = loss_of(model, ids)
-            loss.backward()
-        out.append(float(loss.detach()))
-    return out
-
-
 @pytest.mark.parametrize("recompute", ["always", "auto", "never"])
 def test_recomputed_blocks_give_the_plain_runs_losses_and_parameters_bitwise(recompute):
     bs = batches(6)
     want, want_params = plain_run(bs)
     fake, tier, model, opt, train = tiered_gpt(recompute)
-    got = run(train, model, bs)
+    got = tiered_losses(train, model, bs)
     assert got == want
     for p, q in zip(model.parameters(), want_params):
         assert torch.equal(p.detach(), q)
@@ -69,7 +59,7 @@ def test_recomputing_moves_fewer_activation_bytes_than_swapping():
     moved = {}
     for mode in ("always", "never"):
         fake, tier, model, opt, train = tiered_gpt(mode)
-        run(train, model, bs)
+        tiered_losses(train, model, bs)
         moved[mode] = train.swap.moved["d2h"]
         assert train.plan.swapped_bytes == pytest.approx(moved[mode], rel=0.01)
         train.unwrap()
@@ -153,7 +143,7 @@ def test_a_module_that_has_its_own_forward_attribute_gets_it_back():
     tier = tiermem.Tier(backend=fake)
     train = tier.wrap_training(model, opt, 4 * state_bytes(model), block_bytes=BLOCK, min_swap=4096,
                                recompute="always")
-    run(train, model, batches(3))
+    tiered_losses(train, model, batches(3))
     assert train.plan.recompute and len(seen) >= 3 + 2      # forward in every step, again in recompute
     train.unwrap()
     assert blk.__dict__["forward"] is patched
@@ -172,7 +162,7 @@ def test_a_plan_slower_than_the_probe_gives_way_to_recomputing_everywhere(plan_s
     got = []
     kinds = []
     for ids in bs:
-        got += run(train, model, [ids])
+        got += tiered_losses(train, model, [ids])
         kinds.append(train.plan.kind)
     assert got == want
     for p, q in zip(model.parameters(), want_params):

@@ -167,15 +167,63 @@ def study(kit, torch, tiermem, name, build, blocks_of, loss_fn, batches, a, rate
     return runs, peers
 
 
+def arena_study(torch, name, build, loss_fn, batches, out):
+    """NOTE [lifetime arena]: one resident step (after two that make the optimizer's states and
+    warm torch's cache) under torch's allocator history; its temporaries laid out by plan_arena.
+    The figure is (bytes alive all step + the arena's peak) over torch's peak reserved bytes in
+    that step: what the planned layout would need against what torch's caching allocator held."""
+    from tiermem.planning import plan_arena, temps_from_trace
+    model = build()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    for i, bt in enumerate(batches[:3]):
+        if i == 2:                      # the third step is recorded
+            torch.cuda.synchronize()
+            start = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            torch.cuda.memory._record_memory_history(enabled="all", context=None, stacks="python",
+                                                     max_entries=1 << 22)
+        loss_fn(model, bt).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    snap = torch.cuda.memory._snapshot()
+    torch.cuda.memory._record_memory_history(enabled=None)
+    reserved, allocated = torch.cuda.max_memory_reserved(), torch.cuda.max_memory_allocated()
+    temps, before = temps_from_trace(snap["device_traces"][torch.cuda.current_device()])
+    plan = plan_arena(temps)
+    static = start - before
+    m = out["metrics"]
+    m[f"{name}_arena_peak_over_torch_reserved"] = round((static + plan.peak) / reserved, 3)
+    m[f"{name}_arena_peak_over_torch_allocated_peak"] = round((static + plan.peak) / allocated, 3)
+    out["raw"].setdefault("arena", {})[name] = {
+        "temporaries": len(temps), "static_bytes": static, "arena_peak_bytes": plan.peak,
+        "live_peak_bytes": plan.live_peak, "torch_peak_reserved_bytes": reserved,
+        "torch_peak_allocated_bytes": allocated}
+    progress(f"part 4: {name} arena: {len(temps)} temporaries, arena {plan.peak / 1e9:.3f} GB (live peak "
+             f"{plan.live_peak / 1e9:.3f}) + {static / 1e9:.3f} GB alive all step, against torch's peak reserved "
+             f"{reserved / 1e9:.3f} GB (allocated {allocated / 1e9:.3f})")
+    del model, opt, snap
+    torch.cuda.empty_cache()
+
+
 def part4(kit, torch, tiermem, a, rates, out):
     from tiermem.models import GPTConfig
     build_gpt, gpt_batches, gpt_loss = kit.build_gpt, kit.gpt_batches, kit.gpt_loss
     cfg = GPTConfig(vocab=a.vocab, seq=a.seq, d=a.d, layers=a.layers, heads=a.heads)
     gb = gpt_batches(torch, cfg, a.steps, a.batch)
+    hcfg = GPTConfig(vocab=a.hf_vocab, seq=a.seq, d=a.hf_d, layers=a.hf_layers, heads=a.hf_heads)
+    if a.arena:
+        arena_study(torch, "gpt", lambda: build_gpt(torch, cfg), gpt_loss, gb, out)
+        arena_study(torch, "hf", lambda: qwen2(torch, a), hf_loss, gpt_batches(torch, hcfg, 3, a.batch, seed=2), out)
+        m = out["metrics"]
+        m["arena_peak_over_torch_reserved"] = max(m["gpt_arena_peak_over_torch_reserved"],
+                                                  m["hf_arena_peak_over_torch_reserved"])
+        if a.arena_only:
+            return
     g_runs = study(kit, torch, tiermem, "gpt", lambda: build_gpt(torch, cfg), lambda m: list(m.blocks), gpt_loss,
                    gb, a, rates, out)
     del gb
-    hcfg = GPTConfig(vocab=a.hf_vocab, seq=a.seq, d=a.hf_d, layers=a.hf_layers, heads=a.hf_heads)
     hb = gpt_batches(torch, hcfg, a.steps, a.batch, seed=2)
     h_runs = study(kit, torch, tiermem, "hf", lambda: qwen2(torch, a), lambda m: list(m.model.layers), hf_loss,
                    hb, a, rates, out)

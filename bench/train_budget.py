@@ -462,7 +462,11 @@ def main():
                    "state (2.5 must be among them)")
     p.add_argument("--bf16-states", action="store_true", help="part 4 also runs the 1/2.5 plan with "
                    "state_dtype=torch.bfloat16 (NOTE [bf16 moments])")
+    p.add_argument("--arena", action="store_true", help="part 4 also lays out a resident step's temporaries "
+                   "in a lifetime-planned arena (NOTE [lifetime arena])")
+    p.add_argument("--arena-only", action="store_true", help="part 4 does only that")
     a = p.parse_args()
+    a.arena = a.arena or a.arena_only
     a.ratios = tuple(float(x) for x in a.ratios.split(","))
     big = dict(vocab=8192, seq=512, d=1024, layers=16, heads=16, batch=4, ratio=2.5, steps=30, soc_steps=8,
                block_mib=16, sweep=[0.6, 0.8, 1.0], sweep_steps=8, cap_steps=10, capacity_budget=30 * GiB,
@@ -495,7 +499,7 @@ def main():
     if "4" in a.only:
         from _recompute_study import part4, plot4
         part4(sys.modules[__name__], torch, tiermem, a, rates, out)
-        p4 = plot4(out, plot_path("train_budget_recompute"))
+        p4 = plot4(out, plot_path("train_budget_recompute")) if "recompute_runs" in out["raw"] else None
     m = out["metrics"]
     rows = [[k, v] for k, v in m.items()]
     print(table(rows, ["metric", "value"]))

@@ -2,10 +2,12 @@
 stay resident and which stream (:func:`plan_residency`, :func:`plan_host` for the disk tier), and
 what a training step keeps, swaps or moves (:func:`plan_training` over a :class:`StepTrace`);
 :func:`parse_bytes`, the one reader of the sizes they take ("8GiB", or "25%" of the device:
-NOTE [sizes] in _limits.py); and :func:`weight_bytes`, to size a share of a module's weights."""
+NOTE [sizes] in _limits.py); :func:`weight_bytes`, to size a share of a module's weights; and
+:func:`plan_arena`, where a step's temporaries would sit in one lifetime-planned arena."""
+from ._arena import ArenaPlan, Temp, live_peak, plan_arena, temps_from_trace
 from ._limits import parse_bytes
 from ._module import Plan, plan_host, plan_residency, weight_bytes
 from ._trainplan import StepTrace, TrainPlan, plan_training
 
 __all__ = ["Plan", "plan_residency", "plan_host", "StepTrace", "TrainPlan", "plan_training", "parse_bytes",
-           "weight_bytes"]
+           "weight_bytes", "Temp", "ArenaPlan", "plan_arena", "live_peak", "temps_from_trace"]

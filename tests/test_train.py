@@ -85,12 +85,7 @@ def test_training_under_a_budget_gives_the_plain_runs_losses_and_parameters_bitw
     bs = batches(6)
     want, want_params = plain_run(bs)
     fake, tier, model, opt, train = tiered()
-    got = []
-    for ids in bs:
-        with train.step():
-            loss = loss_of(model, ids)
-            loss.backward()
-        got.append(float(loss.detach()))
+    got = tiered_losses(train, model, bs)
     plan = train.plan
     assert plan.streamed_blocks and plan.swapped_bytes > 0 and train.moved["h2d"] > 0
     assert got == want

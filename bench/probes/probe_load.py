@@ -31,6 +31,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import _path  # noqa: F401
+from _probe import R, section
 
 import torch
 from cuda.bindings import runtime as rt
@@ -38,24 +39,10 @@ from cuda.bindings import runtime as rt
 sys.path.insert(0, os.path.join(_path.BENCH))
 from offload_disk import HostWatch, drop_cache, files_of, pinned_counts_in_rss, qwen2_config, read_rate  # noqa: E402
 
-R: dict = {}
 libc = ctypes.CDLL("libc.so.6", use_errno=True)
 libc.memset.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
 libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 MADV_HUGEPAGE = 14
-
-
-def section(name):
-    def deco(f):
-        t = time.perf_counter()
-        try:
-            R[name] = f()
-        except Exception as e:
-            import traceback
-            traceback.print_exc()
-            R[name] = "ERROR " + repr(e)[:400]
-        print(f"{name} ({time.perf_counter() - t:.1f}s) =>", json.dumps(R[name], default=str)[:3000], flush=True)
-    return deco
 
 
 def status() -> dict:

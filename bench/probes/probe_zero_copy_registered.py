@@ -12,6 +12,7 @@ import os
 import statistics
 
 import _path  # noqa: F401
+from _common import cuda_times
 
 import torch
 from cuda.bindings import runtime as rt
@@ -30,16 +31,7 @@ def ok(r):
 
 
 def timed(fn, reps=7):
-    fn()
-    out = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        out.append(a.elapsed_time(b) / 1e3)
-    return statistics.median(out)
+    return statistics.median(cuda_times(fn, reps, warmup=1))
 
 
 def measure(ptr, be, name):

@@ -7,12 +7,15 @@ and a host budget of 4 GB (the machine has far more RAM; the host is emulated by
 by dropping the files from the page cache before each timed run):
   read         the raw read rate of those files: cold (page cache dropped per file, then
                os.preadv on 8 threads, each chunk dropped as read, as the disk tier reads) and warm
-               (8 and 16 threads; the load is held to the faster)
+               (8 and 16 threads; the load is held to the faster); where KvikIO is installed, cold
+               through kvikio too, into pinned memory and straight into device memory
   tiermem      tiermem.load_pretrained(dir, budget, host_budget): the model built on the meta
                device, resident groups and the pinned home filled from the files, the rest read
                from the files ahead of use through pinned staging (NOTE [disk tier])
   accelerate   transformers' from_pretrained with device_map="auto", max_memory {GPU: budget,
                cpu: host budget} and offload_folder: accelerate's disk offload path
+  readers      where KvikIO is installed, tiermem's prefill with disk_reader="kvikio" and "posix",
+               each after its own load (NOTE [kvikio reader]); the default must not be the slower
 For each: loading (wall time, peak host memory: RSS sampled every 5 ms, pinned memory included
 when the driver's pinned pages count in RSS, which a probe checks; the goal is 1.10x the host
 budget plus LOAD_MARGIN, 256 MiB), a 1x128 prefill, and decode
@@ -145,6 +148,72 @@ def read_rate(paths: list[str], threads: int, drop: bool) -> tuple[float, int]:
     return gbps(total, dt), total
 
 
+def kvikio_read_rate(paths: list[str], threads: int, device: bool) -> dict:
+    """Cold read rates through KvikIO (NOTE [kvikio reader]): tiermem's KvikioReader into one
+    reused pinned buffer, as the disk tier reads; and, with ``device``, kvikio's own CuFile.pread
+    straight into device memory (GPUDirect Storage where the system has it, else kvikio's POSIX
+    path and a copy). The page cache is dropped before each."""
+    import torch
+    from tiermem._kvikio import KvikioReader
+    from tiermem._load import FileTensor, host_bytes
+    r = KvikioReader(threads=threads, drop_cache=True)
+    out = {"compat_mode": r.compat_mode, "direct_io_read": r.direct}
+    buf = torch.empty(256 << 20, dtype=torch.uint8, pin_memory=True)
+    drop_cache(paths)
+    total, t0 = 0, time.perf_counter()
+    for p in paths:
+        size = os.path.getsize(p)
+        for s in range(0, size, buf.numel()):
+            n = min(buf.numel(), size - s)
+            r.read([(FileTensor(p, p, s, n, "uint8", (n,)), host_bytes(buf.data_ptr(), n))])
+            total += n
+    out["pinned_GBps"] = gbps(total, time.perf_counter() - t0)
+    r.close()
+    if device:
+        import kvikio
+        dev = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+        drop_cache(paths)
+        total, t0 = 0, time.perf_counter()
+        for p in paths:
+            size = os.path.getsize(p)
+            with kvikio.CuFile(p, "r") as f:
+                for s in range(0, size, dev.numel()):
+                    n = min(dev.numel(), size - s)
+                    total += f.pread(dev[:n], n, s).get()
+        torch.cuda.synchronize()
+        out["device_GBps"] = gbps(total, time.perf_counter() - t0)
+        drop_cache(paths)
+    return out
+
+
+def reader_prefill(tiermem, ckpt_dir, files, budget, host_budget, ids, ref_logits, reps, reader) -> dict:
+    """load_pretrained with ``disk_reader=reader``, then ``reps`` prefills back to back after one
+    that learns the order (as the main run): ms per prefill, the reader's rate, logits equal."""
+    import torch
+    tier = tiermem.Tier(0)
+    model, hd = tiermem.load_pretrained(ckpt_dir, budget=budget, host_budget=host_budget, tier=tier,
+                                        disk_reader=reader)
+    drop_cache(files)
+    with torch.no_grad():
+        model(ids, use_cache=False)
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            out = model(ids, use_cache=False)
+        torch.cuda.synchronize()
+        pre = (time.perf_counter() - t0) / reps
+        eq = bool(torch.equal(out.logits[:, -1].float().cpu(), ref_logits))
+    s = hd.stats()
+    r = {"prefill_ms": round(pre * 1e3, 1), "last_logits_equal_resident": eq,
+         "disk_reader_GBps": gbps(s["disk.read_bytes"], s["disk.read_seconds"]),
+         "max_pinned_GB": round(s["pinned_bytes.current"] / 1e9, 3)}
+    hd.unwrap(device="cpu")
+    del model, hd
+    gc.collect()
+    tier.close()
+    torch.cuda.empty_cache()
+    return r
+
+
 def pinned_counts_in_rss(tier) -> bool:
     """Whether the driver's pinned pages show in this process's RSS (then RSS is the whole host
     figure; otherwise pinned bytes are added to it)."""
@@ -250,6 +319,13 @@ def main() -> None:
     raw["read"] = {"cold_8_threads_GBps": cold, "cold_1_thread_GBps": cold1, "warm_8_threads_GBps": warm8,
                    "warm_16_threads_GBps": warm16, "bytes": n}
     progress(f"read rate: cold {cold} GB/s (1 thread {cold1}), warm {warm} GB/s")
+    from tiermem._kvikio import available as kvikio_available
+    if kvikio_available():
+        raw["read"]["kvikio"] = kv = kvikio_read_rate(files, 8, device=True)
+        metrics["kvikio_disk_read_GBps"] = kv["pinned_GBps"]
+        progress(f"kvikio read rate: cold {kv}")
+    else:
+        raw["read"]["kvikio"] = "not installed"
 
     # -- tiermem --------------------------------------------------------------------------------------
     watch = HostWatch()
@@ -331,6 +407,15 @@ def main() -> None:
     tier.close()
     torch.cuda.empty_cache()
 
+    # -- the disk tier's two readers, side by side (NOTE [kvikio reader]) ---------------------------
+    if kvikio_available():
+        raw["readers"] = {}
+        for reader in ("kvikio", "posix"):
+            progress(f"tiermem: prefill with disk_reader={reader!r}")
+            raw["readers"][reader] = reader_prefill(tiermem, ckpt_dir, files, budget, host_budget, ids, ref_logits,
+                                                    args.reps, reader)
+        progress(f"readers: {raw['readers']}")
+
     # -- accelerate -----------------------------------------------------------------------------------
     if not args.no_accelerate:
         try:
@@ -355,6 +440,16 @@ def main() -> None:
         metrics["accelerate_disk_over_tiermem"] = round(a["prefill_ms"] / t["prefill_ms"], 2)
         metrics["accelerate_disk_over_tiermem_decode"] = round(a["decode_ms_per_token"] / t["decode_ms_per_token"], 2)
         metrics["accelerate_load_s"] = a["load_s"]
+    if "readers" in raw:
+        rd = raw["readers"]
+        metrics["kvikio_over_posix_prefill"] = round(rd["kvikio"]["prefill_ms"] / rd["posix"]["prefill_ms"], 3)
+        metrics["kvikio_disk_reader_GBps"] = rd["kvikio"]["disk_reader_GBps"]
+        metrics["posix_disk_reader_GBps"] = rd["posix"]["disk_reader_GBps"]
+        checks["kvikio_logits_equal_resident"] = rd["kvikio"]["last_logits_equal_resident"]
+        # the default reader (the first of READERS) must be the one that ran faster here, within 3%
+        from tiermem._disk import READERS
+        other = "kvikio" if READERS[0] == "posix" else "posix"
+        checks["default_disk_reader_not_slower"] = rd[READERS[0]]["prefill_ms"] <= 1.03 * rd[other]["prefill_ms"]
     checks["tokens_equal_resident"] = t["tokens_equal_resident"]
     checks["pinned_within_host_budget"] = t["max_pinned_GB"] * 1e9 <= host_budget
     checks["plan_same_as_adoption"] = t["plan_same_as_adoption"]

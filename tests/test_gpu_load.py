@@ -31,13 +31,17 @@ def _ids(cfg, n=48):
     return torch.randint(0, cfg.vocab_size, (1, n), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
 
 
-@pytest.mark.parametrize("host_budget", [None, 16 * MiB], ids=["pinned_home", "disk_tier"])
-def test_loaded_logits_and_tokens_equal_transformers(saved, host_budget):
+@pytest.mark.parametrize("host_budget,reader", [(None, "posix"), (16 * MiB, "posix"), (16 * MiB, "kvikio")],
+                         ids=["pinned_home", "disk_tier", "disk_tier_kvikio"])
+def test_loaded_logits_and_tokens_equal_transformers(saved, host_budget, reader):
     import torch
     import tiermem
+    if reader == "kvikio":
+        pytest.importorskip("kvikio")
     path, ref, cfg = saved
     t = tiermem.Tier(0, cap="1GiB")
-    model, h = tiermem.load_pretrained(path, budget=checkpoint_share(path, 30), host_budget=host_budget, tier=t, max_group_bytes=2 * MiB)
+    model, h = tiermem.load_pretrained(path, budget=checkpoint_share(path, 30), host_budget=host_budget, tier=t,
+                                       max_group_bytes=2 * MiB, disk_reader=reader)
     assert 0 < len(h.plan.pinned) < len(h.plan.sizes)
     assert bool(h.plan.on_disk) == (host_budget is not None)
     ids = _ids(cfg)
@@ -76,3 +80,28 @@ def test_a_bad_checkpoint_leaves_the_device_as_it_was(saved, tmp_path):
     torch.cuda.synchronize()
     assert t.stats() == stats and abs(torch.cuda.mem_get_info()[0] - free) <= 32 * MiB
     t.close()
+
+
+def test_the_kvikio_reader_reads_what_the_posix_reader_reads(tmp_path):
+    """Unaligned ranges, several at once, merged tensors' pieces; a short file is a clear error."""
+    pytest.importorskip("kvikio")
+    import os
+    import torch
+    from tiermem._kvikio import KvikioReader
+    from tiermem._load import FileTensor, Reader, host_bytes
+    from tiermem.errors import CheckpointError
+    data = os.urandom(9 * MiB + 12345)
+    f = tmp_path / "blob"
+    f.write_bytes(data)
+    ranges = [(1, 4 * MiB + 7), (4096, 3 * MiB), (5 * MiB + 3, 4 * MiB), (0, 1)]
+    for reader in (KvikioReader(threads=4, chunk=1 * MiB, drop_cache=True), Reader(threads=4, chunk=1 * MiB)):
+        bufs = [torch.empty(n, dtype=torch.uint8, pin_memory=True) for _, n in ranges]
+        jobs = [(FileTensor("r", str(f), o, n, "uint8", (n,)), host_bytes(b.data_ptr(), n)) for (o, n), b in zip(ranges, bufs)]
+        assert reader.read(jobs) == sum(n for _, n in ranges) == reader.bytes_read
+        for (o, n), b in zip(ranges, bufs):
+            assert bytes(b.numpy()) == data[o:o + n]
+        short = FileTensor("r", str(f), len(data) - 100, 4096, "uint8", (4096,))
+        b = torch.empty(4096, dtype=torch.uint8, pin_memory=True)
+        with pytest.raises(CheckpointError, match="truncated"):
+            reader.read([(short, host_bytes(b.data_ptr(), 4096))])
+        reader.close()

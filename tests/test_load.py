@@ -307,6 +307,32 @@ def test_the_disk_tier_gives_bitwise_equal_outputs_within_the_host_budget(tier, 
     assert torch.equal(m(x), ref(x)) and _live(fake) == 0
 
 
+def test_an_unknown_disk_reader_is_refused_with_nothing_allocated(tier, fake, ckpt):
+    _, ck = ckpt
+    m = _meta(_mlp)
+    with pytest.raises(tiermem.errors.ConfigError, match="disk_reader") as e:
+        tier.wrap_module(m, budget=share(m, 25), max_group_bytes=1 * MiB, weights=ck, host_budget=2_000_000,
+                         disk_reader="io_uring")
+    assert isinstance(e.value, ValueError)
+    assert all(p.is_meta for p in m.parameters()) and _live(fake) == 0 and tier.budget is None
+
+
+@pytest.mark.skipif(__import__("tiermem._kvikio", fromlist=["available"]).available(), reason="kvikio is installed")
+def test_the_kvikio_reader_without_kvikio_is_refused_with_nothing_allocated(tier, fake, ckpt):
+    ref, ck = ckpt
+    m = _meta(_mlp)
+    with pytest.raises(tiermem.errors.ConfigError, match="pip install kvikio"):
+        tier.wrap_module(m, budget=share(m, 25), max_group_bytes=1 * MiB, weights=ck, host_budget=2_000_000,
+                         disk_reader="kvikio")
+    assert all(p.is_meta for p in m.parameters()) and _live(fake) == 0 and tier.budget is None
+    h = tier.wrap_module(m, budget=share(m, 25), max_group_bytes=1 * MiB, weights=ck, disk_reader="kvikio")
+    assert not h.plan.on_disk                 # no disk tier, no reader: kvikio is not needed
+    x = torch.randn(8, 256)
+    with torch.no_grad():
+        assert torch.equal(m(x), ref(x))
+    h.unwrap()
+
+
 def test_the_disk_tier_follows_a_forward_that_changes_order(tier, ckpt):
     ref, ck = ckpt
     m = _meta(_mlp)

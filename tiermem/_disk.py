@@ -13,8 +13,8 @@ NOTE [disk tier]
     staging buffer goes back to the reader once its copy into a slot is done (an event the reader
     waits on). Pinned memory is the home plus the staging buffers, never more than host_budget.
 
-    Reads are plain POSIX reads (``os.preadv``, several threads, NOTE [reading a checkpoint]),
-    each chunk dropped from the page cache once read: a host whose memory is short (the reason to
+    Reads are plain POSIX reads (``os.preadv``, several threads, NOTE [reading a checkpoint]), or
+    KvikIO's with ``disk_reader="kvikio"`` (NOTE [kvikio reader]), each chunk dropped from the page cache once read: a host whose memory is short (the reason to
     set host_budget) would not keep it, and a cache holding the model would make the next forward
     read memory, not the drive. A forward that uses groups in another order than the one learned
     (or before any is learned) gets each missing group read on demand: the reader drops what it
@@ -46,12 +46,24 @@ import threading
 import time
 from typing import Any
 
-from ._errors import TierMemError
+from ._errors import ConfigError, TierMemError
 from ._load import FileTensor, Reader, host_bytes
 
-__all__ = ["DiskTier", "STAGES"]
+__all__ = ["DiskTier", "STAGES", "READERS", "make_reader"]
 
 STAGES = 3          # staging buffers: one being read, one being copied in, one ready
+READERS = ("posix", "kvikio")    # disk_reader's choices; the first is the default (NOTE [kvikio reader])
+READ_THREADS = 8
+
+
+def make_reader(kind: str) -> Reader:
+    """A disk tier's reader of ``kind`` (one of READERS), dropping what it reads from the page cache."""
+    if kind == "posix":
+        return Reader(threads=READ_THREADS, drop_cache=True)
+    if kind == "kvikio":
+        from ._kvikio import KvikioReader
+        return KvikioReader(threads=READ_THREADS, drop_cache=True)
+    raise ConfigError(f"disk_reader must be one of {', '.join(map(repr, READERS))}, got {kind!r}")
 
 
 class DiskTier:
@@ -61,12 +73,12 @@ class DiskTier:
     this object's own."""
 
     def __init__(self, backend: Any, files: dict[Any, list[tuple[FileTensor, int]]], stage_bytes: int,
-                 stages: int = STAGES, reader: Reader | None = None):
+                 stages: int = STAGES, reader: Reader | str = READERS[0]):
         self.be = backend
         self.files = files
         self.stage_bytes = int(stage_bytes)
-        self.reader = reader or Reader(threads=8, drop_cache=True)
-        self._own_reader = reader is None
+        self._own_reader = isinstance(reader, str)
+        self.reader = make_reader(reader) if isinstance(reader, str) else reader
         self.stages: list[Any] = []
         self._cv = threading.Condition()
         self._free: collections.deque[int] = collections.deque()

@@ -14,8 +14,7 @@ NOTE [reading a checkpoint]
     bad checkpoint (a missing shard or tensor, a wrong dtype or shape, a truncated file) is refused
     with :class:`CheckpointError` and nothing to undo. A tensor whose dtype must change (``dtype=``)
     is read into a host tensor of its own and converted; that costs one tensor of host memory at
-    a time. kvikio (GPUDirect Storage, with its own POSIX fallback) could later serve the same
-    reads as a second backend of :class:`Reader`; it is not on the machines this was measured on.
+    a time. A disk tier may read through KvikIO instead (NOTE [kvikio reader] in _kvikio.py).
 """
 from __future__ import annotations
 
@@ -129,7 +128,7 @@ class Reader:
 
     def __init__(self, threads: int = 4, chunk: int = CHUNK, drop_cache: bool = False):
         self.threads, self.chunk, self.drop_cache = max(1, int(threads)), max(4096, int(chunk)), drop_cache
-        self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="tiermem-read")
+        self._pool: ThreadPoolExecutor | None = None        # made at the first read of several chunks
         self._fds: dict[str, int] = {}
         self._lock = threading.Lock()
         self.bytes_read = 0
@@ -142,7 +141,8 @@ class Reader:
                 cls._shared = Reader(threads=min(16, os.cpu_count() or 1))
             return cls._shared
 
-    def _fd(self, path: str) -> int:
+    def fd(self, path: str) -> int:
+        """This reader's (cached) read-only descriptor of ``path``."""
         with self._lock:
             fd = self._fds.get(path)
             if fd is None:
@@ -150,7 +150,7 @@ class Reader:
             return fd
 
     def _read_chunk(self, path: str, offset: int, mv: memoryview) -> None:
-        fd = self._fd(path)
+        fd = self.fd(path)
         done, n = 0, len(mv)
         while done < n:
             got = os.preadv(fd, [mv[done:]], offset + done)
@@ -166,15 +166,17 @@ class Reader:
         for ft, mv in jobs:
             if len(mv) != ft.nbytes:
                 raise TierMemError(f"{ft.name}: {len(mv):,} bytes of room for {ft.nbytes:,} bytes")
-        return self._read([r for ft, mv in jobs for r in _ranges(ft, 0, mv)])
+        return self.read_ranges([r for ft, mv in jobs for r in _ranges(ft, 0, mv)])
 
     def read_range(self, ft: FileTensor, start: int, mv: memoryview) -> int:
         """Read ``len(mv)`` bytes of ``ft`` from its byte ``start``."""
         if start < 0 or start + len(mv) > ft.nbytes:
             raise TierMemError(f"{ft.name}: bytes {start:,}..{start + len(mv):,} of {ft.nbytes:,}")
-        return self._read(_ranges(ft, start, mv))
+        return self.read_ranges(_ranges(ft, start, mv))
 
-    def _read(self, ranges: list[tuple[str, int, memoryview]]) -> int:
+    def read_ranges(self, ranges: list[tuple[str, int, memoryview]]) -> int:
+        """Read each (file, byte offset, destination) range whole; returns the bytes read. The one
+        method a reader of another kind replaces (tiermem._kvikio.KvikioReader)."""
         import time
         parts = []
         for path, offset, mv in ranges:
@@ -184,16 +186,24 @@ class Reader:
         if len(parts) == 1:
             self._read_chunk(*parts[0])
         else:
+            with self._lock:
+                if self._pool is None:
+                    self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="tiermem-read")
             for f in [self._pool.submit(self._read_chunk, *p) for p in parts]:
                 f.result()
         total = sum(len(p[2]) for p in parts)
-        with self._lock:
-            self.bytes_read += total
-            self.seconds += time.perf_counter() - t0
+        self.account(total, time.perf_counter() - t0)
         return total
 
+    def account(self, nbytes: int, seconds: float) -> None:
+        """Count ``nbytes`` read in ``seconds`` in :attr:`bytes_read` and :attr:`seconds`."""
+        with self._lock:
+            self.bytes_read += nbytes
+            self.seconds += seconds
+
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
         with self._lock:
             fds, self._fds = self._fds, {}
         for fd in fds.values():
@@ -458,7 +468,8 @@ def load_pretrained(path: str | os.PathLike, budget: int | str | None = None, ho
     its config (else of the checkpoint) and a tensor of another dtype is refused. A bad
     checkpoint raises :class:`CheckpointError` (a ValueError) with nothing left allocated.
     ``model_class`` (default ``transformers.AutoModelForCausalLM``) builds the model from its
-    config; other keyword arguments go to :func:`tiermem.wrap_module` (``mode``, ``lookahead``...);
+    config; other keyword arguments go to :func:`tiermem.wrap_module` (``mode``, ``lookahead``,
+    ``disk_reader``: "posix" or "kvikio", NOTE [kvikio reader]...);
     ``tier`` defaults to the default Tier.
     """
     import torch

@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 from ._errors import CheckpointError, ConfigError, DeviceFullError, TierMemError, WrapError
 from ._limits import parse_bytes
-from ._disk import STAGES, DiskTier
+from ._disk import READERS, STAGES, DiskTier
 from ._load import FileTensor, Reader, host_bytes
 from ._stream import Lane, SlotRing, now
 from .roles import Evict, Location, Policy, Role
@@ -377,7 +377,7 @@ class _PinnedTransport:
             self.home = be.host_alloc(self.size, pooled=False)
             if on_disk:
                 files = {g: [(owner._sources[id(t)], o) for t, o in zip(g.tensors, g.member_offsets)] for g in on_disk}
-                self.disk = DiskTier(be, files, stage, owner.plan.stages)
+                self.disk = DiskTier(be, files, stage, owner.plan.stages, reader=owner.disk_reader)
             if self.nslots:
                 tier.reserve(self.slot_bytes * self.nslots, role)
                 self._reserved = self.slot_bytes * self.nslots
@@ -609,14 +609,19 @@ class TieredModule:
     are decode steps), ``max_group_bytes``; ``weights``, a Mapping from state-dict names to the
     tensors' bytes (NOTE [weight source]: a module built on the meta device can be adopted); and
     ``host_budget``, the pinned host bytes allowed, beyond which streamed groups are read from
-    their checkpoint files ahead of use (NOTE [disk tier]; needs ``weights`` from a Checkpoint).
+    their checkpoint files ahead of use (NOTE [disk tier]; needs ``weights`` from a Checkpoint),
+    by ``disk_reader``: "posix" (threads of ``os.preadv``) or "kvikio" (NOTE [kvikio reader]).
     """
 
     def __init__(self, tier: Tier, module: Any, budget: int | str | None, *, mode: str = "auto",
                  lookahead: int = LOOKAHEAD, zero_copy_max_tokens: int = 16, max_group_bytes: int = MAX_GROUP,
-                 weights: Mapping[str, Any] | None = None, host_budget: int | str | None = None):
+                 weights: Mapping[str, Any] | None = None, host_budget: int | str | None = None,
+                 disk_reader: str = READERS[0]):
         if mode not in ("auto", "stream", "zero_copy"):
             raise ConfigError(f"mode must be 'auto', 'stream' or 'zero_copy', got {mode!r}")
+        if disk_reader not in READERS:
+            raise ConfigError(f"disk_reader must be one of {', '.join(map(repr, READERS))}, got {disk_reader!r}")
+        self.disk_reader = disk_reader
         if getattr(module, "_tiermem_handle", None) is not None:
             raise WrapError("this module is already adopted by tiermem; unwrap it first")
         self.tier = tier
@@ -667,6 +672,9 @@ class TieredModule:
             if self.plan.on_disk and self.mode == "zero_copy":
                 raise TierMemError("mode='zero_copy' reads every weight in place, and a disk tier has weights with "
                                    "no place to read: raise host_budget or use mode='auto'")
+            if self.plan.on_disk and self.disk_reader == "kvikio":
+                from ._kvikio import require
+                require()                # refused before anything is allocated, with the reason
         streamed = [g for g in self._groups.values() if not g.pinned]
         self._trainable = any(t.requires_grad for g in streamed for t in g.tensors)
         self.transport = "pinned"

@@ -32,6 +32,7 @@ def require() -> Any:
     """The kvikio module, or a ConfigError saying how to get it."""
     try:
         import kvikio
+        import kvikio.defaults      # a submodule kvikio's __init__ does not import
     except ImportError as e:        # also a wheel whose native library fails to load
         raise ConfigError("disk_reader='kvikio' needs KvikIO: pip install kvikio-cu13 (or kvikio-cu12 for "
                           f"CUDA 12); it could not be imported ({e})") from e

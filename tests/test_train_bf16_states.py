@@ -4,6 +4,7 @@ stepped in fp32, narrowed by stochastic rounding from the handle's own generator
 from __future__ import annotations
 
 import gc
+import io
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ import torch
 import tiermem
 from fakes import FakeBackend
 from test_train import batches, gpt, loss_of, state_bytes, tiered, tiered_losses
-from tiermem._train import check_options, round_stochastic
+from tiermem._train import ROUNDING_KEY, check_options, round_stochastic
 from tiermem.planning import StepTrace, plan_training
 
 BF16 = torch.bfloat16
@@ -53,12 +54,17 @@ def _mlp(seed: int = 0):
     return m, torch.optim.AdamW(m.parameters(), lr=1e-3)
 
 
-def _mlp_run(steps: int, **kw):
+def _mlp_wrapped(budget_x: int = 1, **kw):
+    """The MLP under ``budget_x`` times its parameters' bytes: at 1 every block streams."""
     model, opt = _mlp()
-    fake = FakeBackend(total=1 << 30, foreign_host=True)
-    tier = tiermem.Tier(backend=fake)
-    train = tier.wrap_training(model, opt, state_bytes(model), block_bytes=64 << 10, min_swap=4096,
+    tier = tiermem.Tier(backend=FakeBackend(total=1 << 30, foreign_host=True))
+    train = tier.wrap_training(model, opt, budget_x * state_bytes(model), block_bytes=64 << 10, min_swap=4096,
                                recompute="never", **kw)
+    return tier, model, opt, train
+
+
+def _mlp_run(steps: int, **kw):
+    tier, model, opt, train = _mlp_wrapped(**kw)
     g = torch.Generator().manual_seed(3)
     per_step = []
     for _ in range(steps):
@@ -165,6 +171,105 @@ def test_unwrap_gives_fp32_states_close_to_the_default_runs_and_training_goes_on
     gc.collect()
     tier.close()
     assert fake.live() == {"managed": 0, "pinned": 0, "device": 0}
+
+
+# -- checkpoints -------------------------------------------------------------------------------------
+def _mlp_steps(train, model, n: int, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(n):
+        with train.step():
+            model(torch.randn(16, 128, generator=g)).square().mean().backward()
+
+
+def _moments(opt, model) -> list[torch.Tensor]:
+    return [opt.state[p][key] for p in model.parameters() for key in ("exp_avg", "exp_avg_sq")]
+
+
+def _checkpoint(model, opt) -> dict:
+    """Saved and read back as a file would be: copies, not views of the tier's memory."""
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=True)
+
+
+def test_the_state_dict_carries_the_rounding_generator_only_when_narrowing():
+    _, model, opt, train = _mlp_wrapped(state_dtype=BF16)
+    _mlp_steps(train, model, 1, seed=1)
+    early = _checkpoint(model, opt)["opt"]
+    _mlp_steps(train, model, 1, seed=2)
+    sd = opt.state_dict()
+    assert set(sd) == {"state", "param_groups", ROUNDING_KEY}
+    key = sd[ROUNDING_KEY]
+    assert key.dtype == torch.uint8 and key.device.type == "cpu" and torch.equal(key, train.rounding.get_state())
+    assert not torch.equal(early[ROUNDING_KEY], key)
+    train.unwrap()                              # the hooks go with the handle
+    assert set(opt.state_dict()) == {"state", "param_groups"}
+    opt.load_state_dict(early)                  # a plain optimizer again: the key is not read
+    assert torch.equal(train.rounding.get_state(), key)
+    # in capacity the module hooks are removed (NOTE [training transport]); the optimizer's stay
+    _, model, opt, train = _mlp_wrapped(budget_x=8, state_dtype=BF16)
+    _mlp_steps(train, model, 2, seed=1)
+    assert not train.plan.streamed_blocks and not train._hooks
+    assert torch.equal(opt.state_dict()[ROUNDING_KEY], train.rounding.get_state())
+    _, model, opt, train = _mlp_wrapped()
+    _mlp_steps(train, model, 2, seed=1)
+    assert train.rounding is None and set(opt.state_dict()) == {"state", "param_groups"}
+
+
+@pytest.mark.parametrize("restore", [True, False])
+def test_a_resumed_run_rounds_as_the_uninterrupted_one(restore):
+    """Saved after 4 steps, 5 more; the same 5 in a new model, optimizer and handle loaded from
+    the checkpoint: bitwise the same moments only when the generator's state comes back too."""
+    _, model, opt, train = _mlp_wrapped(state_dtype=BF16)
+    _mlp_steps(train, model, 4, seed=1)
+    # Every block streams: a resident block's fp32 states would be narrowed once by the resumed
+    # run's traced step, which the uninterrupted run never does (NOTE [bf16 moments]).
+    assert not train.plan.resident_blocks
+    ckpt = _checkpoint(model, opt)
+    _mlp_steps(train, model, 5, seed=2)
+    want = _moments(opt, model)
+
+    _, model2, opt2, train2 = _mlp_wrapped(state_dtype=BF16)
+    model2.load_state_dict(ckpt["model"])
+    if not restore:
+        del ckpt["opt"][ROUNDING_KEY]
+    opt2.load_state_dict(ckpt["opt"])
+    assert (ROUNDING_KEY in ckpt["opt"]) == restore        # torch's copy lost it, the caller's dict did not
+    _mlp_steps(train2, model2, 5, seed=2)
+    got = _moments(opt2, model2)
+    assert all(a.dtype == BF16 for a in got)
+    same = [torch.equal(a, b) for a, b in zip(want, got)]
+    if restore:
+        assert all(same)
+        assert torch.equal(train2.rounding.get_state(), train.rounding.get_state())
+    else:                                       # the fresh generator's bits: the test can fail
+        assert not any(same)
+
+
+def test_a_state_dict_without_the_key_loads_as_before():
+    model, opt = _mlp()                         # a plain run's checkpoint
+    g = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        model(torch.randn(16, 128, generator=g)).square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    plain = opt.state_dict()
+    assert ROUNDING_KEY not in plain
+    _, model2, opt2, train = _mlp_wrapped(state_dtype=BF16)
+    model2.load_state_dict(model.state_dict())
+    fresh = train.rounding.get_state()
+    opt2.load_state_dict(plain)
+    assert torch.equal(train.rounding.get_state(), fresh)   # left as it was
+    for a, b in zip(_moments(opt2, model2), _moments(opt, model)):
+        assert a.dtype == torch.float32 and torch.equal(a, b)
+    _mlp_steps(train, model2, 3, seed=2)
+    assert not torch.equal(train.rounding.get_state(), fresh)
+    assert all(a.dtype == BF16 and a.isfinite().all() for a in _moments(opt2, model2))
+    # and a tiermem checkpoint, key and all, loads into a plain optimizer
+    back = torch.optim.AdamW(_mlp()[0].parameters(), lr=1e-3)
+    back.load_state_dict(_checkpoint(model2, opt2)["opt"])
+    assert all(v.dtype == torch.float32 for st in back.state.values() for k, v in st.items() if k != "step")
 
 
 # -- stochastic rounding ---------------------------------------------------------------------------

@@ -79,7 +79,10 @@ NOTE [bf16 moments]
     fp32 bit pattern, the low 16 then cleared; a few ops on the device). The bits come from a
     generator the handle owns (``train.rounding``, seeded with ROUND_SEED): the caller's RNG
     stream (dropout's masks) is never advanced, runs repeat, and data-parallel replicas round
-    alike and stay equal.
+    alike and stay equal. A resumed run must draw the bits the uninterrupted one would, so
+    ``opt.state_dict()`` saves the generator's state under ROUNDING_KEY and ``load_state_dict``
+    restores it (optimizer hooks until ``unwrap()``; without the key the generator is left as it
+    is). Bitwise only if no block is resident: the resumed trace narrows all loaded states once.
 
     What does not move keeps its dtype: parameters, gradients, resident blocks' states (widened
     back to fp32 when a block becomes resident), states that are not fp32, and "step". Between
@@ -123,6 +126,7 @@ PROBE_STEPS = 2     # steps under the probe's plan; the last is metered (NOTE [m
 VERIFY_STEPS = 2    # steps under the plan made after it; the last is timed against the probe
 VERIFY_SLACK = 0.02
 ROUND_SEED = 0x7E57        # the stochastic rounding's generator (NOTE [bf16 moments])
+ROUNDING_KEY = "tiermem_rounding"   # its state in opt.state_dict() (NOTE [bf16 moments])
 
 
 def _aligned(n: int) -> int:
@@ -269,6 +273,7 @@ class TieredTraining:
                         "left for leases); training within that", f"{self.budget:,}", f"{room:,}")
             self.budget = room
         self._hooks: list[Any] = []
+        self._state_hooks: list[Any] = []    # the optimizer's; _take's in-capacity removal keeps them
         self._old_fraction: float | None = None
         self.slots: list[_Slot] = []
         self.swap: ActivationSwap | None = None
@@ -352,6 +357,10 @@ class TieredTraining:
             self._hooks.append(b.module.register_forward_hook(lambda m, a, out, b=b: self._fwd_post(b, out)))
             for p in b.trainable:
                 self._hooks.append(p.register_post_accumulate_grad_hook(lambda p, b=b: self._grad_done(b, p)))
+        if self.rounding is not None:        # NOTE [bf16 moments]: a resumed run rounds as the first would
+            save, load = _rounding_hooks(self.rounding)
+            self._state_hooks = [self.opt.register_state_dict_post_hook(save),
+                                 self.opt.register_load_state_dict_pre_hook(load)]
         import weakref
         model._tiermem_handle = weakref.ref(self)
 
@@ -359,9 +368,9 @@ class TieredTraining:
         """Undo a failed adoption (NOTE [all or nothing] in _module.py): the parameters get their
         own memory back, and every byte, hook, cap and lease the adoption took is given back.
         Must not raise over the adoption's error."""
-        for h in self._hooks:
+        for h in self._hooks + self._state_hooks:
             h.remove()
-        self._hooks = []
+        self._hooks, self._state_hooks = [], []
         self.recomputing.set({})
         self.mem.synchronize()
         for p, data in originals:
@@ -1138,9 +1147,9 @@ class TieredTraining:
             self.mem.set_fraction(cap)
             raise
         # Nothing below calls the backend before the memory is given back.
-        for h in self._hooks:
+        for h in self._hooks + self._state_hooks:
             h.remove()
-        self._hooks = []
+        self._hooks, self._state_hooks = [], []
         self.recomputing.set({})
         for p, key, v in states:
             self.opt.state[p][key] = v
@@ -1185,6 +1194,20 @@ def round_stochastic(x: Any, out: Any, generator: Any) -> None:
     r = bits.view(torch.float32)
     r.masked_fill_(x.isnan(), float("nan"))   # a NaN whose mantissa sits in the low bits would turn into inf
     out.copy_(r)                              # exact: the low 16 bits are zero
+
+
+def _rounding_hooks(generator: Any) -> tuple[Any, Any]:
+    """The optimizer's state_dict post-hook and load_state_dict pre-hook that save and restore
+    ``generator``'s state under ROUNDING_KEY (NOTE [bf16 moments]). They hold the generator, not
+    the handle, so the optimizer does not keep a handle alive."""
+    def save(opt: Any, sd: dict[str, Any]) -> None:
+        sd[ROUNDING_KEY] = generator.get_state()     # a CPU ByteTensor, whatever the generator's device
+
+    def load(opt: Any, sd: dict[str, Any]) -> None:
+        state = sd.pop(ROUNDING_KEY, None)           # from torch's shallow copy: the caller's dict keeps it
+        if state is not None:
+            generator.set_state(state.cpu())         # a checkpoint may have been loaded onto a GPU
+    return save, load
 
 
 def _group(process_group: Any) -> Any:

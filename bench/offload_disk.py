@@ -311,21 +311,19 @@ def main() -> None:
     cold, n = read_rate(files, 8, drop=True)
     drop_cache(files)
     cold1, _ = read_rate(files, 1, drop=True)
-    read_rate(files, 8, drop=False)                   # fills the page cache
+    from tiermem._kvikio import available as kvikio_available
+    kv = kvikio_read_rate(files, 8, device=True) if kvikio_available() else "not installed"
+    read_rate(files, 8, drop=False)                   # fills the page cache: the load reads it warm
     warm8, _ = read_rate(files, 8, drop=False)
     warm16, _ = read_rate(files, 16, drop=False)
     warm = max(warm8, warm16)                         # the load is held to the faster
     metrics["disk_read_GBps"] = cold
     raw["read"] = {"cold_8_threads_GBps": cold, "cold_1_thread_GBps": cold1, "warm_8_threads_GBps": warm8,
-                   "warm_16_threads_GBps": warm16, "bytes": n}
-    progress(f"read rate: cold {cold} GB/s (1 thread {cold1}), warm {warm} GB/s")
-    from tiermem._kvikio import available as kvikio_available
-    if kvikio_available():
-        raw["read"]["kvikio"] = kv = kvikio_read_rate(files, 8, device=True)
+                   "warm_16_threads_GBps": warm16, "bytes": n, "kvikio": kv}
+    if isinstance(kv, dict):
         metrics["kvikio_disk_read_GBps"] = kv["pinned_GBps"]
-        progress(f"kvikio read rate: cold {kv}")
-    else:
-        raw["read"]["kvikio"] = "not installed"
+        progress(f"kvikio read rate, cold: {kv}")
+    progress(f"read rate: cold {cold} GB/s (1 thread {cold1}), warm {warm} GB/s")
 
     # -- tiermem --------------------------------------------------------------------------------------
     watch = HostWatch()

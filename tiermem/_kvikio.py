@@ -86,10 +86,13 @@ class KvikioReader(Reader):
         for path, offset, mv, fut in futures:        # every read is waited for before any error leaves
             try:
                 got = fut.get()
-            except RuntimeError as e:
-                error = error or CheckpointError(f"kvikio failed reading {len(mv):,} bytes of {path} from byte "
-                                                 f"{offset:,}: {e}", path)
-                continue
+            except RuntimeError as e:       # kvikio reports a read past the end as a POSIX "EOF" error
+                size = os.path.getsize(path)
+                got = -1 if offset + len(mv) <= size else max(0, size - offset)
+                if got < 0:
+                    error = error or CheckpointError(f"kvikio failed reading {len(mv):,} bytes of {path} from "
+                                                     f"byte {offset:,}: {e}", path)
+                    continue
             if got != len(mv):
                 error = error or CheckpointError(f"{path} ends before the {len(mv):,} bytes asked from byte "
                                                  f"{offset:,} (kvikio read {got:,}): the file is truncated", path)

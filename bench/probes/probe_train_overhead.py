@@ -9,7 +9,9 @@ top kernels; the profiler stays attached to CUDA once used (CUPTI), which slowed
 runs, whose many CUDA calls each pay for it (on the H100 at 42516af, tiermem's recompute-everywhere
 step took 169 and 328 ms after a profiled run, 147 and 254 ms without one): time without it.
 
-    python bench/probes/probe_train_overhead.py [--model hf|gpt] [--profile]
+With ``--cprofile``, the host's top calls (cProfile) over tiermem's timed steps.
+
+    python bench/probes/probe_train_overhead.py [--model hf|gpt] [--profile] [--cprofile] [--modes "always;never"]
 """
 import argparse
 import json
@@ -53,6 +55,8 @@ def main():
     ap.add_argument("--model", default="hf", choices=["hf", "gpt"])
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--cprofile", action="store_true", help="tiermem's runs only: the host's top calls over the timed steps")
+    ap.add_argument("--modes", default="always;always, no rng;never", help="tiermem's runs, ';' between")
     a = ap.parse_args()
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True, warn_only=True)
@@ -114,7 +118,7 @@ def main():
     torch.cuda.empty_cache()
     import functools
     plain_ckpt = torch.utils.checkpoint.checkpoint
-    for mode in ("always", "always, no rng", "never"):
+    for mode in a.modes.split(";"):
         torch.utils.checkpoint.checkpoint = (functools.partial(plain_ckpt, preserve_rng_state=False)
                                              if mode.endswith("no rng") else plain_ckpt)
         model = build()
@@ -127,6 +131,26 @@ def main():
                 loss_fn(model, ids).backward()
         for _ in range(6):
             run()
+        if a.cprofile:
+            import cProfile
+            import io
+            import pstats
+            torch.cuda.synchronize()
+            pr = cProfile.Profile()
+            t0 = time.perf_counter()
+            pr.enable()
+            for _ in range(a.steps):
+                run()
+            torch.cuda.synchronize()
+            pr.disable()
+            wall = (time.perf_counter() - t0) / a.steps * 1e3
+            buf = io.StringIO()
+            st = pstats.Stats(pr, stream=buf)
+            st.sort_stats("tottime").print_stats(25)
+            st.sort_stats("cumulative").print_stats(30)
+            out[f"tiermem {mode} cprofile"] = {"step_ms_profiled": round(wall, 1), "stats": buf.getvalue()[-12000:]}
+            print(f"tiermem {mode}: {wall:.1f} ms a step under cProfile", flush=True)
+            print(buf.getvalue()[:9000], flush=True)
         record(f"tiermem {mode}", run, {"plan": str(train.plan).split("\n")[:7]})
         print("\n".join(str(train.plan).split("\n")[:7]), flush=True)
         train.unwrap()

@@ -9,6 +9,7 @@ top kernels; the profiler stays attached to CUDA once used (CUPTI), which slowed
 runs, whose many CUDA calls each pay for it (on the H100 at 42516af, tiermem's recompute-everywhere
 step took 169 and 328 ms after a profiled run, 147 and 254 ms without one): time without it.
 
+With ``--trace``, a Chrome trace of one tiermem step (GPU activity only) in $OUT.
 With ``--cprofile``, the host's top calls (cProfile) over tiermem's timed steps.
 
     python bench/probes/probe_train_overhead.py [--model hf|gpt] [--profile] [--cprofile] [--modes "always;never"]
@@ -50,14 +51,42 @@ def kernels(run):
     return busy, [(e.key[:70], round(e.self_device_time_total / 1e3, 2), e.count) for e in top]
 
 
+def trace_summary(path):
+    """From a Chrome trace of one step: the compute stream's kernel time, its idle gaps (over
+    50 us) and how much of them the copy engines were busy, each copy stream's busy time (ms)."""
+    import gzip
+    with (gzip.open if path.endswith(".gz") else open)(path, "rt") as fh:
+        ev = [e for e in json.load(fh)["traceEvents"] if e.get("ph") == "X"]
+    kern = sorted((e["ts"], e["ts"] + e["dur"]) for e in ev if e.get("cat") in ("kernel", "gpu_memset"))
+    copies = {}
+    for e in ev:
+        if e.get("cat") == "gpu_memcpy":
+            copies.setdefault(e["tid"], []).append((e["ts"], e["ts"] + e["dur"], e.get("args", {}).get("bytes", 0)))
+    gaps = [(a1, b0) for (_, a1), (b0, _) in zip(kern, kern[1:]) if b0 - a1 > 50]
+
+    def during(iv):
+        return sum(max(0, min(b, y) - max(a, x)) for x, y, _ in iv for a, b in gaps) / 1e3
+    return {"span_ms": round((max(b for _, b in kern) - kern[0][0]) / 1e3, 1),
+            "kernel_ms": round(sum(b - a for a, b in kern) / 1e3, 1), "kernels": len(kern),
+            "gaps": len(gaps), "gap_ms": round(sum(b - a for a, b in gaps) / 1e3, 1),
+            "copies": {str(t): {"n": len(v), "busy_ms": round(sum(b - a for a, b, _ in v) / 1e3, 1),
+                                "MB": round(sum(n for *_, n in v) / 1e6, 1), "busy_in_gaps_ms": round(during(v), 1)}
+                       for t, v in copies.items()}}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="hf", choices=["hf", "gpt"])
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--cprofile", action="store_true", help="tiermem's runs only: the host's top calls over the timed steps")
+    ap.add_argument("--trace", action="store_true", help="tiermem's runs: a Chrome trace of one step (GPU activity only) in $OUT")
+    ap.add_argument("--summarize", metavar="TRACE", help="only print trace_summary of a saved trace (.json or .json.gz)")
     ap.add_argument("--modes", default="always;always, no rng;never", help="tiermem's runs, ';' between")
     a = ap.parse_args()
+    if a.summarize:
+        print(json.dumps(trace_summary(a.summarize), indent=1))
+        return
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True, warn_only=True)
     import tiermem
@@ -151,6 +180,16 @@ def main():
             out[f"tiermem {mode} cprofile"] = {"step_ms_profiled": round(wall, 1), "stats": buf.getvalue()[-12000:]}
             print(f"tiermem {mode}: {wall:.1f} ms a step under cProfile", flush=True)
             print(buf.getvalue()[:9000], flush=True)
+        if a.trace:
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                run()
+                torch.cuda.synchronize()
+            tpath = os.path.join(os.environ.get("OUT", "bench/results"),
+                                 f"trace-{a.model}-{mode.replace(' ', '').replace(',', '-')}.json")
+            prof.export_chrome_trace(tpath)
+            out[f"tiermem {mode} trace"] = trace_summary(tpath)
+            print("wrote", tpath, json.dumps(out[f"tiermem {mode} trace"]), flush=True)
         record(f"tiermem {mode}", run, {"plan": str(train.plan).split("\n")[:7]})
         print("\n".join(str(train.plan).split("\n")[:7]), flush=True)
         train.unwrap()

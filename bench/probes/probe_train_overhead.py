@@ -177,9 +177,11 @@ def main():
             st = pstats.Stats(pr, stream=buf)
             st.sort_stats("tottime").print_stats(25)
             st.sort_stats("cumulative").print_stats(30)
-            out[f"tiermem {mode} cprofile"] = {"step_ms_profiled": round(wall, 1), "stats": buf.getvalue()[-12000:]}
+            st.sort_stats("tottime").print_stats("tiermem/", 40)    # tiermem's own host time
+            st.sort_stats("cumulative").print_stats("tiermem/", 40)
+            out[f"tiermem {mode} cprofile"] = {"step_ms_profiled": round(wall, 1), "stats": buf.getvalue()[-30000:]}
             print(f"tiermem {mode}: {wall:.1f} ms a step under cProfile", flush=True)
-            print(buf.getvalue()[:9000], flush=True)
+            print(buf.getvalue()[-14000:], flush=True)
         if a.trace:
             torch.cuda.synchronize()
             with profile(activities=[ProfilerActivity.CUDA]) as prof:

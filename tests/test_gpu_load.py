@@ -104,4 +104,7 @@ def test_the_kvikio_reader_reads_what_the_posix_reader_reads(tmp_path):
         b = torch.empty(4096, dtype=torch.uint8, pin_memory=True)
         with pytest.raises(CheckpointError, match="truncated"):
             reader.read([(short, host_bytes(b.data_ptr(), 4096))])
+        gone = FileTensor("r", str(tmp_path / "missing"), 0, 4096, "uint8", (4096,))
+        with pytest.raises(CheckpointError, match="does not exist"):   # after a good range: waited for, then raised
+            reader.read([jobs[0], (gone, host_bytes(b.data_ptr(), 4096))])
         reader.close()

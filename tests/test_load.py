@@ -460,3 +460,17 @@ def test_a_merged_tensor_with_a_missing_expert_is_refused_with_nothing_allocated
         load_pretrained(bad, budget=checkpoint_share(bad, 30), tier=tier)
     assert isinstance(e.value, ValueError) and "wrap_module" in str(e.value)
     assert _live(fake) == 0 and tier.budget is None and tier.stats() == stats
+
+
+def test_a_file_gone_since_its_header_was_read_is_a_checkpoint_error(tmp_path):
+    from tiermem._load import FileTensor, Reader, host_bytes
+    (tmp_path / "a").write_bytes(bytes(range(256)) * 64)
+    r = Reader(threads=2, chunk=4096)
+    buf = torch.empty(8192, dtype=torch.uint8)
+    ok = (FileTensor("a", str(tmp_path / "a"), 100, 8192, "uint8", (8192,)), host_bytes(buf.data_ptr(), 8192))
+    assert r.read([ok]) == 8192 and bytes(buf.numpy()) == (bytes(range(256)) * 64)[100:8292]
+    gone = FileTensor("b", str(tmp_path / "b"), 0, 16, "uint8", (16,))
+    with pytest.raises(CheckpointError, match="does not exist") as e:
+        r.read([(gone, host_bytes(buf.data_ptr(), 16))])
+    assert isinstance(e.value, ValueError)
+    r.close()

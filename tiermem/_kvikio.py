@@ -80,9 +80,16 @@ class KvikioReader(Reader):
 
     def read_ranges(self, ranges: list[tuple[str, int, memoryview]]) -> int:
         t0 = time.perf_counter()
-        futures = [(path, offset, mv, self._file(path).pread(mv, len(mv), offset, task_size=self.chunk))
-                   for path, offset, mv in ranges if len(mv)]
-        error = None
+        futures, error = [], None
+        for path, offset, mv in ranges:
+            if not len(mv):
+                continue
+            try:
+                futures.append((path, offset, mv, self._file(path).pread(mv, len(mv), offset, task_size=self.chunk)))
+            except (CheckpointError, RuntimeError) as e:    # reads already queued finish before it leaves
+                error = e if isinstance(e, CheckpointError) else CheckpointError(
+                    f"kvikio could not read {path} from byte {offset:,}: {e}", path)
+                break
         for path, offset, mv, fut in futures:        # every read is waited for before any error leaves
             try:
                 got = fut.get()

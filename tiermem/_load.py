@@ -146,7 +146,10 @@ class Reader:
         with self._lock:
             fd = self._fds.get(path)
             if fd is None:
-                fd = self._fds[path] = os.open(path, os.O_RDONLY)
+                try:
+                    fd = self._fds[path] = os.open(path, os.O_RDONLY)
+                except FileNotFoundError:       # gone since its header was read
+                    raise CheckpointError(f"{path} does not exist", path) from None
             return fd
 
     def _read_chunk(self, path: str, offset: int, mv: memoryview) -> None:

@@ -129,23 +129,29 @@ def drop_cache(paths: list[str]) -> None:
         pass
 
 
-def read_rate(paths: list[str], threads: int, drop: bool) -> tuple[float, int]:
-    """(GB/s, bytes) of reading every file whole through tiermem's Reader into one reused buffer."""
-    import torch
-    from tiermem._load import FileTensor, Reader, host_bytes
-    r = Reader(threads=threads, drop_cache=drop)
-    buf = torch.empty(256 << 20, dtype=torch.uint8)
-    total = 0
-    t0 = time.perf_counter()
+def read_files(reader, paths: list[str], buf) -> tuple[float, int]:
+    """(GB/s, bytes) of reading every file whole through ``reader`` into ``buf`` (a CPU uint8
+    tensor), reused."""
+    from tiermem._load import FileTensor, host_bytes
+    total, t0 = 0, time.perf_counter()
     for p in paths:
         size = os.path.getsize(p)
         for s in range(0, size, buf.numel()):
             n = min(buf.numel(), size - s)
-            r.read([(FileTensor(p, p, s, n, "uint8", (n,)), host_bytes(buf.data_ptr(), n))])
+            reader.read([(FileTensor(p, p, s, n, "uint8", (n,)), host_bytes(buf.data_ptr(), n))])
             total += n
-    dt = time.perf_counter() - t0
-    r.close()
-    return gbps(total, dt), total
+    return gbps(total, time.perf_counter() - t0), total
+
+
+def read_rate(paths: list[str], threads: int, drop: bool) -> tuple[float, int]:
+    """(GB/s, bytes) of reading every file whole through tiermem's Reader into one reused buffer."""
+    import torch
+    from tiermem._load import Reader
+    r = Reader(threads=threads, drop_cache=drop)
+    try:
+        return read_files(r, paths, torch.empty(256 << 20, dtype=torch.uint8))
+    finally:
+        r.close()
 
 
 def kvikio_read_rate(paths: list[str], threads: int, device: bool) -> dict:
@@ -155,19 +161,10 @@ def kvikio_read_rate(paths: list[str], threads: int, device: bool) -> dict:
     path and a copy). The page cache is dropped before each."""
     import torch
     from tiermem._kvikio import KvikioReader
-    from tiermem._load import FileTensor, host_bytes
     r = KvikioReader(threads=threads, drop_cache=True)
     out = {"compat_mode": r.compat_mode, "direct_io_read": r.direct}
-    buf = torch.empty(256 << 20, dtype=torch.uint8, pin_memory=True)
     drop_cache(paths)
-    total, t0 = 0, time.perf_counter()
-    for p in paths:
-        size = os.path.getsize(p)
-        for s in range(0, size, buf.numel()):
-            n = min(buf.numel(), size - s)
-            r.read([(FileTensor(p, p, s, n, "uint8", (n,)), host_bytes(buf.data_ptr(), n))])
-            total += n
-    out["pinned_GBps"] = gbps(total, time.perf_counter() - t0)
+    out["pinned_GBps"], _ = read_files(r, paths, torch.empty(256 << 20, dtype=torch.uint8, pin_memory=True))
     r.close()
     if device:
         import kvikio

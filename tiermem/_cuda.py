@@ -178,10 +178,9 @@ def managed_alloc(nbytes: int, device: int) -> Any:
             raise CUDAError("cudaMallocManaged", e.status, cupy.cuda.runtime.getErrorName(e.status)) from None
 
 
-class DeviceMemory:
-    """Plain device memory straight from the driver (cudaMalloc), not from a pool: ``free()``
-    (or collection) hands it back to the driver, for any allocator to use. cudaFree waits for
-    the device to finish the work it has queued."""
+class _Owned:
+    """``nbytes`` at ``ptr`` that this object gives back once: at ``free()``, or when collected.
+    A subclass says how (``_give_back``)."""
 
     __slots__ = ("ptr", "nbytes")
 
@@ -191,13 +190,27 @@ class DeviceMemory:
     def free(self) -> None:
         if self.ptr:
             ptr, self.ptr = self.ptr, 0
-            _check("cudaFree", _runtime().cudaFree(ptr))
+            self._give_back(ptr)
+
+    def _give_back(self, ptr: int) -> None:
+        raise NotImplementedError
 
     def __del__(self) -> None:
         try:
             self.free()
         except Exception:  # pragma: no cover - destructors never raise (STYLE)
             pass
+
+
+class DeviceMemory(_Owned):
+    """Plain device memory straight from the driver (cudaMalloc), not from a pool: ``free()``
+    (or collection) hands it back to the driver, for any allocator to use. cudaFree waits for
+    the device to finish the work it has queued."""
+
+    __slots__ = ()
+
+    def _give_back(self, ptr: int) -> None:
+        _check("cudaFree", _runtime().cudaFree(ptr))
 
 
 def device_malloc(nbytes: int, device: int) -> DeviceMemory:
@@ -223,30 +236,19 @@ def device_malloc(nbytes: int, device: int) -> DeviceMemory:
 # So large host blocks are made this way; small ones keep CuPy's pinned pool, which reuses
 # them. Unregistering is not documented to wait for copies still reading the memory, so
 # ``free`` synchronizes the device first (as cudaFreeHost does).
-class RegisteredHost:
+class RegisteredHost(_Owned):
     """Host memory from :func:`_hostpages.map_pages`, page-locked and mapped for every device
     (NOTE [pinned by registration]). ``free()`` (or collection) unpins and unmaps it."""
 
-    __slots__ = ("ptr", "nbytes")
+    __slots__ = ()
 
-    def __init__(self, ptr: int, nbytes: int):
-        self.ptr, self.nbytes = ptr, nbytes
-
-    def free(self) -> None:
-        if self.ptr:
-            ptr, self.ptr = self.ptr, 0
-            rt = _runtime()
-            try:
-                _check("cudaDeviceSynchronize", rt.cudaDeviceSynchronize())
-                _check("cudaHostUnregister", rt.cudaHostUnregister(ptr))
-            finally:
-                _hostpages.unmap_pages(ptr, self.nbytes)
-
-    def __del__(self) -> None:
+    def _give_back(self, ptr: int) -> None:
+        rt = _runtime()
         try:
-            self.free()
-        except Exception:  # pragma: no cover - destructors never raise (STYLE)
-            pass
+            _check("cudaDeviceSynchronize", rt.cudaDeviceSynchronize())
+            _check("cudaHostUnregister", rt.cudaHostUnregister(ptr))
+        finally:
+            _hostpages.unmap_pages(ptr, self.nbytes)
 
 
 def host_register(nbytes: int, threads: int = 8) -> RegisteredHost | None:

@@ -14,9 +14,9 @@ NOTE [disk tier]
     waits on). Pinned memory is the home plus the staging buffers, never more than host_budget.
 
     Reads are plain POSIX reads (``os.preadv``, several threads, NOTE [reading a checkpoint]), or
-    KvikIO's with ``disk_reader="kvikio"`` (NOTE [kvikio reader]), each chunk dropped from the page cache once read: a host whose memory is short (the reason to
-    set host_budget) would not keep it, and a cache holding the model would make the next forward
-    read memory, not the drive. A forward that uses groups in another order than the one learned
+    KvikIO's with ``disk_reader="kvikio"`` (NOTE [kvikio reader]), each chunk dropped from the
+    page cache once read: a host whose memory is short (the reason to set host_budget) would not
+    keep it, and a cache holding the model would make the next forward read memory, not the drive. A forward that uses groups in another order than the one learned
     (or before any is learned) gets each missing group read on demand: the reader drops what it
     read ahead and starts again from the group asked for. Such a group must be read whole before
     its layer runs; the slots' lookahead does the rest.

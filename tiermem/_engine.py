@@ -1240,7 +1240,7 @@ class Engine:
 
     def memory_summary(self) -> str:
         """A readable report of the stats, one row per role that has been used."""
-        return summary(self)
+        return summary(self.stats(), self.device, self.backend.capabilities())
 
     def close(self) -> None:
         """Wait for outstanding moves, give parked pages back, release cached pool blocks, and

@@ -1,12 +1,9 @@
 """The readable report behind tiermem.memory_summary()."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 from .roles import Role
-
-if TYPE_CHECKING:
-    from ._engine import Engine as Tier
 
 
 def _b(n: float) -> str:
@@ -22,12 +19,11 @@ def _rate(nbytes: float, seconds: float) -> str:
     return f"{nbytes / seconds / 1e9:.1f} GB/s" if seconds > 0 else "-"
 
 
-def summary(tier: Tier) -> str:
-    s = tier.stats()
-    caps = tier.backend.capabilities()
+def summary(s: dict[str, Any], device: int, caps: Any) -> str:
+    """The report of a Tier's ``stats()`` on ``device``, whose ``capabilities()`` are ``caps``."""
     budget = "none" if s["budget_bytes"] < 0 else _b(s["budget_bytes"])
     lines = [
-        f"tiermem on device {tier.device} ({caps.name}, {_b(caps.total_memory)})",
+        f"tiermem on device {device} ({caps.name}, {_b(caps.total_memory)})",
         f"  managed: {_b(s['managed.reserved_bytes.current'])} reserved (peak {_b(s['managed.reserved_bytes.peak'])}, "
         f"{_b(s['managed.pool_cached_bytes'])} cached) of a {_b(s['managed.cap_bytes'])} cap; "
         f"{s['managed.refused_count']} refused",

@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 import math
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from . import _dtypes
 from ._backend import LARGE
@@ -37,13 +37,28 @@ from ._errors import TierMemError, ViewError
 from .roles import Location, Policy, Role
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
     from ._backend import Block, HostBlock
-    from ._engine import Engine as Tier
     from ._transfer import Transfer
 
 __all__ = ["TieredTensor"]
 
 log = logging.getLogger("tiermem")
+
+
+class Tier(Protocol):
+    """What a buffer and its tensors need of the tier that made them (the Engine): named here
+    rather than imported, so imports point one way, from the engine down to its tensors."""
+
+    backend: Any
+
+    def materialize(self, b: Buffer, writable: bool = True) -> None: ...
+    def prefetch(self, tensors: Any, to: Any = ..., *, stream: Any = None, non_blocking: bool = False) -> Transfer: ...
+    def evict(self, tensors: Any, *, stream: Any = None, non_blocking: bool = False) -> Transfer: ...
+    def change_policy(self, buf: Buffer, policy: Policy | None, changes: Mapping[str, Any]) -> Policy: ...
+    def release_buffer(self, buf: Buffer) -> None: ...
+    def buffer_gone(self, buf: Buffer) -> None: ...
 
 
 class ViewToken:

@@ -1,12 +1,19 @@
 """Transfers: moves enqueued on one of tiermem's side streams, and their completion."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from ._engine import Engine as Tier
+from typing import Any, Protocol
 
 __all__ = ["Transfer"]
+
+
+class Owner(Protocol):
+    """What a transfer needs of the tier that enqueued it (the Engine): named here rather than
+    imported, so imports point one way, from the engine down to its transfers."""
+
+    backend: Any
+    accounting: Any
+
+    def stream_handle(self, stream: Any) -> int: ...
 
 
 class Transfer:
@@ -18,7 +25,7 @@ class Transfer:
     meanwhile is not reused under a running copy. Not thread-safe; share the result, not the call.
     """
 
-    def __init__(self, tier: Tier | None, direction: str, stream: int, start: Any, end: Any,
+    def __init__(self, tier: Owner | None, direction: str, stream: int, start: Any, end: Any,
                  buffers: list[Any], nbytes: int, shares: dict[Any, int]):
         self._tier = tier
         self.direction = direction

@@ -176,12 +176,15 @@ def test_the_simulator_catches_a_slot_refilled_before_it_was_emptied(monkeypatch
 def test_a_ring_needs_two_slots_and_memory():
     with pytest.raises(ValueError):
         StagingRing(FakeBackend(), slot=MiB, slots=1)
-    with pytest.raises(RuntimeError):
+    with pytest.raises(TierMemError, match="holds no memory"):
         StagingRing(FakeBackend()).session(1, "h2d")
     ring = StagingRing(FakeBackend())
     ring.allocate()
     with pytest.raises(ValueError):
         ring.session(1, "sideways")
+    ring.release(1)
+    with pytest.raises(TierMemError, match="holds no memory"):
+        ring.session(1, "d2h")
 
 
 # -- the engine's use of the rings (fake backend: all work done at once) -------------------------
@@ -404,3 +407,4 @@ def test_close_destroys_every_stream_the_tier_made_and_later_moves_make_new_ones
     assert fake.live_streams and not (fake.live_streams & fake.dead_streams)
     t.close()
     assert fake.live_streams == set()
+

@@ -41,7 +41,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from ._errors import ConfigError
+from ._errors import ConfigError, TierMemError
 from ._limits import parse_bytes
 
 __all__ = ["StagingRing", "Staging", "ring_slot", "SLOT", "MIN_STAGED", "DIRECTIONS"]
@@ -103,7 +103,7 @@ class StagingRing:
         """Copies through the ring on ``side`` (tiermem's stream): ``direction`` "h2d" copies
         pinned sources into managed destinations, "d2h" the other way."""
         if self.mem is None:
-            raise RuntimeError("the staging ring is not allocated")
+            raise TierMemError("the staging ring holds no memory (not allocated yet, or released): no copy can go through it")
         if direction not in DIRECTIONS:
             raise ConfigError(f"direction is 'h2d' or 'd2h', not {direction!r}")
         return _Session(self, side, direction)

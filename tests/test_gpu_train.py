@@ -2,6 +2,7 @@
 Managed use stays far below 1 GiB; the budgets are tens of MiB."""
 from __future__ import annotations
 
+import contextlib
 import gc
 
 import pytest
@@ -259,3 +260,76 @@ def test_bf16_moments_stay_close_to_the_resident_losses_and_move_half_the_state_
         for key in ("exp_avg", "exp_avg_sq"):
             assert st[key].dtype == torch.float32 and st[key].is_cuda
     _cleanup(tier)
+
+
+def test_a_transformers_model_bigger_than_the_really_small_gpu_trains_from_the_host():
+    """NOTE [host models] in tiermem/_train.py: a transformers GPT-NeoX (an architecture no bench
+    is tuned on) with its default flags (SDPA attention, requires_grad=True), whose parameters
+    alone are bigger than the free memory of a GPU made really small, trains from the host within
+    its budget. Its losses follow the resident run's (SDPA's backward is not bitwise repeatable,
+    so within 2e-3); unwrap to the device is refused clearly with nothing changed, and unwrap()
+    gives parameters, states and buffers back to the host."""
+    from test_gpu_module import _take_device
+    torch = _setup()
+    import tiermem
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPTNeoXConfig(hidden_size=1024, intermediate_size=4096, num_hidden_layers=12,
+                                     num_attention_heads=16, vocab_size=4096, max_position_embeddings=256)
+    torch.manual_seed(0)
+    model = transformers.GPTNeoXForCausalLM(cfg).train()          # on the host
+    init = {k: v.clone() for k, v in model.state_dict().items()}
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    g = torch.Generator(device="cuda").manual_seed(1)
+    batches = [torch.randint(0, cfg.vocab_size, (2, 128), device="cuda", generator=g) for _ in range(6)]
+
+    def run(step):
+        out = []
+        for ids in batches:
+            with step():
+                loss = model(input_ids=ids, labels=ids).loss
+                loss.backward()
+            out.append(float(loss.detach()))
+        return out
+
+    model.cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    @contextlib.contextmanager
+    def plain():
+        yield
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    want = run(plain)
+    model.cpu()
+    model.load_state_dict(init)
+    del opt
+    gc.collect()
+    torch.cuda.empty_cache()
+    blob = _take_device(params * 7 // 8)          # less free device memory than the parameters alone
+    try:
+        free, _ = torch.cuda.mem_get_info()
+        assert free < params
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        tier = tiermem.Tier(0)                      # the default cap: the memory free now
+        budget = free * 2 // 3
+        train = tier.wrap_training(model, opt, budget, block_bytes=8 * MiB)
+        assert tier.backend.guard.reserved <= free
+        got = run(train.step)
+        print(train.plan.table())
+        assert all(abs(a - b) <= 2e-3 * abs(b) for a, b in zip(got, want)), (got, want)
+        assert train.resident_peak() <= budget
+        assert len(train.plan.streamed_blocks) > 0
+        with pytest.raises(tiermem.errors.DeviceFullError, match="device='cpu'"):
+            train.unwrap(device="cuda")             # the plain model would not fit: refused, nothing changed
+        with train.step():
+            model(input_ids=batches[0], labels=batches[0]).loss.backward()
+        train.unwrap()                              # back where it came from: the host
+        assert all(p.device.type == "cpu" for p in model.parameters())
+        assert all(b.device.type == "cpu" for b in model.buffers())
+        assert all(v.device.type == "cpu" for s in opt.state.values() for k, v in s.items()
+                   if torch.is_tensor(v) and k != "step")
+        del train
+        _cleanup(tier)
+    finally:
+        del blob
+        torch.cuda.empty_cache()

@@ -127,6 +127,25 @@ def test_unwrapped_model_and_optimizer_train_on_like_plain_ones():
         assert torch.equal(p.detach(), q)
 
 
+def test_unwrap_to_another_device_is_refused_with_nothing_changed():
+    bs = batches(2)
+    want, _ = plain_run(bs)
+    fake, tier, model, opt, train = tiered()
+    with train.step():
+        loss = loss_of(model, bs[0])
+        loss.backward()
+    got = [float(loss.detach())]
+    with pytest.raises(tiermem.ConfigError, match="plain copies go to"):
+        train.unwrap(device="meta")
+    with train.step():                       # still trained by tiermem, as before
+        loss = loss_of(model, bs[1])
+        loss.backward()
+    got.append(float(loss.detach()))
+    assert got == want
+    train.unwrap(device="cpu")
+    assert all(p.device.type == "cpu" for p in model.parameters())
+
+
 def _raising(model, ids, where: str):
     def fail(_):
         raise RuntimeError("injected failure in backward")

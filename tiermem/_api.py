@@ -63,7 +63,8 @@ def wrap_training(model: Any, optimizer: Any, budget: int | str, **kwargs: Any) 
     """Train ``model`` with ``optimizer`` within ``budget`` bytes of device memory (bytes, "2GiB"
     or "25%" of the device): parameters, optimizer states and saved activations are tiered, each
     block steps inside backward, and the plan comes from the first step. Use ``with
-    handle.step(): ...forward and backward...``. Returns a :class:`TieredTraining`. Keyword
+    handle.step(): ...forward and backward...``. The model may be on the device or, bigger than
+    it, on the host (NOTE [host models] in _train.py). Returns a :class:`TieredTraining`. Keyword
     arguments: ``lookahead``, ``min_swap``, ``window``, ``swap``, ``block_bytes``, ``margin``,
     ``recompute``, ``link_GBps``, ``process_group`` (True or a torch.distributed group:
     data-parallel replicas, each block's gradients averaged before its step, NOTE [data parallel]

@@ -102,7 +102,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from ._devmem import device_memory
-from ._errors import ConfigError, ConfigTypeError, TierMemError, WrapError
+from ._errors import ConfigError, ConfigTypeError, DeviceFullError, TierMemError, WrapError
 from ._limits import check_bytes, parse_bytes
 from ._meter import StallMeter
 from ._module import module_groups
@@ -245,9 +245,9 @@ class TieredTraining:
             if not ps:
                 continue
             for p in ps:
-                if p.device != self.dev or not p.dtype.is_floating_point:
+                if (p.device != self.dev and p.device.type != "cpu") or not p.dtype.is_floating_point:
                     raise WrapError(f"parameter {name} is {p.dtype} on {p.device}; wrap_training takes "
-                                       f"floating-point parameters on {self.dev} (move the model there first)")
+                                    f"floating-point parameters on {self.dev} or on the host")
                 seen.add(id(p))
             tr = [p for p in ps if p.requires_grad and id(p) in in_opt]
             self.blocks.append(_Block(len(self.blocks), name, mod, ps, tr))
@@ -281,11 +281,40 @@ class TieredTraining:
         self.meter = StallMeter(tier.backend)
         self._lease = tier.lease(self.budget, owner=f"wrap_training({type(model).__name__})")
         originals = [(p, p.data) for b in self.blocks for p in b.params]
+        # NOTE [host models]: where each parameter came from, for unwrap's default
+        self._origin = {id(p): p.device for b in self.blocks for p in b.params}
+        self._host_buffers: list[tuple[Any, str, Any]] = []      # (module, name, host tensor) moved in
         try:
+            self._buffers_in(model)
             self._adopt(tier, model, lookahead, min_swap, window, swap)
         except BaseException:
             self._rollback(originals)
             raise
+
+    # NOTE [host models]
+    #     A model bigger than the device cannot be moved there first, so wrap_training also takes
+    #     one whose parameters are on the host: each is copied into its pinned home (or, for a
+    #     resident block, into managed memory) as a device parameter's is, and the module's host
+    #     buffers (rotary tables, masks: small) move to the device, so the forward runs there.
+    #     unwrap() gives each parameter, its optimizer states and those buffers back where they
+    #     came from unless told otherwise, so a model that came from the host, and would not fit
+    #     the device plain, goes back to the host. A failed adoption puts the buffers back too.
+    #     tests/test_gpu_train.py trains a transformers GPT-NeoX whose parameters alone are
+    #     bigger than a really small GPU's free memory.
+    def _buffers_in(self, model: Any) -> None:
+        for m in model.modules():
+            for name, t in list(m._buffers.items()):
+                if t is not None and t.device.type == "cpu" and t.device != self.dev:
+                    self._host_buffers.append((m, name, t))
+                    m._buffers[name] = t.to(self.dev)
+
+    def _buffers_out(self, device: Any) -> None:
+        """The buffers moved in by the adoption go to ``device``, values and all."""
+        for m, name, _ in self._host_buffers:
+            t = m._buffers.get(name)
+            if t is not None:
+                m._buffers[name] = t.to(device)
+        self._host_buffers = []
 
     def _adopt(self, tier: Tier, model: Any, lookahead: int, min_swap: int, window: int | None, swap: bool) -> None:
         torch, be = self.torch, tier.backend
@@ -375,6 +404,9 @@ class TieredTraining:
         self.mem.synchronize()
         for p, data in originals:
             p.data = data
+        for m, name, t in self._host_buffers:
+            m._buffers[name] = t
+        self._host_buffers = []
         if self._old_fraction is not None:
             self.mem.set_fraction(self._old_fraction)
         self._give_back()
@@ -1123,13 +1155,21 @@ class TieredTraining:
                 "step_ms": self.plan.measured.get("step_ms", 0.0) if self.plan is not None else 0.0,
                 "slots": len(self.slots), "slot_bytes": self.slot_bytes}
 
-    def unwrap(self) -> Any:
-        """Give every parameter and optimizer state plain device memory again, remove the hooks,
-        restore torch's memory fraction and give the budget lease back. All or nothing: the
-        copies are made first, and a failure there leaves the model trained by tiermem as it was
-        (tests/test_train_faults.py)."""
+    def unwrap(self, device: Any = None) -> Any:
+        """Give every parameter and optimizer state plain memory again, remove the hooks, restore
+        torch's memory fraction and give the budget lease back. ``device`` (None: where each
+        parameter came from, NOTE [host models]) is where the plain copies go, "cpu" or the
+        device. All or nothing: the copies are made first, and a failure there leaves the model
+        trained by tiermem as it was (tests/test_train_faults.py)."""
         from ._torch import rebind_plain
         torch = self.torch
+        if device is not None:
+            device = torch.device(device)
+            if device.type == "cuda" and device.index is None:
+                device = self.dev
+            if device != self.dev and device.type != "cpu":
+                raise ConfigError(f"unwrap(device={str(device)!r}): the plain copies go to {self.dev} or the host")
+        where = {i: (device or d) for i, d in self._origin.items()}
         cap = self.mem.fraction()
         self.mem.set_fraction(self._old_fraction)    # the plain copies are outside the budget
         try:
@@ -1138,13 +1178,24 @@ class TieredTraining:
                     self._unbind_slot(s)
             self.mem.synchronize()
             with torch.no_grad():
-                plains = [(p, torch.empty(p.shape, dtype=p.dtype, device=self.dev).copy_(p.data))
+                plains = [(p, torch.empty(p.shape, dtype=p.dtype, device=where[id(p)]).copy_(p.data))
                           for b in self.blocks for p in b.params]
-                states = [(p, key, self.opt.state[p][key].to(dt, copy=True))     # NOTE [bf16 moments]
+                states = [(p, key, self.opt.state[p][key].to(where[id(p)], dt, copy=True))     # NOTE [bf16 moments]
                           for b in self.blocks for (p, key, _), (dt, _) in zip(b.states, b.s_dtypes)]
+                states += [(p, key, v.to(where[id(p)]))      # resident blocks' states, where they were made
+                           for b in self.blocks if b.resident and not b.states for p in b.trainable
+                           for key, v in self.opt.state.get(p, {}).items()
+                           if torch.is_tensor(v) and v.device != where[id(p)] and key != "step"]
             self.mem.synchronize()
-        except BaseException:
+        except BaseException as e:
             self.mem.set_fraction(cap)
+            if isinstance(e, torch.OutOfMemoryError):
+                need = sum(p.numel() * p.element_size() * (1 + len(self.opt.state.get(p, {})))
+                           for b in self.blocks for p in b.params if where[id(p)].type == "cuda")
+                raise DeviceFullError(need, 0, self.tier.backend.mem_info()[0],
+                                      hint="unwrap needs about that much free device memory for the plain "
+                                           "parameters and optimizer states; call unwrap(device='cpu') to "
+                                           "restore onto the host, or free device memory first") from e
             raise
         # Nothing below calls the backend before the memory is given back.
         for h in self._hooks + self._state_hooks:
@@ -1158,6 +1209,8 @@ class TieredTraining:
             if self.params.get(old) is p:
                 del self.params[old]
             rebind_plain(p, plain)
+        buffers_to = device if device is not None else torch.device("cpu")
+        self._buffers_out(buffers_to)
         self.model._tiermem_handle = None
         self._give_back()
         self.tier.synchronize()      # finished moves let go of the buffers they held

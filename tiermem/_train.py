@@ -1170,6 +1170,7 @@ class TieredTraining:
             if device != self.dev and device.type != "cpu":
                 raise ConfigError(f"unwrap(device={str(device)!r}): the plain copies go to {self.dev} or the host")
         where = {i: (device or d) for i, d in self._origin.items()}
+        self._check_room(where)
         cap = self.mem.fraction()
         self.mem.set_fraction(self._old_fraction)    # the plain copies are outside the budget
         try:
@@ -1216,6 +1217,23 @@ class TieredTraining:
         self.tier.synchronize()      # finished moves let go of the buffers they held
         self._lease.release()
         return self.model
+
+    def _check_room(self, where: dict[int, Any]) -> None:
+        """Refuse, changing nothing, an unwrap whose plain copies do not fit the device: checked
+        first, since torch's allocator may be tiermem's own over managed memory, which would
+        take them past the device's size (NOTE [host models])."""
+        if self.tier.backend.kind != "cuda":
+            return
+        need = sum(p.numel() * p.element_size() + sum(v.numel() * v.element_size()
+                                                      for v in self.opt.state.get(p, {}).values()
+                                                      if self.torch.is_tensor(v) and v.dim() > 0)
+                   for b in self.blocks for p in b.params if where[id(p)].type == "cuda")
+        cuda = self.torch.cuda
+        free = self.tier.backend.mem_info()[0] + cuda.memory_reserved(self.dev) - cuda.memory_allocated(self.dev)
+        if need > free:
+            raise DeviceFullError(need, 0, free, hint="unwrap needs that much free device memory for the plain "
+                                  "parameters and optimizer states; call unwrap(device='cpu') to restore onto "
+                                  "the host, or free device memory first")
 
     def _give_back(self) -> None:
         """Free the memory the adoption took, once no parameter points at it: resident blocks'

@@ -21,6 +21,7 @@ import statistics
 import time
 
 import _path  # noqa: F401 - bench/ and the repository root on sys.path
+from _common import cuda_times
 
 import torch
 import torch.utils.checkpoint as cp
@@ -79,15 +80,8 @@ def main():
     for r in range(a.rounds):
         for rng in (True, False):
             keep["rng"] = rng
-            t = []
-            for _ in range(a.steps):
-                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                e0.record()
-                step()
-                e1.record()
-                e1.synchronize()
-                t.append(e0.elapsed_time(e1))
-            runs[f"rng={rng}"].append(round(statistics.median(t[2:]), 1))
+            t = cuda_times(step, reps=a.steps - 2, warmup=2)
+            runs[f"rng={rng}"].append(round(statistics.median(t) * 1e3, 1))
             print(f"round {r} rng={rng}: {runs[f'rng={rng}'][-1]} ms", flush=True)
     R["hf_checkpoint_step_ms"] = runs
     R["hf_rng_cost_ms"] = round(statistics.median(runs["rng=True"]) - statistics.median(runs["rng=False"]), 1)

@@ -206,6 +206,62 @@ def test_unwrap_gives_plain_parameters_and_states_back():
     _cleanup(tier)
 
 
+@pytest.mark.parametrize("when", ["into-the-handle-that-trained", "before-the-first-step", "host-before-wrapping"])
+def test_a_resumed_run_gives_the_uninterrupted_losses_bitwise(when):
+    """NOTE [loaded states] in tiermem/_train.py: a checkpoint (torch.save of the model's and the
+    optimizer's state dicts) taken after 4 steps and loaded back: into the handle that went on
+    training, into a fresh model and optimizer wrapped but not stepped yet (a streamed block's
+    states then load onto the host, where its parameters live between steps), or into a model
+    and optimizer on the host before wrapping them. The 6 steps after it give the uninterrupted
+    run's losses and parameters bitwise, and loading the optimizer allocates nothing on the device."""
+    import io
+    torch = _setup()
+    import tiermem
+    from tiermem.models import GPTConfig
+    at, batches = 4, _batches(GPTConfig(**CFG), 10)
+    tier, model, opt, train, c = _tiered(BUDGET)
+    want, _ = _train_losses(train, model, batches)
+    want_params = [p.detach().clone() for p in model.parameters()]
+    _cleanup(tier, train)
+
+    tier, model, opt, train, c = _tiered(BUDGET)
+    _train_losses(train, model, batches[:at])
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
+
+    def restore(m, o):
+        ck = torch.load(io.BytesIO(buf.getvalue()), map_location="cpu")   # the allocator is capped
+        m.load_state_dict(ck["model"])
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        o.load_state_dict(ck["opt"])
+        # the moments go straight into tiermem's memory, or stay on the host until their first
+        # step: torch's allocator holds no copy of the optimizer's state on the way
+        assert torch.cuda.max_memory_allocated() - before < MiB
+    if when == "into-the-handle-that-trained":
+        _train_losses(train, model, batches[at:at + 2])
+        restore(model, opt)
+    else:
+        _cleanup(tier, train)
+        model, c = _gpt(seed=5)                 # other weights: the load must replace them all
+        if when == "host-before-wrapping":
+            model.cpu()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        if when == "host-before-wrapping":
+            restore(model, opt)
+        tier = tiermem.Tier(0, cap="1GiB")
+        train = tier.wrap_training(model, opt, BUDGET, block_bytes=1 * MiB, min_swap=256 << 10)
+        if when == "before-the-first-step":
+            restore(model, opt)
+    got, peaks = _train_losses(train, model, batches[at:])
+    print(train.plan.table())
+    assert got == want[at:]
+    assert all(torch.equal(p.detach().cuda(), q) for p, q in zip(model.parameters(), want_params))
+    assert max(peaks) <= BUDGET and train.plan.streamed_blocks
+    _cleanup(tier, train)
+
+
 def test_a_second_backward_in_one_step_is_refused_clearly():
     _setup()
     import tiermem

@@ -153,6 +153,7 @@ class _Block:
     home_s: Any = None
     home_views: list[Any] = dataclasses.field(default_factory=list)
     home_state_views: list[Any] = dataclasses.field(default_factory=list)
+    resident_state_views: list[Any] = dataclasses.field(default_factory=list)   # a resident block's states
     home_ready: Any = None        # event after its last write-back
     resident: bool = False
     tiered: list[Any] = dataclasses.field(default_factory=list)
@@ -275,6 +276,7 @@ class TieredTraining:
         self._hooks: list[Any] = []
         self._state_hooks: list[Any] = []    # the optimizer's; _take's in-capacity removal keeps them
         self._old_fraction: float | None = None
+        self._pending: list[tuple[Any, str, Any]] = []   # states the optimizer's load left to us (NOTE [loaded states])
         self.slots: list[_Slot] = []
         self.swap: ActivationSwap | None = None
         self.recomputing = Recompute(torch, lambda: self._in_step)
@@ -390,6 +392,10 @@ class TieredTraining:
             save, load = _rounding_hooks(self.rounding)
             self._state_hooks = [self.opt.register_state_dict_post_hook(save),
                                  self.opt.register_load_state_dict_pre_hook(load)]
+        before, after, params = _loaded_states_hooks(self)      # NOTE [loaded states]
+        self._state_hooks += [self.opt.register_load_state_dict_pre_hook(before),
+                              self.opt.register_load_state_dict_post_hook(after),
+                              model.register_load_state_dict_pre_hook(params)]
         import weakref
         model._tiermem_handle = weakref.ref(self)
 
@@ -480,6 +486,9 @@ class TieredTraining:
                  self._views(s.ptr + b.p_bytes + b.g_bytes, b, self._slot_mem, "s"))
             self._view_cache[key] = v
         return v
+
+    def _forget_views(self, b: _Block) -> None:
+        self._view_cache = {k: v for k, v in self._view_cache.items() if k[1] != b.index}
 
     def _bind(self, p: Any, v: Any) -> None:
         old = p.data.untyped_storage().data_ptr()
@@ -694,6 +703,8 @@ class TieredTraining:
             if id(p) not in self._got:
                 p.grad = None     # no gradient reached it: the optimizer skips it, as it would resident
         sv = self._slot_views(s, b)[2] if self.state_dtype is not None and s.has_states else []
+        if not b.states:
+            self._loaded_to_device(b)
         try:
             narrow = self._widen(b, s, sv)
             self._opt_step(b.trainable)
@@ -784,8 +795,130 @@ class TieredTraining:
             home.release()
             raise
         b.s_bytes, b.home_s, b.home_state_views = off, home, views
+        self._forget_views(b)            # a slot's views of the block were made without states
         self._bind_states(b, views)
         self._count("d2h", Role.OPTIMIZER_STATE, b.s_bytes)
+
+    # NOTE [loaded states]
+    #     ``opt.load_state_dict`` casts every loaded state to its parameter's device and dtype and
+    #     points ``opt.state`` at the result. Under tiermem both are wrong: every parameter is a
+    #     device tensor (a streamed one views its pinned home zero-copy), so torch would put the
+    #     whole optimizer state on the device at once (past a budget, past a GPU smaller than the
+    #     model), and the states a block's home, slot or managed memory holds would go on being
+    #     stepped with their old values. So the optimizer's load runs between two hooks:
+    #       - before it, the states of a shape of their parameter's (the moments; not "step",
+    #         nor factored states, which torch loads itself) are taken out of the loaded dict;
+    #       - after it, a block whose states tiermem holds gets them copied into that memory
+    #         (round to nearest where its home holds bf16: a tiermem checkpoint's bf16 moments
+    #         come back exactly), ``opt.state`` points there again, and a slot's copy is stale;
+    #         a block whose parameters lack some of those states in the loaded dict starts them
+    #         afresh, as a plain optimizer does (tiermem gives their home back);
+    #       - states of blocks that hold none yet (no step since wrapping) stay where they were
+    #         loaded, the host for ``map_location="cpu"``, and move to the device just before
+    #         the block's first optimizer step, which adopts them as it adopts states the
+    #         optimizer makes; a resident block's go to the device as torch would put them.
+    #     So nothing of the checkpoint crosses to the device but into tiermem's own memory.
+    #     ``model.load_state_dict`` first sends every streamed parameter home from its slot, so the
+    #     load writes the home and no slot keeps old values (a write through ``p.data`` between
+    #     steps may land in a slot a later step refills: load through the state dict). Load the
+    #     checkpoint file itself with ``map_location="cpu"``: torch's allocator is capped at the
+    #     budget, and a wrapped run's state dict holds device tensors. Loading either inside
+    #     ``train.step()`` is refused. tests/test_train_resume.py checks resumed runs bitwise
+    #     against the uninterrupted one on the CPU, tests/test_gpu_train.py on the GPU.
+    def _states_loading(self, sd: dict[str, Any]) -> dict[str, Any] | None:
+        """Before the optimizer loads ``sd`` (torch's shallow copy): take out the states tiermem
+        places itself (NOTE [loaded states]); returns the dict for torch to load."""
+        if self._in_step:
+            raise TierMemError("load the optimizer's state between steps, not inside train.step(): "
+                               "this step's blocks already stepped with the states they had")
+        torch = self.torch
+        self._pending = []
+        saved = [i for g in sd.get("param_groups", []) for i in g["params"]]
+        mine = [p for g in self.opt.param_groups for p in g["params"]]
+        if len(saved) != len(mine):
+            return None                      # torch refuses it, with its own message
+        of = dict(zip(saved, mine))
+        ours = {id(p) for b in self.blocks for p in b.trainable}
+        held = {(id(p), key) for b in self.blocks for p, key, _ in b.states}
+        state = {}
+        for k, st in sd.get("state", {}).items():
+            p = of.get(k)
+            if p is None or id(p) not in ours:
+                state[k] = st
+                continue
+            rest = {}
+            for key, v in st.items():
+                if torch.is_tensor(v) and key != "step" and v.shape == p.shape:
+                    self._pending.append((p, key, v))
+                elif (id(p), key) in held:
+                    raise ConfigError(f"the loaded optimizer state {key!r} of a parameter of shape "
+                                      f"{tuple(p.shape)} has shape {tuple(getattr(v, 'shape', ()))}: "
+                                      "a checkpoint of another model?")
+                else:
+                    rest[key] = v
+            state[k] = rest
+        return {**sd, "state": state}
+
+    def _states_loaded(self) -> None:
+        """After the optimizer loaded: place what ``_states_loading`` took out."""
+        torch = self.torch
+        pending, self._pending = self._pending, []
+        loaded = {(id(p), key): v for p, key, v in pending}
+        self.mem.synchronize()          # write-backs home are done before their homes are written
+        with torch.no_grad():
+            for b in self.blocks:
+                if not b.states:
+                    continue
+                if any((id(p), key) not in loaded for p, key, _ in b.states):
+                    self._forget_states(b)
+                    continue
+                views = b.resident_state_views if b.resident else b.home_state_views
+                for (p, key, _), dst in zip(b.states, views):
+                    dst.copy_(loaded.pop((id(p), key)))
+                self._bind_states(b, views)
+                if b.slot is not None and b.slot.occupant is b:
+                    b.slot.has_states = False
+            for p, key, v in pending:
+                if (id(p), key) in loaded:
+                    b = self._block_of[id(p)]
+                    where = p.device if b.resident else v.device
+                    self.opt.state[p][key] = v.to(device=where, dtype=p.dtype)
+        self.mem.synchronize()
+
+    def _params_loading(self) -> None:
+        """Before ``model.load_state_dict``: every streamed parameter goes back to its home, so
+        the load writes there and no slot keeps the old values (NOTE [loaded states])."""
+        if self._in_step:
+            raise TierMemError("load the model's state between steps, not inside train.step()")
+        for s in self.slots:
+            if s.occupant is not None:
+                self._unbind_slot(s)
+
+    def _forget_states(self, b: _Block) -> None:
+        """The loaded dict starts some of ``b``'s states afresh (NOTE [loaded states])."""
+        if b.resident:
+            # their managed memory stays with the block; the optimizer makes new ones in torch's
+            b.states, b.s_dtypes, b.resident_state_views = [], [], []
+            return
+        if b.slot is not None and b.slot.occupant is b:
+            b.slot.has_states = False
+        b.states, b.s_dtypes, b.home_state_views = [], [], []
+        b.s_bytes = b.s_full = 0
+        self._forget_views(b)
+        if b.home_s is not None:
+            b.home_s.release()
+            b.home_s = None
+
+    def _loaded_to_device(self, b: _Block) -> None:
+        """States of ``b`` loaded but not adopted yet go to the device for its first optimizer
+        step, which then adopts them (NOTE [loaded states])."""
+        torch = self.torch
+        for p in b.trainable:
+            st = self.opt.state.get(p)
+            for key, v in (st or {}).items():
+                if (torch.is_tensor(v) and v.device != self.dev and v.shape == p.shape and v.dtype.is_floating_point
+                        and key != "step"):
+                    st[key] = v.to(self.dev)
 
     # -- steps -------------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -1132,6 +1265,7 @@ class TieredTraining:
                 self.swap.fixed.add(p.data.untyped_storage().data_ptr())
         for (p, key, _), v in zip(b.states, views):
             self.opt.state[p][key] = v
+        b.resident_state_views = views
         b.tiered += tts
         self.mem.synchronize()
         b.home_views, b.home_state_views = [], []
@@ -1188,15 +1322,8 @@ class TieredTraining:
                            for key, v in self.opt.state.get(p, {}).items()
                            if torch.is_tensor(v) and v.device != where[id(p)] and key != "step"]
             self.mem.synchronize()
-        except BaseException as e:
-            self.mem.set_fraction(cap)
-            if isinstance(e, torch.OutOfMemoryError):
-                need = sum(p.numel() * p.element_size() * (1 + len(self.opt.state.get(p, {})))
-                           for b in self.blocks for p in b.params if where[id(p)].type == "cuda")
-                raise DeviceFullError(need, 0, self.tier.backend.mem_info()[0],
-                                      hint="unwrap needs about that much free device memory for the plain "
-                                           "parameters and optimizer states; call unwrap(device='cpu') to "
-                                           "restore onto the host, or free device memory first") from e
+        except BaseException:
+            self.mem.set_fraction(cap)      # _check_room refused what would not fit; this is anything else
             raise
         # Nothing below calls the backend before the memory is given back.
         for h in self._hooks + self._state_hooks:
@@ -1246,6 +1373,7 @@ class TieredTraining:
                 if h is not None:
                     h.release()
             b.tiered, b.home_p, b.home_s = [], None, None
+            b.resident_state_views = []     # views of the memory just freed
         self.slots, self._slot_mem = [], None
         if self.swap is not None:
             self.swap.arena.release()
@@ -1279,6 +1407,28 @@ def _rounding_hooks(generator: Any) -> tuple[Any, Any]:
         if state is not None:
             generator.set_state(state.cpu())         # a checkpoint may have been loaded onto a GPU
     return save, load
+
+
+def _loaded_states_hooks(handle: TieredTraining) -> tuple[Any, Any]:
+    """The optimizer's load_state_dict pre- and post-hook of NOTE [loaded states]. They hold the
+    handle weakly, so the optimizer does not keep it alive."""
+    import weakref
+    ref = weakref.ref(handle)
+
+    def before(opt: Any, sd: dict[str, Any]) -> dict[str, Any] | None:
+        h = ref()
+        return h._states_loading(sd) if h is not None else None
+
+    def after(opt: Any) -> None:
+        h = ref()
+        if h is not None:
+            h._states_loaded()
+
+    def params(module: Any, *_: Any) -> None:
+        h = ref()
+        if h is not None:
+            h._params_loading()
+    return before, after, params
 
 
 def _group(process_group: Any) -> Any:

@@ -262,6 +262,48 @@ def test_a_resumed_run_gives_the_uninterrupted_losses_bitwise(when):
     _cleanup(tier, train)
 
 
+@pytest.mark.parametrize("recompute", ["auto", "always"])
+def test_bf16_autocast_training_gives_the_resident_losses_bitwise(recompute):
+    """Mixed precision as most users train: the forward under torch.autocast(bfloat16), the
+    parameters and AdamW in fp32. Under a tight budget (blocks streamed, activations swapped, or
+    recomputed in backward, where torch's checkpoint enters autocast again) the losses and
+    parameters are the resident run's, bit for bit."""
+    torch = _setup()
+    from tiermem.models import GPTConfig
+    batches = _batches(GPTConfig(**CFG), 12)
+
+    def autocast():
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    model, _ = _gpt()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    want = []
+    for ids in batches:
+        with autocast():
+            loss = _loss(model, ids)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        want.append(float(loss.detach()))
+    want_params = [p.detach().clone() for p in model.parameters()]
+    del model, opt
+    _cleanup()
+    tier, model, opt, train, c = _tiered(BUDGET, recompute=recompute)
+    got, peaks = [], []
+    for ids in batches:
+        with train.step():
+            with autocast():
+                loss = _loss(model, ids)
+            loss.backward()
+        got.append(float(loss.detach()))
+        peaks.append(train.resident_peak())
+    print(train.plan.table())
+    assert got == want
+    assert all(torch.equal(p.detach(), q) for p, q in zip(model.parameters(), want_params))
+    assert max(peaks) <= BUDGET and train.plan.streamed_blocks
+    assert recompute != "always" or train.plan.recompute
+    _cleanup(tier, train)
+
+
 def test_a_second_backward_in_one_step_is_refused_clearly():
     _setup()
     import tiermem

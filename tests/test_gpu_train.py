@@ -304,6 +304,60 @@ def test_bf16_autocast_training_gives_the_resident_losses_bitwise(recompute):
     _cleanup(tier, train)
 
 
+def test_save_pretrained_of_a_model_in_training_loads_back_in_transformers(tmp_path):
+    """A transformers Qwen2 (default flags) trained under a tight budget, saved mid-run with
+    ``save_pretrained`` (safetensors) while its parameters live in tiermem's homes, slots and
+    managed memory: ``from_pretrained`` gives back exactly the parameters the run holds, and
+    training goes on after the save. Before it, budgets too small for the model's largest block
+    are refused at wrapping, or fail the first step with torch's out-of-memory error and
+    tiermem's note of what the budget held."""
+    torch = _setup()
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.Qwen2Config(hidden_size=512, intermediate_size=1408, num_hidden_layers=6,
+                                   num_attention_heads=8, num_key_value_heads=2, vocab_size=4096,
+                                   max_position_embeddings=256, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = transformers.Qwen2ForCausalLM(cfg).cuda().train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    import tiermem
+    tier = tiermem.Tier(0, cap="1GiB")
+    state = sum(p.numel() * p.element_size() for p in model.parameters()) * 4
+    g = torch.Generator(device="cuda").manual_seed(1)
+    batches = [torch.randint(0, cfg.vocab_size, (2, 128), device="cuda", generator=g) for _ in range(4)]
+
+    def step(ids):
+        with train.step():
+            model(input_ids=ids, labels=ids).loss.backward()
+    # A budget smaller than the slots for the largest block (the 8 MB embedding and its
+    # gradients, three times) is refused at wrapping, nothing changed; one that holds the slots
+    # and no more fails the first step with torch's OOM, and a note of what the budget held.
+    before = [p.data_ptr() for p in model.parameters()]
+    with pytest.raises(tiermem.errors.OutOfBudgetError, match="embed_tokens") as e:
+        tier.wrap_training(model, opt, 32 * MiB, block_bytes=1 * MiB)
+    assert [p.data_ptr() for p in model.parameters()] == before
+    slots = e.value.asked
+    train = tier.wrap_training(model, opt, slots + MiB, block_bytes=1 * MiB)
+    with pytest.raises(torch.OutOfMemoryError) as e:
+        step(batches[0])
+    assert any("tiermem: this step runs within a budget" in n and "embed_tokens" in n
+               for n in getattr(e.value, "__notes__", [])), getattr(e.value, "__notes__", None)
+    del e
+    train.unwrap()
+    train = tier.wrap_training(model, opt, state // 2, block_bytes=1 * MiB)
+    for ids in batches[:3]:
+        step(ids)
+    assert train.plan.streamed_blocks
+    model.save_pretrained(tmp_path)
+    held = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    back = transformers.Qwen2ForCausalLM.from_pretrained(tmp_path, torch_dtype=torch.float32)
+    got = back.state_dict()
+    assert set(got) == set(held)
+    assert all(torch.equal(got[k], held[k]) for k in held)
+    step(batches[3])                           # and the run goes on
+    assert not all(torch.equal(p.detach().cpu(), held[k]) for k, p in model.named_parameters())
+    _cleanup(tier, train)
+
+
 def test_a_second_backward_in_one_step_is_refused_clearly():
     _setup()
     import tiermem

@@ -215,3 +215,21 @@ def test_the_cap_is_set_while_training_and_given_back_at_unwrap_whatever_failed_
         assert 0.0 < train.mem.fraction() < 1.0
     train.unwrap()
     assert train.mem.fraction() == 1.0
+
+
+@pytest.mark.skipif(not hasattr(BaseException, "add_note"), reason="exception notes are Python 3.11+")
+def test_torch_running_out_inside_a_step_says_what_the_budget_held():
+    """torch's out-of-memory error inside a step stays torch's (code that catches it, as batch
+    size finders do, keeps working), with a note of the budget, the slots and what to change;
+    the step fails as any failed step does and training goes on."""
+    bs = batches(3)
+    _, _, model, opt, train = tiered()
+    tiered_losses(train, model, bs[:1])
+    with pytest.raises(torch.OutOfMemoryError) as e:
+        with train.step():
+            loss_of(model, bs[1]).backward()
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB.")
+    (note,) = e.value.__notes__
+    assert f"budget of {train.budget / 1e9:.3f} GB" in note and "slots take" in note and "block_bytes" in note
+    assert all(p.grad is None for p in model.parameters())
+    tiered_losses(train, model, bs[2:])

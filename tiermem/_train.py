@@ -102,7 +102,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from ._devmem import device_memory
-from ._errors import ConfigError, ConfigTypeError, DeviceFullError, TierMemError, WrapError
+from ._errors import ConfigError, ConfigTypeError, DeviceFullError, OutOfBudgetError, TierMemError, WrapError
 from ._limits import check_bytes, parse_bytes
 from ._meter import StallMeter
 from ._module import module_groups
@@ -337,6 +337,14 @@ class TieredTraining:
         self.lookahead = lookahead
         self.nslots = lookahead + 1
         self._slot_mem: Any = None
+        slots = self.nslots * _aligned(self._slot_bytes())
+        # On the device only: the CPU tests' budgets are nominal, torch's CPU allocator has no cap.
+        if slots > self.budget and tier.backend.kind == "cuda":
+            big = max(self.blocks, key=lambda b: b.p_bytes + b.g_bytes)
+            raise OutOfBudgetError(slots, 0, self.budget, hint=(
+                f"the {self.nslots} slots a step streams blocks through need that much before any "
+                f"activation (the largest block, {big.name}, with its gradients); raise the budget, or "
+                "wrap with a smaller block_bytes or lookahead"))
         self._alloc_slots()
         self._old_fraction = self._fraction()
         self._set_cap()
@@ -931,17 +939,37 @@ class TieredTraining:
         self._in_step = True
         ok = False
         try:
-            self._begin_step()
-            hooks = (torch.autograd.graph.saved_tensors_hooks(self.swap.pack, self.swap.unpack)
-                     if self.swap is not None and self._swapping() else contextlib.nullcontext())
-            with hooks:
-                yield self
-            ok = True
-        finally:
             try:
-                self._finish_step(ok)
+                self._begin_step()
+                hooks = (torch.autograd.graph.saved_tensors_hooks(self.swap.pack, self.swap.unpack)
+                         if self.swap is not None and self._swapping() else contextlib.nullcontext())
+                with hooks:
+                    yield self
+                ok = True
             finally:
-                self._in_step = False
+                try:
+                    self._finish_step(ok)
+                finally:
+                    self._in_step = False
+        except torch.OutOfMemoryError as e:
+            if hasattr(e, "add_note"):          # Python 3.11+; the error stays torch's, for code that catches it
+                e.add_note(self._budget_note())
+            raise
+
+    def _budget_note(self) -> str:
+        """Why torch's allocator ran out inside a step: what the budget had to hold."""
+        gb = lambda n: f"{n / 1e9:.3f} GB"  # noqa: E731
+        streamed = [b for b in self.blocks if not b.resident]
+        big = max(streamed, key=lambda b: b.p_bytes + b.g_bytes + b.s_bytes, default=None)
+        lines = [f"tiermem: this step runs within a budget of {gb(self.budget)}: torch's allocator is capped "
+                 f"at the budget less tiermem's resident {gb(self.tier.resident_bytes)}."]
+        if big is not None:
+            lines.append(f"Its {self.nslots} slots take {gb(self.nslots * self.slot_bytes)} (the largest streamed "
+                         f"block, {big.name}, holds {gb(big.p_bytes)} of parameters with their gradients and "
+                         "optimizer states); activations, temporaries and copies in flight need the rest.")
+        lines.append("Raise the budget, or wrap with a smaller block_bytes or lookahead"
+                     + (" (this was the traced first step: the plan is made after it)." if self._tracing else "."))
+        return " ".join(lines)
 
     def _begin_step(self) -> None:
         if self._failed:                 # NOTE [kept exceptions]: free the failed step's cycle

@@ -13,18 +13,10 @@ import torch
 
 import tiermem
 from fakes import FakeBackend
-from test_train import batches, gpt, loss_of, state_bytes, tiered, tiered_losses
+from test_train import _deterministic, batches, gpt, loss_of, state_bytes, tiered, tiered_losses  # noqa: F401
 
 STEPS, AT = 7, 3        # the checkpoint is taken after AT of STEPS steps
 BUDGETS = {"streamed": 1, "in-capacity": 8}     # x the parameters' bytes
-
-
-@pytest.fixture(autouse=True)
-def _deterministic():
-    old = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    yield
-    torch.use_deterministic_algorithms(old)
 
 
 def checkpoint(model, opt) -> bytes:

@@ -1437,9 +1437,9 @@ def _rounding_hooks(generator: Any) -> tuple[Any, Any]:
     return save, load
 
 
-def _loaded_states_hooks(handle: TieredTraining) -> tuple[Any, Any]:
-    """The optimizer's load_state_dict pre- and post-hook of NOTE [loaded states]. They hold the
-    handle weakly, so the optimizer does not keep it alive."""
+def _loaded_states_hooks(handle: TieredTraining) -> tuple[Any, Any, Any]:
+    """The optimizer's load_state_dict pre- and post-hook and the model's pre-hook of NOTE [loaded
+    states]. They hold the handle weakly, so neither keeps it alive."""
     import weakref
     ref = weakref.ref(handle)
 

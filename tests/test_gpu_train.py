@@ -262,6 +262,54 @@ def test_a_resumed_run_gives_the_uninterrupted_losses_bitwise(when):
     _cleanup(tier, train)
 
 
+def test_writes_between_steps_reach_the_next_steps_as_in_a_resident_run():
+    """NOTE [training transport] in tiermem/_train.py: between steps every streamed parameter is
+    its home's. After 3 steps the first block is re-initialised in place, the second's weights
+    are written through ``p.data`` from device tensors (kernels on the compute stream writing the
+    pinned home, which the next step's fills must wait for), and the third loads a state dict;
+    the 5 steps after give the resident run's losses and parameters bitwise, as in
+    tests/test_train_writes.py on the CPU."""
+    torch = _setup()
+    from tiermem.models import GPTConfig
+    at, batches = 3, _batches(GPTConfig(**CFG), 8)
+
+    def write(model):
+        with torch.no_grad():
+            for p in model.blocks[0].parameters():
+                p.mul_(0.5)
+            for p in model.blocks[1].parameters():
+                p.data.copy_(torch.full_like(p, 0.01, device="cuda"))
+            sd = model.blocks[2].state_dict()
+            model.blocks[2].load_state_dict({k: torch.full_like(v, 0.02) for k, v in sd.items()})
+
+    model, _ = _gpt()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    want = []
+    for i, ids in enumerate(batches):
+        if i == at:
+            write(model)
+        loss = _loss(model, ids)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        want.append(float(loss))
+    want_params = [p.detach().clone() for p in model.parameters()]
+    del model, opt
+    _cleanup()
+
+    tier, model, opt, train, c = _tiered(BUDGET)
+    got, _ = _train_losses(train, model, batches[:at])
+    write(model)
+    more, peaks = _train_losses(train, model, batches[at:])
+    print(train.plan.table())
+    streamed = [train.blocks[i].name for i in train.plan.streamed_blocks]
+    assert any(n.startswith(("blocks.0", "blocks.1", "blocks.2")) for n in streamed), streamed
+    assert got + more == want
+    assert all(torch.equal(p.detach(), q) for p, q in zip(model.parameters(), want_params))
+    assert max(peaks) <= BUDGET
+    _cleanup(tier, train)
+
+
 @pytest.mark.parametrize("recompute", ["auto", "always"])
 def test_bf16_autocast_training_gives_the_resident_losses_bitwise(recompute):
     """Mixed precision as most users train: the forward under torch.autocast(bfloat16), the

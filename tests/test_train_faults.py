@@ -2,12 +2,12 @@
 included) and unwrap, with a backend call failed in turn, on the CPU over the fake backend (the
 sweep of tests/test_faults.py, for training; NOTE [device memory] in tiermem/_devmem.py).
 
-Adoption and unwrap fail at every call. A step makes ~800 calls, so its cases are every call
+Adoption fails at every call; unwrap makes none (nothing is bound to a slot between steps). A step makes ~800 calls, so its cases are every call
 name at its first, middle and last use, and every 64th call besides. After each failure:
 
   - the error is tiermem's and keeps the CUDA error's name, or is the interrupt (raised inside a
     backward hook, it may cross autograd's engine as a RuntimeError carrying its message);
-  - a failed adoption or unwrap leaves the model as it was: the same parameter objects, their
+  - a failed adoption leaves the model as it was: the same parameter objects, their
     bytes, no hooks or handle left, nothing allocated, no lease, the cap given back;
   - a failed step leaves no gradient, and the next steps train;
   - once unwrapped and closed, nothing is left allocated.
@@ -99,7 +99,7 @@ def _picked(seen: list[str]) -> list[int]:
 
 def _cases() -> list[Any]:
     out = []
-    for name in ("train_adopt", "train_traced_step", "train_step", "train_unwrap"):
+    for name in ("train_adopt", "train_traced_step", "train_step"):
         seen = _calls(name)
         out += fault_params(name, seen, _picked(seen))
     return out
@@ -141,7 +141,6 @@ def _nothing_left(sc: Scene) -> None:
 def test_fault(name: str, n: int, call: str, kind: str) -> None:
     sc = Scene(name)
     snap = _snapshot(sc.model) if name == "train_adopt" else None
-    fraction = sc.train.mem.fraction() if sc.train is not None else None
     sc.fake.fail_at(n, kind)
     err = None
     try:
@@ -159,8 +158,6 @@ def test_fault(name: str, n: int, call: str, kind: str) -> None:
         gc.collect()
         assert sc.fake.live() == {"managed": 0, "pinned": 0, "device": 0}, "a failed adoption left bytes behind"
         sc.adopt()                  # and it works now
-    elif name == "train_unwrap":
-        assert getattr(sc.model, "_tiermem_handle", None) is not None and sc.train.mem.fraction() == fraction
     else:
         assert all(p.grad is None for p in sc.model.parameters()), "a failed step left gradients"
     losses = [sc.step(ids) for ids in sc.bs[3:5]]
@@ -174,7 +171,11 @@ def test_fault(name: str, n: int, call: str, kind: str) -> None:
 
 def test_fault_training_sweep_covers_every_operation_and_call_name():
     names = {c.values[0] for c in CASES}
-    assert names == {"train_adopt", "train_traced_step", "train_step", "train_unwrap"}
+    assert names == {"train_adopt", "train_traced_step", "train_step"}
+    # Between steps no parameter is bound to a slot (NOTE [training transport]), so unwrap's
+    # copies are torch's alone and it makes no backend call to fail; its failures are the room
+    # check's and torch's (tests/test_train.py, tests/test_gpu_train.py).
+    assert _calls("train_unwrap") == []
     calls = {name: {c.values[2] for c in CASES if c.values[0] == name} for name in names}
     assert {"copy", "record", "wait", "new_event", "query"} <= calls["train_step"], calls["train_step"]
     assert {"torch_view", "host_alloc"} <= calls["train_traced_step"] and "host_alloc" in calls["train_adopt"], calls

@@ -32,9 +32,17 @@ NOTE [training transport]
     other parameters share the call (elementwise kernels), and 30 steps give bitwise the losses
     of the resident run (tests/test_gpu_train.py). Resident blocks step together at the end.
 
-    Between uses a streamed parameter stays bound to its slot while the slot still holds it, then
-    to its home, which the GPU can read in place (zero-copy): evaluation outside a step, or a
-    tied weight used by another block, reads correct data either way.
+    Inside a step a streamed parameter stays bound to its slot while the slot still holds it,
+    then to its home, which the GPU can read in place (zero-copy): a tied weight used by another
+    block reads correct data either way. Between steps every streamed parameter is bound to its
+    home, so whatever the caller writes there (a re-initialised layer, a submodule's
+    ``load_state_dict``, EMA weights copied in through ``p.data`` for an evaluation) is what the
+    next step reads. Before, the blocks the last backward left in slots stayed bound to them: a
+    write went into the slot alone, the next forward read it, the slot was reused, and the
+    block's backward and update read its home's old values (tests/test_train_writes.py). A step
+    begins by filling the first blocks' slots from their homes, after the work queued before it
+    (the caller's writes); those blocks' parameters cross the link once more than before, in a
+    forward that has the link to spare.
 
 NOTE [data parallel]
     With ``process_group`` each rank trains its own replica, and a block's gradients are averaged
@@ -368,6 +376,7 @@ class TieredTraining:
         self._probe: tuple[TrainPlan, float] | None = None   # the probe's plan and its measured step (ms)
         self._no_recompute = False             # recompute moved other segments' saves: plan without it
         self._step_events: Any = None
+        self._begun: Any = None                # event: the running step's start on the compute stream
         self.step_ms: list[float] = []         # measured step times since the last plan
         containers = {id(b.module) for b in self.blocks for o in self.blocks
                       if o is not b and any(m is o.module for m in b.module.modules())}
@@ -555,7 +564,7 @@ class TieredTraining:
             parts.append((b.p_bytes + b.g_bytes, b.home_s.ptr, b.s_bytes))
             got.append(("has_states", Role.OPTIMIZER_STATE, b.s_bytes))
         # After the slot's last user and the block's last write-back home (NOTE [ordered copies]).
-        self.slots.fill(self._h2d, s, parts, after=(b.home_ready,))
+        self.slots.fill(self._h2d, s, parts, after=(b.home_ready, self._begun))
         for what, role, n in got:
             self._count("h2d", role, n)
             setattr(s, what, True)
@@ -1007,6 +1016,9 @@ class TieredTraining:
         start, end = be.new_event(timing=True), be.new_event(timing=True)
         be.record(start, be.current_stream())
         self._step_events = (start, end, False)
+        self._begun = start             # fills wait for it: the caller's writes home come before
+        if not self._tracing:
+            self._ahead(self._order)    # NOTE [training transport]: the first blocks, from their homes
 
     def _read_step_time(self) -> None:
         """The last step's time on the compute stream, once its end event has completed."""
@@ -1073,6 +1085,9 @@ class TieredTraining:
         for b in self._written:
             self.meter.wait(be.current_stream(), b.home_ready)   # this step's write-backs; see _unbind_slot
         self._backward = False
+        for s in self.slots:            # between steps every parameter is its home's (NOTE [training transport])
+            if s.occupant is not None:
+                self._unbind_slot(s)
         res = [p for b in self.blocks if b.resident for p in b.trainable if p.grad is not None]
         if ok and res:
             # A foreach step makes temporaries as large as the parameters it updates, which the

@@ -208,7 +208,7 @@ def test_unwrap_gives_plain_parameters_and_states_back():
 
 @pytest.mark.parametrize("when", ["into-the-handle-that-trained", "before-the-first-step", "host-before-wrapping"])
 def test_a_resumed_run_gives_the_uninterrupted_losses_bitwise(when):
-    """NOTE [loaded states] in tiermem/_train.py: a checkpoint (torch.save of the model's and the
+    """NOTE [loaded states] in tiermem/_trainstates.py: a checkpoint (torch.save of the model's and the
     optimizer's state dicts) taken after 4 steps and loaded back: into the handle that went on
     training, into a fresh model and optimizer wrapped but not stepped yet (a streamed block's
     states then load onto the host, where its parameters live between steps), or into a model
@@ -436,13 +436,13 @@ def test_bf16_moments_stay_close_to_the_resident_losses_and_move_half_the_state_
     _cleanup()
     tier, model, opt, train, c = _tiered(BUDGET, state_dtype=torch.bfloat16)
     counted = []                      # optimizer-state bytes of each crossing of the link
-    count = train._count
+    count = train.stream.count
 
     def spy(direction, role, n):
         if role is Role.OPTIMIZER_STATE:
             counted.append(n)
         count(direction, role, n)
-    train._count = spy
+    train.stream.count = spy
     rng = torch.cuda.get_rng_state()
     got, peaks = _train_losses(train, model, batches)
     assert torch.equal(torch.cuda.get_rng_state(), rng)        # the rounding draws from its own generator

@@ -1,5 +1,5 @@
 """wrap_training(..., state_dtype=torch.bfloat16) on the CPU, over the fake backend (NOTE [bf16
-moments] in tiermem/_train.py): streamed blocks' fp32 optimizer states held and moved as bf16,
+moments] in tiermem/_trainstates.py): streamed blocks' fp32 optimizer states held and moved as bf16,
 stepped in fp32, narrowed by stochastic rounding from the handle's own generator."""
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import torch
 import tiermem
 from fakes import FakeBackend
 from test_train import batches, gpt, loss_of, state_bytes, tiered, tiered_losses
-from tiermem._train import ROUNDING_KEY, check_options, round_stochastic
+from tiermem._train import check_options
+from tiermem._trainstates import ROUNDING_KEY, round_stochastic
 from tiermem.planning import StepTrace, plan_training
 
 BF16 = torch.bfloat16

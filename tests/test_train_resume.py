@@ -1,5 +1,5 @@
 """Resuming training under wrap_training from a checkpoint (NOTE [loaded states] in
-tiermem/_train.py), on the CPU over the fake backend: ``model.load_state_dict`` and
+tiermem/_trainstates.py), on the CPU over the fake backend: ``model.load_state_dict`` and
 ``opt.load_state_dict`` into a handle that has trained, into one that has not stepped yet, and
 into a model and optimizer before they are wrapped. Each resumed run must give the losses and
 parameters of the uninterrupted one bitwise. tests/test_gpu_train.py repeats the host-side cases

@@ -27,6 +27,10 @@ NOTE [training transport]
         Gradients therefore never cross the link, and a block crosses it three times per step
         (in for forward, in with its states for backward, out after its update).
 
+    The blocks' homes, the slots and the copies between them are _trainslots.py's; the optimizer's
+    states, their homes, bf16 narrowing and loading are _trainstates.py's. This module decides
+    when: the step, its hooks, and the plan.
+
     The optimizer's own ``step()`` does every update, restricted to one block's parameters, so
     the arithmetic is the optimizer's: AdamW's update of a parameter does not depend on which
     other parameters share the call (elementwise kernels), and 30 steps give bitwise the losses
@@ -70,35 +74,7 @@ NOTE [measured choice]
     ``train.plan.measured`` keeps both times (``checked_ms``, ``probe_ms``). The probe is timed
     with the meter on, which only makes the model's plan likelier to stay.
 
-NOTE [bf16 moments]
-    A streamed parameter with fp32 AdamW moves 28 bytes a step (NOTE [training plan]), 16 of
-    them its two moments. ``state_dtype=torch.bfloat16`` holds a streamed block's fp32 optimizer
-    states as bf16 in its pinned home and in its slot, so they cross the link as half the bytes
-    both ways (20 bytes a parameter). The arithmetic stays fp32: inside the block's step its
-    slot's bf16 states are widened into fp32 temporaries from torch's allocator, the optimizer
-    steps those, and they are narrowed back into the slot before the write-back home is queued.
-    The traced step's peak already holds one block's fp32 states at a time (the optimizer makes
-    them there), so the plan's floor covers the temporaries.
-
-    Narrowing rounds stochastically. bf16 keeps 8 bits of mantissa: round-to-nearest drops every
-    change below 2^-9 of a value, and exp_avg_sq changes by (1 - beta2) = 1e-3 of itself a step,
-    so it would stop moving. Rounding up with the probability of the fraction cut off keeps the
-    expected value the fp32 one (:func:`round_stochastic`: uniform random 16 bits added to the
-    fp32 bit pattern, the low 16 then cleared; a few ops on the device). The bits come from a
-    generator the handle owns (``train.rounding``, seeded with ROUND_SEED): the caller's RNG
-    stream (dropout's masks) is never advanced, runs repeat, and data-parallel replicas round
-    alike and stay equal. A resumed run must draw the bits the uninterrupted one would, so
-    ``opt.state_dict()`` saves the generator's state under ROUNDING_KEY and ``load_state_dict``
-    restores it (optimizer hooks until ``unwrap()``; without the key the generator is left as it
-    is). Bitwise only if no block is resident: the resumed trace narrows all loaded states once.
-
-    What does not move keeps its dtype: parameters, gradients, resident blocks' states (widened
-    back to fp32 when a block becomes resident), states that are not fp32, and "step". Between
-    steps ``opt.state[p][key]`` is the bf16 view of the home (or slot), as it is a view of them
-    without the option: ``opt.state_dict()`` saves bf16 moments, which a plain optimizer's
-    ``load_state_dict`` casts to the parameter's dtype, and ``unwrap()`` gives fp32 states back.
-    Off by default: the moments lose bits each step, so the losses are close to the resident
-    run's (tests/test_gpu_train.py), no longer bitwise equal to them.
+NOTE [bf16 moments] and NOTE [loaded states] are in _trainstates.py, with the optimizer's states.
 """
 from __future__ import annotations
 
@@ -106,6 +82,7 @@ import contextlib
 import dataclasses
 import gc
 import logging
+import weakref
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -115,9 +92,10 @@ from ._limits import check_bytes, parse_bytes
 from ._meter import StallMeter
 from ._module import module_groups
 from ._recompute import Recompute
-from ._stream import Lane, Slot, SlotRing
 from ._swap import ActivationSwap
 from ._trainplan import LINK_GBPS, RECOMPUTE_MODES, SavedRecord, StepTrace, TrainPlan, plan_training
+from ._trainslots import Block, BlockSlots, aligned
+from ._trainstates import OptimizerStates
 from .roles import Evict, Location, Prefetch, Role
 
 if TYPE_CHECKING:
@@ -127,55 +105,11 @@ __all__ = ["TieredTraining", "wrap_training", "check_options"]
 
 log = logging.getLogger("tiermem")
 
-ALIGN = 256
 BLOCK_BYTES = 64 << 20    # parameter bytes per block: a slot holds ~4x that (params, grads, Adam's two moments)
 RESIDENT_STEP_BYTES = 64 << 20   # parameter bytes per optimizer call for resident blocks
 PROBE_STEPS = 2     # steps under the probe's plan; the last is metered (NOTE [measured choice])
 VERIFY_STEPS = 2    # steps under the plan made after it; the last is timed against the probe
 VERIFY_SLACK = 0.02
-ROUND_SEED = 0x7E57        # the stochastic rounding's generator (NOTE [bf16 moments])
-ROUNDING_KEY = "tiermem_rounding"   # its state in opt.state_dict() (NOTE [bf16 moments])
-
-
-def _aligned(n: int) -> int:
-    return -(-max(int(n), 1) // ALIGN) * ALIGN
-
-
-@dataclasses.dataclass(eq=False)
-class _Block:
-    index: int
-    name: str
-    module: Any
-    params: list[Any]
-    trainable: list[Any]
-    p_off: list[int] = dataclasses.field(default_factory=list)
-    p_bytes: int = 0
-    g_off: list[int] = dataclasses.field(default_factory=list)
-    g_bytes: int = 0
-    states: list[tuple[Any, str, int]] = dataclasses.field(default_factory=list)   # (param, key, offset)
-    s_dtypes: list[tuple[Any, Any]] = dataclasses.field(default_factory=list)   # per state: (the optimizer's
-                                  # dtype, the one held at home and in a slot); NOTE [bf16 moments]
-    s_bytes: int = 0              # states' bytes at home and in a slot: what moves
-    s_full: int = 0               # the same at the optimizer's dtypes: what a resident block keeps
-    home_p: Any = None
-    home_s: Any = None
-    home_views: list[Any] = dataclasses.field(default_factory=list)
-    home_state_views: list[Any] = dataclasses.field(default_factory=list)
-    resident_state_views: list[Any] = dataclasses.field(default_factory=list)   # a resident block's states
-    home_ready: Any = None        # event after its last write-back
-    resident: bool = False
-    tiered: list[Any] = dataclasses.field(default_factory=list)
-    slot: Any = None
-    entered: bool = False         # bound for backward this step
-    waiting: int = 0              # gradients still to come this step
-    stepped: bool = False
-
-
-@dataclasses.dataclass(eq=False)
-class _Slot(Slot):
-    """A slot of the training ring (NOTE [ordered copies] in _stream.py): its occupant is a block."""
-    has_params: bool = False
-    has_states: bool = False
 
 
 def check_options(budget: int | str, *, lookahead: int = 2, recompute: str = "auto",
@@ -242,12 +176,9 @@ class TieredTraining:
         self.total = total
         self.mem = device_memory(torch, be, tier.device)     # NOTE [device memory]
         self.dev = self.mem.device
-        # NOTE [bf16 moments]: its own generator, so the caller's RNG stream is never advanced
-        self.rounding = (torch.Generator(device=self.dev).manual_seed(ROUND_SEED)
-                         if self.state_dtype is not None else None)
         self.margin = margin
         in_opt = {id(p) for g in optimizer.param_groups for p in g["params"]}
-        self.blocks: list[_Block] = []
+        self.blocks: list[Block] = []
         seen: set[int] = set()
         for name, mod, own in module_groups(model, block_bytes):
             ps = [t for _, t in own if isinstance(t, torch.nn.Parameter)]
@@ -259,23 +190,12 @@ class TieredTraining:
                                     f"floating-point parameters on {self.dev} or on the host")
                 seen.add(id(p))
             tr = [p for p in ps if p.requires_grad and id(p) in in_opt]
-            self.blocks.append(_Block(len(self.blocks), name, mod, ps, tr))
+            self.blocks.append(Block(len(self.blocks), name, mod, ps, tr))
         missing = in_opt - seen
         if missing:
             raise ConfigError(f"{len(missing)} optimizer parameters are not parameters of the model")
         for b in self.blocks:
-            off = 0
-            for p in b.params:
-                b.p_off.append(off)
-                off += _aligned(p.numel() * p.element_size())
-            b.p_bytes = off
-            off = 0
-            for p in b.trainable:
-                b.g_off.append(off)
-                off += _aligned(p.numel() * p.element_size())
-            b.g_bytes = off
-        self._block_of = {id(p): b for b in self.blocks for p in b.params}
-        self.params: dict[int, Any] = {}      # storage address -> streamed parameter (for the swap)
+            b.lay_out()
         room = tier.lease_room()                 # NOTE [budget leases]
         if room is not None and self.budget > room:
             log.warning("tiermem: a training budget of %s bytes does not fit the tier's configured budget (%s bytes "
@@ -284,11 +204,13 @@ class TieredTraining:
         self._hooks: list[Any] = []
         self._state_hooks: list[Any] = []    # the optimizer's; _take's in-capacity removal keeps them
         self._old_fraction: float | None = None
-        self._pending: list[tuple[Any, str, Any]] = []   # states the optimizer's load left to us (NOTE [loaded states])
-        self.slots: list[_Slot] = []
         self.swap: ActivationSwap | None = None
         self.recomputing = Recompute(torch, lambda: self._in_step)
         self.meter = StallMeter(tier.backend)
+        self.stream = BlockSlots(tier, self.blocks, optimizer, self.meter, lookahead, self.dev)
+        self.states = OptimizerStates(tier, optimizer, self.stream, self.mem, self.state_dtype, self.meter,
+                                      lambda: self._in_step)
+        self.rounding = self.states.rounding      # NOTE [bf16 moments]
         self._lease = tier.lease(self.budget, owner=f"wrap_training({type(model).__name__})")
         originals = [(p, p.data) for b in self.blocks for p in b.params]
         # NOTE [host models]: where each parameter came from, for unwrap's default
@@ -296,7 +218,7 @@ class TieredTraining:
         self._host_buffers: list[tuple[Any, str, Any]] = []      # (module, name, host tensor) moved in
         try:
             self._buffers_in(model)
-            self._adopt(tier, model, lookahead, min_swap, window, swap)
+            self._adopt(tier, model, min_swap, window, swap)
         except BaseException:
             self._rollback(originals)
             raise
@@ -326,40 +248,34 @@ class TieredTraining:
                 m._buffers[name] = t.to(device)
         self._host_buffers = []
 
-    def _adopt(self, tier: Tier, model: Any, lookahead: int, min_swap: int, window: int | None, swap: bool) -> None:
-        torch, be = self.torch, tier.backend
+    def _adopt(self, tier: Tier, model: Any, min_swap: int, window: int | None, swap: bool) -> None:
+        torch = self.torch
         self.mem.synchronize()
         with torch.no_grad():
             for b in self.blocks:
-                b.home_p = be.host_alloc(b.p_bytes, pooled=False)
-                b.home_views = self._views(b.home_p.ptr, b, b.home_p, "p")
-                for p, v in zip(b.params, b.home_views):
-                    v.copy_(p.data)
+                self.stream.make_home(b)
                 self.mem.synchronize()
-                for p, v in zip(b.params, b.home_views):
-                    self._bind(p, v)
+                self.stream.bind_home(b)
         self.mem.empty_cache()
         # Memory torch held before tiermem took over (the caller's other tensors) is not the
         # step's: the cap leaves it out of the budget.
         self.outside = self.mem.reserved()
-        self.lookahead = lookahead
-        self.nslots = lookahead + 1
-        self._slot_mem: Any = None
-        slots = self.nslots * _aligned(self._slot_bytes())
+        nslots = self.stream.nslots
+        slots = nslots * aligned(self.stream.needed_slot_bytes())
         # On the device only: the CPU tests' budgets are nominal, torch's CPU allocator has no cap.
         if slots > self.budget and tier.backend.kind == "cuda":
             big = max(self.blocks, key=lambda b: b.p_bytes + b.g_bytes)
             raise OutOfBudgetError(slots, 0, self.budget, hint=(
-                f"the {self.nslots} slots a step streams blocks through need that much before any "
+                f"the {nslots} slots a step streams blocks through need that much before any "
                 f"activation (the largest block, {big.name}, with its gradients); raise the budget, or "
                 "wrap with a smaller block_bytes or lookahead"))
-        self._alloc_slots()
+        self.stream.alloc()
         self._old_fraction = self._fraction()
         self._set_cap()
         # Copies in flight hold device memory: 1/32 of the budget each way keeps the link busy
         # (a copy of 1/32 of a 1.4 GB budget takes ~0.8 ms) and costs little capacity.
         window = max(1 << 20, self.budget // 32) if window is None else int(window)
-        self.swap = ActivationSwap(tier, self.params, min_swap=min_swap, window=window, device=self.dev) if swap else None
+        self.swap = ActivationSwap(tier, self.stream.params, min_swap=min_swap, window=window, device=self.dev) if swap else None
         if self.swap is not None:
             self.swap.on_param = self._on_param_read
             self.swap.segment = self._segment
@@ -376,7 +292,6 @@ class TieredTraining:
         self._probe: tuple[TrainPlan, float] | None = None   # the probe's plan and its measured step (ms)
         self._no_recompute = False             # recompute moved other segments' saves: plan without it
         self._step_events: Any = None
-        self._begun: Any = None                # event: the running step's start on the compute stream
         self.step_ms: list[float] = []         # measured step times since the last plan
         containers = {id(b.module) for b in self.blocks for o in self.blocks
                       if o is not b and any(m is o.module for m in b.module.modules())}
@@ -391,11 +306,7 @@ class TieredTraining:
         self._tracing = True
         self._in_step = False
         self._failed = False
-        self._backward = False
         self._got = set()
-        self._written: list[_Block] = []
-        self._h2d = Lane(tier.backend, lambda: tier.side_stream("h2d"))   # fills of the slots
-        self._d2h = Lane(tier.backend, lambda: tier.side_stream("d2h"))   # write-backs home
         self.moved = {"h2d": 0, "d2h": 0}      # bytes moved in the last step
         self.last_peak = 0                     # torch's peak reserved bytes in the last step
         self.floor = 0                         # the traced step's peak, everything moving
@@ -405,15 +316,7 @@ class TieredTraining:
             self._hooks.append(b.module.register_forward_hook(lambda m, a, out, b=b: self._fwd_post(b, out)))
             for p in b.trainable:
                 self._hooks.append(p.register_post_accumulate_grad_hook(lambda p, b=b: self._grad_done(b, p)))
-        if self.rounding is not None:        # NOTE [bf16 moments]: a resumed run rounds as the first would
-            save, load = _rounding_hooks(self.rounding)
-            self._state_hooks = [self.opt.register_state_dict_post_hook(save),
-                                 self.opt.register_load_state_dict_pre_hook(load)]
-        before, after, params = _loaded_states_hooks(self)      # NOTE [loaded states]
-        self._state_hooks += [self.opt.register_load_state_dict_pre_hook(before),
-                              self.opt.register_load_state_dict_post_hook(after),
-                              model.register_load_state_dict_pre_hook(params)]
-        import weakref
+        self._state_hooks = self.states.hooks() + [model.register_load_state_dict_pre_hook(_model_loading(self))]
         model._tiermem_handle = weakref.ref(self)
 
     def _rollback(self, originals: list[tuple[Any, Any]]) -> None:
@@ -461,147 +364,11 @@ class TieredTraining:
         room = max(self.budget - self.tier.resident_bytes, 0) + self.outside
         self.mem.set_fraction(min(room / self.total, 1.0))
 
-    def _slot_bytes(self) -> int:
-        streamed = [b for b in self.blocks if not b.resident]
-        return max((b.p_bytes + b.g_bytes + b.s_bytes for b in streamed), default=0)
-
-    def _alloc_slots(self) -> None:
-        torch = self.torch
-        for s in getattr(self, "slots", []):
-            if s.occupant is not None:
-                self._unbind_slot(s)
-        self._slot_mem = None
-        self.slots: SlotRing | list[_Slot] = []
-        self._view_cache: dict[tuple[int, int], tuple[list, list, list]] = {}
-        self.slot_bytes = _aligned(self._slot_bytes()) if any(not b.resident for b in self.blocks) else 0
-        if not self.slot_bytes:
-            return
-        self._slot_mem = torch.empty(self.nslots * self.slot_bytes, dtype=torch.uint8, device=self.dev)
-        base = self._slot_mem.data_ptr()
-        self.slots = SlotRing(base, self.slot_bytes, self.nslots, make=_Slot)
-
-    def _views(self, base: int, b: _Block, owner: Any, what: str) -> list[Any]:
-        be = self.tier.backend
-        out = []
-        if what == "p":
-            items = [(p, p.dtype, o) for p, o in zip(b.params, b.p_off)]
-        elif what == "g":
-            items = [(p, p.dtype, o) for p, o in zip(b.trainable, b.g_off)]
-        else:
-            items = [(p, held, o) for (p, _, o), (_, held) in zip(b.states, b.s_dtypes)]
-        for p, dt, o in items:
-            n = p.numel() * dt.itemsize
-            out.append(be.torch_view(base + o, n, owner).view(dt).view(p.shape))
-        return out
-
-    def _slot_views(self, s: _Slot, b: _Block) -> tuple[list, list, list]:
-        key = (s.index, b.index)
-        v = self._view_cache.get(key)
-        if v is None:
-            v = (self._views(s.ptr, b, self._slot_mem, "p"),
-                 self._views(s.ptr + b.p_bytes, b, self._slot_mem, "g"),
-                 self._views(s.ptr + b.p_bytes + b.g_bytes, b, self._slot_mem, "s"))
-            self._view_cache[key] = v
-        return v
-
-    def _forget_views(self, b: _Block) -> None:
-        self._view_cache = {k: v for k, v in self._view_cache.items() if k[1] != b.index}
-
-    def _bind(self, p: Any, v: Any) -> None:
-        old = p.data.untyped_storage().data_ptr()
-        if self.params.get(old) is p:
-            del self.params[old]
-        p.data = v
-        b = self._block_of.get(id(p))
-        if b is not None and not b.resident:
-            self.params[v.untyped_storage().data_ptr()] = p
-
-    def _bind_states(self, b: _Block, views: list[Any]) -> None:
-        for (p, key, _), v in zip(b.states, views):
-            self.opt.state[p][key] = v
-
-    # -- slots -------------------------------------------------------------------------------------
-    def _unbind_slot(self, s: _Slot) -> None:
-        """Point the slot's occupant back at its home before the slot is reused.
-
-        Outside backward the compute stream then waits for the occupant's last write-back, so a
-        read of its home (a tied weight, an evaluation) sees the update. Inside backward it does
-        not: nothing reads a block's parameters after its update there, and the wait would
-        serialise the next block's backward behind this block's write-back; the step's end waits
-        for every write-back instead."""
-        b = s.occupant
-        be = self.tier.backend
-        if b.home_ready is not None and not self._backward:
-            self.meter.wait(be.current_stream(), b.home_ready)
-        for p, v in zip(b.params, b.home_views):
-            self._bind(p, v)
-        if b.states:
-            self._bind_states(b, b.home_state_views)
-        b.slot = None
-        s.occupant, s.has_params, s.has_states = None, False, False
-
-    def _fill(self, b: _Block, states: bool, protect: set[int]) -> bool:
-        """Start bringing ``b`` (and, with ``states``, its optimizer states) into a slot on the H2D
-        stream. Returns False when no slot is free."""
-        s = b.slot
-        if s is not None and s.has_params and (s.has_states or not states or not b.states):
-            return True
-        if s is None:
-            s = self.slots.pick(lambda occ: occ.index in protect or occ is b)
-            if s is None:
-                return False
-            if s.occupant is not None:
-                self._unbind_slot(s)
-            s.occupant, b.slot = b, s
-        parts, got = [], []
-        if not s.has_params:
-            parts.append((0, b.home_p.ptr, b.p_bytes))
-            got.append(("has_params", Role.WEIGHT, b.p_bytes))
-        if states and b.states and not s.has_states:
-            if b.p_bytes + b.g_bytes + b.s_bytes > self.slot_bytes:    # never copy past a slot's end
-                raise TierMemError(f"block {b.name} needs {b.p_bytes + b.g_bytes + b.s_bytes:,} bytes of slot, the "
-                                   f"slots have {self.slot_bytes:,}: a tiermem bug, please report it")
-            parts.append((b.p_bytes + b.g_bytes, b.home_s.ptr, b.s_bytes))
-            got.append(("has_states", Role.OPTIMIZER_STATE, b.s_bytes))
-        # After the slot's last user and the block's last write-back home (NOTE [ordered copies]).
-        self.slots.fill(self._h2d, s, parts, after=(b.home_ready, self._begun))
-        for what, role, n in got:
-            self._count("h2d", role, n)
-            setattr(s, what, True)
-        return True
-
-    def _ensure(self, b: _Block, states: bool, upcoming: list[int]) -> _Slot:
-        if not self._fill(b, states, set(upcoming[: self.lookahead])):
-            raise TierMemError(f"no free slot for block {b.name}: every slot is in use "
-                               f"(nesting deeper than lookahead={self.lookahead}); raise lookahead")
-        s = b.slot
-        be = self.tier.backend
-        self.meter.wait(be.current_stream(), s.ready)
-        self.slots.use(s)
-        pv, gv, sv = self._slot_views(s, b)
-        if b.params[0].data.data_ptr() != pv[0].data_ptr():
-            for p, v in zip(b.params, pv):
-                self._bind(p, v)
-        if states and b.states:
-            self._bind_states(b, sv)
-        return s
-
-    def _ahead(self, order: list[int]) -> None:
-        """Fill slots with the next streamed blocks of ``order`` (blocks' indices, next first)."""
-        nxt = [i for i in order if not self.blocks[i].resident][: self.lookahead]
-        for i in nxt:
-            if not self._fill(self.blocks[i], states=self._backward, protect=set(nxt)):
-                break
-
-    def _count(self, direction: str, role: Role, n: int) -> None:
-        self.moved[direction] += n
-        self.tier.accounting.on_move(role, direction, n)
-
     # -- hooks -------------------------------------------------------------------------------------
     def _segment(self) -> int:
         return self._seg[-1] if self._seg else -1
 
-    def _fwd_pre(self, b: _Block, args: Any) -> None:
+    def _fwd_pre(self, b: Block, args: Any) -> None:
         if not self._in_step:
             return
         if self._tracing:
@@ -612,9 +379,9 @@ class TieredTraining:
         if not b.resident:
             pos = self._order.index(b.index) if b.index in self._order else len(self._order)
             upcoming = self._order[pos + 1:] if not self._tracing else []
-            self._ensure(b, states=False, upcoming=upcoming)
+            self.stream.ensure(b, states=False, upcoming=upcoming)
             if upcoming:
-                self._ahead(upcoming)
+                self.stream.ahead(upcoming)
         self._seg.append(b.index)
         self.meter.mark(("block", b.index, "start"))
 
@@ -629,53 +396,49 @@ class TieredTraining:
                 continue
             st = a.untyped_storage()
             ptr = st.data_ptr()
-            if ptr in seen or ptr in self.params or st.nbytes() < self.min_swap:
+            if ptr in seen or ptr in self.stream.params or st.nbytes() < self.min_swap:
                 continue
             seen.add(ptr)
             n += st.nbytes()
         return n, len(seen)
 
-    def _fwd_post(self, b: _Block, out: Any) -> None:
+    def _fwd_post(self, b: Block, out: Any) -> None:
         if not self._in_step:
             return
         self.meter.mark(("block", b.index, "end"))
         if self._seg and self._seg[-1] == b.index:
             self._seg.pop()
-        torch = self.torch
-        if not b.resident and b.slot is not None:
-            self.slots.release(b.slot, self.tier.backend)
-        if torch.is_grad_enabled():
+        self.stream.done(b)
+        if self.torch.is_grad_enabled():
             t = _first_grad_tensor(out)
             if t is not None:
                 t.register_hook(lambda g, b=b: self._bwd_enter(b))
 
-    def _bwd_enter(self, b: _Block) -> None:
-        if not self._backward:
+    def _bwd_enter(self, b: Block) -> None:
+        if not self.stream.in_backward:
             self.meter.mark(("fwd", "end"))
             self.meter.mark(("bwd", "start"))
-        self._backward = True
+        self.stream.in_backward = True
         if b.resident or b.entered:
             return
         pos = self._order.index(b.index) if b.index in self._order else -1
         upcoming = list(reversed(self._order[:pos])) if pos >= 0 else []
-        self._ensure(b, states=True, upcoming=upcoming)
+        s = self.stream.ensure(b, states=True, upcoming=upcoming)
         b.entered = True
         b.waiting = len(b.trainable)
         if b.trainable:
-            _, gv, _ = self._slot_views(b.slot, b)
-            gv_all = self._slot_mem[b.slot.ptr - self._slot_mem.data_ptr() + b.p_bytes:][: b.g_bytes]
-            gv_all.zero_()
-            for p, g in zip(b.trainable, gv):
+            self.stream.grad_region(s, b).zero_()
+            for p, g in zip(b.trainable, self.stream.slot_views(s, b)[1]):
                 p.grad = g
         if upcoming:
-            self._ahead(upcoming)
+            self.stream.ahead(upcoming)
 
     def _on_param_read(self, p: Any) -> None:
-        b = self._block_of.get(id(p))
+        b = self.stream.block_of.get(id(p))
         if b is not None and not b.resident and not b.entered:
             self._bwd_enter(b)
 
-    def _grad_done(self, b: _Block, p: Any) -> None:
+    def _grad_done(self, b: Block, p: Any) -> None:
         if not self._in_step or b.resident:
             return
         if not b.entered:
@@ -702,240 +465,24 @@ class TieredTraining:
                 dist.all_reduce(p.grad, group=self.group)
                 p.grad.div_(size)
 
-    def _opt_step(self, params: list[Any]) -> None:
-        ids = {id(p) for p in params}
-        groups = self.opt.param_groups
-        saved = [g["params"] for g in groups]
-        try:
-            for g in groups:
-                g["params"] = [p for p in g["params"] if id(p) in ids]
-            self.opt.step()
-        finally:
-            for g, ps in zip(groups, saved):
-                g["params"] = ps
-
-    def _step_block(self, b: _Block) -> None:
-        s = b.slot
+    def _step_block(self, b: Block) -> None:
+        """Step a streamed block whose gradients are complete, and write it back home."""
         for p in b.trainable:
             if id(p) not in self._got:
                 p.grad = None     # no gradient reached it: the optimizer skips it, as it would resident
-        sv = self._slot_views(s, b)[2] if self.state_dtype is not None and s.has_states else []
-        if not b.states:
-            self._loaded_to_device(b)
-        try:
-            narrow = self._widen(b, s, sv)
-            self._opt_step(b.trainable)
-            for x, v in narrow:
-                round_stochastic(x, v, self.rounding)
-        finally:
-            if sv:
-                self._bind_states(b, sv)     # the slot's bf16 states again, stepped or not
+        self.states.step_block(b, b.slot)
         b.stepped = True
         if not b.states and b.trainable:
-            self._adopt_states(b)
-        parts = [(b.home_p.ptr, 0, b.p_bytes)]
-        if b.states and s.has_states:
-            parts.append((b.home_s.ptr, b.p_bytes + b.g_bytes, b.s_bytes))
-        b.home_ready = self.slots.drain(self._d2h, s, parts)     # the write-back home frees the slot
-        self._count("d2h", Role.WEIGHT, b.p_bytes)
-        if len(parts) > 1:
-            self._count("d2h", Role.OPTIMIZER_STATE, b.s_bytes)
-        self._written.append(b)
+            self.states.adopt(b)
+        self.stream.write_back(b)
         for p in b.trainable:
             p.grad = None
-        s.busy = False
 
-    def _widen(self, b: _Block, s: _Slot, views: list[Any]) -> list[tuple[Any, Any]]:
-        """Point the optimizer at fp32 copies of the block's narrowed slot states ``views`` for its
-        step (NOTE [bf16 moments]); returns (fp32 tensor, bf16 slot memory) pairs to narrow back
-        after it. When every state of the block is narrowed (AdamW's two moments), the slot's
-        whole state region is widened at once and each state is a slice of it: two kernels a
-        block, where one widening and rounding per tensor launched a few thousand a step and
-        made the GPT step of bench/train_budget.py 1.4x slower (H100, e609e14)."""
-        pairs = [(st, v) for st, (dt, held), v in zip(b.states, b.s_dtypes, views) if dt != held]
-        if not pairs:
-            return []
-        dt = b.s_dtypes[0][0]
-        if len(pairs) == len(b.states) and all(d == dt for d, _ in b.s_dtypes):
-            held = b.s_dtypes[0][1]
-            region = self.tier.backend.torch_view(s.ptr + b.p_bytes + b.g_bytes, b.s_bytes, self._slot_mem).view(held)
-            wide = region.to(dt)        # alignment gaps come along: nothing reads them
-            size = held.itemsize
-            for (p, key, off), _ in pairs:
-                self.opt.state[p][key] = wide[off // size: off // size + p.numel()].view(p.shape)
-            return [(wide, region)]
-        out = []
-        for (p, key, off), v in pairs:
-            self.opt.state[p][key] = w = v.to(dt)
-            out.append((w, v))
-        return out
-
-    def _adopt_states(self, b: _Block) -> None:
-        """The optimizer made its state tensors on the first step: give them a pinned home."""
-        torch = self.torch
-        off, full, states, dtypes = 0, 0, [], []
-        for p in b.trainable:
-            for key, v in self.opt.state[p].items():
-                if torch.is_tensor(v) and v.device == self.dev and v.shape == p.shape and v.dtype.is_floating_point:
-                    # "step" keeps its dtype as torch's load_state_dict keeps it (a fused
-                    # AdamW's is an fp32 tensor, with a 0-d parameter's shape)
-                    narrow = self.state_dtype is not None and v.dtype == torch.float32 and key != "step"
-                    held = self.state_dtype if narrow else v.dtype
-                    states.append((p, key, off))
-                    dtypes.append((v.dtype, held))
-                    off += _aligned(v.numel() * held.itemsize)
-                    full += _aligned(v.numel() * v.element_size())
-        if not off:
-            return
-        # All or nothing: a block whose states are half adopted would read a home never written
-        # (tests/test_train_faults.py found NaN losses after a failed view here).
-        with self.meter.host():             # a pinned allocation: the step waits, it does not compute
-            self._adopt_states_into(b, states, dtypes, off)
-        b.s_full = full
-
-    def _adopt_states_into(self, b: _Block, states: list[tuple[Any, str, int]], dtypes: list[tuple[Any, Any]],
-                           off: int) -> None:
-        torch = self.torch
-        home = self.tier.backend.host_alloc(off, pooled=False)
-        try:
-            b.states, b.s_dtypes = states, dtypes
-            views = self._views(home.ptr, b, home, "s")
-            with torch.no_grad():
-                for (p, key, _), (dt, held), hv in zip(states, dtypes, views):
-                    if dt != held:
-                        round_stochastic(self.opt.state[p][key], hv, self.rounding)
-                    else:
-                        hv.copy_(self.opt.state[p][key])
-            self.mem.sync_current()
-        except BaseException:
-            b.states, b.s_dtypes = [], []
-            home.release()
-            raise
-        b.s_bytes, b.home_s, b.home_state_views = off, home, views
-        self._forget_views(b)            # a slot's views of the block were made without states
-        self._bind_states(b, views)
-        self._count("d2h", Role.OPTIMIZER_STATE, b.s_bytes)
-
-    # NOTE [loaded states]
-    #     ``opt.load_state_dict`` casts every loaded state to its parameter's device and dtype and
-    #     points ``opt.state`` at the result. Under tiermem both are wrong: every parameter is a
-    #     device tensor (a streamed one views its pinned home zero-copy), so torch would put the
-    #     whole optimizer state on the device at once (past a budget, past a GPU smaller than the
-    #     model), and the states a block's home, slot or managed memory holds would go on being
-    #     stepped with their old values. So the optimizer's load runs between two hooks:
-    #       - before it, the states of a shape of their parameter's (the moments; not "step",
-    #         nor factored states, which torch loads itself) are taken out of the loaded dict;
-    #       - after it, a block whose states tiermem holds gets them copied into that memory
-    #         (round to nearest where its home holds bf16: a tiermem checkpoint's bf16 moments
-    #         come back exactly), ``opt.state`` points there again, and a slot's copy is stale;
-    #         a block whose parameters lack some of those states in the loaded dict starts them
-    #         afresh, as a plain optimizer does (tiermem gives their home back);
-    #       - states of blocks that hold none yet (no step since wrapping) stay where they were
-    #         loaded, the host for ``map_location="cpu"``, and move to the device just before
-    #         the block's first optimizer step, which adopts them as it adopts states the
-    #         optimizer makes; a resident block's go to the device as torch would put them.
-    #     So nothing of the checkpoint crosses to the device but into tiermem's own memory.
-    #     ``model.load_state_dict`` first sends every streamed parameter home from its slot, so the
-    #     load writes the home and no slot keeps old values (a write through ``p.data`` between
-    #     steps may land in a slot a later step refills: load through the state dict). Load the
-    #     checkpoint file itself with ``map_location="cpu"``: torch's allocator is capped at the
-    #     budget, and a wrapped run's state dict holds device tensors. Loading either inside
-    #     ``train.step()`` is refused. tests/test_train_resume.py checks resumed runs bitwise
-    #     against the uninterrupted one on the CPU, tests/test_gpu_train.py on the GPU.
-    def _states_loading(self, sd: dict[str, Any]) -> dict[str, Any] | None:
-        """Before the optimizer loads ``sd`` (torch's shallow copy): take out the states tiermem
-        places itself (NOTE [loaded states]); returns the dict for torch to load."""
-        if self._in_step:
-            raise TierMemError("load the optimizer's state between steps, not inside train.step(): "
-                               "this step's blocks already stepped with the states they had")
-        torch = self.torch
-        self._pending = []
-        saved = [i for g in sd.get("param_groups", []) for i in g["params"]]
-        mine = [p for g in self.opt.param_groups for p in g["params"]]
-        if len(saved) != len(mine):
-            return None                      # torch refuses it, with its own message
-        of = dict(zip(saved, mine))
-        ours = {id(p) for b in self.blocks for p in b.trainable}
-        held = {(id(p), key) for b in self.blocks for p, key, _ in b.states}
-        state = {}
-        for k, st in sd.get("state", {}).items():
-            p = of.get(k)
-            if p is None or id(p) not in ours:
-                state[k] = st
-                continue
-            rest = {}
-            for key, v in st.items():
-                if torch.is_tensor(v) and key != "step" and v.shape == p.shape:
-                    self._pending.append((p, key, v))
-                elif (id(p), key) in held:
-                    raise ConfigError(f"the loaded optimizer state {key!r} of a parameter of shape "
-                                      f"{tuple(p.shape)} has shape {tuple(getattr(v, 'shape', ()))}: "
-                                      "a checkpoint of another model?")
-                else:
-                    rest[key] = v
-            state[k] = rest
-        return {**sd, "state": state}
-
-    def _states_loaded(self) -> None:
-        """After the optimizer loaded: place what ``_states_loading`` took out."""
-        torch = self.torch
-        pending, self._pending = self._pending, []
-        loaded = {(id(p), key): v for p, key, v in pending}
-        self.mem.synchronize()          # write-backs home are done before their homes are written
-        with torch.no_grad():
-            for b in self.blocks:
-                if not b.states:
-                    continue
-                if any((id(p), key) not in loaded for p, key, _ in b.states):
-                    self._forget_states(b)
-                    continue
-                views = b.resident_state_views if b.resident else b.home_state_views
-                for (p, key, _), dst in zip(b.states, views):
-                    dst.copy_(loaded.pop((id(p), key)))
-                self._bind_states(b, views)
-                if b.slot is not None and b.slot.occupant is b:
-                    b.slot.has_states = False
-            for p, key, v in pending:
-                if (id(p), key) in loaded:
-                    b = self._block_of[id(p)]
-                    where = p.device if b.resident else v.device
-                    self.opt.state[p][key] = v.to(device=where, dtype=p.dtype)
-        self.mem.synchronize()
-
-    def _params_loading(self) -> None:
-        """Before ``model.load_state_dict``: every streamed parameter goes back to its home, so
-        the load writes there and no slot keeps the old values (NOTE [loaded states])."""
+    def _model_loading(self) -> None:
+        """Before ``model.load_state_dict``: refused inside a step. Between steps every streamed
+        parameter is bound to its home (NOTE [training transport]), so the load writes there."""
         if self._in_step:
             raise TierMemError("load the model's state between steps, not inside train.step()")
-        for s in self.slots:
-            if s.occupant is not None:
-                self._unbind_slot(s)
-
-    def _forget_states(self, b: _Block) -> None:
-        """The loaded dict starts some of ``b``'s states afresh (NOTE [loaded states])."""
-        if b.resident:
-            # their managed memory stays with the block; the optimizer makes new ones in torch's
-            b.states, b.s_dtypes, b.resident_state_views = [], [], []
-            return
-        if b.slot is not None and b.slot.occupant is b:
-            b.slot.has_states = False
-        b.states, b.s_dtypes, b.home_state_views = [], [], []
-        b.s_bytes = b.s_full = 0
-        self._forget_views(b)
-        if b.home_s is not None:
-            b.home_s.release()
-            b.home_s = None
-
-    def _loaded_to_device(self, b: _Block) -> None:
-        """States of ``b`` loaded but not adopted yet go to the device for its first optimizer
-        step, which then adopts them (NOTE [loaded states])."""
-        torch = self.torch
-        for p in b.trainable:
-            st = self.opt.state.get(p)
-            for key, v in (st or {}).items():
-                if (torch.is_tensor(v) and v.device != self.dev and v.shape == p.shape and v.dtype.is_floating_point
-                        and key != "step"):
-                    st[key] = v.to(self.dev)
 
     # -- steps -------------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -973,7 +520,8 @@ class TieredTraining:
         lines = [f"tiermem: this step runs within a budget of {gb(self.budget)}: torch's allocator is capped "
                  f"at the budget less tiermem's resident {gb(self.tier.resident_bytes)}."]
         if big is not None:
-            lines.append(f"Its {self.nslots} slots take {gb(self.nslots * self.slot_bytes)} (the largest streamed "
+            n = self.stream.nslots
+            lines.append(f"Its {n} slots take {gb(n * self.stream.slot_bytes)} (the largest streamed "
                          f"block, {big.name}, holds {gb(big.p_bytes)} of parameters with their gradients and "
                          "optimizer states); activations, temporaries and copies in flight need the rest.")
         lines.append("Raise the budget, or wrap with a smaller block_bytes or lookahead"
@@ -988,14 +536,11 @@ class TieredTraining:
             # Blocks whose states were adopted in a traced step that failed before its replan
             # need slots the replan would have grown: a fill would run past a slot's end
             # (tests/test_train_faults.py crashed on the CPU; on a GPU it writes over torch's memory).
-            streamed = any(not b.resident for b in self.blocks)
-            if (streamed and not self.slots) or _aligned(self._slot_bytes()) > self.slot_bytes:
-                self._alloc_slots()
+            if self.stream.too_small():
+                self.stream.alloc()
             self._set_cap()
         self._read_step_time()
-        self._backward = False
         self._got: set[int] = set()
-        self._written: list[_Block] = []
         self._seg = []
         self.moved = {"h2d": 0, "d2h": 0}
         for b in self.blocks:
@@ -1016,9 +561,9 @@ class TieredTraining:
         start, end = be.new_event(timing=True), be.new_event(timing=True)
         be.record(start, be.current_stream())
         self._step_events = (start, end, False)
-        self._begun = start             # fills wait for it: the caller's writes home come before
+        self.stream.begin(start)        # fills wait for it: the caller's writes home come before
         if not self._tracing:
-            self._ahead(self._order)    # NOTE [training transport]: the first blocks, from their homes
+            self.stream.ahead(self._order)    # NOTE [training transport]: the first blocks, from their homes
 
     def _read_step_time(self) -> None:
         """The last step's time on the compute stream, once its end event has completed."""
@@ -1081,13 +626,7 @@ class TieredTraining:
                 self._step_block(b)
             elif b.slot is not None:
                 b.slot.busy = False
-        be = self.tier.backend
-        for b in self._written:
-            self.meter.wait(be.current_stream(), b.home_ready)   # this step's write-backs; see _unbind_slot
-        self._backward = False
-        for s in self.slots:            # between steps every parameter is its home's (NOTE [training transport])
-            if s.occupant is not None:
-                self._unbind_slot(s)
+        self.stream.end()           # this step's write-backs; every parameter its home's again
         res = [p for b in self.blocks if b.resident for p in b.trainable if p.grad is not None]
         if ok and res:
             # A foreach step makes temporaries as large as the parameters it updates, which the
@@ -1095,14 +634,16 @@ class TieredTraining:
             # at a time. With no hooks left (in capacity) it is one call, as plain PyTorch does.
             self._average(res)
             for chunk in _chunks(res, RESIDENT_STEP_BYTES if self._hooks else None):
-                self._opt_step(chunk)
+                self.states.step(chunk)
             for p in res:
                 p.grad = None
         self.meter.mark(("bwd", "end"))
         if ok and self._step_events is not None:
+            be = self.tier.backend
             start, end, _ = self._step_events
             be.record(end, be.current_stream())
             self._step_events = (start, end, True)
+        self.moved = dict(self.stream.moved)
         if self.swap is not None:
             self.swap.end()
             for d in ("h2d", "d2h"):
@@ -1113,12 +654,11 @@ class TieredTraining:
         no gradients: the next step would add its own to them. Blocks whose backward had finished
         took their optimizer step already, as in any step (NOTE [training transport])."""
         self._failed = True
-        self._backward = False
+        self.stream.in_backward = False
         self._seg = []
         self._step_events = None
+        self.stream.idle()
         for b in self.blocks:
-            if b.slot is not None:
-                b.slot.busy = False
             for p in b.trainable:
                 p.grad = None
         if self.swap is not None:
@@ -1145,9 +685,8 @@ class TieredTraining:
             and self._boundary.get(i, (0, 0))[1] <= sum(r.segment == i for r in saved))
         floor = max(floor - self.outside, 0)
         self.floor = floor
-        old_slot = self.slot_bytes
-        new_slot = _aligned(self._slot_bytes())
-        floor += self.nslots * max(new_slot - old_slot, 0)     # the slots grow to hold states
+        new_slot = aligned(self.stream.needed_slot_bytes())
+        floor += self.stream.nslots * max(new_slot - self.stream.slot_bytes, 0)     # the slots grow to hold states
         old = self.trace
         self.trace = StepTrace(saved, tuple(b.p_bytes for b in self.blocks),
                                tuple(b.s_full for b in self.blocks), floor,
@@ -1256,7 +795,7 @@ class TieredTraining:
         for i in sorted(plan.resident_blocks):
             if not self.blocks[i].resident:
                 self._make_resident(self.blocks[i])
-        self._alloc_slots()
+        self.stream.alloc()
         self._set_cap()
         self.mem.empty_cache()
         self.recomputing.set({i: self.blocks[i].module for i in plan.recompute})
@@ -1268,7 +807,7 @@ class TieredTraining:
             self._hooks = []
         log.info("tiermem: %s", plan.table())
 
-    def _make_resident(self, b: _Block) -> None:
+    def _make_resident(self, b: Block) -> None:
         """Move a block into managed memory kept on the device (NOTE [training transport]). All or
         nothing: the states' new memory is filled first, the parameters are wrapped (itself all
         or nothing), and only then does anything point at the new memory."""
@@ -1276,7 +815,7 @@ class TieredTraining:
         torch = self.torch
         tier = self.tier
         if b.slot is not None and b.slot.occupant is b:
-            self._unbind_slot(b.slot)
+            self.stream.unbind(b.slot)
         self.mem.synchronize()
         views: list[Any] = []
         tts: list[Any] = []
@@ -1302,8 +841,7 @@ class TieredTraining:
                               policy=pol)
         b.resident = True
         for p, old in zip(b.params, olds):
-            if self.params.get(old) is p:
-                del self.params[old]
+            self.stream.forget(p, old)
             if self.swap is not None:
                 self.swap.fixed.add(p.data.untyped_storage().data_ptr())
         for (p, key, _), v in zip(b.states, views):
@@ -1330,7 +868,12 @@ class TieredTraining:
                 "blocks": len(self.blocks), "resident_blocks": sum(b.resident for b in self.blocks),
                 "recomputed_blocks": len(self.plan.recompute) if self.plan is not None else 0,
                 "step_ms": self.plan.measured.get("step_ms", 0.0) if self.plan is not None else 0.0,
-                "slots": len(self.slots), "slot_bytes": self.slot_bytes}
+                "slots": len(self.stream.slots), "slot_bytes": self.slot_bytes}
+
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes of each of the device slots streamed blocks go through (0: none streams)."""
+        return self.stream.slot_bytes
 
     def unwrap(self, device: Any = None) -> Any:
         """Give every parameter and optimizer state plain memory again, remove the hooks, restore
@@ -1351,9 +894,7 @@ class TieredTraining:
         cap = self.mem.fraction()
         self.mem.set_fraction(self._old_fraction)    # the plain copies are outside the budget
         try:
-            for s in self.slots:         # streamed blocks go home: they still train from there
-                if s.occupant is not None:
-                    self._unbind_slot(s)
+            self.stream.unbind_all()     # none after a step that finished; one that failed finishing
             self.mem.synchronize()
             with torch.no_grad():
                 plains = [(p, torch.empty(p.shape, dtype=p.dtype, device=where[id(p)]).copy_(p.data))
@@ -1376,9 +917,7 @@ class TieredTraining:
         for p, key, v in states:
             self.opt.state[p][key] = v
         for p, plain in plains:
-            old = p.data.untyped_storage().data_ptr()
-            if self.params.get(old) is p:
-                del self.params[old]
+            self.stream.forget(p)
             rebind_plain(p, plain)
         buffers_to = device if device is not None else torch.device("cpu")
         self._buffers_out(buffers_to)
@@ -1417,7 +956,7 @@ class TieredTraining:
                     h.release()
             b.tiered, b.home_p, b.home_s = [], None, None
             b.resident_state_views = []     # views of the memory just freed
-        self.slots, self._slot_mem = [], None
+        self.stream.release()
         if self.swap is not None:
             self.swap.arena.release()
 
@@ -1426,52 +965,15 @@ class TieredTraining:
         return f"<TieredTraining {type(self.model).__name__}, {len(self.blocks)} blocks: {plan}>"
 
 
-def round_stochastic(x: Any, out: Any, generator: Any) -> None:
-    """Write fp32 ``x`` into bf16 ``out`` rounded stochastically (NOTE [bf16 moments]): up with
-    the probability of the fraction of a bf16 step cut off, so the expected value is ``x``; values
-    bf16 holds exactly stay exact. Random bits from ``generator`` alone; ``x`` is not changed."""
-    import torch
-    bits = torch.randint(0, 1 << 16, x.shape, dtype=torch.int32, device=x.device, generator=generator)
-    bits.add_(x.view(torch.int32)).bitwise_and_(-(1 << 16))   # a carry into bit 16 is the rounding up
-    r = bits.view(torch.float32)
-    r.masked_fill_(x.isnan(), float("nan"))   # a NaN whose mantissa sits in the low bits would turn into inf
-    out.copy_(r)                              # exact: the low 16 bits are zero
-
-
-def _rounding_hooks(generator: Any) -> tuple[Any, Any]:
-    """The optimizer's state_dict post-hook and load_state_dict pre-hook that save and restore
-    ``generator``'s state under ROUNDING_KEY (NOTE [bf16 moments]). They hold the generator, not
-    the handle, so the optimizer does not keep a handle alive."""
-    def save(opt: Any, sd: dict[str, Any]) -> None:
-        sd[ROUNDING_KEY] = generator.get_state()     # a CPU ByteTensor, whatever the generator's device
-
-    def load(opt: Any, sd: dict[str, Any]) -> None:
-        state = sd.pop(ROUNDING_KEY, None)           # from torch's shallow copy: the caller's dict keeps it
-        if state is not None:
-            generator.set_state(state.cpu())         # a checkpoint may have been loaded onto a GPU
-    return save, load
-
-
-def _loaded_states_hooks(handle: TieredTraining) -> tuple[Any, Any, Any]:
-    """The optimizer's load_state_dict pre- and post-hook and the model's pre-hook of NOTE [loaded
-    states]. They hold the handle weakly, so neither keeps it alive."""
-    import weakref
+def _model_loading(handle: TieredTraining) -> Any:
+    """The model's load_state_dict pre-hook; it holds the handle weakly."""
     ref = weakref.ref(handle)
 
-    def before(opt: Any, sd: dict[str, Any]) -> dict[str, Any] | None:
-        h = ref()
-        return h._states_loading(sd) if h is not None else None
-
-    def after(opt: Any) -> None:
+    def hook(module: Any, *_: Any) -> None:
         h = ref()
         if h is not None:
-            h._states_loaded()
-
-    def params(module: Any, *_: Any) -> None:
-        h = ref()
-        if h is not None:
-            h._params_loading()
-    return before, after, params
+            h._model_loading()
+    return hook
 
 
 def _group(process_group: Any) -> Any:

@@ -14,7 +14,7 @@ NOTE [training plan]
          device): a streamed block moves its parameters in twice (forward, backward) and out once
          (after its update), and its states in and out once: 28 bytes per parameter (fp32 Adam),
          for 12 bytes of device memory, ~2.3 bytes moved per byte kept (20 bytes, ~1.7, with
-         states held in bf16: ``block_state_moved_bytes``, NOTE [bf16 moments] in _train.py);
+         states held in bf16: ``block_state_moved_bytes``, NOTE [bf16 moments] in _trainstates.py);
       2. saved activations kept on the device, latest saved first (backward reads those first,
          so swapping them would leave the least time to bring them back): 2 bytes moved per byte.
 

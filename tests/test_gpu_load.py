@@ -83,8 +83,10 @@ def test_a_bad_checkpoint_leaves_the_device_as_it_was(saved, tmp_path):
 
 
 def test_the_kvikio_reader_reads_what_the_posix_reader_reads(tmp_path):
-    """Unaligned ranges, several at once, merged tensors' pieces; a short file is a clear error."""
-    pytest.importorskip("kvikio")
+    """Unaligned ranges, several at once, merged tensors' pieces; a short file is a clear error.
+    kvikio's process-wide settings are raised while the reader lives and put back at close."""
+    kvikio = pytest.importorskip("kvikio")
+    import kvikio.defaults
     import os
     import torch
     from tiermem._kvikio import KvikioReader
@@ -94,7 +96,12 @@ def test_the_kvikio_reader_reads_what_the_posix_reader_reads(tmp_path):
     f = tmp_path / "blob"
     f.write_bytes(data)
     ranges = [(1, 4 * MiB + 7), (4096, 3 * MiB), (5 * MiB + 3, 4 * MiB), (0, 1)]
-    for reader in (KvikioReader(threads=4, chunk=1 * MiB, drop_cache=True), Reader(threads=4, chunk=1 * MiB)):
+    settings = ("num_threads", "auto_direct_io_read")
+    before = {k: kvikio.defaults.get(k) for k in settings}
+    threads = before["num_threads"] + 3
+    kv = KvikioReader(threads=threads, chunk=1 * MiB, drop_cache=True)
+    assert kvikio.defaults.get("num_threads") == threads and kvikio.defaults.get("auto_direct_io_read")
+    for reader in (kv, Reader(threads=4, chunk=1 * MiB)):
         bufs = [torch.empty(n, dtype=torch.uint8, pin_memory=True) for _, n in ranges]
         jobs = [(FileTensor("r", str(f), o, n, "uint8", (n,)), host_bytes(b.data_ptr(), n)) for (o, n), b in zip(ranges, bufs)]
         assert reader.read(jobs) == sum(n for _, n in ranges) == reader.bytes_read
@@ -108,3 +115,4 @@ def test_the_kvikio_reader_reads_what_the_posix_reader_reads(tmp_path):
         with pytest.raises(CheckpointError, match="does not exist"):   # after a good range: waited for, then raised
             reader.read([jobs[0], (gone, host_bytes(b.data_ptr(), 4096))])
         reader.close()
+    assert {k: kvikio.defaults.get(k) for k in settings} == before

@@ -12,8 +12,10 @@ NOTE [kvikio reader]
     disk"). The kvikio reader keeps the POSIX reader's contract: each range is read whole (a short
     read is a truncated file), and each range read is dropped from the page cache (its unaligned
     edges go through the cache even with O_DIRECT), so a host short of memory keeps no second
-    copy of what streams. kvikio's thread count and direct-I/O setting are process-wide; they
-    are raised, never lowered, so another kvikio user in the process keeps at least what it set.
+    copy of what streams. kvikio's thread count and direct-I/O setting are process-wide: a
+    reader raises them for its life, never lowers them (another kvikio user in the process keeps
+    at least what it set), and ``close()`` puts back each one it changed unless someone changed
+    it again since (tests/test_gpu_load.py).
 """
 from __future__ import annotations
 
@@ -57,14 +59,20 @@ class KvikioReader(Reader):
         self._kv = require()
         super().__init__(threads=threads, chunk=chunk, drop_cache=drop_cache)
         d = self._kv.defaults
+        self._changed: list[tuple[str, Any, Any]] = []     # (setting, before, ours), for close()
         if d.get("num_threads") < self.threads:
-            d.set("num_threads", self.threads)
+            self._set("num_threads", self.threads)
         if direct and not d.get("auto_direct_io_read"):
-            d.set("auto_direct_io_read", True)
+            self._set("auto_direct_io_read", True)
         self.direct = bool(d.get("auto_direct_io_read"))
         self.compat_mode = bool(d.is_compat_mode_preferred())
         self._files: dict[str, Any] = {}
         self._klock = threading.Lock()
+
+    def _set(self, key: str, value: Any) -> None:
+        d = self._kv.defaults
+        self._changed.append((key, d.get(key), value))
+        d.set(key, value)
 
     def _file(self, path: str) -> Any:
         with self._klock:
@@ -116,4 +124,9 @@ class KvikioReader(Reader):
             files, self._files = self._files, {}
         for f in files.values():
             f.close()
+        d = self._kv.defaults
+        changed, self._changed = self._changed, []
+        for key, before, ours in reversed(changed):
+            if d.get(key) == ours:
+                d.set(key, before)
         super().close()

@@ -307,6 +307,7 @@ class TieredTraining:
         self._in_step = False
         self._failed = False
         self._got = set()
+        self._eval_next = 0                    # NOTE [evaluation between steps]: the block expected next
         self.moved = {"h2d": 0, "d2h": 0}      # bytes moved in the last step
         self.last_peak = 0                     # torch's peak reserved bytes in the last step
         self.floor = 0                         # the traced step's peak, everything moving
@@ -370,6 +371,7 @@ class TieredTraining:
 
     def _fwd_pre(self, b: Block, args: Any) -> None:
         if not self._in_step:
+            self._eval_pre(b)
             return
         if self._tracing:
             if b.index not in self._order:
@@ -384,6 +386,35 @@ class TieredTraining:
                 self.stream.ahead(upcoming)
         self._seg.append(b.index)
         self.meter.mark(("block", b.index, "start"))
+
+    # NOTE [evaluation between steps]
+    #     A forward outside train.step() (an evaluation, under torch.no_grad() or not) read the
+    #     streamed blocks' parameters from their pinned homes in place, over the link, as every
+    #     kernel touching them needed them: on the H100 an evaluation forward of the GPT model of
+    #     bench/train_budget.py at 1/2.5 of its state took 618 ms against 28 ms resident, where
+    #     its 0.84 GB of streamed parameters take 15 ms over the link (bench/probes/probe_eval.py).
+    #     So once a step has been traced, a forward outside a step streams the blocks through the
+    #     slots as a step's forward does: each block is filled ahead of use, after the work queued
+    #     before its pre-hook (the caller's writes home), and when its forward ends its parameters
+    #     are bound to their home again and the slot's copy is forgotten, so a write between
+    #     forwards or steps reaches the next one (NOTE [training transport]). A forward that does
+    #     not follow the traced order (one stopped part-way, a block called alone) first puts
+    #     every parameter home and forgets every slot's copy; so does the next step.
+    def _eval_pre(self, b: Block) -> None:
+        order = self._order
+        if self._tracing or not order or not self.stream.slots:
+            return                         # not planned yet, or nothing streams: read in place
+        pos = order.index(b.index) if b.index in order else -1
+        if pos != self._eval_next:
+            self.stream.reset()
+        self._eval_next = (pos + 1) % len(order) if pos >= 0 else 0
+        if b.resident or pos < 0:
+            return
+        self.stream.mark_start()
+        upcoming = order[pos + 1:]
+        self.stream.ensure(b, states=False, upcoming=upcoming)
+        if upcoming:
+            self.stream.ahead(upcoming)
 
     def _inputs(self, args: Any) -> tuple[int, int]:
         """Bytes and storages a recomputed block would save: its positional tensor inputs that the
@@ -404,6 +435,7 @@ class TieredTraining:
 
     def _fwd_post(self, b: Block, out: Any) -> None:
         if not self._in_step:
+            self.stream.leave(b)
             return
         self.meter.mark(("block", b.index, "end"))
         if self._seg and self._seg[-1] == b.index:
@@ -542,6 +574,7 @@ class TieredTraining:
         self._read_step_time()
         self._got: set[int] = set()
         self._seg = []
+        self._eval_next = 0
         self.moved = {"h2d": 0, "d2h": 0}
         for b in self.blocks:
             b.entered, b.stepped, b.waiting = False, False, 0

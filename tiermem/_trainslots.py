@@ -286,6 +286,27 @@ class BlockSlots:
         if not b.resident and b.slot is not None:
             self.slots.release(b.slot, self.tier.backend)
 
+    def leave(self, b: Block) -> None:
+        """An evaluation's forward is done with ``b``: its slot is free, and its parameters are
+        its home's again, the slot's copy forgotten (NOTE [evaluation between steps] in _train.py)."""
+        s = b.slot
+        if s is not None and s.occupant is b and s.busy:
+            self.slots.release(s, self.tier.backend)
+            self.unbind(s)
+
+    def mark_start(self) -> None:
+        """Fills from now on wait for the work queued so far on the compute stream (the caller's
+        writes home)."""
+        be = self.tier.backend
+        ev = be.new_event()
+        be.record(ev, be.current_stream())
+        self.begun = ev
+
+    def reset(self) -> None:
+        """No block in use, every parameter its home's, no slot's copy kept."""
+        self.idle()
+        self.unbind_all()
+
     def write_back(self, b: Block) -> None:
         """Queue the copy of ``b``'s stepped parameters (and states) home; it frees the slot."""
         s = b.slot
@@ -300,6 +321,7 @@ class BlockSlots:
         s.busy = False
 
     def begin(self, started: Any) -> None:
+        self.reset()                  # what an evaluation left (NOTE [evaluation between steps])
         self.in_backward = False
         self.begun = started
         self.written = []

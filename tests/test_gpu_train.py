@@ -310,6 +310,47 @@ def test_writes_between_steps_reach_the_next_steps_as_in_a_resident_run():
     _cleanup(tier, train)
 
 
+def test_an_evaluation_between_steps_streams_and_gives_the_resident_logits():
+    """NOTE [evaluation between steps] in tiermem/_train.py: after 4 steps under the tight budget,
+    a forward under torch.no_grad() gives the resident run's logits bitwise, brings each streamed
+    block's parameters in once over the link (it read them in place before), stays within the
+    budget, and training goes on with the resident losses."""
+    torch = _setup()
+    from tiermem.models import GPTConfig
+    batches = _batches(GPTConfig(**CFG), 6)
+    probe = _batches(GPTConfig(**CFG), 1, seed=9)[0][:, :-1]
+    model, _ = _gpt()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    want = []
+    for i, ids in enumerate(batches):
+        if i == 4:
+            with torch.no_grad():
+                want_logits = model(probe)
+        loss = _loss(model, ids)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        want.append(float(loss))
+    del model, opt
+    _cleanup()
+
+    tier, model, opt, train, c = _tiered(BUDGET)
+    got, _ = _train_losses(train, model, batches[:4])
+    streamed = sum(train.blocks[i].p_bytes for i in train.plan.streamed_blocks)
+    before = tier.stats()["moved_bytes.weight.h2d"]
+    torch.cuda.reset_peak_memory_stats()
+    with torch.no_grad():
+        logits = model(probe)
+    torch.cuda.synchronize()
+    assert torch.equal(logits, want_logits)
+    assert tier.stats()["moved_bytes.weight.h2d"] - before == streamed > 0
+    assert tier.resident_bytes + torch.cuda.max_memory_reserved() - train.outside <= BUDGET
+    del logits
+    more, _ = _train_losses(train, model, batches[4:])
+    assert got + more == want
+    _cleanup(tier, train)
+
+
 @pytest.mark.parametrize("recompute", ["auto", "always"])
 def test_bf16_autocast_training_gives_the_resident_losses_bitwise(recompute):
     """Mixed precision as most users train: the forward under torch.autocast(bfloat16), the

@@ -408,13 +408,14 @@ class TieredTraining:
         if pos != self._eval_next:
             self.stream.reset()
         self._eval_next = (pos + 1) % len(order) if pos >= 0 else 0
-        if b.resident or pos < 0:
+        if pos < 0:
             return
         self.stream.mark_start()
         upcoming = order[pos + 1:]
-        self.stream.ensure(b, states=False, upcoming=upcoming)
+        if not b.resident:
+            self.stream.ensure(b, states=False, upcoming=upcoming)
         if upcoming:
-            self.stream.ahead(upcoming)
+            self.stream.ahead(upcoming)    # from a resident block too: the first streamed ones come in under it
 
     def _inputs(self, args: Any) -> tuple[int, int]:
         """Bytes and storages a recomputed block would save: its positional tensor inputs that the

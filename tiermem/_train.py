@@ -394,10 +394,11 @@ class TieredTraining:
     #     bench/train_budget.py at 1/2.5 of its state took 618 ms against 28 ms resident, where
     #     its 0.84 GB of streamed parameters take 15 ms over the link (bench/probes/probe_eval.py).
     #     So once a step has been traced, a forward outside a step streams the blocks through the
-    #     slots as a step's forward does: each block is filled ahead of use, after the work queued
-    #     before its pre-hook (the caller's writes home), and when its forward ends its parameters
-    #     are bound to their home again and the slot's copy is forgotten, so a write between
-    #     forwards or steps reaches the next one (NOTE [training transport]). A forward that does
+    #     slots as a step's forward does (31-33 ms there now, 1.10x resident): each block is filled
+    #     ahead of use, from the pre-hook of a block before it (a resident one too), after the
+    #     work queued before that pre-hook (the caller's writes home), and when its forward ends
+    #     its parameters are bound to their home again and the slot's copy is forgotten, so a
+    #     write between forwards or steps reaches the next one (NOTE [training transport]). A forward that does
     #     not follow the traced order (one stopped part-way, a block called alone) first puts
     #     every parameter home and forgets every slot's copy; so does the next step.
     def _eval_pre(self, b: Block) -> None:

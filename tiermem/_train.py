@@ -550,7 +550,7 @@ class TieredTraining:
         """Why torch's allocator ran out inside a step: what the budget had to hold."""
         gb = lambda n: f"{n / 1e9:.3f} GB"  # noqa: E731
         streamed = [b for b in self.blocks if not b.resident]
-        big = max(streamed, key=lambda b: b.p_bytes + b.g_bytes + b.s_bytes, default=None)
+        big = max(streamed, key=lambda b: b.slot_need, default=None)
         lines = [f"tiermem: this step runs within a budget of {gb(self.budget)}: torch's allocator is capped "
                  f"at the budget less tiermem's resident {gb(self.tier.resident_bytes)}."]
         if big is not None:

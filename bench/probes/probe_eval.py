@@ -13,25 +13,18 @@ Writes bench/results/probe_eval-<device>-<date>.json (or under $OUT).
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 
 import _path  # noqa: F401 - bench/ and the repository root on sys.path
 
 import torch
+from _common import cuda_times, median
 
 
 def timed(run, n):
-    out = []
-    for _ in range(n):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        run()
-        b.record()
-        b.synchronize()
-        out.append(a.elapsed_time(b))
-    return statistics.median(out[2:] if n > 4 else out)
+    """Median ms of ``run`` over ``n`` calls after two warm-up calls."""
+    return median(cuda_times(run, reps=n, warmup=2)) * 1e3
 
 
 def main():

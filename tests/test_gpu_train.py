@@ -458,11 +458,62 @@ def test_a_second_backward_in_one_step_is_refused_clearly():
     import tiermem
     tier, model, opt, train, c = _tiered(BUDGET)
     ids = _batches(c, 1)[0]
-    with pytest.raises(tiermem.TierMemError, match="one backward per train.step"):
+    with pytest.raises(tiermem.TierMemError, match="one backward per train.step.*accumulate=N"):
         with train.step():
             _loss(model, ids).backward()
             _loss(model, ids).backward()
     _cleanup(tier, train)
+
+
+def test_accumulated_micro_batches_give_the_resident_losses_parameters_and_gradients_bitwise():
+    """NOTE [accumulation] in tiermem/_train.py: with accumulate=4 under the tight budget, 14
+    micro-batches (3 optimizer steps and an open window) give the resident loop's losses and
+    parameters bitwise, within the budget; the micro-batches that do not update move the
+    gradients and no optimizer state, and unwrap() gives the open window's gradients back."""
+    torch = _setup()
+    from tiermem.models import GPTConfig
+    n, batches = 4, _batches(GPTConfig(**CFG), 14)
+    model, _ = _gpt()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    want = []
+    for i, ids in enumerate(batches):
+        loss = _loss(model, ids)
+        (loss / n).backward()
+        want.append(loss.detach())
+        if (i + 1) % n == 0:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    want = [float(x) for x in torch.stack(want).cpu()]
+    want_params = [p.detach().clone() for p in model.parameters()]
+    want_grads = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+    del model, opt
+    _cleanup()
+
+    tier, model, opt, train, c = _tiered(BUDGET, accumulate=n)
+    got, peaks, moved = [], [], []
+    for i, ids in enumerate(batches):
+        before = tier.stats()
+        with train.step():
+            loss = _loss(model, ids)
+            (loss / n).backward()
+        got.append(loss.detach())
+        peaks.append(train.resident_peak())
+        after = tier.stats()
+        moved.append({k: after[f"moved_bytes.{k}"] - before[f"moved_bytes.{k}"]
+                      for k in ("optimizer_state.h2d", "gradient.h2d", "gradient.d2h")})
+    print(train.plan.table())
+    print(moved[-6:])
+    assert [float(x) for x in torch.stack(got).cpu()] == want
+    assert train.plan.streamed_blocks and train.updates == 3 and train.accumulated == 2
+    assert max(peaks) <= BUDGET
+    for i in (9, 10):                          # inside the third window (micro-batches 8 to 11)
+        assert moved[i]["optimizer_state.h2d"] == 0 and moved[i]["gradient.h2d"] > 0 and moved[i]["gradient.d2h"] > 0
+    assert moved[11]["optimizer_state.h2d"] > 0 and moved[11]["gradient.d2h"] == 0
+    train.unwrap()
+    assert all(torch.equal(p.detach(), q) for p, q in zip(model.parameters(), want_params))
+    for p, g in zip(model.parameters(), want_grads):
+        assert (p.grad is None) == (g is None) and (g is None or torch.equal(p.grad, g))
+    _cleanup(tier)
 
 
 def test_bf16_moments_stay_close_to_the_resident_losses_and_move_half_the_state_bytes():

@@ -18,7 +18,7 @@ STEPS = 4
 TOL = dict(rtol=0, atol=1e-4)
 
 
-def _rank(rank: int, world: int, init: str, out: str) -> None:
+def _rank(rank: int, world: int, init: str, out: str, accumulate: int) -> None:
     import sys
     sys.path.insert(0, os.path.dirname(__file__))
     import tiermem
@@ -26,37 +26,52 @@ def _rank(rank: int, world: int, init: str, out: str) -> None:
     from test_train import batches, gpt, loss_of, state_bytes
     torch.use_deterministic_algorithms(True)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    reduces = []
+    all_reduce = dist.all_reduce
+
+    def counted(t, *a, **kw):
+        reduces.append(t.numel())
+        return all_reduce(t, *a, **kw)
+    dist.all_reduce = counted
     try:
         model, opt = gpt()
         tier = tiermem.Tier(backend=FakeBackend(total=1 << 30, foreign_host=True))
         train = tier.wrap_training(model, opt, state_bytes(model), block_bytes=16 << 10, min_swap=4096,
-                                   process_group=True)
+                                   process_group=True, accumulate=accumulate)
         losses = []
         for ids in batches(STEPS):
-            part = ids.chunk(world)[rank]
-            with train.step():
-                loss = loss_of(model, part)
-                loss.backward()
-            losses.append(float(loss.detach()))
+            for micro in ids.chunk(world)[rank].chunk(accumulate):     # NOTE [accumulation]
+                with train.step():
+                    loss = loss_of(model, micro)
+                    (loss / accumulate).backward()
+                losses.append(float(loss.detach()))
         plan = str(train.plan)
         streamed = len(train.plan.streamed_blocks)
         train.unwrap()
         torch.save({"params": [p.detach().clone() for p in model.parameters()], "losses": losses, "plan": plan,
-                    "streamed": streamed}, os.path.join(out, f"rank{rank}.pt"))
+                    "streamed": streamed, "reduced": sum(reduces)}, os.path.join(out, f"rank{rank}.pt"))
     finally:
+        dist.all_reduce = all_reduce
         dist.destroy_process_group()
 
 
-def test_two_ranks_train_as_one_process_averaging_their_gradients(tmp_path):
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_two_ranks_train_as_one_process_averaging_their_gradients(tmp_path, accumulate):
+    """With ``accumulate`` each rank's half of a batch is that many micro-batches, and the
+    gradients are averaged once per optimizer step, in its last micro-batch (as DDP's no_sync)."""
     import torch.multiprocessing as mp
     from test_train import batches, gpt, loss_of
     world = 2
-    mp.spawn(_rank, args=(world, f"file://{tmp_path / 'rendezvous'}", str(tmp_path)), nprocs=world, join=True)
+    mp.spawn(_rank, args=(world, f"file://{tmp_path / 'rendezvous'}", str(tmp_path), accumulate), nprocs=world,
+             join=True)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
     # Every rank stepped the same averaged gradients: the replicas are bitwise the same.
     for a, b in zip(ranks[0]["params"], ranks[1]["params"]):
         assert torch.equal(a, b)
     assert ranks[0]["plan"] == ranks[1]["plan"] and ranks[0]["streamed"] > 0
+    # Each parameter's gradient is reduced once per optimizer step, whatever the micro-batches.
+    n = sum(p.numel() for p in gpt()[0].parameters())
+    assert ranks[0]["reduced"] == ranks[1]["reduced"] == STEPS * n
     # One process computing each half's gradients, summing them and halving, as the all-reduce
     # does, then stepping: bitwise the ranks' run. (Float addition of two is commutative, so the
     # order gloo sums in does not matter.)
@@ -67,16 +82,18 @@ def test_two_ranks_train_as_one_process_averaging_their_gradients(tmp_path):
     for step, ids in enumerate(batches(STEPS)):
         grads, losses = [], []
         for part in ids.chunk(world):
-            loss = loss_of(model, part)
-            loss.backward()
-            losses.append(float(loss.detach()))
+            for micro in part.chunk(accumulate):
+                loss = loss_of(model, micro)
+                (loss / accumulate).backward()
+                losses.append(float(loss.detach()))
             grads.append([p.grad.clone() for p in model.parameters()])
             opt.zero_grad(set_to_none=True)
         for p, *gs in zip(model.parameters(), *grads):
             p.grad = (gs[0] + gs[1]).div_(world)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        assert [ranks[r]["losses"][step] for r in range(world)] == losses
+        k = accumulate
+        assert [x for r in range(world) for x in ranks[r]["losses"][step * k:(step + 1) * k]] == losses
         loss_of(whole, ids).backward()       # the whole batch at once: the same, to rounding
         whole_opt.step()
         whole_opt.zero_grad(set_to_none=True)

@@ -60,6 +60,29 @@ NOTE [data parallel]
     step fails leaves the others waiting in theirs. tests/test_train_dp.py runs two ranks under
     gloo on the CPU; the NCCL run on two GPUs is not made yet.
 
+NOTE [accumulation]
+    With ``accumulate=N`` each ``train.step()`` is one micro-batch and the optimizer steps in
+    every N-th (HF Trainer's ``gradient_accumulation_steps``); ``step(update=True)`` closes a
+    short window. A plain loop keeps the window's gradients in ``p.grad`` on the device, which a
+    streamed block has no room for. So in a micro-batch that does not update, a streamed block's
+    backward fill brings its parameters and the gradients accumulated so far (none in the
+    window's first; the slot's region is zeroed instead), autograd adds this micro-batch's to
+    them in the slot as it would to ``p.grad``, and once they are complete they go home to a
+    pinned buffer beside the block's parameters: no optimizer state crosses the link and nothing
+    is stepped. The updating micro-batch fills the gradients with the states and steps each
+    block inside backward as any step does, so the arithmetic is the plain loop's, bitwise
+    (tests/test_train_accumulate.py, tests/test_gpu_train.py). A streamed block costs, per
+    micro-batch that does not update, its gradients in and out (the first: out only) instead of
+    its states in and parameters and states out; host memory grows by its trainable bytes.
+    Resident blocks keep their gradients in ``p.grad`` through the window and step at its end.
+    With a process group the gradients are averaged in the updating micro-batch only (DDP's
+    ``no_sync``). A block that had gradients earlier in the window but none in its last
+    micro-batch is filled and stepped when that step ends. The trace lasts until the first
+    updating micro-batch, so the plan sees the optimizer's step; the measured choice times
+    updating micro-batches. A micro-batch that fails drops the window's gradients (a plain loop
+    would keep part of the failed one's), and ``unwrap()`` inside a window gives them back in
+    ``p.grad``.
+
 NOTE [measured choice]
     The plan's model of a step (NOTE [recompute plan]) adds up measured compute and bytes over
     the link, but what it cannot see, the host's work in the swap's hooks and how the copies
@@ -113,15 +136,19 @@ VERIFY_SLACK = 0.02
 
 
 def check_options(budget: int | str, *, lookahead: int = 2, recompute: str = "auto",
-                  link_GBps: float | None = None, state_dtype: Any = None, **_: Any) -> None:
-    """Raise :class:`ConfigError` for a bad budget, lookahead, recompute, link rate or state dtype
-    of :func:`wrap_training`. Needs no GPU, so tiermem.wrap_training checks them before it looks
+                  link_GBps: float | None = None, state_dtype: Any = None, accumulate: int = 1, **_: Any) -> None:
+    """Raise :class:`ConfigError` for a bad budget, lookahead, recompute, link rate, state dtype or
+    accumulate of :func:`wrap_training`. Needs no GPU, so tiermem.wrap_training checks them before it looks
     for one; it takes all of wrap_training's options, and the others are checked where they are used."""
     check_bytes(budget, what="training budget", max_percent=100, positive=True)
     if isinstance(lookahead, bool) or not isinstance(lookahead, int):
         raise ConfigTypeError(f"lookahead must be an int, got {lookahead!r}")
     if lookahead < 1:
         raise ConfigError(f"lookahead must be at least 1, got {lookahead}")
+    if isinstance(accumulate, bool) or not isinstance(accumulate, int):
+        raise ConfigTypeError(f"accumulate must be an int (micro-batches per optimizer step), got {accumulate!r}")
+    if accumulate < 1:
+        raise ConfigError(f"accumulate must be at least 1 (micro-batches per optimizer step), got {accumulate}")
     if recompute not in RECOMPUTE_MODES:
         raise ConfigError(f"recompute must be one of {', '.join(map(repr, RECOMPUTE_MODES))}, got {recompute!r}")
     if link_GBps is not None and (isinstance(link_GBps, bool) or not isinstance(link_GBps, (int, float))
@@ -153,16 +180,25 @@ class TieredTraining:
     each way that the plan assumes (default 55, the H100 machine's). ``state_dtype``: None (the
     default) keeps optimizer states as the optimizer made them; ``torch.bfloat16`` (or
     "bfloat16") holds streamed blocks' fp32 states as bf16 at home and over the link, rounded
-    stochastically, stepped in fp32 (NOTE [bf16 moments]).
+    stochastically, stepped in fp32 (NOTE [bf16 moments]). ``accumulate``: micro-batches per
+    optimizer step, one per ``train.step()``; the optimizer steps in every ``accumulate``-th
+    (NOTE [accumulation]).
     """
 
     def __init__(self, tier: Tier, model: Any, optimizer: Any, budget: int | str, *, lookahead: int = 2,
                  min_swap: int = 1 << 20, window: int | None = None, swap: bool = True,
                  block_bytes: int = BLOCK_BYTES, margin: int | None = None, process_group: Any = None,
-                 recompute: str = "auto", link_GBps: float | None = None, state_dtype: Any = None):
+                 recompute: str = "auto", link_GBps: float | None = None, state_dtype: Any = None,
+                 accumulate: int = 1):
         import torch
         self.torch = torch
-        check_options(budget, lookahead=lookahead, recompute=recompute, link_GBps=link_GBps, state_dtype=state_dtype)
+        check_options(budget, lookahead=lookahead, recompute=recompute, link_GBps=link_GBps, state_dtype=state_dtype,
+                      accumulate=accumulate)
+        self.accumulate = accumulate
+        self.accumulated = 0                  # micro-batches in the open window (NOTE [accumulation])
+        self.updates = 0                      # optimizer steps taken
+        self._updating = True
+        self._window: set[int] = set()        # parameters with a gradient in the open window
         self.state_dtype = _state_dtype(state_dtype)
         self.recompute_mode = recompute if swap else "never"
         self.link_GBps = float(link_GBps) if link_GBps is not None else LINK_GBPS
@@ -448,7 +484,7 @@ class TieredTraining:
             if t is not None:
                 t.register_hook(lambda g, b=b: self._bwd_enter(b))
 
-    def _bwd_enter(self, b: Block) -> None:
+    def _bwd_enter(self, b: Block, ahead: bool = True) -> None:
         if not self.stream.in_backward:
             self.meter.mark(("fwd", "end"))
             self.meter.mark(("bwd", "start"))
@@ -461,10 +497,11 @@ class TieredTraining:
         b.entered = True
         b.waiting = len(b.trainable)
         if b.trainable:
-            self.stream.grad_region(s, b).zero_()
+            if not b.grads_home:          # else the fill brought the window's gradients so far
+                self.stream.grad_region(s, b).zero_()
             for p, g in zip(b.trainable, self.stream.slot_views(s, b)[1]):
                 p.grad = g
-        if upcoming:
+        if upcoming and ahead:
             self.stream.ahead(upcoming)
 
     def _on_param_read(self, p: Any) -> None:
@@ -480,12 +517,24 @@ class TieredTraining:
         if id(p) in self._got:
             raise TierMemError(f"a parameter of block {b.name} got its gradient twice in one step; tiermem "
                                "steps each block as soon as its gradients are complete, so run one backward "
-                               "per train.step() (accumulate micro-batches into one loss instead)")
+                               "per train.step(): for gradient accumulation, wrap with accumulate=N and run "
+                               "one micro-batch per step")
         self._got.add(id(p))
         b.waiting -= 1
         if b.waiting == 0:
-            self._average([p for p in b.trainable if id(p) in self._got])
+            self._block_done(b)
+
+    def _block_done(self, b: Block) -> None:
+        """A streamed block's gradients of this micro-batch are complete: step it when the step
+        updates, else send its gradients home for the next micro-batch (NOTE [accumulation])."""
+        if self._updating:
+            self._average([p for p in b.trainable if id(p) in self._got or id(p) in self._window])
             self._step_block(b)
+        else:
+            self.stream.write_grads(b)
+            b.stepped = True
+            for p in b.trainable:
+                p.grad = None
 
     # -- optimizer ---------------------------------------------------------------------------------
     def _average(self, params: list[Any]) -> None:
@@ -502,10 +551,11 @@ class TieredTraining:
     def _step_block(self, b: Block) -> None:
         """Step a streamed block whose gradients are complete, and write it back home."""
         for p in b.trainable:
-            if id(p) not in self._got:
+            if id(p) not in self._got and id(p) not in self._window:
                 p.grad = None     # no gradient reached it: the optimizer skips it, as it would resident
         self.states.step_block(b, b.slot)
         b.stepped = True
+        b.grads_home = False
         if not b.states and b.trainable:
             self.states.adopt(b)
         self.stream.write_back(b)
@@ -520,16 +570,22 @@ class TieredTraining:
 
     # -- steps -------------------------------------------------------------------------------------
     @contextlib.contextmanager
-    def step(self) -> Iterator[TieredTraining]:
+    def step(self, update: bool | None = None) -> Iterator[TieredTraining]:
         """One training step: run forward and backward inside. On exit every block has taken its
-        optimizer step and the gradients are cleared. Not reentrant; not thread-safe."""
+        optimizer step and the gradients are cleared. With ``accumulate=N`` each step is one
+        micro-batch, and the optimizer steps in every N-th (NOTE [accumulation]); ``update``
+        True or False says whether this one steps (True at an epoch's end closes a short
+        window). Not reentrant; not thread-safe."""
         torch = self.torch
         if self._in_step:
             raise TierMemError("train.step() is already open; steps do not nest")
+        if update is not None and not isinstance(update, bool):
+            raise ConfigTypeError(f"step(update=...) takes True, False or None, got {update!r}")
         self._in_step = True
         ok = False
         try:
             try:
+                self._updating = self.accumulated + 1 >= self.accumulate if update is None else update
                 self._begin_step()
                 hooks = (torch.autograd.graph.saved_tensors_hooks(self.swap.pack, self.swap.unpack)
                          if self.swap is not None and self._swapping() else contextlib.nullcontext())
@@ -589,7 +645,7 @@ class TieredTraining:
                 self.swap.begin(None, frozenset(), [])
             else:
                 self.swap.begin(self._expect, self._keep_keys, list(self._need), self.plan.recompute)
-        if self._tracing or self._refine == 1:
+        if self._tracing or (self._refine == 1 and self._updating):
             self.meter.start()
         self.meter.mark(("fwd", "start"))
         be = self.tier.backend
@@ -597,6 +653,7 @@ class TieredTraining:
         be.record(start, be.current_stream())
         self._step_events = (start, end, False)
         self.stream.begin(start)        # fills wait for it: the caller's writes home come before
+        self.stream.updating = self._updating
         if not self._tracing:
             self.stream.ahead(self._order)    # NOTE [training transport]: the first blocks, from their homes
 
@@ -632,7 +689,16 @@ class TieredTraining:
         self.steps += 1
         self.last_peak = self.mem.max_reserved()
         diverged = self.swap is not None and self.swap.diverged
-        if self._tracing:
+        if self._updating:
+            self.updates += 1
+            self.accumulated = 0
+            self._window = set()
+        else:
+            self.accumulated += 1
+            self._window |= self._got
+        if self._tracing and not self._updating:
+            pass          # NOTE [accumulation]: the trace goes on to the window's optimizer step
+        elif self._tracing:
             # Reserved, not allocated: the cap applies to what torch reserves, fragmentation included.
             try:
                 self._replan(self.mem.max_reserved())
@@ -643,6 +709,12 @@ class TieredTraining:
                 raise
         elif diverged:
             log.info("tiermem: the step's saved tensors changed (another shape?); tracing the next step")
+            self._tracing = True
+            self.step_ms = []
+        elif not self._updating:
+            pass          # the plan's choice is timed on steps that update
+        elif self.stream.too_small():
+            log.info("tiermem: optimizer states appeared after the plan; tracing the next step")
             self._tracing = True
             self.step_ms = []
         elif self._refine:
@@ -657,13 +729,15 @@ class TieredTraining:
     def _close_step(self, ok: bool) -> None:
         """Step what is left to step (when ``ok``), and end the step's moves and swap."""
         for b in self.blocks:
+            if ok and self._updating and b.grads_home and not b.entered:
+                self._bwd_enter(b, ahead=False)   # gradients from earlier micro-batches only: step it too
             if b.entered and not b.stepped and ok:
-                self._step_block(b)
+                self._block_done(b)
             elif b.slot is not None:
                 b.slot.busy = False
         self.stream.end()           # this step's write-backs; every parameter its home's again
         res = [p for b in self.blocks if b.resident for p in b.trainable if p.grad is not None]
-        if ok and res:
+        if ok and res and self._updating:
             # A foreach step makes temporaries as large as the parameters it updates, which the
             # traced step (every block stepped alone) never saw: step the resident blocks a few
             # at a time. With no hooks left (in capacity) it is one call, as plain PyTorch does.
@@ -696,6 +770,13 @@ class TieredTraining:
         for b in self.blocks:
             for p in b.trainable:
                 p.grad = None
+        if self.accumulated or not self._updating:
+            log.warning("tiermem: a step failed inside an accumulation window; the window's gradients "
+                        "(%d micro-batches before it) are dropped and the next step opens a new one",
+                        self.accumulated)
+        self.stream.drop_grads()
+        self.accumulated = 0
+        self._window = set()
         if self.swap is not None:
             self.swap.end()
 
@@ -870,6 +951,7 @@ class TieredTraining:
                     v = tt.torch().view(dt).view(p.shape)
                     v.copy_(hv)
                     views.append(v)
+        grads = [g.to(self.dev, copy=True) for g in self.stream.home_grads(b)] if b.grads_home else []
         olds = [p.data.untyped_storage().data_ptr() for p in b.params]
         pol = tier.policies[Role.WEIGHT].replace(evict=Evict.NEVER)
         b.tiered = wrap_group(tier, b.params, Role.WEIGHT, names=[f"{b.name}.{i}" for i in range(len(b.params))],
@@ -881,6 +963,9 @@ class TieredTraining:
                 self.swap.fixed.add(p.data.untyped_storage().data_ptr())
         for (p, key, _), v in zip(b.states, views):
             self.opt.state[p][key] = v
+        for p, g in zip(b.trainable, grads):      # the open window's, as a resident block keeps them
+            p.grad = g
+        self.stream.release_grads(b)
         b.resident_state_views = views
         b.tiered += tts
         self.mem.synchronize()
@@ -903,7 +988,8 @@ class TieredTraining:
                 "blocks": len(self.blocks), "resident_blocks": sum(b.resident for b in self.blocks),
                 "recomputed_blocks": len(self.plan.recompute) if self.plan is not None else 0,
                 "step_ms": self.plan.measured.get("step_ms", 0.0) if self.plan is not None else 0.0,
-                "slots": len(self.stream.slots), "slot_bytes": self.slot_bytes}
+                "slots": len(self.stream.slots), "slot_bytes": self.slot_bytes,
+                "accumulate": self.accumulate, "updates": self.updates}
 
     @property
     def slot_bytes(self) -> int:
@@ -940,6 +1026,12 @@ class TieredTraining:
                            for b in self.blocks if b.resident and not b.states for p in b.trainable
                            for key, v in self.opt.state.get(p, {}).items()
                            if torch.is_tensor(v) and v.device != where[id(p)] and key != "step"]
+                # An open accumulation window's gradients, as plain torch would hold them
+                # (NOTE [accumulation]): streamed blocks' from home, resident ones' from p.grad.
+                grads = [(p, g.to(where[id(p)], copy=True)) for b in self.blocks if b.grads_home
+                         for p, g in zip(b.trainable, self.stream.home_grads(b)) if id(p) in self._window]
+                grads += [(p, p.grad.to(where[id(p)])) for b in self.blocks for p in b.trainable
+                          if p.grad is not None and id(p) not in {id(q) for q, _ in grads}]
             self.mem.synchronize()
         except BaseException:
             self.mem.set_fraction(cap)      # _check_room refused what would not fit; this is anything else
@@ -951,9 +1043,13 @@ class TieredTraining:
         self.recomputing.set({})
         for p, key, v in states:
             self.opt.state[p][key] = v
+        for p, _ in grads:
+            p.grad = None                 # torch refuses a .data of another device under a grad
         for p, plain in plains:
             self.stream.forget(p)
             rebind_plain(p, plain)
+        for p, g in grads:
+            p.grad = g
         buffers_to = device if device is not None else torch.device("cpu")
         self._buffers_out(buffers_to)
         self.model._tiermem_handle = None
@@ -990,6 +1086,7 @@ class TieredTraining:
                 if h is not None:
                     h.release()
             b.tiered, b.home_p, b.home_s = [], None, None
+            self.stream.release_grads(b)
             b.resident_state_views = []     # views of the memory just freed
         self.stream.release()
         if self.swap is not None:

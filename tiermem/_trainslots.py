@@ -43,6 +43,8 @@ class Block:
     s_full: int = 0               # the same at the optimizer's dtypes: what a resident block keeps
     home_p: Any = None
     home_s: Any = None
+    home_g: Any = None            # pinned gradients of an open accumulation window (NOTE [accumulation])
+    grads_home: bool = False      # home_g holds this window's gradients so far
     home_views: list[Any] = dataclasses.field(default_factory=list)
     home_state_views: list[Any] = dataclasses.field(default_factory=list)
     resident_state_views: list[Any] = dataclasses.field(default_factory=list)   # a resident block's states
@@ -78,6 +80,7 @@ class TrainSlot(Slot):
     """A slot of the training ring (NOTE [ordered copies] in _stream.py): its occupant is a block."""
     has_params: bool = False
     has_states: bool = False
+    has_grads: bool = False
 
 
 class BlockSlots:
@@ -103,6 +106,7 @@ class BlockSlots:
         self.h2d = Lane(tier.backend, lambda: tier.side_stream("h2d"))   # fills of the slots
         self.d2h = Lane(tier.backend, lambda: tier.side_stream("d2h"))   # write-backs home
         self.in_backward = False
+        self.updating = True          # the step steps the optimizer: backward fills bring states
         self.begun: Any = None        # event: the running step's start; fills wait for it
         self.moved = {"h2d": 0, "d2h": 0}
         self.written: list[Block] = []   # blocks written back home this step
@@ -194,8 +198,9 @@ class BlockSlots:
 
     def too_small(self) -> bool:
         """The slots no longer hold the largest streamed block (its states were adopted since)."""
-        streamed = any(not b.resident for b in self.blocks)
-        return (streamed and not self.slots) or aligned(self.needed_slot_bytes()) > self.slot_bytes
+        if all(b.resident for b in self.blocks):
+            return False
+        return not self.slots or aligned(self.needed_slot_bytes()) > self.slot_bytes
 
     def unbind(self, s: TrainSlot) -> None:
         """Point the slot's occupant back at its home before the slot is reused.
@@ -213,7 +218,7 @@ class BlockSlots:
         if b.states:
             self.bind_states(b, b.home_state_views)
         b.slot = None
-        s.occupant, s.has_params, s.has_states = None, False, False
+        s.occupant, s.has_params, s.has_states, s.has_grads = None, False, False, False
 
     def unbind_all(self) -> None:
         for s in self.slots:
@@ -226,10 +231,14 @@ class BlockSlots:
             b.slot.has_states = False
 
     def fill(self, b: Block, states: bool, protect: set[int]) -> bool:
-        """Start bringing ``b`` (and, with ``states``, its optimizer states) into a slot on the H2D
-        stream. Returns False when no slot is free."""
+        """Start bringing ``b`` into a slot on the H2D stream: its parameters, and for backward
+        (``states``) its optimizer states when the step updates and the gradients accumulated so
+        far (NOTE [accumulation] in _train.py). Returns False when no slot is free."""
         s = b.slot
-        if s is not None and s.has_params and (s.has_states or not states or not b.states):
+        want_states = states and self.updating and bool(b.states)
+        want_grads = states and b.grads_home
+        if (s is not None and s.has_params and (s.has_states or not want_states)
+                and (s.has_grads or not want_grads)):
             return True
         if s is None:
             s = self.slots.pick(lambda occ: occ.index in protect or occ is b)
@@ -242,7 +251,10 @@ class BlockSlots:
         if not s.has_params:
             parts.append((0, b.home_p.ptr, b.p_bytes))
             got.append(("has_params", Role.WEIGHT, b.p_bytes))
-        if states and b.states and not s.has_states:
+        if want_grads and not s.has_grads:
+            parts.append((b.p_bytes, b.home_g.ptr, b.g_bytes))
+            got.append(("has_grads", Role.GRADIENT, b.g_bytes))
+        if want_states and not s.has_states:
             if b.slot_need > self.slot_bytes:    # never copy past a slot's end
                 raise TierMemError(f"block {b.name} needs {b.slot_need:,} bytes of slot, the "
                                    f"slots have {self.slot_bytes:,}: a tiermem bug, please report it")
@@ -269,7 +281,7 @@ class BlockSlots:
         if b.params[0].data.data_ptr() != pv[0].data_ptr():
             for p, v in zip(b.params, pv):
                 self.bind(p, v)
-        if states and b.states:
+        if states and self.updating and b.states:
             self.bind_states(b, sv)
         return s
 
@@ -319,6 +331,33 @@ class BlockSlots:
             self.count("d2h", Role.OPTIMIZER_STATE, b.s_bytes)
         self.written.append(b)
         s.busy = False
+
+    def write_grads(self, b: Block) -> None:
+        """Queue the copy of ``b``'s gradients home, where the next micro-batch's backward finds
+        them (NOTE [accumulation] in _train.py); it frees the slot. The parameters did not change."""
+        s = b.slot
+        if b.home_g is None:
+            b.home_g = self.tier.backend.host_alloc(b.g_bytes, pooled=False)
+        b.home_ready = self.slots.drain(self.d2h, s, [(b.home_g.ptr, b.p_bytes, b.g_bytes)])
+        self.count("d2h", Role.GRADIENT, b.g_bytes)
+        b.grads_home = True
+        self.written.append(b)
+        s.busy = False
+
+    def home_grads(self, b: Block) -> list[Any]:
+        """Views of ``b``'s gradients accumulated at home (the block must have them)."""
+        return self.views(b.home_g.ptr, b, b.home_g, "g")
+
+    def drop_grads(self) -> None:
+        """The open window's gradients are gone: no block has any at home."""
+        for b in self.blocks:
+            b.grads_home = False
+
+    def release_grads(self, b: Block) -> None:
+        b.grads_home = False
+        if b.home_g is not None:
+            b.home_g.release()
+            b.home_g = None
 
     def begin(self, started: Any) -> None:
         self.reset()                  # what an evaluation left (NOTE [evaluation between steps])

@@ -1,0 +1,131 @@
+"""Gradient accumulation under wrap_training (NOTE [accumulation] in tiermem/_train.py) against
+the resident loop: the GPT model of bench/train_budget.py (16 layers of 1024, vocab 8192, AdamW
+fp32), micro-batches of 4x512, ``--accumulate`` of them per optimizer step, tiermem at 1/2.5 of
+the training state.
+
+For each run: the median time of one window (``--accumulate`` micro-batches and the optimizer
+step; CUDA events after warm-up windows) and of its micro-batches that do not update and the one
+that does; the bytes each kind moves; the losses against the resident loop's. Also tiermem with
+accumulate=1 over the same micro-batches (an optimizer step each), to show what accumulating
+saves.
+
+    python bench/probes/probe_accumulate.py [--accumulate 4] [--windows 4]
+
+Writes bench/results/probe_accumulate-<device>-<date>.json (or under $OUT).
+"""
+import argparse
+import json
+import os
+import sys
+import time
+
+import _path  # noqa: F401 - bench/ and the repository root on sys.path
+
+import torch
+from _common import median
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--accumulate", type=int, default=4)
+    ap.add_argument("--warmup", type=int, default=6, help="windows before timing (trace, probe, verify)")
+    ap.add_argument("--windows", type=int, default=4, help="timed windows")
+    a = ap.parse_args()
+    n = a.accumulate
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    import tiermem
+    from tiermem.models import GPT, GPTConfig
+    cfg = GPTConfig(vocab=8192, seq=512, d=1024, layers=16, heads=16)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    total = (a.warmup + a.windows) * n
+    batches = [torch.randint(0, cfg.vocab, (4, 513), device="cuda", generator=g) for _ in range(total)]
+
+    def loss_of(model, ids):
+        logits = model(ids[:, :-1])
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+
+    def build():
+        torch.manual_seed(0)
+        m = GPT(cfg).cuda()
+        return m, torch.optim.AdamW(m.parameters(), lr=1e-4)
+
+    def run(micro, update_after):
+        """Every micro-batch through ``micro(i, ids)``; times of each (ms) and of each window."""
+        losses, times, windows = [], [], []
+        w0 = None
+        for i, ids in enumerate(batches):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            if i % n == 0:
+                w0 = s
+            s.record()
+            losses.append(micro(i, ids))
+            e.record()
+            times.append((s, e))
+            if (i + 1) % n == 0:
+                windows.append((w0, e))
+        torch.cuda.synchronize()
+        ms = [s.elapsed_time(e) for s, e in times]
+        wms = [s.elapsed_time(e) for s, e in windows]
+        first = a.warmup * n
+        timed = range(first, total)
+        return ([float(x) for x in torch.stack(losses).cpu()],
+                {"window_ms": round(median(wms[a.warmup:]), 2),
+                 "micro_ms": round(median([ms[i] for i in timed if not update_after(i)]), 2),
+                 "update_micro_ms": round(median([ms[i] for i in timed if update_after(i)]), 2)})
+
+    out = {}
+    model, opt = build()
+    state = sum(p.numel() * p.element_size() for p in model.parameters()) * 4
+
+    def resident(i, ids):
+        loss = loss_of(model, ids)
+        (loss / n).backward()
+        if (i + 1) % n == 0:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return loss.detach()
+    want, out["resident"] = run(resident, lambda i: (i + 1) % n == 0)
+    del model, opt
+    torch.cuda.empty_cache()
+
+    for k in (n, 1):
+        model, opt = build()
+        tier = tiermem.Tier(0, cap="12GiB")
+        train = tier.wrap_training(model, opt, int(state / 2.5), block_bytes=64 << 20, accumulate=k)
+        moved = {"upd": [], "acc": []}
+
+        def tiered(i, ids):
+            with train.step():
+                loss = loss_of(model, ids)
+                (loss / n).backward()
+            if i >= a.warmup * n:
+                moved["upd" if (i + 1) % k == 0 else "acc"].append(train.moved["h2d"] + train.moved["d2h"])
+            return loss.detach()
+        name = f"tiermem_accumulate{k}"
+        got, out[name] = run(tiered, lambda i: (i + 1) % k == 0)
+        r = out[name]
+        r["window_over_resident"] = round(r["window_ms"] / out["resident"]["window_ms"], 3)
+        r["moved_GB_per_window"] = round(sum(moved["upd"] + moved["acc"]) / a.windows / 1e9, 3)
+        if k == n:
+            r["losses_equal_resident"] = got == want
+            r["peak_within_budget"] = train.resident_peak() <= train.budget
+        r["plan"] = str(train.plan).split("\n")[:6]
+        train.unwrap()
+        tier.close()
+        del model, opt, train
+        torch.cuda.empty_cache()
+    out["accumulate"] = n
+    out["budget_over_state"] = round(1 / 2.5, 3)
+    print(json.dumps(out, indent=1), flush=True)
+    dev = torch.cuda.get_device_name(0).split()[1].lower()
+    path = os.path.join(os.environ.get("OUT") or _path.RESULTS, f"probe_accumulate-{dev}-{time.strftime('%Y%m%d')}.json")
+    with open(path, "w") as fh:
+        json.dump({"device": torch.cuda.get_device_name(0), "commit": os.environ.get("TIERMEM_COMMIT", ""),
+                   "results": out}, fh, indent=1)
+    print("wrote", path)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -69,7 +69,9 @@ def wrap_training(model: Any, optimizer: Any, budget: int | str, **kwargs: Any) 
     ``recompute``, ``link_GBps``, ``process_group`` (True or a torch.distributed group:
     data-parallel replicas, each block's gradients averaged before its step, NOTE [data parallel]
     in _train.py), ``state_dtype`` (None, or torch.bfloat16 to hold and move streamed blocks'
-    fp32 optimizer states as bf16, off by default: NOTE [bf16 moments] in _trainstates.py), ``tier``."""
+    fp32 optimizer states as bf16, off by default: NOTE [bf16 moments] in _trainstates.py),
+    ``accumulate`` (micro-batches per optimizer step, one per ``handle.step()``: NOTE
+    [accumulation] in _train.py), ``tier``."""
     from ._train import check_options
     tier = kwargs.pop("tier", None)
     check_options(budget, **kwargs)

@@ -516,6 +516,51 @@ def test_accumulated_micro_batches_give_the_resident_losses_parameters_and_gradi
     _cleanup(tier)
 
 
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_clipping_gives_clip_grad_norm_then_step_bitwise(accumulate):
+    """NOTE [clipping] in tiermem/_train.py: max_grad_norm=0.5 under the tight budget gives the
+    resident loop's clip_grad_norm_ (foreach norms on the GPU, NOTE [clip arithmetic]) and step,
+    bitwise: losses, total norms and parameters, within the budget; the clip bites."""
+    torch = _setup()
+    from tiermem.models import GPTConfig
+    batches, clip = _batches(GPTConfig(**CFG), 8), 0.5
+    model, _ = _gpt()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    want, want_norms = [], []
+    for i, ids in enumerate(batches):
+        loss = _loss(model, ids)
+        (loss / accumulate).backward()
+        want.append(loss.detach())
+        if (i + 1) % accumulate == 0:
+            want_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip))
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    want_params = [p.detach().clone() for p in model.parameters()]
+    del model, opt
+    _cleanup()
+
+    tier, model, opt, train, c = _tiered(BUDGET, max_grad_norm=clip, accumulate=accumulate)
+    got, norms, peaks = [], [], []
+    for i, ids in enumerate(batches):
+        with train.step():
+            loss = _loss(model, ids)
+            (loss / accumulate).backward()
+        got.append(loss.detach())
+        peaks.append(train.resident_peak())
+        if (i + 1) % accumulate == 0:
+            norms.append(train.grad_norm)
+    print(train.plan.table(), [float(x) for x in want_norms])
+    assert train.plan.streamed_blocks
+    assert torch.equal(torch.stack(got), torch.stack(want))
+    assert torch.equal(torch.stack(norms), torch.stack(want_norms))
+    assert any(float(x) > clip for x in want_norms)
+    assert all(torch.equal(p.detach(), q) for p, q in zip(model.parameters(), want_params))
+    assert max(peaks) <= BUDGET
+    with pytest.raises(Exception, match="steps the optimizer itself"):
+        opt.step()
+    _cleanup(tier, train)
+
+
 def test_bf16_moments_stay_close_to_the_resident_losses_and_move_half_the_state_bytes():
     """NOTE [bf16 moments]: streamed blocks' AdamW moments held and moved as bf16 (rounded
     stochastically, stepped in fp32). A CPU emulation of this run (fp32 AdamW, its moments rounded

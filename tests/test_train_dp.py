@@ -18,7 +18,7 @@ STEPS = 4
 TOL = dict(rtol=0, atol=1e-4)
 
 
-def _rank(rank: int, world: int, init: str, out: str, accumulate: int) -> None:
+def _rank(rank: int, world: int, init: str, out: str, accumulate: int, clip: float | None) -> None:
     import sys
     sys.path.insert(0, os.path.dirname(__file__))
     import tiermem
@@ -37,7 +37,7 @@ def _rank(rank: int, world: int, init: str, out: str, accumulate: int) -> None:
         model, opt = gpt()
         tier = tiermem.Tier(backend=FakeBackend(total=1 << 30, foreign_host=True))
         train = tier.wrap_training(model, opt, state_bytes(model), block_bytes=16 << 10, min_swap=4096,
-                                   process_group=True, accumulate=accumulate)
+                                   process_group=True, accumulate=accumulate, max_grad_norm=clip)
         losses = []
         for ids in batches(STEPS):
             for micro in ids.chunk(world)[rank].chunk(accumulate):     # NOTE [accumulation]
@@ -55,14 +55,15 @@ def _rank(rank: int, world: int, init: str, out: str, accumulate: int) -> None:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("accumulate", [1, 2])
-def test_two_ranks_train_as_one_process_averaging_their_gradients(tmp_path, accumulate):
+@pytest.mark.parametrize("accumulate, clip", [(1, None), (2, None), (2, 0.05)])
+def test_two_ranks_train_as_one_process_averaging_their_gradients(tmp_path, accumulate, clip):
     """With ``accumulate`` each rank's half of a batch is that many micro-batches, and the
-    gradients are averaged once per optimizer step, in its last micro-batch (as DDP's no_sync)."""
+    gradients are averaged once per optimizer step, in its last micro-batch (as DDP's no_sync);
+    with ``clip`` the averaged gradients are clipped to that global norm (NOTE [clipping])."""
     import torch.multiprocessing as mp
     from test_train import batches, gpt, loss_of
     world = 2
-    mp.spawn(_rank, args=(world, f"file://{tmp_path / 'rendezvous'}", str(tmp_path), accumulate), nprocs=world,
+    mp.spawn(_rank, args=(world, f"file://{tmp_path / 'rendezvous'}", str(tmp_path), accumulate, clip), nprocs=world,
              join=True)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
     # Every rank stepped the same averaged gradients: the replicas are bitwise the same.
@@ -90,11 +91,15 @@ def test_two_ranks_train_as_one_process_averaging_their_gradients(tmp_path, accu
             opt.zero_grad(set_to_none=True)
         for p, *gs in zip(model.parameters(), *grads):
             p.grad = (gs[0] + gs[1]).div_(world)
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
         k = accumulate
         assert [x for r in range(world) for x in ranks[r]["losses"][step * k:(step + 1) * k]] == losses
         loss_of(whole, ids).backward()       # the whole batch at once: the same, to rounding
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(whole.parameters(), clip)
         whole_opt.step()
         whole_opt.zero_grad(set_to_none=True)
     for a, p, q in zip(ranks[0]["params"], model.parameters(), whole.parameters()):

@@ -109,6 +109,7 @@ import weakref
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from ._clip import NormParts
 from ._devmem import device_memory
 from ._errors import ConfigError, ConfigTypeError, DeviceFullError, OutOfBudgetError, TierMemError, WrapError
 from ._limits import check_bytes, parse_bytes
@@ -136,9 +137,10 @@ VERIFY_SLACK = 0.02
 
 
 def check_options(budget: int | str, *, lookahead: int = 2, recompute: str = "auto",
-                  link_GBps: float | None = None, state_dtype: Any = None, accumulate: int = 1, **_: Any) -> None:
-    """Raise :class:`ConfigError` for a bad budget, lookahead, recompute, link rate, state dtype or
-    accumulate of :func:`wrap_training`. Needs no GPU, so tiermem.wrap_training checks them before it looks
+                  link_GBps: float | None = None, state_dtype: Any = None, accumulate: int = 1,
+                  max_grad_norm: float | None = None, norm_type: float = 2.0, **_: Any) -> None:
+    """Raise :class:`ConfigError` for a bad budget, lookahead, recompute, link rate, state dtype,
+    accumulate, max_grad_norm or norm_type of :func:`wrap_training`. Needs no GPU, so tiermem.wrap_training checks them before it looks
     for one; it takes all of wrap_training's options, and the others are checked where they are used."""
     check_bytes(budget, what="training budget", max_percent=100, positive=True)
     if isinstance(lookahead, bool) or not isinstance(lookahead, int):
@@ -149,6 +151,13 @@ def check_options(budget: int | str, *, lookahead: int = 2, recompute: str = "au
         raise ConfigTypeError(f"accumulate must be an int (micro-batches per optimizer step), got {accumulate!r}")
     if accumulate < 1:
         raise ConfigError(f"accumulate must be at least 1 (micro-batches per optimizer step), got {accumulate}")
+    for name, v in (("max_grad_norm", max_grad_norm), ("norm_type", norm_type)):
+        if v is None and name == "max_grad_norm":
+            continue
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise ConfigTypeError(f"{name} must be a number, got {v!r}")
+        if not v > 0:
+            raise ConfigError(f"{name} must be positive, got {v!r}")
     if recompute not in RECOMPUTE_MODES:
         raise ConfigError(f"recompute must be one of {', '.join(map(repr, RECOMPUTE_MODES))}, got {recompute!r}")
     if link_GBps is not None and (isinstance(link_GBps, bool) or not isinstance(link_GBps, (int, float))
@@ -182,18 +191,23 @@ class TieredTraining:
     "bfloat16") holds streamed blocks' fp32 states as bf16 at home and over the link, rounded
     stochastically, stepped in fp32 (NOTE [bf16 moments]). ``accumulate``: micro-batches per
     optimizer step, one per ``train.step()``; the optimizer steps in every ``accumulate``-th
-    (NOTE [accumulation]).
+    (NOTE [accumulation]). ``max_grad_norm``: clip the gradients to this global norm
+    (``norm_type``, default 2) before each optimizer step, as ``torch.nn.utils.clip_grad_norm_``
+    does; ``train.grad_norm`` is the norm it found (NOTE [clipping]).
     """
 
     def __init__(self, tier: Tier, model: Any, optimizer: Any, budget: int | str, *, lookahead: int = 2,
                  min_swap: int = 1 << 20, window: int | None = None, swap: bool = True,
                  block_bytes: int = BLOCK_BYTES, margin: int | None = None, process_group: Any = None,
                  recompute: str = "auto", link_GBps: float | None = None, state_dtype: Any = None,
-                 accumulate: int = 1):
+                 accumulate: int = 1, max_grad_norm: float | None = None, norm_type: float = 2.0):
         import torch
         self.torch = torch
         check_options(budget, lookahead=lookahead, recompute=recompute, link_GBps=link_GBps, state_dtype=state_dtype,
-                      accumulate=accumulate)
+                      accumulate=accumulate, max_grad_norm=max_grad_norm, norm_type=norm_type)
+        self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
+        self._norms = NormParts(torch, norm_type)       # NOTE [clipping]
+        self.grad_norm: Any = None            # the last optimizer step's total gradient norm
         self.accumulate = accumulate
         self.accumulated = 0                  # micro-batches in the open window (NOTE [accumulation])
         self.updates = 0                      # optimizer steps taken
@@ -526,10 +540,22 @@ class TieredTraining:
 
     def _block_done(self, b: Block) -> None:
         """A streamed block's gradients of this micro-batch are complete: step it when the step
-        updates, else send its gradients home for the next micro-batch (NOTE [accumulation])."""
+        updates, else send its gradients home for the next micro-batch (NOTE [accumulation]);
+        when clipping, take their norms and send them home for the step's end (NOTE [clipping])."""
         if self._updating:
-            self._average([p for p in b.trainable if id(p) in self._got or id(p) in self._window])
-            self._step_block(b)
+            got = [p for p in b.trainable if id(p) in self._got or id(p) in self._window]
+            self._average(got)
+            if self.max_grad_norm is None:
+                self._step_block(b)
+                return
+            for p in b.trainable:
+                if id(p) not in self._got and id(p) not in self._window:
+                    p.grad = None
+            self._norms.add(got)
+            self.stream.write_grads(b)
+            b.stepped = True
+            for p in b.trainable:
+                p.grad = None
         else:
             self.stream.write_grads(b)
             b.stepped = True
@@ -561,6 +587,47 @@ class TieredTraining:
         self.stream.write_back(b)
         for p in b.trainable:
             p.grad = None
+
+    # NOTE [clipping]
+    #     Clipping to a global norm (HF Trainer clips to 1.0 by default) needs every gradient before
+    #     any parameter moves, where tiermem steps each streamed block inside backward as soon as
+    #     its gradients are complete (NOTE [training transport]). With ``max_grad_norm`` the
+    #     updating step does what a micro-batch of an accumulation window does (NOTE
+    #     [accumulation]): each streamed block's gradients, complete, have their norms taken in the
+    #     slot and go home. At the step's end the total norm is torch's (NOTE [clip arithmetic] in
+    #     _clip.py), resident gradients are clipped in place, and the streamed blocks pass through
+    #     the slots once more in forward order, parameters, states and gradients in, each clipped
+    #     and stepped there and written back, the next blocks' fills running under each block's
+    #     step. That pass is link-bound (a block's parameters and gradients cross once more than
+    #     in a step that does not clip) and overlaps no compute; the plan's predicted step does not
+    #     include it. The losses are clip_grad_norm_'s bitwise (tests/test_train_clip.py, the GPU
+    #     test). ``train.grad_norm`` is the total norm, a device tensor, as clip_grad_norm_
+    #     returns it. Calling clip_grad_norm_ inside train.step() instead would see the resident
+    #     blocks' gradients only, so it is not the way: tiermem cannot tell.
+    def _clip_and_step(self, res: list[Any]) -> None:
+        """Clip every gradient of the step to the global norm and step the streamed blocks
+        (NOTE [clipping]); the resident ones step after, as in any step."""
+        torch = self.torch
+        self._norms.add(res)
+        total = self._norms.total(list(self.model.parameters()))
+        self._norms.clear()
+        self.grad_norm = total
+        torch.nn.utils.clip_grads_with_norm_(res, self.max_grad_norm, total)
+        todo = [self.blocks[i] for i in self._order if self.blocks[i].grads_home]
+        todo += [b for b in self.blocks if b.grads_home and b not in todo]     # not in the traced order
+        self.stream.in_backward = True          # fills bring the states
+        for k, b in enumerate(todo):
+            upcoming = [x.index for x in todo[k + 1:]]
+            s = self.stream.ensure(b, states=True, upcoming=upcoming)
+            got = []
+            for p, g in zip(b.trainable, self.stream.slot_views(s, b)[1]):
+                if id(p) in self._got or id(p) in self._window:
+                    p.grad = g
+                    got.append(p)
+            if upcoming:
+                self.stream.ahead(upcoming)
+            torch.nn.utils.clip_grads_with_norm_(got, self.max_grad_norm, total)
+            self._step_block(b)
 
     def _model_loading(self) -> None:
         """Before ``model.load_state_dict``: refused inside a step. Between steps every streamed
@@ -735,13 +802,16 @@ class TieredTraining:
                 self._block_done(b)
             elif b.slot is not None:
                 b.slot.busy = False
-        self.stream.end()           # this step's write-backs; every parameter its home's again
         res = [p for b in self.blocks if b.resident for p in b.trainable if p.grad is not None]
+        if ok and self._updating:
+            self._average(res)
+            if self.max_grad_norm is not None:
+                self._clip_and_step(res)
+        self.stream.end()           # this step's write-backs; every parameter its home's again
         if ok and res and self._updating:
             # A foreach step makes temporaries as large as the parameters it updates, which the
             # traced step (every block stepped alone) never saw: step the resident blocks a few
             # at a time. With no hooks left (in capacity) it is one call, as plain PyTorch does.
-            self._average(res)
             for chunk in _chunks(res, RESIDENT_STEP_BYTES if self._hooks else None):
                 self.states.step(chunk)
             for p in res:
@@ -777,6 +847,7 @@ class TieredTraining:
         self.stream.drop_grads()
         self.accumulated = 0
         self._window = set()
+        self._norms.clear()
         if self.swap is not None:
             self.swap.end()
 

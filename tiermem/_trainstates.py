@@ -92,6 +92,7 @@ class OptimizerStates:
         self.rounding = (torch.Generator(device=self.dev).manual_seed(ROUND_SEED)
                          if state_dtype is not None else None)
         self._pending: list[tuple[Any, str, Any]] = []   # states the optimizer's load left to us
+        self.stepping = False         # tiermem's own optimizer.step() is running
 
     def hooks(self) -> list[Any]:
         """Register the optimizer's hooks (NOTE [bf16 moments], NOTE [loaded states]); returns
@@ -111,8 +112,19 @@ class OptimizerStates:
             me = ref()
             if me is not None:
                 me.loaded()
+
+        def stepped(opt: Any, args: Any, kwargs: Any) -> None:
+            me = ref()
+            if me is not None and not me.stepping:
+                raise TierMemError(
+                    "optimizer.step() was called by the caller, but wrap_training steps the optimizer itself, "
+                    "each block inside train.step() (a second step would update the parameters twice): drop "
+                    "optimizer.step() and zero_grad() from the loop. For gradient clipping wrap with "
+                    "max_grad_norm=...; for accumulation, accumulate=N. An fp16 GradScaler, whose step() "
+                    "calls it, is not supported: train in bf16 or fp32")
         return out + [self.opt.register_load_state_dict_pre_hook(before),
-                      self.opt.register_load_state_dict_post_hook(after)]
+                      self.opt.register_load_state_dict_post_hook(after),
+                      self.opt.register_step_pre_hook(stepped)]
 
     # -- steps -------------------------------------------------------------------------------------
     def step(self, params: list[Any]) -> None:
@@ -123,8 +135,10 @@ class OptimizerStates:
         try:
             for g in groups:
                 g["params"] = [p for p in g["params"] if id(p) in ids]
+            self.stepping = True
             self.opt.step()
         finally:
+            self.stepping = False
             for g, ps in zip(groups, saved):
                 g["params"] = ps
 

@@ -228,3 +228,20 @@ def test_an_evaluation_and_a_resident_plan_inside_a_window_keep_it():
     assert not train2.plan.streamed_blocks
     assert got2 == want_losses and _same(model2, want)
     assert tier2.stats()["moved_bytes.gradient.d2h"] == traced
+
+
+def test_step_times_wait_for_their_events_and_come_from_updating_steps_only():
+    """The plan's measured step time: a step's events are read once complete, at a later step's
+    start if not at the next one's, and micro-batches that do not update are not timed."""
+    bs = batches(25)
+    fake, tier, model, opt, train = tiered(accumulate=2)
+    _tiered(train, model, bs[:20])               # ends on an update; the plan is settled by then
+    assert not train._refine and not train._verify and not train._tracing
+    n0 = len(train.step_ms)
+    fake.events_pending = True                   # a GPU behind the host
+    _tiered(train, model, bs[20:24])             # two windows: two updating steps
+    assert len(train.step_ms) == n0
+    fake.events_pending = False
+    _tiered(train, model, bs[24:])               # its start reads the three updating steps waiting
+    assert len(train.step_ms) == n0 + 3
+    assert train.plan.measured["step_ms"] == 1.0

@@ -342,6 +342,7 @@ class TieredTraining:
         self._probe: tuple[TrainPlan, float] | None = None   # the probe's plan and its measured step (ms)
         self._no_recompute = False             # recompute moved other segments' saves: plan without it
         self._step_events: Any = None
+        self._timing: list[tuple[Any, Any]] = []   # finished updating steps' events, not read yet
         self.step_ms: list[float] = []         # measured step times since the last plan
         containers = {id(b.module) for b in self.blocks for o in self.blocks
                       if o is not b and any(m is o.module for m in b.module.modules())}
@@ -725,16 +726,29 @@ class TieredTraining:
             self.stream.ahead(self._order)    # NOTE [training transport]: the first blocks, from their homes
 
     def _read_step_time(self) -> None:
-        """The last step's time on the compute stream, once its end event has completed."""
+        """Finished steps' times on the compute stream, read once their end events have completed.
+        The host runs ahead of the GPU, so the last step's has often not: it waits for a later
+        step. (Read only when already complete, the times came from the steps the host had waited
+        for, and the plan's table showed 201 ms measured where CUDA events around the same steps
+        gave 132 ms: H100, 1132513, bench/probes/probe_accumulate.py.) Micro-batches that do not
+        update are not what the plan predicts (NOTE [accumulation]): left out."""
         ev, self._step_events = self._step_events, None
-        if ev is None or not ev[2]:
-            return
+        if ev is not None and ev[2]:
+            self._timing.append((ev[0], ev[1]))
         be = self.tier.backend
-        if be.query(ev[1]):
-            self.step_ms.append(be.elapsed_ms(ev[0], ev[1]))
-            if self.plan is not None:
-                ms = sorted(self.step_ms[-10:])
-                self.plan.measured["step_ms"] = ms[len(ms) // 2]
+        while self._timing and be.query(self._timing[0][1]):
+            start, end = self._timing.pop(0)
+            self.step_ms.append(be.elapsed_ms(start, end))
+        del self._timing[:-16]          # a GPU that far behind: its oldest are not waited for
+        if self.step_ms and self.plan is not None:
+            ms = sorted(self.step_ms[-10:])
+            self.plan.measured["step_ms"] = ms[len(ms) // 2]
+
+    def _restart_timing(self) -> None:
+        """A new plan: the steps timed so far, the one just finished too, were another plan's."""
+        self.step_ms, self._timing = [], []
+        if self._step_events is not None:
+            self._step_events = (*self._step_events[:2], False)
 
     def _swapping(self) -> bool:
         return self._tracing or self.plan is None or self.plan.swapped_bytes > 0
@@ -777,13 +791,13 @@ class TieredTraining:
         elif diverged:
             log.info("tiermem: the step's saved tensors changed (another shape?); tracing the next step")
             self._tracing = True
-            self.step_ms = []
+            self._restart_timing()
         elif not self._updating:
             pass          # the plan's choice is timed on steps that update
         elif self.stream.too_small():
             log.info("tiermem: optimizer states appeared after the plan; tracing the next step")
             self._tracing = True
-            self.step_ms = []
+            self._restart_timing()
         elif self._refine:
             self._refine -= 1
             if not self._refine and metered:
@@ -821,7 +835,7 @@ class TieredTraining:
             be = self.tier.backend
             start, end, _ = self._step_events
             be.record(end, be.current_stream())
-            self._step_events = (start, end, True)
+            self._step_events = (start, end, self._updating)    # only updating steps are timed
         self.moved = dict(self.stream.moved)
         if self.swap is not None:
             self.swap.end()
@@ -895,7 +909,7 @@ class TieredTraining:
         self._verify = 0
         self._take(self._plan_for(self.trace, "always" if probe else None))
         self._tracing = False
-        self.step_ms = []
+        self._restart_timing()
 
     def _last_step_ms(self) -> float:
         """The step just finished, on the compute stream (waits for it). 0 when not timed."""
@@ -925,7 +939,7 @@ class TieredTraining:
                  "recomputing everywhere", ms, probe_ms)
         back.measured.update(checked_ms=ms, probe_ms=probe_ms, chosen_by="measured")
         self._take(back)
-        self.step_ms = []
+        self._restart_timing()
 
     def _replan_measured(self) -> None:
         """Plan again after the probe step (NOTE [recompute plan]): its recomputed blocks' forwards are
@@ -944,7 +958,7 @@ class TieredTraining:
             self._probe = (self.plan, probe_ms)
             self._verify = VERIFY_STEPS
             self._take(plan)
-            self.step_ms = []
+            self._restart_timing()
         else:
             self.plan = plan
 

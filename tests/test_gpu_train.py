@@ -676,3 +676,81 @@ def test_a_transformers_model_bigger_than_the_really_small_gpu_trains_from_the_h
     finally:
         del blob
         torch.cuda.empty_cache()
+
+
+def test_a_transformers_model_accumulates_clips_and_generates_between_steps_on_a_really_small_gpu():
+    """A transformers Qwen2 with its default flags (SDPA, requires_grad=True), on a GPU made really
+    small (less free memory than its training state), trained with accumulate=2 and
+    max_grad_norm=1.0 (NOTE [accumulation], NOTE [clipping]): the losses and norms follow the
+    resident loop's with clip_grad_norm_ (SDPA's backward is not bitwise repeatable, so within
+    2e-3), within the budget; generate() between steps (NOTE [evaluation between steps]) gives
+    the tokens the same weights give once unwrapped."""
+    from test_gpu_module import _take_device
+    torch = _setup()
+    import tiermem
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.Qwen2Config(hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
+                                   num_attention_heads=8, num_key_value_heads=2, vocab_size=4096,
+                                   max_position_embeddings=512)
+    torch.manual_seed(0)
+    model = transformers.Qwen2ForCausalLM(cfg).cuda().train()
+    init = {k: v.clone() for k, v in model.state_dict().items()}
+    state = sum(p.numel() * p.element_size() for p in model.parameters()) * 4
+    g = torch.Generator(device="cuda").manual_seed(1)
+    batches = [torch.randint(0, cfg.vocab_size, (4, 256), device="cuda", generator=g) for _ in range(8)]
+    prompt = batches[0][:1, :16]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    want, want_norms = [], []
+    for i, ids in enumerate(batches):
+        loss = model(input_ids=ids, labels=ids).loss
+        (loss / 2).backward()
+        want.append(float(loss.detach()))
+        if i % 2:
+            want_norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)))
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    model.load_state_dict(init)
+    del opt
+    gc.collect()
+    torch.cuda.empty_cache()
+    blob = _take_device(state // 2)            # less free device memory than the training state
+    try:
+        free, _ = torch.cuda.mem_get_info()
+        assert free < state
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        tier = tiermem.Tier(0)                   # the default cap: the memory free now
+        budget = free * 2 // 3
+        train = tier.wrap_training(model, opt, budget, block_bytes=8 * MiB, accumulate=2, max_grad_norm=1.0)
+        got, norms, peaks = [], [], []
+        for i, ids in enumerate(batches):
+            with train.step():
+                loss = model(input_ids=ids, labels=ids).loss
+                (loss / 2).backward()
+            got.append(float(loss.detach()))
+            peaks.append(train.resident_peak())
+            if i % 2:
+                norms.append(float(train.grad_norm))
+            if i == 5:                           # generate between an update and the next window
+                model.eval()
+                with torch.no_grad():
+                    tokens = model.generate(prompt, max_new_tokens=8, do_sample=False)
+                model.train()
+                mid = [p.detach().to("cpu", copy=True) for p in model.parameters()]   # outside the budget
+        print(train.plan.table(), got, want, norms, want_norms)
+        assert len(train.plan.streamed_blocks) > 0 and max(peaks) <= budget
+        assert all(abs(a - b) <= 2e-3 * abs(b) for a, b in zip(got, want)), (got, want)
+        assert all(abs(a - b) <= 1e-3 * b for a, b in zip(norms, want_norms)), (norms, want_norms)
+        assert any(n > 1.0 for n in want_norms)
+        train.unwrap(device="cpu")
+        del train
+        _cleanup(tier)
+    finally:
+        del blob
+        torch.cuda.empty_cache()
+    with torch.no_grad():
+        for p, m in zip(model.parameters(), mid):       # the weights generate() saw, plain
+            p.copy_(m)
+    model.cuda().eval()
+    with torch.no_grad():
+        again = model.generate(prompt, max_new_tokens=8, do_sample=False)
+    assert torch.equal(tokens, again)

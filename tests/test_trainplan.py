@@ -221,3 +221,20 @@ def test_in_capacity_after_a_probe_everything_is_kept_and_nothing_recomputed():
                   recomputable=base.recomputable, boundary_bytes=base.boundary_bytes, fwd_ms=30.0, bwd_ms=90.0)
     p = plan_training(t, 1 << 34)
     assert p.recompute == frozenset() and p.swapped_bytes == 0 and len(p.resident_blocks) == 4
+
+
+def test_clipping_counts_its_pass_in_the_predicted_step_and_the_bytes():
+    """NOTE [clipping]: a streamed block's parameters, states and gradients cross in a pass after
+    backward that overlaps no compute; the plan's step time and bytes count it."""
+    t = seg_trace(act=4 * MiB, compute=(40.0, 80.0))         # compute-bound: the link is hidden
+    budget = 100 * MiB + 70 * MiB
+    plain = plan_training(t, budget, margin=0, recompute="never")
+    clip = plan_training(t, budget, margin=0, recompute="never", clip=True)
+    assert clip.clip and not plain.clip and "clipping pass" in clip.table()
+    assert clip.resident_blocks == plain.resident_blocks and plain.streamed_blocks
+    p = sum(clip.block_param_bytes[i] for i in clip.streamed_blocks)
+    s = sum(clip.block_state_bytes[i] for i in clip.streamed_blocks)
+    rate = clip.link_GBps * 1e9
+    assert clip.predicted_seconds() == pytest.approx(plain.predicted_seconds() + (2 * p + s) / rate)
+    assert clip.h2d_bytes == plain.h2d_bytes + 2 * p and clip.d2h_bytes == plain.d2h_bytes + p
+    assert clip.predicted_peak <= budget

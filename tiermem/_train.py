@@ -600,8 +600,8 @@ class TieredTraining:
     #     the slots once more in forward order, parameters, states and gradients in, each clipped
     #     and stepped there and written back, the next blocks' fills running under each block's
     #     step. That pass is link-bound (a block's parameters and gradients cross once more than
-    #     in a step that does not clip) and overlaps no compute; the plan's predicted step does not
-    #     include it. The losses are clip_grad_norm_'s bitwise (tests/test_train_clip.py, the GPU
+    #     in a step that does not clip) and overlaps no compute; the plan counts it (``clip`` in
+    #     _trainplan.py), so its candidates are compared with it. The losses are clip_grad_norm_'s bitwise (tests/test_train_clip.py, the GPU
     #     test). ``train.grad_norm`` is the total norm, a device tensor, as clip_grad_norm_
     #     returns it. Calling clip_grad_norm_ inside train.step() instead would see the resident
     #     blocks' gradients only, so it is not the way: tiermem cannot tell.
@@ -965,7 +965,8 @@ class TieredTraining:
     def _plan_for(self, trace: StepTrace, mode: str | None = None) -> TrainPlan:
         margin = self.budget // 8 if self.margin is None else self.margin
         mode = mode or ("never" if self._no_recompute else self.recompute_mode)
-        return plan_training(trace, self.budget, margin=margin, recompute=mode, link_GBps=self.link_GBps)
+        return plan_training(trace, self.budget, margin=margin, recompute=mode, link_GBps=self.link_GBps,
+                             clip=self.max_grad_norm is not None)
 
     def _take(self, plan: TrainPlan) -> None:
         """Make ``plan`` the one the next steps follow."""

@@ -148,6 +148,7 @@ class TrainPlan:
     block_names: tuple[str, ...] = ()
     block_state_moved_bytes: tuple[int, ...] = ()   # as in StepTrace; block_state_bytes is what a
                                                     # resident block keeps on the device
+    clip: bool = False                       # streamed blocks step in a pass after backward (NOTE [clipping])
     measured: dict[str, float] = dataclasses.field(default_factory=dict, compare=False, hash=False)
 
     @property
@@ -170,13 +171,14 @@ class TrainPlan:
     @property
     def h2d_bytes(self) -> int:
         """Bytes one step moves host -> device: streamed parameters twice, their states once,
-        swapped activations once."""
+        swapped activations once; when clipping, the pass's parameters, states and gradients too."""
         s, st = self.streamed_blocks, self._states_moved
-        return sum(2 * self.block_param_bytes[i] + st[i] for i in s) + self.swapped_bytes
+        clip = sum(2 * self.block_param_bytes[i] for i in s) if self.clip else 0
+        return sum(2 * self.block_param_bytes[i] + st[i] for i in s) + self.swapped_bytes + clip
 
     @property
     def d2h_bytes(self) -> int:
-        return self._moved_out() + self.swapped_bytes
+        return self._moved_out() + self.swapped_bytes + (self._params_in() if self.clip else 0)
 
     @property
     def predicted_peak(self) -> int:
@@ -187,7 +189,7 @@ class TrainPlan:
         as the busiest of compute and the two directions of the link."""
         rate = (self.link_GBps if link_GBps is None else link_GBps) * 1e9
         return _phases(self.fwd_ms, self.bwd_ms + self.recompute_ms, self._params_in(), self._moved_out(),
-                       self.swapped_bytes, rate)
+                       self.swapped_bytes, rate, self.clip)
 
     def _params_in(self) -> int:
         return sum(self.block_param_bytes[i] for i in self.streamed_blocks)
@@ -209,7 +211,7 @@ class TrainPlan:
             f"({len(self.keep)} storages kept, {len(self.recompute)} blocks recomputed)",
             f"  per step         {gb(self.h2d_bytes)} in, {gb(self.d2h_bytes)} out at {self.link_GBps:.0f} GB/s; "
             f"compute {self.fwd_ms:.1f} ms forward, {self.bwd_ms:.1f} ms backward, {self.recompute_ms:.1f} ms recomputed",
-            f"  step time        {pred:.1f} ms predicted" + (
+            f"  step time        {pred:.1f} ms predicted" + (" (with the clipping pass)" if self.clip else "") + (
                 f", {self.measured['step_ms']:.1f} ms measured ({self.measured['step_ms'] / pred:.2f}x)"
                 if self.measured.get("step_ms") and pred > 0 else ""),
             f"  device peak      {gb(self.predicted_peak)} predicted (floor {gb(self.floor_peak)}, "
@@ -232,12 +234,19 @@ class TrainPlan:
         return self.table()
 
 
-def _phases(fwd_ms: float, bwd_ms: float, params_in: int, out: int, swapped: int, rate: float) -> float:
+def _phases(fwd_ms: float, bwd_ms: float, params_in: int, out: int, swapped: int, rate: float,
+            clip: bool = False) -> float:
     fwd = max(fwd_ms / 1e3, params_in / rate, swapped / rate)
-    # backward: parameters again, states and swapped activations in; parameters and states out
     states_in = out - params_in
-    bwd = max(bwd_ms / 1e3, (params_in + states_in + swapped) / rate, out / rate)
-    return fwd + bwd
+    if not clip:
+        # backward: parameters again, states and swapped activations in; parameters and states out
+        bwd = max(bwd_ms / 1e3, (params_in + states_in + swapped) / rate, out / rate)
+        return fwd + bwd
+    # NOTE [clipping] in _train.py: backward brings the parameters in and sends the gradients (as
+    # many bytes) home; the pass after it brings parameters, states and gradients in, overlapping
+    # no compute, while fewer bytes (parameters and states) go out.
+    bwd = max(bwd_ms / 1e3, (params_in + swapped) / rate, params_in / rate)
+    return fwd + bwd + (2 * params_in + states_in) / rate
 
 
 @dataclasses.dataclass
@@ -251,8 +260,9 @@ class _Choice:
 
 class _Planner:
     def __init__(self, trace: StepTrace, budget: int, margin: int, can_reside: Sequence[bool] | None,
-                 recompute: str, link_GBps: float):
+                 recompute: str, link_GBps: float, clip: bool = False):
         self.t, self.budget, self.margin, self.rate = trace, budget, margin, link_GBps * 1e9
+        self.clip = clip
         nb = len(trace.block_param_bytes)
         self.nb = nb
         self.size = [trace.block_param_bytes[i] + trace.block_state_bytes[i] for i in range(nb)]   # resident
@@ -307,7 +317,7 @@ class _Planner:
         params_in = sum(self.t.block_param_bytes[i] for i in streamed)
         out = sum(self.moved[i] for i in streamed)
         fwd, bwd, rec = self.compute(c.recompute, c.keep)
-        return _phases(fwd, bwd + rec, params_in, out, self.swapped(c), self.rate)
+        return _phases(fwd, bwd + rec, params_in, out, self.swapped(c), self.rate, self.clip)
 
     # -- candidates ----------------------------------------------------------------------------------
     def base(self) -> _Choice:
@@ -398,7 +408,7 @@ class _Planner:
 
 def plan_training(trace: StepTrace, budget: int, *, margin: int | None = None,
                   can_reside: Sequence[bool] | None = None, recompute: str = "auto",
-                  link_GBps: float = LINK_GBPS) -> TrainPlan:
+                  link_GBps: float = LINK_GBPS, clip: bool = False) -> TrainPlan:
     """Plan the steps after ``trace`` within ``budget`` bytes (NOTE [training plan], NOTE
     [recompute plan]).
 
@@ -407,7 +417,8 @@ def plan_training(trace: StepTrace, budget: int, *, margin: int | None = None,
     streamed. ``margin`` (default 1/16 of the budget) is left free for what the trace could not
     see (allocator rounding, a larger temporary on another step). ``recompute``: "auto" chooses
     per block segment, "never" swaps or keeps only, "always" recomputes every recomputable
-    segment that fits. ``link_GBps``: the link's rate each way.
+    segment that fits. ``link_GBps``: the link's rate each way. ``clip``: the streamed blocks
+    step in a pass after backward (NOTE [clipping] in _train.py), which streaming a block costs.
     """
     if budget <= 0:
         raise ConfigError(f"budget must be positive, got {budget}")
@@ -423,7 +434,7 @@ def plan_training(trace: StepTrace, budget: int, *, margin: int | None = None,
     if trace.block_state_moved_bytes and len(trace.block_state_moved_bytes) != nb:
         raise ConfigError(f"block_param_bytes and block_state_moved_bytes differ in length ({nb} and "
                           f"{len(trace.block_state_moved_bytes)})")
-    pl = _Planner(trace, budget, margin, can_reside, recompute, link_GBps)
+    pl = _Planner(trace, budget, margin, can_reside, recompute, link_GBps, clip)
     if pl.room - sum(pl.size[i] for i in pl.already) < 0:
         c, kind = pl.base(), "swap"          # nothing is added to a floor that does not fit
     elif recompute == "never" or not pl.recomputable:
@@ -461,5 +472,5 @@ def _make(pl: _Planner, c: _Choice, kind: str) -> TrainPlan:
                      boundary_bytes=sum(pl.boundary[i] for i in c.recompute),
                      recompute_peak=max((pl.seg_bytes.get(i, 0) for i in c.recompute), default=0),
                      fwd_ms=fwd, bwd_ms=bwd, recompute_ms=rec,
-                     link_GBps=pl.rate / 1e9, kind=kind, segment_modes=tuple(modes),
+                     link_GBps=pl.rate / 1e9, kind=kind, segment_modes=tuple(modes), clip=pl.clip,
                      block_names=tuple(t.block_names))

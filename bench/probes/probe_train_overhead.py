@@ -119,9 +119,15 @@ def main():
         return run
 
     def record(name, run, extra=None):
+        keys = ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_sync_all_streams")
+        before = torch.cuda.memory_stats()
         t = steps(run, a.steps)
+        after = torch.cuda.memory_stats()
         med = statistics.median(t[2:])
-        out[name] = {"step_ms": round(med, 1), **(extra or {})}
+        # torch's allocator under the cap: a retry frees its cache (a device sync) and asks again
+        alloc = {k: (after.get(k, 0) - before.get(k, 0)) / a.steps for k in keys}
+        out[name] = {"step_ms": round(med, 1), "allocator_per_step": alloc, **(extra or {})}
+        print(f"{name:<32} allocator per step: " + ", ".join(f"{k} {v:.1f}" for k, v in alloc.items()), flush=True)
         if not a.profile:
             print(f"{name:<32} step {med:7.1f} ms", flush=True)
             return

@@ -561,6 +561,50 @@ def test_clipping_gives_clip_grad_norm_then_step_bitwise(accumulate):
     _cleanup(tier, train)
 
 
+def test_speculative_clipping_gives_clip_grad_norm_bitwise_and_keeps_or_redoes_each_step():
+    """NOTE [speculative clipping]: with max_grad_norm at the median of an unclipped run's norms
+    the clip bites on some steps and not on others; speculate=True keeps the steps inside
+    backward where it did not and redoes them where it did, and the losses, norms and
+    parameters are the resident loop's with clip_grad_norm_, bitwise."""
+    torch = _setup()
+    from tiermem.models import GPTConfig
+    batches = _batches(GPTConfig(**CFG), 10)
+
+    def resident(clip):
+        model, _ = _gpt()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        losses, norms = [], []
+        for ids in batches:
+            loss = _loss(model, ids)
+            loss.backward()
+            losses.append(loss.detach())
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip))
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return torch.stack(losses), torch.stack(norms), [p.detach().clone() for p in model.parameters()]
+    _, free_norms, _ = resident(1e9)
+    clip = float(free_norms.median())
+    want, want_norms, want_params = resident(clip)
+    _cleanup()
+    tier, model, opt, train, c = _tiered(BUDGET, max_grad_norm=clip, speculate=True)
+    got, norms, peaks = [], [], []
+    for ids in batches:
+        with train.step():
+            loss = _loss(model, ids)
+            loss.backward()
+        got.append(loss.detach())
+        norms.append(train.grad_norm)
+        peaks.append(train.resident_peak())
+    print(train.plan.table(), train.speculation, [float(x) for x in want_norms], clip)
+    assert train.plan.streamed_blocks and max(peaks) <= BUDGET
+    assert torch.equal(torch.stack(got), want) and torch.equal(torch.stack(norms), want_norms)
+    assert all(torch.equal(p.detach(), q) for p, q in zip(model.parameters(), want_params))
+    from test_train_clip import _speculation_expected
+    assert train.speculation == _speculation_expected(torch, want_norms, clip)
+    assert train.speculation["committed"] >= 1
+    _cleanup(tier, train)
+
+
 def test_bf16_moments_stay_close_to_the_resident_losses_and_move_half_the_state_bytes():
     """NOTE [bf16 moments]: streamed blocks' AdamW moments held and moved as bf16 (rounded
     stochastically, stepped in fp32). A CPU emulation of this run (fp32 AdamW, its moments rounded

@@ -116,3 +116,94 @@ def test_options_are_checked_and_a_callers_optimizer_step_is_refused():
     train.unwrap()
     loss_of(model, bs[2]).backward()
     opt.step()                           # a plain optimizer again
+
+
+# -- NOTE [speculative clipping] ----------------------------------------------------------------------
+
+def _norms_of_plain(bs):
+    return [float(x) for x in _plain(bs, 1e9)[2]]
+
+
+def _speculation_expected(torch, norms, clip):
+    """What speculate=True does with these norms: after the traced first step, it speculates on a
+    step when the clip did not bite on the step before, and keeps the step when it does not bite
+    on it either (NOTE [speculative clipping])."""
+    out, ok = {"committed": 0, "redone": 0}, True
+    for i, n in enumerate(norms):
+        bites = float(torch.clamp(clip / (n + 1e-6), max=1.0)) != 1.0
+        if ok and i > 0:
+            out["redone" if bites else "committed"] += 1
+        ok = not bites
+    return out
+
+
+@pytest.mark.parametrize("regime", ["never bites", "always bites", "sometimes bites"])
+def test_speculative_clipping_gives_the_same_bits_and_keeps_only_steps_that_did_not_clip(regime):
+    bs = batches(10)
+    if regime == "never bites":
+        max_norm = 1e6
+    elif regime == "always bites":
+        max_norm = 1e-3
+    else:         # the norms of an unclipped run fall as it trains: the clip bites early on only
+        norms = _norms_of_plain(bs)
+        max_norm = sorted(norms)[len(norms) // 2]
+    want, want_losses, want_norms = _plain(bs, max_norm)
+    fake, tier, model, train, got, norms = _tiered(bs, max_norm, speculate=True)
+    assert got == want_losses and all(torch.equal(a, b) for a, b in zip(norms, want_norms))
+    for p, q in zip(model.parameters(), want.parameters()):
+        assert torch.equal(p.detach(), q.detach())
+    bites = [float(x) * (1 + 1e-6) > max_norm for x in want_norms]
+    sp = train.speculation
+    print(regime, bites, sp)
+    if regime == "never bites":
+        assert sp["committed"] >= 6 and sp["redone"] == 0
+    elif regime == "always bites":
+        assert sp == {"committed": 0, "redone": 0}      # it speculates only after a step that did not clip
+    else:
+        assert sp["committed"] >= 1 and sp["redone"] >= 1
+    assert sp == _speculation_expected(torch, want_norms, max_norm)
+    train.unwrap()
+    del train
+    gc.collect()
+    tier.close()
+    assert fake.live() == {"managed": 0, "pinned": 0, "device": 0}
+
+
+@pytest.mark.parametrize("speculate", [False, True])
+def test_a_step_failing_half_way_through_backward_steps_no_block_when_clipping(speculate):
+    """With clipping no block may step before the total norm is known: a backward that raises
+    half-way leaves the run bitwise as if the step had never been, speculating or not."""
+    from test_train import _raising
+    bs = batches(6)
+    want, want_losses, _ = _plain([b for i, b in enumerate(bs) if i != 3], 1e6)
+    fake, tier, model, opt, train = tiered(max_grad_norm=1e6, speculate=speculate)
+    got = []
+    for i, ids in enumerate(bs):
+        if i == 3:
+            with pytest.raises(RuntimeError, match="injected"):
+                with train.step():
+                    _raising(model, ids, "middle").backward()
+            continue
+        with train.step():
+            loss = loss_of(model, ids)
+            loss.backward()
+        got.append(float(loss.detach()))
+    assert got == want_losses
+    for p, q in zip(model.parameters(), want.parameters()):
+        assert torch.equal(p.detach(), q.detach())
+    if speculate:
+        assert train.speculation["committed"] >= 3
+
+
+def test_speculate_is_checked():
+    model, _ = gpt()
+    tier = tiermem.Tier(backend=FakeBackend(total=1 << 30, foreign_host=True))
+    adamw = torch.optim.AdamW(model.parameters())
+    with pytest.raises(tiermem.ConfigError, match="max_grad_norm"):
+        tier.wrap_training(model, adamw, state_bytes(model), speculate=True)
+    with pytest.raises(TypeError, match="speculate"):
+        tier.wrap_training(model, adamw, state_bytes(model), max_grad_norm=1.0, speculate="yes")
+    with pytest.raises(tiermem.ConfigError, match="RMSprop"):
+        tier.wrap_training(model, torch.optim.RMSprop(model.parameters()), state_bytes(model), max_grad_norm=1.0,
+                           speculate=True)
+    assert not tier.leases and getattr(model, "_tiermem_handle", None) is None

@@ -72,7 +72,9 @@ def wrap_training(model: Any, optimizer: Any, budget: int | str, **kwargs: Any) 
     fp32 optimizer states as bf16, off by default: NOTE [bf16 moments] in _trainstates.py),
     ``accumulate`` (micro-batches per optimizer step, one per ``handle.step()``: NOTE
     [accumulation] in _train.py), ``max_grad_norm`` and ``norm_type`` (clip the gradients to a
-    global norm before each optimizer step, as clip_grad_norm_ does: NOTE [clipping]), ``tier``.
+    global norm before each optimizer step, as clip_grad_norm_ does: NOTE [clipping]), ``speculate``
+    (step inside backward as if the clip will not bite, kept when it did not: NOTE [speculative
+    clipping]), ``tier``.
     The handle steps the optimizer itself: a caller's ``optimizer.step()`` is refused."""
     from ._train import check_options
     tier = kwargs.pop("tier", None)

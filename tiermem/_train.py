@@ -138,7 +138,8 @@ VERIFY_SLACK = 0.02
 
 def check_options(budget: int | str, *, lookahead: int = 2, recompute: str = "auto",
                   link_GBps: float | None = None, state_dtype: Any = None, accumulate: int = 1,
-                  max_grad_norm: float | None = None, norm_type: float = 2.0, **_: Any) -> None:
+                  max_grad_norm: float | None = None, norm_type: float = 2.0, speculate: bool = False,
+                  **_: Any) -> None:
     """Raise :class:`ConfigError` for a bad budget, lookahead, recompute, link rate, state dtype,
     accumulate, max_grad_norm or norm_type of :func:`wrap_training`. Needs no GPU, so tiermem.wrap_training checks them before it looks
     for one; it takes all of wrap_training's options, and the others are checked where they are used."""
@@ -151,6 +152,10 @@ def check_options(budget: int | str, *, lookahead: int = 2, recompute: str = "au
         raise ConfigTypeError(f"accumulate must be an int (micro-batches per optimizer step), got {accumulate!r}")
     if accumulate < 1:
         raise ConfigError(f"accumulate must be at least 1 (micro-batches per optimizer step), got {accumulate}")
+    if not isinstance(speculate, bool):
+        raise ConfigTypeError(f"speculate must be True or False, got {speculate!r}")
+    if speculate and max_grad_norm is None:
+        raise ConfigError("speculate=True speculates that clipping leaves the gradients alone: it needs max_grad_norm")
     for name, v in (("max_grad_norm", max_grad_norm), ("norm_type", norm_type)):
         if v is None and name == "max_grad_norm":
             continue
@@ -193,18 +198,31 @@ class TieredTraining:
     optimizer step, one per ``train.step()``; the optimizer steps in every ``accumulate``-th
     (NOTE [accumulation]). ``max_grad_norm``: clip the gradients to this global norm
     (``norm_type``, default 2) before each optimizer step, as ``torch.nn.utils.clip_grad_norm_``
-    does; ``train.grad_norm`` is the norm it found (NOTE [clipping]).
+    does; ``train.grad_norm`` is the norm it found (NOTE [clipping]). ``speculate``: step the
+    streamed blocks inside backward as if the clip will not bite, into a second pinned home, and
+    keep that step when it did not (NOTE [speculative clipping]); it doubles their pinned bytes.
     """
 
     def __init__(self, tier: Tier, model: Any, optimizer: Any, budget: int | str, *, lookahead: int = 2,
                  min_swap: int = 1 << 20, window: int | None = None, swap: bool = True,
                  block_bytes: int = BLOCK_BYTES, margin: int | None = None, process_group: Any = None,
                  recompute: str = "auto", link_GBps: float | None = None, state_dtype: Any = None,
-                 accumulate: int = 1, max_grad_norm: float | None = None, norm_type: float = 2.0):
+                 accumulate: int = 1, max_grad_norm: float | None = None, norm_type: float = 2.0,
+                 speculate: bool = False):
         import torch
         self.torch = torch
         check_options(budget, lookahead=lookahead, recompute=recompute, link_GBps=link_GBps, state_dtype=state_dtype,
-                      accumulate=accumulate, max_grad_norm=max_grad_norm, norm_type=norm_type)
+                      accumulate=accumulate, max_grad_norm=max_grad_norm, norm_type=norm_type, speculate=speculate)
+        if speculate and type(optimizer) not in _leaves_grads():
+            raise ConfigError(f"speculate=True needs an optimizer whose step leaves the gradients alone "
+                              f"({', '.join(sorted(t.__name__ for t in _leaves_grads()))}), got "
+                              f"{type(optimizer).__name__} (NOTE [speculative clipping])")
+        self.speculate = speculate
+        self._spec_ok = True                  # the last optimizer step did not clip: speculate on the next
+        self._speculating = False
+        self._spec_saved: dict[int, dict[str, Any]] = {}
+        self._spec_rng: Any = None
+        self.speculation = {"committed": 0, "redone": 0}
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self._norms = NormParts(torch, norm_type)       # NOTE [clipping]
         self.grad_norm: Any = None            # the last optimizer step's total gradient norm
@@ -554,6 +572,8 @@ class TieredTraining:
                     p.grad = None
             self._norms.add(got)
             self.stream.write_grads(b)
+            if self._speculating and b.states and b.slot.has_states:
+                self._speculate(b, got)
             b.stepped = True
             for p in b.trainable:
                 p.grad = None
@@ -605,6 +625,52 @@ class TieredTraining:
     #     test). ``train.grad_norm`` is the total norm, a device tensor, as clip_grad_norm_
     #     returns it. Calling clip_grad_norm_ inside train.step() instead would see the resident
     #     blocks' gradients only, so it is not the way: tiermem cannot tell.
+    # NOTE [speculative clipping]
+    #     The pass of NOTE [clipping] costs a streamed block's parameters, states and gradients
+    #     once more over the link, outside compute, and it is needed only when the clip bites:
+    #     torch multiplies the gradients by min(max_norm / (total + 1e-6), 1), and by exactly 1.0
+    #     the gradients keep their bits. With ``speculate=True`` a step that follows one whose
+    #     clip did not bite steps each streamed block inside backward as a step without clipping
+    #     does, its gradients' norms taken and the gradients sent home first, but writes the
+    #     stepped parameters and states to a second pinned home, the home keeping the values
+    #     before the step. At the step's end (the host waits for the total norm) a coefficient of
+    #     1.0 keeps the speculation: each block's second home becomes its home, bitwise the
+    #     clipped step. Anything else undoes it: the optimizer's small states the step advanced
+    #     (AdamW's ``step``) and the bf16 rounding's generator are put back, and the pass runs
+    #     from the homes as without speculation; the next step then does not speculate, until
+    #     one's clip does not bite. The optimizer must leave the gradients alone, as the
+    #     gradients' copy home runs beside its step: Adam, AdamW and SGD do. It doubles the
+    #     streamed blocks' pinned bytes (parameters and states).
+    def _speculate(self, b: Block, got: list[Any]) -> None:
+        """Step ``b`` in its slot into its second home (NOTE [speculative clipping])."""
+        torch = self.torch
+        if self._spec_rng is None and self.rounding is not None:
+            self._spec_rng = self.rounding.get_state()
+        homed = {(id(p), key) for p, key, _ in b.states}
+        for p in b.trainable:
+            self._spec_saved[id(p)] = {k: (v.clone() if torch.is_tensor(v) else v)
+                                       for k, v in self.opt.state.get(p, {}).items() if (id(p), k) not in homed}
+        ids = {id(p) for p in got}
+        for p, g in zip(b.trainable, self.stream.slot_views(b.slot, b)[1]):
+            p.grad = g if id(p) in ids else None
+        self.states.step_block(b, b.slot)
+        self.stream.write_back_alt(b)
+
+    def _undo_speculation(self) -> None:
+        """The speculative steps do not stand: the homes still hold the values before them, the
+        slots' stepped copies are forgotten, the small states and the rounding put back."""
+        for b in self.blocks:
+            if not b.speculated:
+                continue
+            b.speculated = False
+            if b.slot is not None and b.slot.occupant is b:
+                self.stream.unbind(b.slot)
+            for p in b.trainable:
+                self.opt.state[p].update(self._spec_saved.get(id(p), {}))
+        if self._spec_rng is not None:
+            self.rounding.set_state(self._spec_rng)
+        self._spec_saved, self._spec_rng = {}, None
+
     def _clip_and_step(self, res: list[Any]) -> None:
         """Clip every gradient of the step to the global norm and step the streamed blocks
         (NOTE [clipping]); the resident ones step after, as in any step."""
@@ -614,6 +680,20 @@ class TieredTraining:
         self._norms.clear()
         self.grad_norm = total
         torch.nn.utils.clip_grads_with_norm_(res, self.max_grad_norm, total)
+        if self.speculate:
+            # torch's coefficient (clip_grads_with_norm_), read on the host: NOTE [speculative clipping]
+            coef = torch.clamp(self.max_grad_norm / (total + 1e-6), max=1.0)
+            whole = float(coef) == 1.0
+            self._spec_ok = whole
+            spec = [b for b in self.blocks if b.speculated]
+            if spec and whole:
+                for b in spec:
+                    self.stream.commit(b)
+                    b.grads_home = False
+                self.speculation["committed"] += 1
+            elif spec:
+                self._undo_speculation()
+                self.speculation["redone"] += 1
         todo = [self.blocks[i] for i in self._order if self.blocks[i].grads_home]
         todo += [b for b in self.blocks if b.grads_home and b not in todo]     # not in the traced order
         self.stream.in_backward = True          # fills bring the states
@@ -722,6 +802,8 @@ class TieredTraining:
         self._step_events = (start, end, False)
         self.stream.begin(start)        # fills wait for it: the caller's writes home come before
         self.stream.updating = self._updating
+        self._speculating = (self.speculate and self._updating and not self._tracing and self._spec_ok)
+        self._spec_saved, self._spec_rng = {}, None
         if not self._tracing:
             self.stream.ahead(self._order)    # NOTE [training transport]: the first blocks, from their homes
 
@@ -858,6 +940,7 @@ class TieredTraining:
             log.warning("tiermem: a step failed inside an accumulation window; the window's gradients "
                         "(%d micro-batches before it) are dropped and the next step opens a new one",
                         self.accumulated)
+        self._undo_speculation()        # blocks stepped into their second homes did not step
         self.stream.drop_grads()
         self.accumulated = 0
         self._window = set()
@@ -1052,6 +1135,7 @@ class TieredTraining:
         for p, g in zip(b.trainable, grads):      # the open window's, as a resident block keeps them
             p.grad = g
         self.stream.release_grads(b)
+        self.stream.release_alt(b)
         b.resident_state_views = views
         b.tiered += tts
         self.mem.synchronize()
@@ -1173,6 +1257,7 @@ class TieredTraining:
                     h.release()
             b.tiered, b.home_p, b.home_s = [], None, None
             self.stream.release_grads(b)
+            self.stream.release_alt(b)
             b.resident_state_views = []     # views of the memory just freed
         self.stream.release()
         if self.swap is not None:
@@ -1181,6 +1266,12 @@ class TieredTraining:
     def __repr__(self) -> str:
         plan = self.plan.table() if self.plan is not None else "not planned yet (the first step is traced)"
         return f"<TieredTraining {type(self.model).__name__}, {len(self.blocks)} blocks: {plan}>"
+
+
+def _leaves_grads() -> tuple[type, ...]:
+    """The optimizers NOTE [speculative clipping] allows: their steps leave the gradients alone."""
+    import torch
+    return (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
 
 
 def _model_loading(handle: TieredTraining) -> Any:

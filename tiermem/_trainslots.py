@@ -45,6 +45,14 @@ class Block:
     home_s: Any = None
     home_g: Any = None            # pinned gradients of an open accumulation window (NOTE [accumulation])
     grads_home: bool = False      # home_g holds this window's gradients so far
+    # NOTE [speculative clipping] in _train.py: a second home the speculative step writes, the
+    # home keeping the values before the step until commit() swaps the two
+    alt_p: Any = None
+    alt_s: Any = None
+    alt_s_bytes: int = 0
+    alt_views: list[Any] = dataclasses.field(default_factory=list)
+    alt_state_views: list[Any] = dataclasses.field(default_factory=list)
+    speculated: bool = False      # stepped this step into its second home
     home_views: list[Any] = dataclasses.field(default_factory=list)
     home_state_views: list[Any] = dataclasses.field(default_factory=list)
     resident_state_views: list[Any] = dataclasses.field(default_factory=list)   # a resident block's states
@@ -343,6 +351,52 @@ class BlockSlots:
         b.grads_home = True
         self.written.append(b)
         s.busy = False
+
+    def write_back_alt(self, b: Block) -> None:
+        """Queue the copy of ``b``'s stepped parameters and states to its second home; its home
+        keeps their values before the step until :meth:`commit` (NOTE [speculative clipping] in
+        _train.py). Frees the slot."""
+        be = self.tier.backend
+        if b.alt_p is None:
+            b.alt_p = be.host_alloc(b.p_bytes, pooled=False)
+            b.alt_views = self.views(b.alt_p.ptr, b, b.alt_p, "p")
+        if b.states and (b.alt_s is None or b.alt_s_bytes != b.s_bytes):
+            if b.alt_s is not None:
+                b.alt_s.release()
+            b.alt_s, b.alt_s_bytes = be.host_alloc(b.s_bytes, pooled=False), b.s_bytes
+            b.alt_state_views = self.views(b.alt_s.ptr, b, b.alt_s, "s")
+        s = b.slot
+        parts = [(b.alt_p.ptr, 0, b.p_bytes)]
+        if b.states:
+            parts.append((b.alt_s.ptr, b.p_bytes + b.g_bytes, b.s_bytes))
+        b.home_ready = self.slots.drain(self.d2h, s, parts)
+        self.count("d2h", Role.WEIGHT, b.p_bytes)
+        if b.states:
+            self.count("d2h", Role.OPTIMIZER_STATE, b.s_bytes)
+        self.written.append(b)
+        b.speculated = True
+        s.busy = False
+
+    def commit(self, b: Block) -> None:
+        """The speculative step of ``b`` stands: its second home becomes its home."""
+        b.home_p, b.alt_p = b.alt_p, b.home_p
+        b.home_views, b.alt_views = b.alt_views, b.home_views
+        if b.states:
+            b.home_s, b.alt_s = b.alt_s, b.home_s
+            b.home_state_views, b.alt_state_views = b.alt_state_views, b.home_state_views
+            b.alt_s_bytes = b.s_bytes
+        b.speculated = False
+        if b.slot is None or b.slot.occupant is not b:     # bound to the old home since its slot went
+            self.bind_home(b)
+            if b.states:
+                self.bind_states(b, b.home_state_views)
+
+    def release_alt(self, b: Block) -> None:
+        for h in (b.alt_p, b.alt_s):
+            if h is not None:
+                h.release()
+        b.alt_p = b.alt_s = None
+        b.alt_s_bytes, b.alt_views, b.alt_state_views, b.speculated = 0, [], [], False
 
     def home_grads(self, b: Block) -> list[Any]:
         """Views of ``b``'s gradients accumulated at home (the block must have them)."""

@@ -32,6 +32,7 @@ def main():
     ap.add_argument("--warmup", type=int, default=6, help="windows before timing (trace, probe, verify)")
     ap.add_argument("--windows", type=int, default=4, help="timed windows")
     ap.add_argument("--max-grad-norm", type=float, default=None)
+    ap.add_argument("--speculate", action="store_true", help="the clipping run speculates (NOTE [speculative clipping])")
     a = ap.parse_args()
     n = a.accumulate
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -97,11 +98,14 @@ def main():
     torch.cuda.empty_cache()
 
     want_norms = torch.stack(norms).cpu() if norms else None
-    for k, clip in ((n, a.max_grad_norm), (1, None)):
+    runs = [(n, a.max_grad_norm, False), (1, None, False)]
+    if a.speculate:
+        runs.insert(1, (n, a.max_grad_norm, True))
+    for k, clip, spec in runs:
         model, opt = build()
         tier = tiermem.Tier(0, cap="12GiB")
         train = tier.wrap_training(model, opt, int(state / 2.5), block_bytes=64 << 20, accumulate=k,
-                                   max_grad_norm=clip)
+                                   max_grad_norm=clip, speculate=spec)
         norms = []
         moved = {"upd": [], "acc": []}
 
@@ -114,7 +118,7 @@ def main():
             if clip is not None and (i + 1) % k == 0:
                 norms.append(train.grad_norm)
             return loss.detach()
-        name = f"tiermem_accumulate{k}" + ("_clip" if clip is not None else "")
+        name = f"tiermem_accumulate{k}" + ("_clip" if clip is not None else "") + ("_speculate" if spec else "")
         got, out[name] = run(tiered, lambda i: (i + 1) % k == 0)
         r = out[name]
         r["window_over_resident"] = round(r["window_ms"] / out["resident"]["window_ms"], 3)
@@ -124,6 +128,8 @@ def main():
             r["clip_bites"] = bool((want_norms > clip).any())
         if (k, clip) == (n, a.max_grad_norm):
             r["losses_equal_resident"] = got == want
+        if spec:
+            r["speculation"] = dict(train.speculation)
             r["peak_within_budget"] = train.resident_peak() <= train.budget
         r["plan"] = str(train.plan).split("\n")[:6]
         train.unwrap()
@@ -136,7 +142,8 @@ def main():
     print(json.dumps(out, indent=1), flush=True)
     dev = torch.cuda.get_device_name(0).split()[1].lower()
     path = os.path.join(os.environ.get("OUT") or _path.RESULTS, f"probe_accumulate-{dev}-{time.strftime('%Y%m%d')}"
-                        + ("-clip" if a.max_grad_norm is not None else "") + ".json")
+                        + ("-clip" if a.max_grad_norm is not None else "") + ("-speculate" if a.speculate else "")
+                        + ".json")
     with open(path, "w") as fh:
         json.dump({"device": torch.cuda.get_device_name(0), "commit": os.environ.get("TIERMEM_COMMIT", ""),
                    "results": out}, fh, indent=1)

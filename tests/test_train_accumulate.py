@@ -245,3 +245,52 @@ def test_step_times_wait_for_their_events_and_come_from_updating_steps_only():
     _tiered(train, model, bs[24:])               # its start reads the three updating steps waiting
     assert len(train.step_ms) == n0 + 3
     assert train.plan.measured["step_ms"] == 1.0
+
+
+# -- NOTE [zero_grad] ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("budget", ["streamed", "in capacity"])
+def test_zero_grad_before_backward_is_a_plain_loops_and_after_backward_is_refused(budget):
+    """A ported loop that keeps ``optimizer.zero_grad()`` at the top of each iteration trains as
+    the plain loop; one inside a window drops the window's gradients, streamed blocks' too, as a
+    plain loop's would; one after backward inside the step is refused, the step failing cleanly."""
+    bs = batches(2 * N + 3)
+    drop_at = N + 1                      # zero_grad before the second window's second micro-batch
+    model_p, opt_p = gpt()
+    want = []
+    for i, ids in enumerate(bs[:2 * N + 1]):
+        if i == drop_at:
+            opt_p.zero_grad(set_to_none=True)
+        loss = loss_of(model_p, ids)
+        (loss / N).backward()
+        want.append(float(loss.detach()))
+        if i in (N - 1, 2 * N):         # after the drop the window restarts at drop_at
+            opt_p.step()
+            opt_p.zero_grad(set_to_none=True)
+    kw = {} if budget == "streamed" else {"budget": 1 << 29}
+    fake, tier, model, opt, train = tiered(accumulate=N, **kw)
+    got = []
+    for i, ids in enumerate(bs[:2 * N + 1]):
+        with train.step():
+            if i == drop_at or train.accumulated == 0:
+                opt.zero_grad()          # at a window's top: harmless; inside one: drops it
+            loss = loss_of(model, ids)
+            (loss / N).backward()
+        got.append(float(loss.detach()))
+    assert got == want and _same(model, model_p)
+    assert (not train.plan.streamed_blocks) == (budget == "in capacity")
+    for ids in batches(3 * N, seed=4):          # past the probe and the check: in capacity no hook is left
+        with train.step():
+            loss_of(model, ids).backward()
+    p = train.plan
+    assert (not (p.streamed_blocks or p.recompute or p.swapped_bytes)) == (budget == "in capacity")
+    with pytest.raises(tiermem.TierMemError, match="zero_grad"):
+        with train.step():
+            loss_of(model, bs[-2]).backward()
+            opt.zero_grad()
+    with train.step():
+        loss_of(model, bs[-1]).backward()
+    assert "zero_grad" in vars(opt)
+    train.unwrap()
+    assert "zero_grad" not in vars(opt)          # the class's own again
+    opt.zero_grad()

@@ -379,6 +379,7 @@ class TieredTraining:
         self._in_step = False
         self._failed = False
         self._got = set()
+        self._grads_at_begin: dict[int, int | None] = {}
         self._eval_next = 0                    # NOTE [evaluation between steps]: the block expected next
         self.moved = {"h2d": 0, "d2h": 0}      # bytes moved in the last step
         self.last_peak = 0                     # torch's peak reserved bytes in the last step
@@ -389,7 +390,8 @@ class TieredTraining:
             self._hooks.append(b.module.register_forward_hook(lambda m, a, out, b=b: self._fwd_post(b, out)))
             for p in b.trainable:
                 self._hooks.append(p.register_post_accumulate_grad_hook(lambda p, b=b: self._grad_done(b, p)))
-        self._state_hooks = self.states.hooks() + [model.register_load_state_dict_pre_hook(_model_loading(self))]
+        self._state_hooks = self.states.hooks() + [model.register_load_state_dict_pre_hook(_model_loading(self)),
+                                                   _ZeroGradHook(self.opt, _zero_grad_called(self))]
         model._tiermem_handle = weakref.ref(self)
 
     def _rollback(self, originals: list[tuple[Any, Any]]) -> None:
@@ -713,6 +715,36 @@ class TieredTraining:
             torch.nn.utils.clip_grads_with_norm_(got, self.max_grad_norm, total)
             self._step_block(b)
 
+    # NOTE [zero_grad]
+    #     Plain loops call optimizer.zero_grad(), and a loop ported to train.step() keeps it. Before
+    #     backward it is harmless, except inside an accumulation window, where it drops the
+    #     window's gradients: then it drops the streamed blocks' too, which wait at home where
+    #     zero_grad cannot see them, as a plain loop's zero_grad would (NOTE [accumulation]).
+    #     After backward inside a step it would drop the resident blocks' gradients before their
+    #     step at the step's end, while the streamed blocks stepped already: refused. tiermem
+    #     wraps the optimizer's zero_grad on the instance for that, as torch's LR schedulers wrap
+    #     its step, and unwrap() puts it back. ``model.zero_grad()`` is not seen.
+    def _zero_grad(self) -> None:
+        """Before the optimizer's zero_grad (NOTE [zero_grad])."""
+        if self._in_step and (self.stream.in_backward or self._got or self._resident_grads_changed()):
+            raise TierMemError("optimizer.zero_grad() after backward inside train.step() would drop gradients "
+                               "before their optimizer step: drop it, the handle clears the gradients itself")
+        if self.accumulated:
+            log.info("tiermem: zero_grad() inside an accumulation window drops its %d micro-batches' gradients",
+                     self.accumulated)
+            self.stream.drop_grads()
+            self.accumulated = 0
+            self._window = set()
+
+    def _resident_grads(self) -> dict[int, int | None]:
+        """Each resident trainable parameter's gradient version (None: no gradient)."""
+        return {id(p): (None if p.grad is None else p.grad._version)
+                for b in self.blocks if b.resident for p in b.trainable}
+
+    def _resident_grads_changed(self) -> bool:
+        """A backward reached a resident block since the step began (in capacity no hook tells)."""
+        return self._resident_grads() != self._grads_at_begin
+
     def _model_loading(self) -> None:
         """Before ``model.load_state_dict``: refused inside a step. Between steps every streamed
         parameter is bound to its home (NOTE [training transport]), so the load writes there."""
@@ -782,6 +814,7 @@ class TieredTraining:
             self._set_cap()
         self._read_step_time()
         self._got: set[int] = set()
+        self._grads_at_begin = self._resident_grads()       # NOTE [zero_grad]
         self._seg = []
         self._eval_next = 0
         self.moved = {"h2d": 0, "d2h": 0}
@@ -1279,6 +1312,36 @@ def _leaves_grads() -> tuple[type, ...]:
     """The optimizers NOTE [speculative clipping] allows: their steps leave the gradients alone."""
     import torch
     return (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
+
+
+class _ZeroGradHook:
+    """The optimizer's zero_grad wrapped on the instance (NOTE [zero_grad]); remove() puts it back."""
+
+    def __init__(self, opt: Any, before: Any):
+        self.opt, self.had, self.old = opt, "zero_grad" in vars(opt), vars(opt).get("zero_grad")
+        inner = opt.zero_grad
+
+        def zero_grad(*args: Any, **kwargs: Any) -> Any:
+            before()
+            return inner(*args, **kwargs)
+        opt.zero_grad = zero_grad
+
+    def remove(self) -> None:
+        if self.had:
+            self.opt.zero_grad = self.old
+        else:
+            vars(self.opt).pop("zero_grad", None)
+
+
+def _zero_grad_called(handle: TieredTraining) -> Any:
+    """What the wrapped zero_grad calls first; it holds the handle weakly."""
+    ref = weakref.ref(handle)
+
+    def before() -> None:
+        h = ref()
+        if h is not None:
+            h._zero_grad()
+    return before
 
 
 def _model_loading(handle: TieredTraining) -> Any:

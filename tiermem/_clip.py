@@ -45,6 +45,7 @@ class NormParts:
         self.torch = torch
         self.norm_type = float(norm_type)
         self.norms: dict[int, Any] = {}          # id(param) -> its gradient's norm
+        self._order: tuple[tuple[Any, ...], list[int]] = ((), [])   # the last stack_order, by its params
 
     def add(self, params: list[Any]) -> None:
         """The norms of ``params``' gradients (all of them present)."""
@@ -65,7 +66,10 @@ class NormParts:
         ps = [p for p in params if id(p) in self.norms]
         if not ps:
             return torch.tensor(0.0)
-        order = stack_order(torch, ps)
+        key = tuple((id(p), p.dtype) for p in ps)
+        if self._order[0] != key:              # the same parameters step after step: asked once
+            self._order = (key, stack_order(torch, ps))
+        order = self._order[1]
         first = self.norms[id(ps[0])].device          # torch's: the first gradient's device
         norms = [self.norms[id(ps[i])] for i in order]
         return torch.linalg.vector_norm(torch.stack([n.to(first) for n in norms]), self.norm_type)

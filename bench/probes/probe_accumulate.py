@@ -39,19 +39,15 @@ def main():
     torch.use_deterministic_algorithms(True, warn_only=True)
     torch.backends.cuda.matmul.allow_tf32 = False
     import tiermem
-    from tiermem.models import GPT, GPTConfig
+    from tiermem.models import GPTConfig
+    from train_budget import build_gpt, gpt_loss as loss_of     # the bench's GPT and its loss
     cfg = GPTConfig(vocab=8192, seq=512, d=1024, layers=16, heads=16)
     g = torch.Generator(device="cuda").manual_seed(1)
     total = (a.warmup + a.windows) * n
     batches = [torch.randint(0, cfg.vocab, (4, 513), device="cuda", generator=g) for _ in range(total)]
 
-    def loss_of(model, ids):
-        logits = model(ids[:, :-1])
-        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
-
     def build():
-        torch.manual_seed(0)
-        m = GPT(cfg).cuda()
+        m = build_gpt(torch, cfg)
         return m, torch.optim.AdamW(m.parameters(), lr=1e-4)
 
     def run(micro, update_after):

@@ -94,7 +94,8 @@ NOTE [measured choice]
     VERIFY_STEPS steps and the fastest after the first is timed too (the first step under a plan
     pays for its allocations; one slow step of a host-bound run, 129 ms against the probe's 74,
     once overturned an in-capacity plan on the H100 at acba90b). A plan in capacity, which
-    moves and recomputes nothing, is kept without the check: it does less than the probe. If it was more than VERIFY_SLACK slower than the probe, the steps go back to
+    moves and recomputes nothing, is kept without the check: it does less than the probe. If
+    the plan was more than VERIFY_SLACK slower than the probe, the steps go back to
     recomputing everywhere (planned again from the blocks now resident, if that still fits).
     ``train.plan.measured`` keeps both times (``checked_ms``, ``probe_ms``). The probe is timed
     with the meter on, which only makes the model's plan likelier to stay.
@@ -143,8 +144,9 @@ def check_options(budget: int | str, *, lookahead: int = 2, recompute: str = "au
                   max_grad_norm: float | None = None, norm_type: float = 2.0, speculate: bool = False,
                   **_: Any) -> None:
     """Raise :class:`ConfigError` for a bad budget, lookahead, recompute, link rate, state dtype,
-    accumulate, max_grad_norm or norm_type of :func:`wrap_training`. Needs no GPU, so tiermem.wrap_training checks them before it looks
-    for one; it takes all of wrap_training's options, and the others are checked where they are used."""
+    accumulate, max_grad_norm, norm_type or speculate of :func:`wrap_training`. Needs no GPU, so
+    tiermem.wrap_training checks them before it looks for one; it takes all of wrap_training's
+    options, and the others are checked where they are used."""
     check_bytes(budget, what="training budget", max_percent=100, positive=True)
     if isinstance(lookahead, bool) or not isinstance(lookahead, int):
         raise ConfigTypeError(f"lookahead must be an int, got {lookahead!r}")
@@ -626,10 +628,11 @@ class TieredTraining:
     #     and stepped there and written back, the next blocks' fills running under each block's
     #     step. That pass is link-bound (a block's parameters and gradients cross once more than
     #     in a step that does not clip) and overlaps no compute; the plan counts it (``clip`` in
-    #     _trainplan.py), so its candidates are compared with it. The losses are clip_grad_norm_'s bitwise (tests/test_train_clip.py, the GPU
-    #     test). ``train.grad_norm`` is the total norm, a device tensor, as clip_grad_norm_
-    #     returns it. Calling clip_grad_norm_ inside train.step() instead would see the resident
-    #     blocks' gradients only, so it is not the way: tiermem cannot tell.
+    #     _trainplan.py), so its candidates are compared with it. The losses are clip_grad_norm_'s
+    #     bitwise (tests/test_train_clip.py, the GPU test). ``train.grad_norm`` is the total norm,
+    #     a device tensor, as clip_grad_norm_ returns it. Calling clip_grad_norm_ inside
+    #     train.step() instead would see the resident blocks' gradients only, so it is not the
+    #     way: tiermem cannot tell.
     # NOTE [speculative clipping]
     #     The pass of NOTE [clipping] costs a streamed block's parameters, states and gradients
     #     once more over the link, outside compute, and it is needed only when the clip bites:

@@ -74,7 +74,7 @@ def study(kit, torch, tiermem, name, build, blocks_of, loss_fn, batches, a, rate
     footprint = 16 * n
     progress(f"part 4: {name}, {n / 1e6:.0f}M parameters, training state {footprint / 1e9:.2f} GB, "
              f"batch {tuple(batches[0].shape)}")
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    opt = kit.adamw(torch, model.parameters())
     torch.cuda.reset_peak_memory_stats()
     res = Result(Stepper(torch, model, opt, loss_fn).run(batches, f"{name} resident"))
     resident_ms, resident_peak, want = res.median_ms(), torch.cuda.max_memory_reserved(), res.loss_values()
@@ -82,18 +82,29 @@ def study(kit, torch, tiermem, name, build, blocks_of, loss_fn, batches, a, rate
     free()
     peers = {"resident": resident_ms}
     for label in ("checkpoint", "save_on_cpu", "fsdp_offload"):
-        model = build()
-        if label == "checkpoint":
-            model = _checkpointed(torch, model, blocks_of(model))
-        if label == "fsdp_offload":
-            model = _fsdp(torch, model, blocks_of(model))
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        torch.cuda.reset_peak_memory_stats()
-        steps = batches[: a.peer_steps]
-        r = Result(Stepper(torch, model, opt, loss_fn, save_on_cpu=label == "save_on_cpu").run(steps, f"{name} {label}"))
+        def peer(make_opt):
+            model = build()
+            if label == "checkpoint":
+                model = _checkpointed(torch, model, blocks_of(model))
+            if label == "fsdp_offload":
+                model = _fsdp(torch, model, blocks_of(model))
+            opt = make_opt(model.parameters())
+            torch.cuda.reset_peak_memory_stats()
+            st = Stepper(torch, model, opt, loss_fn, save_on_cpu=label == "save_on_cpu")
+            return Result(st.run(batches[: a.peer_steps], f"{name} {label}"))
+        try:
+            r = peer(lambda ps: kit.adamw(torch, ps))
+        except (RuntimeError, TypeError) as e:
+            if label != "fsdp_offload" or kit.ADAMW.get("foreach"):
+                raise
+            # the peer's own limit: its CPU-held DTensor parameters may not take the fused kernel
+            progress(f"  {name} {label}: fused AdamW failed ({str(e)[:160]}); foreach instead")
+            raw[f"{name}_{label}_adamw"] = "foreach (fused failed)"
+            free()
+            r = peer(lambda ps: torch.optim.AdamW(ps, lr=1e-4, foreach=True))
         peers[label] = r.median_ms(skip=2)
         raw[f"{name}_{label}_peak_reserved_bytes"] = torch.cuda.max_memory_reserved()
-        del model, opt, r
+        del r
         free()
     rate = min(rates["h2d"], rates["d2h"])
     runs = {}
@@ -167,14 +178,14 @@ def study(kit, torch, tiermem, name, build, blocks_of, loss_fn, batches, a, rate
     return runs, peers
 
 
-def arena_study(torch, name, build, loss_fn, batches, out):
+def arena_study(kit, torch, name, build, loss_fn, batches, out):
     """NOTE [lifetime arena]: one resident step (after two that make the optimizer's states and
     warm torch's cache) under torch's allocator history; its temporaries laid out by plan_arena.
     The figure is (bytes alive all step + the arena's peak) over torch's peak reserved bytes in
     that step: what the planned layout would need against what torch's caching allocator held."""
     from tiermem.planning import plan_arena, temps_from_trace
     model = build()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    opt = kit.adamw(torch, model.parameters())
 
     for i, bt in enumerate(batches[:3]):
         if i == 2:                      # the third step is recorded
@@ -214,8 +225,8 @@ def part4(kit, torch, tiermem, a, rates, out):
     gb = gpt_batches(torch, cfg, a.steps, a.batch)
     hcfg = GPTConfig(vocab=a.hf_vocab, seq=a.seq, d=a.hf_d, layers=a.hf_layers, heads=a.hf_heads)
     if a.arena:
-        arena_study(torch, "gpt", lambda: build_gpt(torch, cfg), gpt_loss, gb, out)
-        arena_study(torch, "hf", lambda: qwen2(torch, a), hf_loss, gpt_batches(torch, hcfg, 3, a.batch, seed=2), out)
+        arena_study(kit, torch, "gpt", lambda: build_gpt(torch, cfg), gpt_loss, gb, out)
+        arena_study(kit, torch, "hf", lambda: qwen2(torch, a), hf_loss, gpt_batches(torch, hcfg, 3, a.batch, seed=2), out)
         m = out["metrics"]
         m["arena_peak_over_torch_reserved"] = max(m["gpt_arena_peak_over_torch_reserved"],
                                                   m["hf_arena_peak_over_torch_reserved"])

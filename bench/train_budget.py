@@ -15,7 +15,12 @@ In one run, side by side (random data, fixed seeds, CUDA-event medians after war
      resident runs), the largest batch that trains, resident vs tiermem, for ResNet-50 and a
      smaller GPT, with time per sample at each.
 
-    python bench/train_budget.py [--quick]
+AdamW is torch's fused one (``--adamw fused``, the default) in every run, resident and peers
+included: HF Trainer's default optimizer is ``adamw_torch_fused`` (transformers, for torch >= 2.8)
+and nanoGPT picks fused AdamW on CUDA. ``--adamw foreach`` gives torch's own default, the runs
+before 2026-11-24.
+
+    python bench/train_budget.py [--quick] [--adamw fused|foreach]
 Writes bench/results/train_budget-<device>-<date>.json and a plot.
 """
 from __future__ import annotations
@@ -31,6 +36,12 @@ import sys
 from _common import cuda_times, median, plot_path, progress, table, write_results
 
 GiB, MiB = 1 << 30, 1 << 20
+ADAMW = {"fused": True}            # main() sets it from --adamw
+
+
+def adamw(torch, params):
+    """The runs' AdamW: fused (HF Trainer's and nanoGPT's choice) or foreach, per --adamw."""
+    return torch.optim.AdamW(params, lr=1e-4, **ADAMW)
 
 
 def setup():
@@ -152,7 +163,7 @@ def gpt_batches(torch, cfg, n, batch, seed=1):
 
 def tiermem_run(torch, tiermem, build, loss_fn, batches, budget, label, **kw):
     model = build()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4) if kw.pop("adamw", True) else \
+    opt = adamw(torch, model.parameters()) if kw.pop("adamw", True) else \
         torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     tier = shared_tier(tiermem)
     train = tier.wrap_training(model, opt, budget, **kw)
@@ -221,14 +232,14 @@ def part1(torch, tiermem, a, rates, out):
              f"batch {a.batch}x{a.seq}")
     batches = gpt_batches(torch, cfg, a.steps, a.batch)
     model = build_gpt(torch, cfg)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    opt = adamw(torch, model.parameters())
     torch.cuda.reset_peak_memory_stats()
     res = Result(Stepper(torch, model, opt, gpt_loss).run(batches, "resident"))
     res_peak = torch.cuda.max_memory_reserved()
     del model, opt
     free()
     model = build_gpt(torch, cfg)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    opt = adamw(torch, model.parameters())
     torch.cuda.reset_peak_memory_stats()
     soc = Result(Stepper(torch, model, opt, gpt_loss, save_on_cpu=True).run(batches[: a.soc_steps], "save_on_cpu"))
     soc_peak = torch.cuda.max_memory_reserved()
@@ -282,7 +293,7 @@ def part2(torch, tiermem, a, cfg, batches, out):
     plain_ms, tm_ms = [], []
     for rnd in range(2):
         model = build_gpt(torch, cfg)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        opt = adamw(torch, model.parameters())
         p = Stepper(torch, model, opt, gpt_loss).run(batches[: a.cap_steps], f"plain round {rnd}")
         plain_ms.append(p.median_ms())
         del model, opt, p
@@ -321,7 +332,7 @@ def max_batch(trial, start, limit):
     return lo
 
 
-def study(torch, tiermem, name, build, make_batch, loss_fn, budget, a, rates, adamw, out):
+def study(torch, tiermem, name, build, make_batch, loss_fn, budget, a, rates, use_adamw, out):
     total = torch.cuda.get_device_properties(0).total_memory
     timings = {}
 
@@ -330,7 +341,7 @@ def study(torch, tiermem, name, build, make_batch, loss_fn, budget, a, rates, ad
         torch.cuda.set_per_process_memory_fraction(budget / total)
         try:
             model = build()
-            opt = (torch.optim.AdamW(model.parameters(), lr=1e-4) if adamw else
+            opt = (adamw(torch, model.parameters()) if use_adamw else
                    torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9))
             st = Stepper(torch, model, opt, loss_fn)
             for _ in range(a.study_steps):
@@ -351,7 +362,7 @@ def study(torch, tiermem, name, build, make_batch, loss_fn, budget, a, rates, ad
         train = tier = None
         try:
             model = build()
-            opt = (torch.optim.AdamW(model.parameters(), lr=1e-4) if adamw else
+            opt = (adamw(torch, model.parameters()) if use_adamw else
                    torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9))
             tier = shared_tier(tiermem)
             train = tier.wrap_training(model, opt, budget, block_bytes=a.block_mib * MiB)
@@ -465,7 +476,11 @@ def main():
     p.add_argument("--arena", action="store_true", help="part 4 also lays out a resident step's temporaries "
                    "in a lifetime-planned arena (NOTE [lifetime arena])")
     p.add_argument("--arena-only", action="store_true", help="part 4 does only that")
+    p.add_argument("--adamw", choices=("fused", "foreach"), default="fused", help="AdamW's implementation in "
+                   "every run (fused: HF Trainer's default, adamw_torch_fused)")
     a = p.parse_args()
+    ADAMW.clear()
+    ADAMW[a.adamw] = True
     a.arena = a.arena or a.arena_only
     a.ratios = tuple(float(x) for x in a.ratios.split(","))
     big = dict(vocab=8192, seq=512, d=1024, layers=16, heads=16, batch=4, ratio=2.5, steps=30, soc_steps=8,

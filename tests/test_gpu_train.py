@@ -605,6 +605,59 @@ def test_speculative_clipping_gives_clip_grad_norm_bitwise_and_keeps_or_redoes_e
     _cleanup(tier, train)
 
 
+@pytest.mark.parametrize("speculate", [False, True])
+def test_a_ported_trainer_loop_with_fused_adamw_gives_the_resident_losses_bitwise(speculate):
+    """HF Trainer's loop as users run it: fused AdamW (its default optimizer, adamw_torch_fused),
+    two parameter groups, a warm-up scheduler stepped after each step, clipping to 1.0. Under
+    the tight budget the losses, parameters and learning rates are the resident loop's, bitwise
+    (tests/test_train_optimizers.py covers more optimizers on the CPU)."""
+    torch = _setup()
+    from tiermem.models import GPTConfig
+    batches = _batches(GPTConfig(**CFG), 8)
+
+    def build():
+        model, _ = _gpt()
+        decay = [p for p in model.parameters() if p.ndim >= 2]
+        rest = [p for p in model.parameters() if p.ndim < 2]
+        opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
+                                lr=1e-3, fused=True)
+        return model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 4))
+
+    model, opt, sched = build()
+    want = []
+    for ids in batches:
+        loss = _loss(model, ids)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        want.append(loss.detach())
+    want_params = [p.detach().clone() for p in model.parameters()]
+    want_lr = [g["lr"] for g in opt.param_groups]
+    del model, opt, sched
+    _cleanup()
+    import tiermem
+    model, opt, sched = build()
+    tier = tiermem.Tier(0, cap="1GiB")
+    train = tier.wrap_training(model, opt, BUDGET, block_bytes=1 * MiB, min_swap=256 << 10, max_grad_norm=1.0,
+                               speculate=speculate)
+    got, peaks = [], []
+    for ids in batches:
+        with train.step():
+            loss = _loss(model, ids)
+            loss.backward()
+        sched.step()
+        got.append(loss.detach())
+        peaks.append(train.resident_peak())
+    print(train.plan.table(), train.speculation)
+    assert train.plan.streamed_blocks and max(peaks) <= BUDGET
+    assert torch.equal(torch.stack(got), torch.stack(want))
+    assert all(torch.equal(p.detach(), q) for p, q in zip(model.parameters(), want_params))
+    assert [g["lr"] for g in opt.param_groups] == want_lr
+    _cleanup(tier, train)
+
+
 def test_bf16_moments_stay_close_to_the_resident_losses_and_move_half_the_state_bytes():
     """NOTE [bf16 moments]: streamed blocks' AdamW moments held and moved as bf16 (rounded
     stochastically, stepped in fp32). A CPU emulation of this run (fp32 AdamW, its moments rounded

@@ -1,0 +1,83 @@
+"""The optimizers and loops users port to wrap_training, on the CPU over the fake backend: each
+gives the plain loop's losses and parameters bitwise with blocks streamed. The loop is HF
+Trainer's: two parameter groups (no weight decay for biases and norms), a linear warm-up
+scheduler stepped after each step, clipping to 1.0. Trainer's default optimizer is fused AdamW
+(``adamw_torch_fused``); nanoGPT picks it too where CUDA has it. Adafactor's factored moments
+have other shapes than their parameters: they are not given a pinned home and stay where the
+optimizer made them, which the budget must hold."""
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+import tiermem
+from fakes import FakeBackend
+from test_train import _deterministic, batches, gpt, loss_of, state_bytes  # noqa: F401  (fixture)
+
+OPTIMIZERS = {
+    "adamw-fused": lambda g: torch.optim.AdamW(g, lr=1e-3, fused=True),
+    "adamw-foreach": lambda g: torch.optim.AdamW(g, lr=1e-3, foreach=True),
+    "adamw-single-tensor": lambda g: torch.optim.AdamW(g, lr=1e-3, foreach=False),
+    "adam-amsgrad": lambda g: torch.optim.Adam(g, lr=1e-3, amsgrad=True),
+    "sgd-nesterov": lambda g: torch.optim.SGD(g, lr=1e-2, momentum=0.9, nesterov=True),
+    "rmsprop": lambda g: torch.optim.RMSprop(g, lr=1e-3, momentum=0.9),
+    "adafactor": lambda g: torch.optim.Adafactor(g, lr=1e-2),
+}
+
+
+def _hf_style(name: str):
+    """The GPT with HF Trainer's two groups, its warm-up schedule, and optimizer ``name``."""
+    model, _ = gpt()
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
+    rest = [p for n, p in model.named_parameters() if p.ndim < 2]
+    opt = OPTIMIZERS[name]([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}])
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 4))
+    return model, opt, sched
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_a_ported_trainer_loop_gives_the_plain_loops_losses_and_parameters_bitwise(name):
+    bs = batches(6)
+    model, opt, sched = _hf_style(name)
+    want = []
+    for ids in bs:
+        loss = loss_of(model, ids)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        want.append(float(loss.detach()))
+    want_params = [p.detach().clone() for p in model.parameters()]
+    want_lr = [g["lr"] for g in opt.param_groups]
+
+    model, opt, sched = _hf_style(name)
+    fake = FakeBackend(total=1 << 30, foreign_host=True)
+    tier = tiermem.Tier(backend=fake)
+    # the parameters' bytes alone: blocks must stream, whatever their states take
+    train = tier.wrap_training(model, opt, state_bytes(model), block_bytes=16 << 10, min_swap=4096,
+                               max_grad_norm=1.0)
+    got = []
+    for ids in bs:
+        with train.step():
+            loss = loss_of(model, ids)
+            loss.backward()
+        sched.step()
+        got.append(float(loss.detach()))
+    assert train.plan.streamed_blocks
+    assert got == want
+    assert [g["lr"] for g in opt.param_groups] == want_lr
+    for p, q in zip(model.parameters(), want_params):
+        assert torch.equal(p.detach(), q)
+    homed = {key for b in train.blocks for _, key, _ in b.states}
+    if name == "adafactor":
+        assert homed <= {"variance"}    # the 1-D parameters' moment; the factored ones have other shapes
+    else:
+        assert homed                    # the streamed blocks' states went home
+    train.unwrap()
+    del train
+    gc.collect()
+    tier.close()
+    assert fake.live() == {"managed": 0, "pinned": 0, "device": 0}

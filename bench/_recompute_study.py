@@ -78,6 +78,7 @@ def study(kit, torch, tiermem, name, build, blocks_of, loss_fn, batches, a, rate
     torch.cuda.reset_peak_memory_stats()
     res = Result(Stepper(torch, model, opt, loss_fn).run(batches, f"{name} resident"))
     resident_ms, resident_peak, want = res.median_ms(), torch.cuda.max_memory_reserved(), res.loss_values()
+    raw[f"{name}_resident_gc"] = {"gc_ms_per_step": round(res.gc_ms_per_step(), 2), "mean_ms": round(res.mean_ms(), 2)}
     del model, opt
     free()
     peers = {"resident": resident_ms}
@@ -129,11 +130,14 @@ def study(kit, torch, tiermem, name, build, blocks_of, loss_fn, batches, a, rate
             meas = r.median_ms(skip=SETTLE)
             mv = r.moved[-1]
             runs[(ratio, mode)] = {"step_ms": meas, "predicted_ms": pred, "moved": mv["h2d"] + mv["d2h"],
+                                   "mean_ms": round(r.mean_ms(skip=SETTLE), 2),
+                                   "gc_ms_per_step": round(r.gc_ms_per_step(skip=SETTLE), 2),
                                    "peak": info["resident_peak_bytes"], "budget": budget,
                                    "recomputed": info["recomputed"], "kind": info["kind"],
                                    "losses_equal": r.loss_values() == want[: len(steps)]}
             raw[f"{name}_{ratio:g}_{mode}"] = dict(runs[(ratio, mode)], plan=info["plan"], checked=info["measured"])
-            progress(f"  {name} 1/{ratio:g} {mode}: {meas:.1f} ms (predicted {pred:.1f}), "
+            progress(f"  {name} 1/{ratio:g} {mode}: {meas:.1f} ms (predicted {pred:.1f}; mean "
+                     f"{r.mean_ms(skip=SETTLE):.1f}, garbage collection {r.gc_ms_per_step(skip=SETTLE):.2f} ms a step), "
                      f"{info['recomputed']} blocks recomputed, plan {info['kind']}")
     main = runs[(2.5, "auto")]
     m.update({

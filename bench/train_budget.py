@@ -32,6 +32,7 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")   # deterministic cu
 import argparse
 import gc
 import sys
+import time
 
 from _common import cuda_times, median, plot_path, progress, table, write_results
 
@@ -99,17 +100,34 @@ def link_rates(torch):
     return round(h2d, 2), round(d2h, 2), round(duplex, 2)
 
 
+_GC = {"ms": 0.0, "t0": 0.0}
+
+
+def _gc_clock(phase, info):
+    """Python's garbage collector's host time, summed (a collection's host time stalls a
+    host-bound step: the bench reports it per step)."""
+    if phase == "start":
+        _GC["t0"] = time.perf_counter()
+    else:
+        _GC["ms"] += (time.perf_counter() - _GC["t0"]) * 1e3
+
+
+gc.callbacks.append(_gc_clock)
+
+
 class Stepper:
-    """Runs training steps of one configuration and times each with CUDA events."""
+    """Runs training steps of one configuration and times each with CUDA events, and the
+    garbage collector's host time in each."""
 
     def __init__(self, torch, model, opt, loss_fn, train=None, save_on_cpu=False):
         self.torch, self.model, self.opt, self.loss_fn, self.train = torch, model, opt, loss_fn, train
         self.save_on_cpu = save_on_cpu
-        self.losses, self.times, self.moved = [], [], []
+        self.losses, self.times, self.moved, self.gc_ms = [], [], [], []
 
     def step(self, batch):
         torch = self.torch
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        gc0 = _GC["ms"]
         a.record()
         if self.train is not None:
             with self.train.step():
@@ -126,6 +144,7 @@ class Stepper:
         b.record()
         b.synchronize()
         self.times.append(a.elapsed_time(b) / 1e3)
+        self.gc_ms.append(_GC["ms"] - gc0)
         self.losses.append(loss.detach())
 
     def run(self, batches, label):
@@ -212,11 +231,18 @@ class Result:
     """What a finished run leaves: numbers only, so its tensors can be freed."""
 
     def __init__(self, st):
-        self.times, self.moved = list(st.times), list(st.moved)
+        self.times, self.moved, self.gc_ms = list(st.times), list(st.moved), list(st.gc_ms)
         self._losses = st.loss_values()
 
     def median_ms(self, skip=3):
         return median(self.times[skip:]) * 1e3
+
+    def mean_ms(self, skip=3):
+        return sum(self.times[skip:]) / max(len(self.times[skip:]), 1) * 1e3
+
+    def gc_ms_per_step(self, skip=3):
+        """The garbage collector's mean host time a step."""
+        return sum(self.gc_ms[skip:]) / max(len(self.gc_ms[skip:]), 1)
 
     def loss_values(self):
         return self._losses

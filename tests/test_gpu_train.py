@@ -117,6 +117,27 @@ def test_thirty_steps_under_a_tight_budget_give_the_resident_losses_bitwise():
     _cleanup(tier, train)
 
 
+def test_the_steps_peak_counts_all_the_step_holds_and_stays_within_the_budget():
+    """NOTE [outside memory]: a model built on the device, then wrapped. Its parameters' old
+    memory is not outside the budget: the step's peak as tiermem counts it is torch's absolute
+    peak reserved bytes plus tiermem's managed bytes, less what torch held before the model was
+    built, and it stays within the budget."""
+    torch = _setup()
+    gc.collect()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_reserved()
+    tier, model, opt, train, c = _tiered(BUDGET)
+    assert train.outside <= base + 2 * MiB, (train.outside, base)     # not the model's 63 MB
+    for ids in _batches(c, 8):
+        with train.step():
+            _loss(model, ids).backward()
+        absolute = torch.cuda.max_memory_reserved() + tier.resident_bytes - base
+        assert abs(train.resident_peak() - absolute) <= 2 * MiB, (train.resident_peak(), absolute)
+        assert absolute <= BUDGET, (absolute, BUDGET)
+    assert train.plan.streamed_blocks
+    _cleanup(tier, train)
+
+
 def test_each_role_lives_where_the_plan_puts_it():
     _setup()
     import tiermem

@@ -40,6 +40,20 @@ class DeviceMemory:
     def max_reserved(self) -> int:
         return int(self.torch.cuda.max_memory_reserved(self.device))
 
+    def reserved_without(self, ptrs: set[int]) -> int:
+        """What :meth:`reserved` will be once the tensors whose storages start at ``ptrs`` are
+        freed and the cache emptied: torch's segments less those that hold nothing else (NOTE
+        [outside memory] in _train.py). A segment they share with other tensors stays whole."""
+        total = 0
+        for seg in self.torch.cuda.memory_snapshot():
+            if seg.get("device", self.device.index) != self.device.index:
+                continue
+            live = [b for b in seg.get("blocks", ()) if b.get("state") != "inactive"]
+            if live and all(b["address"] in ptrs for b in live):
+                continue
+            total += int(seg["total_size"])
+        return total
+
     def reset_peak(self) -> None:
         self.torch.cuda.reset_peak_memory_stats(self.device)
 
@@ -72,6 +86,9 @@ class HostMemory:
         pass
 
     def reserved(self) -> int:
+        return 0
+
+    def reserved_without(self, ptrs: set[int]) -> int:
         return 0
 
     def max_reserved(self) -> int:

@@ -290,10 +290,13 @@ class TieredTraining:
         self._host_buffers: list[tuple[Any, str, Any]] = []      # (module, name, host tensor) moved in
         try:
             self._buffers_in(model)
-            self._adopt(tier, model, min_swap, window, swap)
+            self._adopt(tier, model, min_swap, window, swap,
+                        {d.untyped_storage().data_ptr() for _, d in originals if d.device == self.dev})
         except BaseException:
             self._rollback(originals)
             raise
+        del originals
+        self.mem.empty_cache()      # NOTE [outside memory]: the parameters' old memory goes back
 
     # NOTE [host models]
     #     A model bigger than the device cannot be moved there first, so wrap_training also takes
@@ -320,7 +323,17 @@ class TieredTraining:
                 m._buffers[name] = t.to(device)
         self._host_buffers = []
 
-    def _adopt(self, tier: Tier, model: Any, min_swap: int, window: int | None, swap: bool) -> None:
+    # NOTE [outside memory]
+    #     What torch holds on the device when tiermem takes the model over (the caller's other
+    #     tensors: a batch, a second model) is not the step's: the cap adds it to the budget and
+    #     the step's peak leaves it out. It is measured while the adoption still holds the
+    #     parameters' old device memory (a failed adoption gives it back to them), so the
+    #     segments that hold nothing but that memory are left out of it; the handle frees it once
+    #     adopted. Counting it in let torch take the model's parameter bytes beyond the budget,
+    #     and resident_peak() reported that much less than the step held: on the H100 the GPT of
+    #     bench/train_budget.py at 1/2.5 of its state (budget 1.40 GB) reported 0.26-0.33 GB for
+    #     steps that held 1.14-1.21 GB (bench/probes/probe_floor.py at 471d2c8).
+    def _adopt(self, tier: Tier, model: Any, min_swap: int, window: int | None, swap: bool, old: set[int]) -> None:
         torch = self.torch
         self.mem.synchronize()
         with torch.no_grad():
@@ -329,9 +342,7 @@ class TieredTraining:
                 self.mem.synchronize()
                 self.stream.bind_home(b)
         self.mem.empty_cache()
-        # Memory torch held before tiermem took over (the caller's other tensors) is not the
-        # step's: the cap leaves it out of the budget.
-        self.outside = self.mem.reserved()
+        self.outside = self.mem.reserved_without(old)
         nslots = self.stream.nslots
         slots = nslots * aligned(self.stream.needed_slot_bytes())
         # On the device only: the CPU tests' budgets are nominal, torch's CPU allocator has no cap.

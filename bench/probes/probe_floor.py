@@ -70,6 +70,8 @@ def main():
         print(train.plan.table())
         train.unwrap()
         del train, model, opt
+        import gc
+        gc.collect()
         torch.cuda.empty_cache()
     tier.close()
     from _path import RESULTS

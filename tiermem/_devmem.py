@@ -41,17 +41,15 @@ class DeviceMemory:
         return int(self.torch.cuda.max_memory_reserved(self.device))
 
     def reserved_without(self, ptrs: set[int]) -> int:
-        """What :meth:`reserved` will be once the tensors whose storages start at ``ptrs`` are
-        freed and the cache emptied: torch's segments less those that hold nothing else (NOTE
-        [outside memory] in _train.py). A segment they share with other tensors stays whole."""
+        """The device bytes torch's other tensors hold: its live blocks less the tensors whose
+        storages start at ``ptrs`` (NOTE [outside memory] in _train.py). Free space inside a
+        segment is not counted: the step can use it, so its peak counts it."""
         total = 0
         for seg in self.torch.cuda.memory_snapshot():
             if seg.get("device", self.device.index) != self.device.index:
                 continue
-            live = [b for b in seg.get("blocks", ()) if b.get("state") != "inactive"]
-            if live and all(b["address"] in ptrs for b in live):
-                continue
-            total += int(seg["total_size"])
+            total += sum(int(b["size"]) for b in seg.get("blocks", ())
+                         if b.get("state") != "inactive" and b["address"] not in ptrs)
         return total
 
     def reset_peak(self) -> None:

@@ -326,10 +326,11 @@ class TieredTraining:
     # NOTE [outside memory]
     #     What torch holds on the device when tiermem takes the model over (the caller's other
     #     tensors: a batch, a second model) is not the step's: the cap adds it to the budget and
-    #     the step's peak leaves it out. It is measured while the adoption still holds the
-    #     parameters' old device memory (a failed adoption gives it back to them), so the
-    #     segments that hold nothing but that memory are left out of it; the handle frees it once
-    #     adopted. Counting it in let torch take the model's parameter bytes beyond the budget,
+    #     the step's peak leaves it out. It is the bytes of those tensors' blocks in torch's
+    #     segments, not the segments: free space inside them is the step's to use, so its peak
+    #     counts it. It is measured while the adoption still holds the parameters' old device
+    #     memory (a failed adoption gives it back to them), that memory left out; the handle frees
+    #     it once adopted. Counting it in let torch take the model's parameter bytes beyond the budget,
     #     and resident_peak() reported that much less than the step held: on the H100 the GPT of
     #     bench/train_budget.py at 1/2.5 of its state (budget 1.40 GB) reported 0.26-0.33 GB for
     #     steps that held 1.14-1.21 GB (bench/probes/probe_floor.py at 471d2c8).

@@ -372,6 +372,7 @@ class TieredTraining:
         self._boundary_saves: dict[int, int] = {}
         self._expect: dict[int, tuple[int, ...]] | None = None
         self._refine = 0                       # steps left until the probe step (metered) is done
+        self._nesting = 1                      # streamed blocks the traced step used at once
         self._verify = 0                       # steps left before the plan is checked against the probe
         self._verify_ms: list[float] = []      # its timed steps
         self._probe: tuple[TrainPlan, float] | None = None   # the probe's plan and its measured step (ms)
@@ -466,6 +467,9 @@ class TieredTraining:
                 self._order.append(b.index)
             self._calls[b.index] = self._calls.get(b.index, 0) + 1
             self._boundary[b.index] = self._inputs(args)
+            if not b.resident:           # streamed blocks in use at once (NOTE [fewer slots])
+                depth = 1 + sum(not self.blocks[i].resident for i in self._seg)
+                self._nesting = max(self._nesting, depth)
         if not b.resident:
             pos = self._order.index(b.index) if b.index in self._order else len(self._order)
             upcoming = self._order[pos + 1:] if not self._tracing else []
@@ -1032,6 +1036,7 @@ class TieredTraining:
                                boundary_bytes=tuple(self._boundary.get(b.index, (0, 0))[0] for b in self.blocks),
                                fwd_ms=fwd, bwd_ms=bwd, block_names=tuple(b.name for b in self.blocks),
                                block_state_moved_bytes=tuple(b.s_bytes for b in self.blocks))
+        self._fit_slots(new_slot)
         if old is not None and old.key == self.trace.key and self.plan is not None and self.plan.recompute:
             # The same shapes diverged under a plan that recomputed: recomputing moved saves
             # from one segment to another. Plan without it from now on.
@@ -1046,6 +1051,37 @@ class TieredTraining:
         self._take(self._plan_for(self.trace, "always" if probe else None))
         self._tracing = False
         self._restart_timing()
+
+    # NOTE [fewer slots]
+    #     The traced step holds its floor within the budget, but the steps after it hold more:
+    #     the slots grow to bring each block's optimizer states in (the trace's first step made
+    #     them). Where even the plan that keeps nothing (every block streamed, every activation
+    #     moved) would then pass the budget, the ring gives up slots, one at a time, down to two
+    #     (one in use, one filling) or to the streamed blocks the traced step used at once plus
+    #     one: each slot fewer is one block's parameters, gradients and states fewer, and one
+    #     block fewer brought in ahead of use. If that is not enough, the step is refused with
+    #     what it needs, rather than torch's allocator running out in the next step. On the H100
+    #     the GPT of bench/train_budget.py at 1/4 of its state (0.875 GB) needed 0.925 GB with
+    #     three slots (bench/probes/probe_floor.py at e2aaa74).
+    def _fit_slots(self, slot: int) -> None:
+        st = self.stream
+        while True:
+            need = self._plan_for(self.trace, "never").predicted_peak
+            if need <= self.budget:
+                return
+            least = max(2, self._nesting + 1)
+            if st.nslots <= least:
+                raise OutOfBudgetError(need, 0, self.budget, hint=(
+                    f"the traced step held {self.floor:,} bytes with every block streamed and every "
+                    f"activation moved, and its {st.nslots} slots must grow to {slot:,} bytes each to bring "
+                    f"the optimizer states in; raise the budget to at least {need:,} bytes, or wrap with a "
+                    "smaller block_bytes (NOTE [fewer slots])"))
+            log.warning("tiermem: a budget of %s bytes holds the step only with %d slots, not %d: lookahead "
+                        "lowered to %d (NOTE [fewer slots])", f"{self.budget:,}", st.nslots - 1, st.nslots,
+                        st.lookahead - 1)
+            st.nslots -= 1
+            st.lookahead -= 1
+            self.trace = dataclasses.replace(self.trace, floor_peak=max(self.trace.floor_peak - slot, 0))
 
     def _last_step_ms(self) -> float:
         """The step just finished, on the compute stream (waits for it). 0 when not timed."""

@@ -31,7 +31,7 @@ def test_thirty_steps_recomputing_and_swapping_give_the_resident_losses_bitwise(
     batches = _batches(GPTConfig(**CFG), 30)
     want, want_params = _resident_losses(batches)
     _cleanup()
-    budget = 192 * MiB
+    budget = 288 * MiB
     tier, model, opt, train, c = _tiered(budget, recompute=recompute)
     got, peaks = _train_losses(train, model, batches)
     plan = train.plan
@@ -76,7 +76,7 @@ def test_dropout_in_recomputed_blocks_gives_the_resident_losses_bitwise():
         tier = train = None
         if tiered:
             tier = tiermem.Tier(0, cap="1GiB")
-            train = tier.wrap_training(blocks, opt, 160 * MiB, block_bytes=16 * MiB, min_swap=256 << 10,
+            train = tier.wrap_training(blocks, opt, 320 * MiB, block_bytes=16 * MiB, min_swap=256 << 10,
                                        recompute="always")
         torch.manual_seed(7)
         out = []

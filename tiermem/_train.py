@@ -1055,8 +1055,8 @@ class TieredTraining:
     # NOTE [fewer slots]
     #     The traced step holds its floor within the budget, but the steps after it hold more:
     #     the slots grow to bring each block's optimizer states in (the trace's first step made
-    #     them). Where even the plan that keeps nothing (every block streamed, every activation
-    #     moved) would then pass the budget, the ring gives up slots, one at a time, down to two
+    #     them). Where the traced step's peak with the grown slots, plus tiermem's resident
+    #     bytes, would pass the budget, the ring gives up slots, one at a time, down to two
     #     (one in use, one filling) or to the streamed blocks the traced step used at once plus
     #     one: each slot fewer is one block's parameters, gradients and states fewer, and one
     #     block fewer brought in ahead of use. If that is not enough, the step is refused with
@@ -1066,7 +1066,7 @@ class TieredTraining:
     def _fit_slots(self, slot: int) -> None:
         st = self.stream
         while True:
-            need = self._plan_for(self.trace, "never").predicted_peak
+            need = self.trace.floor_peak + self.tier.resident_bytes     # measured, nothing kept
             if need <= self.budget:
                 return
             least = max(2, self._nesting + 1)

@@ -377,3 +377,20 @@ class _FakeHostBlock(HostBlock):
             self._released = True
             self._fake._free(self.ptr, self.nbytes, managed=False)
         self._handle = None
+
+
+class PeakedHostMemory:
+    """Host memory controls whose allocator reports a step's peak, as CUDA's caching allocator
+    does on a GPU (torch's CPU allocator reports none): ``peak`` is bytes, or a function of
+    nothing called when the step ends, so a test can set it from what the step made."""
+
+    def __init__(self, inner: Any, peak: Any = 0):
+        self.inner = inner
+        self.device = inner.device
+        self.peak = peak
+
+    def max_reserved(self) -> int:
+        return int(self.peak() if callable(self.peak) else self.peak)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)

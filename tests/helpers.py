@@ -1,4 +1,4 @@
-"""Small helpers shared by the CPU tests: stats slices, call filters and random fills."""
+"""Small helpers shared by the tests: stats slices, call filters, random fills and HF Trainer's loop."""
 from __future__ import annotations
 
 from typing import Any
@@ -87,3 +87,27 @@ def checkpoint_share(path: Any, percent: int) -> int:
     """``percent`` of the weights load_pretrained would read from ``path``, in bytes."""
     from tiermem._plan import plan_model
     return plan_model(path, 1 << 50).plan.total * percent // 100
+
+
+def trainer_optimizer(model: Any, make_opt: Any) -> tuple[Any, Any]:
+    """HF Trainer's optimizer set-up over ``model``: two parameter groups (no weight decay for
+    biases and norms), built by ``make_opt(groups)``, and a linear warm-up over four steps."""
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    rest = [p for p in model.parameters() if p.ndim < 2]
+    opt = make_opt([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}])
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 4))
+
+
+def trainer_loop(model: Any, opt: Any, sched: Any, batches: Any, loss_fn: Any) -> list[torch.Tensor]:
+    """HF Trainer's plain step over ``batches``: backward, clip to 1.0, step, schedule, zero the
+    gradients. Returns the detached losses."""
+    out = []
+    for ids in batches:
+        loss = loss_fn(model, ids)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        out.append(loss.detach())
+    return out

@@ -642,24 +642,14 @@ def test_a_ported_trainer_loop_with_fused_adamw_gives_the_resident_losses_bitwis
     from tiermem.models import GPTConfig
     batches = _batches(GPTConfig(**CFG), 8)
 
+    from helpers import trainer_loop, trainer_optimizer
+
     def build():
         model, _ = _gpt()
-        decay = [p for p in model.parameters() if p.ndim >= 2]
-        rest = [p for p in model.parameters() if p.ndim < 2]
-        opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
-                                lr=1e-3, fused=True)
-        return model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 4))
+        return (model, *trainer_optimizer(model, lambda g: torch.optim.AdamW(g, lr=1e-3, fused=True)))
 
     model, opt, sched = build()
-    want = []
-    for ids in batches:
-        loss = _loss(model, ids)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        want.append(loss.detach())
+    want = trainer_loop(model, opt, sched, batches, _loss)
     want_params = [p.detach().clone() for p in model.parameters()]
     want_lr = [g["lr"] for g in opt.param_groups]
     del model, opt, sched

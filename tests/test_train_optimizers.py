@@ -14,6 +14,7 @@ import torch
 
 import tiermem
 from fakes import FakeBackend
+from helpers import trainer_loop, trainer_optimizer
 from test_train import _deterministic, batches, gpt, loss_of, state_bytes  # noqa: F401  (fixture)
 
 OPTIMIZERS = {
@@ -30,26 +31,14 @@ OPTIMIZERS = {
 def _hf_style(name: str):
     """The GPT with HF Trainer's two groups, its warm-up schedule, and optimizer ``name``."""
     model, _ = gpt()
-    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
-    rest = [p for n, p in model.named_parameters() if p.ndim < 2]
-    opt = OPTIMIZERS[name]([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}])
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 4))
-    return model, opt, sched
+    return (model, *trainer_optimizer(model, OPTIMIZERS[name]))
 
 
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_a_ported_trainer_loop_gives_the_plain_loops_losses_and_parameters_bitwise(name):
     bs = batches(6)
     model, opt, sched = _hf_style(name)
-    want = []
-    for ids in bs:
-        loss = loss_of(model, ids)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        want.append(float(loss.detach()))
+    want = [float(x) for x in trainer_loop(model, opt, sched, bs, loss_of)]
     want_params = [p.detach().clone() for p in model.parameters()]
     want_lr = [g["lr"] for g in opt.param_groups]
 

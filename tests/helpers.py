@@ -100,14 +100,15 @@ def trainer_optimizer(model: Any, make_opt: Any) -> tuple[Any, Any]:
 
 def trainer_loop(model: Any, opt: Any, sched: Any, batches: Any, loss_fn: Any) -> list[torch.Tensor]:
     """HF Trainer's plain step over ``batches``: backward, clip to 1.0, step, schedule, zero the
-    gradients. Returns the detached losses."""
+    gradients through the model, as Trainer does. Returns the detached losses."""
     out = []
+    model.zero_grad()
     for ids in batches:
         loss = loss_fn(model, ids)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
-        opt.zero_grad(set_to_none=True)
+        model.zero_grad()
         out.append(loss.detach())
     return out

@@ -660,11 +660,13 @@ def test_a_ported_trainer_loop_with_fused_adamw_gives_the_resident_losses_bitwis
     train = tier.wrap_training(model, opt, BUDGET, block_bytes=1 * MiB, min_swap=256 << 10, max_grad_norm=1.0,
                                speculate=speculate)
     got, peaks = [], []
+    model.zero_grad()                # Trainer's loop, ported: its zero_grad calls are harmless
     for ids in batches:
         with train.step():
             loss = _loss(model, ids)
             loss.backward()
         sched.step()
+        model.zero_grad()
         got.append(loss.detach())
         peaks.append(train.resident_peak())
     print(train.plan.table(), train.speculation)

@@ -13,7 +13,7 @@ PKG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 
 
 # Lowest first. A new module must be placed here, on purpose.
 LAYERS = [
-    ("base", {"_errors", "_dtypes", "_limits", "roles", "_default", "_hostpages"}),
+    ("base", {"_errors", "_dtypes", "_limits", "roles", "_default", "_hostpages", "_held"}),
     ("cuda", {"_cuda", "_backend", "_staging"}),
     ("core", {"_stats", "_lease", "_transfer", "_stream", "_tensor", "_report", "_engine"}),
     ("adapters", {"_devmem", "_torch", "_swap", "_trainplan", "_arena", "_meter", "_recompute", "_module", "_clip", "_trainslots", "_trainstates", "_train", "_load", "_kvikio", "_disk", "_torch_alloc",

@@ -196,3 +196,22 @@ def test_in_place_groups_are_pinned_last_with_what_the_budget_leaves():
     assert "head" in p.pinned and "emb" not in p.pinned and p.moved_bytes == 40 - sum(
         n for g, n in sizes if g in p.pinned and g.startswith("l"))
     assert plan_residency(sizes, 240, lookahead=2, in_place={"emb"}).pinned == {"emb", "l0", "l1", "head"}
+
+
+def test_a_held_module_refuses_copies_until_unwrap(tier, fake):
+    """NOTE [held modules]: copy.deepcopy or pickling of a module wrap_module holds would carry
+    the handle's hooks and the streamed weights' memory: refused, saying what to do; after
+    unwrap() it copies and pickles as any module, with its values."""
+    import pickle
+    m = _model()
+    h = tier.wrap_module(m, budget=share(m, 40), max_group_bytes=1 * MiB, mode="stream")
+    for copier in (copy.deepcopy, copy.copy, pickle.dumps):
+        with pytest.raises(tiermem.errors.WrapError, match="before wrapping or after unwrap"):
+            copier(m)
+    sd = {k: v.clone() for k, v in m.state_dict().items()}     # what to use instead
+    x = torch.randn(8, 256)
+    y = m(x)
+    h.unwrap()
+    twin = pickle.loads(pickle.dumps(copy.deepcopy(m)))
+    assert torch.equal(twin(x), y)
+    assert all(torch.equal(v, twin.state_dict()[k]) for k, v in sd.items())

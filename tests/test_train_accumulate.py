@@ -249,11 +249,13 @@ def test_step_times_wait_for_their_events_and_come_from_updating_steps_only():
 
 # -- NOTE [zero_grad] ----------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("owner", ["optimizer", "model"])
 @pytest.mark.parametrize("budget", ["streamed", "in capacity"])
-def test_zero_grad_before_backward_is_a_plain_loops_and_after_backward_is_refused(budget):
-    """A ported loop that keeps ``optimizer.zero_grad()`` at the top of each iteration trains as
-    the plain loop; one inside a window drops the window's gradients, streamed blocks' too, as a
-    plain loop's would; one after backward inside the step is refused, the step failing cleanly."""
+def test_zero_grad_before_backward_is_a_plain_loops_and_after_backward_is_refused(budget, owner):
+    """A ported loop that keeps ``optimizer.zero_grad()`` (or transformers' Trainer's
+    ``model.zero_grad()``) at the top of each iteration trains as the plain loop; one inside a
+    window drops the window's gradients, streamed blocks' too, as a plain loop's would; one after
+    backward inside the step is refused, the step failing cleanly."""
     bs = batches(2 * N + 3)
     drop_at = N + 1                      # zero_grad before the second window's second micro-batch
     model_p, opt_p = gpt()
@@ -269,11 +271,12 @@ def test_zero_grad_before_backward_is_a_plain_loops_and_after_backward_is_refuse
             opt_p.zero_grad(set_to_none=True)
     kw = {} if budget == "streamed" else {"budget": 1 << 29}
     fake, tier, model, opt, train = tiered(accumulate=N, **kw)
+    zero = {"optimizer": opt, "model": model}[owner]
     got = []
     for i, ids in enumerate(bs[:2 * N + 1]):
         with train.step():
             if i == drop_at or train.accumulated == 0:
-                opt.zero_grad()          # at a window's top: harmless; inside one: drops it
+                zero.zero_grad()         # at a window's top: harmless; inside one: drops it
             loss = loss_of(model, ids)
             (loss / N).backward()
         got.append(float(loss.detach()))
@@ -284,13 +287,47 @@ def test_zero_grad_before_backward_is_a_plain_loops_and_after_backward_is_refuse
             loss_of(model, ids).backward()
     p = train.plan
     assert (not (p.streamed_blocks or p.recompute or p.swapped_bytes)) == (budget == "in capacity")
-    with pytest.raises(tiermem.TierMemError, match="zero_grad"):
+    with pytest.raises(tiermem.TierMemError, match=f"{owner}.zero_grad"):
         with train.step():
             loss_of(model, bs[-2]).backward()
-            opt.zero_grad()
+            zero.zero_grad()
     with train.step():
         loss_of(model, bs[-1]).backward()
-    assert "zero_grad" in vars(opt)
+    assert "zero_grad" in vars(opt) and "zero_grad" in vars(model)
     train.unwrap()
-    assert "zero_grad" not in vars(opt)          # the class's own again
-    opt.zero_grad()
+    assert "zero_grad" not in vars(opt) and "zero_grad" not in vars(model)   # the classes' own again
+    zero.zero_grad()
+
+
+def test_a_held_model_refuses_copies_and_its_optimizer_copies_plain():
+    """copy.deepcopy or pickling of a model tiermem trains would carry tiermem's hooks, still
+    calling the original's handle: refused with WrapError (NOTE [held modules]). A copy of its
+    optimizer has the plain zero_grad, which neither reaches the handle nor the original's
+    gradients. After unwrap() the model copies as any module does."""
+    import copy
+    import pickle
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(6)])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    tier = tiermem.Tier(backend=FakeBackend(total=1 << 30, foreign_host=True))
+    train = tier.wrap_training(model, opt, state_bytes(model), block_bytes=16 << 10, min_swap=1 << 30)
+    x = torch.randn(8, 64)
+    for copier in (copy.deepcopy, copy.copy, pickle.dumps, lambda m: copy.deepcopy({"ema": m})):
+        with pytest.raises(tiermem.errors.WrapError, match="unwrap"):
+            copier(model)
+    for i in range(2):
+        with train.step():
+            model(x).square().mean().backward()
+            if i == 1:
+                for twin in (copy.deepcopy(opt), pickle.loads(pickle.dumps(opt))):
+                    assert "zero_grad" not in vars(twin)
+                    twin.zero_grad()   # where the original's would be refused
+    assert train.plan.streamed_blocks and train.steps == 2
+    with pytest.raises(tiermem.TierMemError, match="model.zero_grad"):
+        with train.step():
+            model(x).square().mean().backward()
+            model.zero_grad()
+    train.unwrap()
+    assert not {"__deepcopy__", "__reduce_ex__", "zero_grad"} & set(vars(model))
+    twin = pickle.loads(pickle.dumps(copy.deepcopy(model)))
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), twin.parameters()))

@@ -49,11 +49,13 @@ def test_a_ported_trainer_loop_gives_the_plain_loops_losses_and_parameters_bitwi
     train = tier.wrap_training(model, opt, state_bytes(model), block_bytes=16 << 10, min_swap=4096,
                                max_grad_norm=1.0)
     got = []
+    model.zero_grad()                # Trainer's loop, ported: its zero_grad calls are harmless
     for ids in bs:
         with train.step():
             loss = loss_of(model, ids)
             loss.backward()
         sched.step()
+        model.zero_grad()
         got.append(float(loss.detach()))
     assert train.plan.streamed_blocks
     assert got == want

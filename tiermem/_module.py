@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any
 from ._errors import CheckpointError, ConfigError, DeviceFullError, TierMemError, WrapError
 from ._limits import parse_bytes
 from ._disk import READERS, STAGES, DiskTier
+from ._held import CopyGuard
 from ._load import FileTensor, Reader, host_bytes
 from ._stream import Lane, SlotRing, now
 from .roles import Evict, Location, Policy, Role
@@ -798,6 +799,7 @@ class TieredModule:
                         self._hooks.append(t.register_post_accumulate_grad_hook(
                             lambda p, g=g, i=i: self._stream.offload_grad(g, i, p)))
             self._stream.bind_home()       # the last step; it cannot fail
+        self._hooks.append(CopyGuard(module))   # NOTE [held modules]
         module._tiermem_handle = weakref.ref(self)
 
     def _rollback(self, originals: list[tuple[Any, Any]]) -> None:

@@ -115,6 +115,7 @@ from typing import TYPE_CHECKING, Any
 from ._clip import NormParts
 from ._devmem import device_memory
 from ._errors import ConfigError, ConfigTypeError, DeviceFullError, OutOfBudgetError, TierMemError, WrapError
+from ._held import CopyGuard
 from ._limits import check_bytes, parse_bytes
 from ._meter import StallMeter
 from ._module import module_groups
@@ -406,7 +407,9 @@ class TieredTraining:
             for p in b.trainable:
                 self._hooks.append(p.register_post_accumulate_grad_hook(lambda p, b=b: self._grad_done(b, p)))
         self._state_hooks = self.states.hooks() + [model.register_load_state_dict_pre_hook(_model_loading(self)),
-                                                   _ZeroGradHook(self.opt, _zero_grad_called(self))]
+                                                   _ZeroGradHook(self.opt, _zero_grad_called(self, "optimizer")),
+                                                   _ZeroGradHook(model, _zero_grad_called(self, "model")),
+                                                   CopyGuard(model)]       # NOTE [held modules]
         model._tiermem_handle = weakref.ref(self)
 
     def _rollback(self, originals: list[tuple[Any, Any]]) -> None:
@@ -735,18 +738,22 @@ class TieredTraining:
             self._step_block(b)
 
     # NOTE [zero_grad]
-    #     Plain loops call optimizer.zero_grad(), and a loop ported to train.step() keeps it. Before
-    #     backward it is harmless, except inside an accumulation window, where it drops the
-    #     window's gradients: then it drops the streamed blocks' too, which wait at home where
-    #     zero_grad cannot see them, as a plain loop's zero_grad would (NOTE [accumulation]).
-    #     After backward inside a step it would drop the resident blocks' gradients before their
-    #     step at the step's end, while the streamed blocks stepped already: refused. tiermem
-    #     wraps the optimizer's zero_grad on the instance for that, as torch's LR schedulers wrap
-    #     its step, and unwrap() puts it back. ``model.zero_grad()`` is not seen.
-    def _zero_grad(self) -> None:
-        """Before the optimizer's zero_grad (NOTE [zero_grad])."""
+    #     Plain loops call optimizer.zero_grad(), and transformers' Trainer calls model.zero_grad()
+    #     after each optimizer step; a loop ported to train.step() keeps either. Before backward it
+    #     is harmless, except inside an accumulation window, where it drops the window's
+    #     gradients: then it drops the streamed blocks' too, which wait at home where zero_grad
+    #     cannot see them, as a plain loop's zero_grad would (NOTE [accumulation]). After backward
+    #     inside a step it would drop the resident blocks' gradients before their step at the
+    #     step's end, while the streamed blocks stepped already: refused. tiermem wraps the
+    #     zero_grad of the optimizer and of the model on the instance for that, as torch's LR
+    #     schedulers wrap the optimizer's step, and unwrap() puts them back. A submodule's own
+    #     zero_grad is not seen. A copy of the optimizer leaves the wrapper out (torch's
+    #     Optimizer.__getstate__ keeps its state and groups only); the model refuses copies
+    #     while tiermem holds it (NOTE [held modules] in _held.py).
+    def _zero_grad(self, owner: str) -> None:
+        """Before the zero_grad of ``owner``, "optimizer" or "model" (NOTE [zero_grad])."""
         if self._in_step and (self.stream.in_backward or self._got or self._resident_grads_changed()):
-            raise TierMemError("optimizer.zero_grad() after backward inside train.step() would drop gradients "
+            raise TierMemError(f"{owner}.zero_grad() after backward inside train.step() would drop gradients "
                                "before their optimizer step: drop it, the handle clears the gradients itself")
         if self.accumulated:
             log.info("tiermem: zero_grad() inside an accumulation window drops its %d micro-batches' gradients",
@@ -1366,32 +1373,33 @@ def _leaves_grads() -> tuple[type, ...]:
 
 
 class _ZeroGradHook:
-    """The optimizer's zero_grad wrapped on the instance (NOTE [zero_grad]); remove() puts it back."""
+    """``obj``'s zero_grad (an optimizer's or a module's) wrapped on the instance so that
+    ``before`` runs first (NOTE [zero_grad]); remove() puts it back."""
 
-    def __init__(self, opt: Any, before: Any):
-        self.opt, self.had, self.old = opt, "zero_grad" in vars(opt), vars(opt).get("zero_grad")
-        inner = opt.zero_grad
+    def __init__(self, obj: Any, before: Any):
+        self.obj, self.had, self.old = obj, "zero_grad" in vars(obj), vars(obj).get("zero_grad")
+        inner = obj.zero_grad
 
         def zero_grad(*args: Any, **kwargs: Any) -> Any:
             before()
             return inner(*args, **kwargs)
-        opt.zero_grad = zero_grad
+        object.__setattr__(obj, "zero_grad", zero_grad)
 
     def remove(self) -> None:
         if self.had:
-            self.opt.zero_grad = self.old
+            object.__setattr__(self.obj, "zero_grad", self.old)
         else:
-            vars(self.opt).pop("zero_grad", None)
+            vars(self.obj).pop("zero_grad", None)
 
 
-def _zero_grad_called(handle: TieredTraining) -> Any:
-    """What the wrapped zero_grad calls first; it holds the handle weakly."""
+def _zero_grad_called(handle: TieredTraining, owner: str) -> Any:
+    """What the wrapped zero_grad of ``owner`` calls first; it holds the handle weakly."""
     ref = weakref.ref(handle)
 
     def before() -> None:
         h = ref()
         if h is not None:
-            h._zero_grad()
+            h._zero_grad(owner)
     return before
 
 

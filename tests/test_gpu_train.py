@@ -3,6 +3,7 @@ Managed use stays far below 1 GiB; the budgets are tens of MiB."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import gc
 
 import pytest
@@ -800,7 +801,9 @@ def test_a_transformers_model_accumulates_clips_and_generates_between_steps_on_a
     max_grad_norm=1.0 (NOTE [accumulation], NOTE [clipping]): the losses and norms follow the
     resident loop's with clip_grad_norm_ (SDPA's backward is not bitwise repeatable, so within
     2e-3), within the budget; generate() between steps (NOTE [evaluation between steps]) gives
-    the tokens the same weights give once unwrapped."""
+    the tokens the same weights give once unwrapped. The loop calls model.zero_grad() where
+    transformers' Trainer does (NOTE [zero_grad]), and an EMA-style copy.deepcopy of the held
+    model is refused (NOTE [held modules])."""
     from test_gpu_module import _take_device
     torch = _setup()
     import tiermem
@@ -838,6 +841,7 @@ def test_a_transformers_model_accumulates_clips_and_generates_between_steps_on_a
         budget = free * 9 // 10
         train = tier.wrap_training(model, opt, budget, block_bytes=8 * MiB, accumulate=2, max_grad_norm=1.0)
         got, norms, peaks = [], [], []
+        model.zero_grad()
         for i, ids in enumerate(batches):
             with train.step():
                 loss = model(input_ids=ids, labels=ids).loss
@@ -846,6 +850,10 @@ def test_a_transformers_model_accumulates_clips_and_generates_between_steps_on_a
             peaks.append(train.resident_peak())
             if i % 2:
                 norms.append(float(train.grad_norm))
+                model.zero_grad()                # Trainer's, after each update: harmless
+            if i == 2:
+                with pytest.raises(tiermem.errors.WrapError, match="unwrap"):
+                    copy.deepcopy(model)
             if i == 5:                           # generate between an update and the next window
                 model.eval()
                 with torch.no_grad():

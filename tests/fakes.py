@@ -100,6 +100,7 @@ class FakeBackend:
         self.events_pending = False    # query() then says no event is done yet (the work is, here)
         self.waits: list[tuple[int, int | None]] = []   # (waiting stream, stream the event was recorded on)
         self._live = {"managed": 0, "pinned": 0, "device": 0}
+        self.peak_live = dict(self._live)   # the most of each kind live at once; tests may reset it
         self.faults = FaultInjector()
 
     # -- failure injection (see the module docstring) ------------------------------------------
@@ -150,6 +151,7 @@ class FakeBackend:
             self._arrays[ptr] = arr
             self._kind[ptr] = kind
             self._live[kind] += nbytes
+            self.peak_live[kind] = max(self.peak_live[kind], self._live[kind])
             if kind == "managed":
                 self.state[ptr] = _State()
         return ptr, arr
@@ -180,10 +182,17 @@ class FakeBackend:
     def pool_bytes(self) -> dict[str, int]:
         return {"used": self.guard.reserved, "cached": 0, "reserved": self.guard.reserved}
 
-    def host_alloc(self, nbytes: int, pooled: bool = True) -> HostBlock:
+    def host_alloc(self, nbytes: int, pooled: bool = True, fill=None) -> HostBlock:
         ptr, arr = self._new(nbytes, "pinned")
         self.calls.append(("host_alloc", nbytes))
-        return _FakeHostBlock(self, ptr, nbytes, arr)
+        block = _FakeHostBlock(self, ptr, nbytes, arr)
+        if fill is not None:        # the real backend's contract: what fill raises, with the block given back
+            try:
+                fill(ptr)
+            except BaseException:
+                block.release()
+                raise
+        return block
 
     def device_alloc(self, nbytes: int, pooled: bool = True) -> Block:
         if self.device_full:

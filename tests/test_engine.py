@@ -564,3 +564,29 @@ def test_a_buffer_collected_by_the_cycle_collector_does_not_deadlock_stats():
     except subprocess.TimeoutExpired:
         pytest.fail("tier.stats() hung while the garbage collector freed a tiered buffer")
     assert (out.returncode, out.stdout.strip()) == (0, "0")
+
+
+def test_a_groups_policy_is_advised_in_one_call_per_advice_with_the_per_tensor_outcome():
+    """change_policies (what wrap_module's resident groups use) advises each run of adjacent
+    members of one allocation in one call per advice, another allocation on its own, and leaves
+    every range as advising each tensor alone would."""
+    def build():
+        fake = FakeBackend(total=1 << 30)
+        t = tiermem.Tier(backend=fake)
+        members = t.empty_group([(MiB, "uint8"), ((256, 1024), "float32"), (3000, "uint8")], role="input")
+        return fake, t, members + [t.empty(MiB, "uint8", role="input")]
+    fake, t, ts = build()
+    pol = t.policies[Role.FROZEN_WEIGHT]
+    plan = advice_plan(pol)
+    assert len(plan) >= 2
+    n0, a0 = len(calls(fake, "advise")), t.stats()["advice.input.applied"]
+    t.change_policies([m.buffer for m in reversed(ts)], pol)
+    made = {(c[1], c[2]) for c in calls(fake, "advise")[n0:]}
+    assert len(calls(fake, "advise")) - n0 == 2 * len(plan)
+    assert made == {(ts[0].data_ptr, 2 * MiB + 64 * 1024), (ts[3].data_ptr, ts[3].buffer.span)}
+    assert t.stats()["advice.input.applied"] - a0 == 2 * len(plan)     # the calls made
+    ref_fake, ref_t, ref = build()
+    for m in ref:
+        m.advise(policy=pol)
+    assert [m.range_info() for m in ts] == [m.range_info() for m in ref]
+    assert all(m.buffer.policy == pol for m in ts)

@@ -41,6 +41,22 @@ def test_pages_are_zeroed_resident_writable_and_given_back(nbytes, threads):
         assert _rss_kb() - before < 0.1 * nbytes / 1024
 
 
+def test_untouched_pages_fault_in_as_zeros_where_first_written():
+    """touch=False (NOTE [filled before pinning]): nothing is resident until written, and what
+    is read before any write is zero."""
+    n = 64 * MiB
+    before = _rss_kb()
+    ptr = _hostpages.map_pages(n, 8, touch=False)
+    try:
+        assert _rss_kb() - before < 0.1 * n / 1024
+        pattern = os.urandom(4096)
+        ctypes.memmove(ptr + n // 2, pattern, 4096)
+        view = (ctypes.c_ubyte * n).from_address(ptr)
+        assert bytes(view[n // 2:n // 2 + 4096]) == pattern and bytes(view[:4096]) == bytes(4096)
+    finally:
+        _hostpages.unmap_pages(ptr, n)
+
+
 def test_a_mapping_the_kernel_refuses_is_a_memory_error():
     with pytest.raises(MemoryError, match="mmap of"):
         _hostpages.map_pages(1 << 62)

@@ -412,8 +412,11 @@ def test_experts_saved_one_by_one_are_read_stacked_in_place_and_give_the_models_
     tokens = ref.generate(ids, max_new_tokens=5, do_sample=False)
     host_budget = None
     for _ in range(2):          # all streamed groups in the pinned home, then 80% of them and the rest on disk
+        fake.peak_live["pinned"] = 0
         model, h = load_pretrained(d, budget=checkpoint_share(d, 30), host_budget=host_budget, tier=tier, max_group_bytes=60_000)
         assert bool(h.plan.on_disk) == (host_budget is not None)
+        if host_budget is not None:         # the resident groups' read buffers included
+            assert fake.peak_live["pinned"] <= host_budget
         home = h.stats()["pinned_bytes.home"]
         with torch.no_grad():
             assert torch.equal(model(ids).logits, want), host_budget

@@ -38,7 +38,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from . import _cuda
@@ -98,7 +98,7 @@ class Backend(Protocol):
     def allocate(self, nbytes: int, pool_key: str) -> Block: ...
     def release_cached(self) -> int: ...
     def pool_bytes(self) -> dict[str, int]: ...
-    def host_alloc(self, nbytes: int, pooled: bool = True) -> HostBlock: ...
+    def host_alloc(self, nbytes: int, pooled: bool = True, fill: Callable[[int], None] | None = None) -> HostBlock: ...
     def device_alloc(self, nbytes: int, pooled: bool = True) -> Block: ...
     def advise(self, ptr: int, nbytes: int, advice: Advice) -> None: ...
     def prefetch(self, ranges: Sequence[tuple[int, int]], location: Location, stream: int) -> None: ...
@@ -238,18 +238,28 @@ class CudaBackend:
         total = sum(p.total_bytes() for p in pools.values())
         return {"used": used, "cached": total - used, "reserved": total}
 
-    def host_alloc(self, nbytes: int, pooled: bool = True) -> HostBlock:
+    def host_alloc(self, nbytes: int, pooled: bool = True, fill: Callable[[int], None] | None = None) -> HostBlock:
         """Pinned host memory from CuPy's pinned pool, which keeps it for reuse when released; or,
         with ``pooled=False``, for memory that lives long (a module's or a training's home), a
         large block made by registration, ~8x faster to get than from cudaHostAlloc and given
-        back to the host when released (NOTE [pinned by registration])."""
+        back to the host when released (NOTE [pinned by registration]). ``fill(ptr)`` writes the
+        block's bytes (host writes only) before it is returned: for a block made by registration,
+        before it is pinned (NOTE [filled before pinning]). Bytes it leaves alone are unspecified.
+        What ``fill`` raises comes out, with the block given back."""
         if not pooled and nbytes >= HOST_REGISTER_MIN:
             with self._cupy.cuda.Device(self.device):
-                reg = _cuda.host_register(nbytes, threads=HOST_THREADS)
+                reg = _cuda.host_register(nbytes, threads=HOST_THREADS, fill=fill)
             if reg is not None:
                 return HostBlock(reg.ptr, nbytes, "pinned", reg)
         mp = self._pinned.malloc(nbytes)
-        return HostBlock(mp.ptr, nbytes, "pinned", mp)
+        block = HostBlock(mp.ptr, nbytes, "pinned", mp)
+        if fill is not None:
+            try:
+                fill(block.ptr)
+            except BaseException:
+                block.release()
+                raise
+        return block
 
     def device_alloc(self, nbytes: int, pooled: bool = True) -> Block:
         """Plain device memory: copies from pinned memory into it run at the full link rate, ~9%

@@ -76,7 +76,7 @@ import math
 import numbers
 import threading
 import weakref
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from . import _dtypes
@@ -477,6 +477,32 @@ class Engine:
         for advice in plan:
             self.backend.advise(ptr, n, advice)
         self.accounting.count(buf.role, "advice_applied", len(plan))
+
+    def change_policies(self, bufs: Sequence[Buffer], policy: Policy) -> None:
+        """Give every buffer of ``bufs`` ``policy`` and apply its advice, one call per advice for
+        each run of adjacent buffers of one allocation (a group's members): one tensor at a time,
+        a module's resident groups took 70 ms of a 0.74 s checkpoint load on the H100
+        (bench/probes/probe_load.py)."""
+        plan = advice_plan(policy)
+        with self._lock:
+            runs: list[list[Any]] = []          # [allocation, start, end, role]
+            for b in sorted(bufs, key=lambda b: b.ptr):
+                b.policy = policy
+                if not policy.read_only:
+                    b.shadow_valid = False
+                ptr, n = self.page_range(b)
+                if runs and runs[-1][0] == b.block.alloc and ptr <= runs[-1][2]:
+                    runs[-1][2] = max(runs[-1][2], ptr + n)
+                else:
+                    runs.append([b.block.alloc, ptr, ptr + n, b.role])
+            if not self.backend.capabilities().supports("advise"):
+                for b in bufs:
+                    self.accounting.count(b.role, "advice_skipped", len(plan))
+                return
+            for _, start, end, role in runs:
+                for advice in plan:
+                    self.backend.advise(start, end - start, advice)
+                self.accounting.count(role, "advice_applied", len(plan))
 
     def change_policy(self, buf: Buffer, policy: Policy | None, changes: Mapping[str, Any]) -> Policy:
         with self._lock:

@@ -41,12 +41,13 @@ def available() -> bool:
     return os.name == "posix" and hasattr(mmap, "MAP_ANONYMOUS")
 
 
-def map_pages(nbytes: int, threads: int = 8) -> int:
-    """``nbytes`` of private anonymous memory, zeroed and resident, asked for in huge pages and
-    left out of a forked child (a DataLoader worker must not share pages the GPU reads). Written
-    by ``threads`` threads (``memset`` through ctypes lets go of the GIL): faulting pages in is
-    the cost, and it spreads over cores. Returns the address; raises MemoryError if the kernel
-    refuses the mapping."""
+def map_pages(nbytes: int, threads: int = 8, touch: bool = True) -> int:
+    """``nbytes`` of private anonymous memory, zeroed, asked for in huge pages and left out of a
+    forked child (a DataLoader worker must not share pages the GPU reads). With ``touch`` it is
+    made resident, written by ``threads`` threads (``memset`` through ctypes lets go of the GIL):
+    faulting pages in is the cost, and it spreads over cores. Without, the pages fault in (as
+    zeros) where the caller first writes them. Returns the address; raises MemoryError if the
+    kernel refuses the mapping."""
     lib = _lib()
     n = int(nbytes)
     ptr = lib.mmap(None, n, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
@@ -55,6 +56,8 @@ def map_pages(nbytes: int, threads: int = 8) -> int:
     try:
         lib.madvise(ptr, n, MADV_HUGEPAGE)   # advice only: without huge pages it is slower, not wrong
         lib.madvise(ptr, n, MADV_DONTFORK)
+        if not touch:
+            return ptr
         k = max(1, min(int(threads), n >> 24))   # at least 16 MiB per thread
         step = -(-n // k)
         step = -(-step // mmap.PAGESIZE) * mmap.PAGESIZE

@@ -173,9 +173,17 @@ class Reader:
 
     def read_range(self, ft: FileTensor, start: int, mv: memoryview) -> int:
         """Read ``len(mv)`` bytes of ``ft`` from its byte ``start``."""
-        if start < 0 or start + len(mv) > ft.nbytes:
-            raise TierMemError(f"{ft.name}: bytes {start:,}..{start + len(mv):,} of {ft.nbytes:,}")
-        return self.read_ranges(_ranges(ft, start, mv))
+        return self.read_parts([(ft, start, mv)])
+
+    def read_parts(self, parts: list[tuple[FileTensor, int, memoryview]]) -> int:
+        """Read each ``(ft, start, mv)``: ``len(mv)`` bytes of ``ft`` from its byte ``start``, all
+        at once on the reader's threads; returns the bytes read."""
+        ranges = []
+        for ft, start, mv in parts:
+            if start < 0 or start + len(mv) > ft.nbytes:
+                raise TierMemError(f"{ft.name}: bytes {start:,}..{start + len(mv):,} of {ft.nbytes:,}")
+            ranges += _ranges(ft, start, mv)
+        return self.read_ranges(ranges)
 
     def read_ranges(self, ranges: list[tuple[str, int, memoryview]]) -> int:
         """Read each (file, byte offset, destination) range whole; returns the bytes read. The one

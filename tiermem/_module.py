@@ -374,8 +374,16 @@ class _PinnedTransport:
             from ._errors import HostBudgetError   # plan_host's sizes are these: a bug if it happens
             raise HostBudgetError(self.size + owner.plan.stages * stage, 0, hb, hint="the plan's home and staging "
                                   "do not fit the host budget")
+        # The checkpoint's bytes are read into the home before it is pinned (NOTE [filled before
+        # pinning] in _cuda.py); other sources are copied in after, by the GPU over the link.
+        files = [(owner._sources[id(t)], g.offset + o) for g in groups if not g.on_disk
+                 for t, o in zip(g.tensors, g.member_offsets) if isinstance(owner._sources.get(id(t)), FileTensor)]
+
+        def fill(base: int) -> None:  # straight from the file (NOTE [reading a checkpoint])
+            Reader.shared().read([(src, host_bytes(base + o, src.nbytes)) for src, o in files])
+
         try:
-            self.home = be.host_alloc(self.size, pooled=False)
+            self.home = be.host_alloc(self.size, pooled=False, fill=fill if files else None)
             if on_disk:
                 files = {g: [(owner._sources[id(t)], o) for t, o in zip(g.tensors, g.member_offsets)] for g in on_disk}
                 self.disk = DiskTier(be, files, stage, owner.plan.stages, reader=owner.disk_reader)
@@ -385,18 +393,13 @@ class _PinnedTransport:
                 # Straight from the driver, so unwrap (or a failed adoption) gives it back.
                 self.window = be.device_alloc(self._reserved, pooled=False)
             with torch.no_grad():
-                reads = []
                 for g in groups:
                     if g.on_disk:
                         continue                          # its home is its file
-                    for t, v, o in zip(g.tensors, self._views(g, None), g.member_offsets):
+                    for t, v in zip(g.tensors, self._views(g, None)):
                         src = owner._sources.get(id(t), t)
-                        if isinstance(src, FileTensor):   # straight from the file (NOTE [reading a checkpoint])
-                            reads.append((src, host_bytes(self.home.ptr + g.offset + o, src.nbytes)))
-                        else:
+                        if not isinstance(src, FileTensor):
                             v.copy_(_materialize(src))    # the GPU writes pinned pages straight over the link
-                if reads:
-                    Reader.shared().read(reads)
             if be.kind == "cuda":
                 torch.cuda.synchronize(tier.device)   # the home is whole before the originals may go
         except BaseException:
@@ -758,7 +761,8 @@ class TieredModule:
             names = [f"{g.name}.{i}" for g in pinned for i in range(len(g.tensors))]
             policy = tier.policies[role].replace(evict=Evict.NEVER)
             if self._sources:
-                tts = _wrap_from(tier, flat, [self._sources.get(id(t)) for t in flat], names, policy)
+                tts = _wrap_from(tier, flat, [self._sources.get(id(t)) for t in flat], names, policy,
+                                 room=self.plan.host_budget)
             else:
                 tts = _wrap_group(tier, flat, names, on_host=False, policy=policy)
             k = 0
@@ -1140,46 +1144,70 @@ def _materialize(src: Any) -> Any:
     return src if isinstance(src, torch.Tensor) else src.tensor()
 
 
-FILL_CHUNK = 64 << 20    # host bytes a resident tensor is read through, reused: a full tensor could be 1 GB
+FILL_CHUNK = 256 << 20   # host bytes resident tensors are read through, reused: a full tensor could be 1 GB
+FILL_BUFFERS = 2
 
 
 class _Filler:
-    """Writes sources into device memory: a checkpoint tensor through two pinned buffers of
-    FILL_CHUNK bytes taken in turn, so that one chunk is read from the file while the last one
-    crosses the link, and the host never holds a whole tensor; any other source by copy_.
-    Read then copied one chunk at a time through pageable memory, 1.4 GB of resident groups took
-    0.28 s on the H100 (bench/probes/probe_load.py). ``close()`` waits for the copies and gives
-    the buffers back; call it in every case."""
+    """Writes checkpoint tensors into device memory through FILL_BUFFERS pinned buffers of up to
+    FILL_CHUNK bytes taken in turn, so that one buffer is read from the files while the last one
+    crosses the link, and the host never holds a whole tensor. Tensors are packed end to end
+    into a buffer (a large one spans several), and each buffer is read in one go on the reader's
+    threads: read a tensor at a time, through 64 MiB buffers, 2 GB of resident groups took
+    0.29-0.31 s on the H100, most tensors too small to keep the 16 threads busy
+    (bench/probes/probe_load.py). ``close()`` reads what is queued, waits for the copies and
+    gives the buffers back; call it in every case (``discard()`` after a failure)."""
 
-    def __init__(self, tier: Tier, sources: list[Any]):
+    def __init__(self, tier: Tier, sources: list[Any], room: int | None = None):
         self.be = tier.backend
-        self.size = min(FILL_CHUNK, max((x.nbytes for x in sources if isinstance(x, FileTensor)), default=0))
+        total = sum(x.nbytes for x in sources if isinstance(x, FileTensor))
+        # Within a host budget: the buffers live before the pinned home is made, never beside it.
+        cap = FILL_CHUNK if room is None else max(4096, min(FILL_CHUNK, room // FILL_BUFFERS))
+        self.size = min(cap, total)
         self.lane = Lane(self.be, self.be.current_stream)   # the stream later fills and reads use
         self.bufs: list[Any] = []
-        self.done: list[Any] = [None, None]       # per buffer: its last copy's end event
+        self.done: list[Any] = [None] * FILL_BUFFERS     # per buffer: its last copy's end event
         self.turn = 0
+        self.queued: list[tuple[FileTensor, int, int, int, int]] = []   # (src, start, n, dst, at)
+        self.used = 0
 
-    def fill(self, dst: int, view: Any, src: Any) -> None:
-        """Write ``src`` into the device memory at ``dst`` (``view`` is a tensor over it)."""
-        if not isinstance(src, FileTensor):
-            view.copy_(_materialize(src))
+    def add(self, dst: int, src: FileTensor) -> None:
+        """Queue ``src``'s bytes for the device memory at ``dst``."""
+        s = 0
+        while s < src.nbytes:
+            n = min(src.nbytes - s, self.size - self.used)
+            self.queued.append((src, s, n, dst + s, self.used))
+            self.used += n
+            s += n
+            if self.used == self.size:
+                self._flush()
+
+    def _flush(self) -> None:
+        if not self.queued:
             return
-        reader = Reader.shared()
-        for s in range(0, src.nbytes, FILL_CHUNK):
-            n = min(FILL_CHUNK, src.nbytes - s)
-            i, self.turn = self.turn, 1 - self.turn
-            buf = self._buffer(i)
-            if self.done[i] is not None:
-                self.be.synchronize(self.done[i])   # its last chunk has crossed: reuse it
-            reader.read_range(src, s, host_bytes(buf.ptr, n))
-            self.done[i] = self.lane.run([(dst + s, buf.ptr, n)])[1]
+        i, self.turn = self.turn, (self.turn + 1) % FILL_BUFFERS
+        buf = self._buffer(i)
+        if self.done[i] is not None:
+            self.be.synchronize(self.done[i])   # its last bytes have crossed: reuse it
+        queued, self.queued, self.used = self.queued, [], 0
+        Reader.shared().read_parts([(src, s, host_bytes(buf.ptr + at, n)) for src, s, n, _, at in queued])
+        self.done[i] = self.lane.run([(dst, buf.ptr + at, n) for _, _, n, dst, at in queued])[1]
 
     def _buffer(self, i: int) -> Any:
-        if i == len(self.bufs):
+        while i >= len(self.bufs):
             self.bufs.append(self.be.host_alloc(self.size, pooled=False))
         return self.bufs[i]
 
     def close(self) -> None:
+        """Read and copy what is queued, and wait for every copy."""
+        try:
+            self._flush()
+        finally:
+            self.discard()
+
+    def discard(self) -> None:
+        """Wait for the copies under way and give the buffers back; what is queued is dropped."""
+        self.queued, self.used = [], 0
         try:
             for ev in self.done:
                 if ev is not None:
@@ -1187,38 +1215,44 @@ class _Filler:
         finally:
             for b in self.bufs:
                 b.release()
-            self.bufs, self.done = [], [None, None]
+            self.bufs, self.done = [], [None] * FILL_BUFFERS
 
 
-def _wrap_from(tier: Tier, tensors: list[Any], sources: list[Any], names: list[str], policy: Policy) -> list[TieredTensor]:
+def _wrap_from(tier: Tier, tensors: list[Any], sources: list[Any], names: list[str], policy: Policy,
+               room: int | None = None) -> list[TieredTensor]:
     """wrap_group's steps (one managed allocation, filled from the device side, each tensor rebound)
-    with each tensor's bytes taken from its source (or itself), read one tensor at a time, so the
-    host never holds more than one tensor of a resident group (NOTE [weight source])."""
+    with each tensor's bytes taken from its source (or itself): checkpoint tensors read through
+    a few pinned buffers (:class:`_Filler`, within ``room`` host bytes), others one at a time, so
+    the host never holds more than one tensor of a resident group (NOTE [weight source])."""
     import torch
     from ._dtypes import canonical
     from ._torch import fill_and_bind
     role = Role.WEIGHT if any(t.requires_grad for t in tensors) else Role.FROZEN_WEIGHT
     specs = [(tuple(t.shape), canonical(t.dtype)) for t in tensors]
     tts = tier.empty_group(specs, role=role, names=names, policy=Policy(preferred_location=Location.DEVICE))
-    filler = _Filler(tier, sources)
+    filler = _Filler(tier, sources, room)
     try:
         with torch.no_grad():
+            views = []
             for tt, t, src in zip(tts, tensors, sources):
+                b = tt.buffer
+                views.append(tier.backend.torch_view(b.ptr, b.nbytes, b.token(internal=True)).view(t.dtype).view(t.shape))
+                if isinstance(src, FileTensor):
+                    filler.add(b.ptr, src)
+            filler.close()
+            for tt, t, src, view in zip(tts, tensors, sources, views):
                 home = _origin(t)
                 if src is not None:
-                    b = tt.buffer
-                    view = tier.backend.torch_view(b.ptr, b.nbytes, b.token(internal=True)).view(t.dtype).view(t.shape)
-                    filler.fill(b.ptr, view, src)
+                    if not isinstance(src, FileTensor):
+                        view.copy_(_materialize(src))
                     # Bound to its own filled memory, so fill_and_bind's copy is one of the memory
                     # onto itself; the caller's rollback rebinds the original on failure.
                     t.data = view
                 fill_and_bind(tier, tt, t)
                 tt._origin_device = home
-            filler.close()
-        for tt in tts:
-            tt.advise(policy=policy)
+        tier.change_policies([tt.buffer for tt in tts], policy)
     except BaseException:
-        filler.close()
+        filler.discard()
         for tt in tts:
             tt.buffer.bindings = []
             tt.free()

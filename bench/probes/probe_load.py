@@ -108,6 +108,7 @@ def main():
     ap.add_argument("--host-budget", default="4GB")
     ap.add_argument("--n-gb", type=float, default=3.4)
     ap.add_argument("--dir", default="/tmp/tiermem-probe-load")
+    ap.add_argument("--load-only", action="store_true", help="skip the pin and read_into sections")
     args = ap.parse_args()
     import transformers as tf
     import tiermem
@@ -147,7 +148,7 @@ def main():
         return {"warm_8": read_rate(files, 8, drop=False)[0], "warm_16": read_rate(files, 16, drop=False)[0],
                 "warm_4": read_rate(files, 4, drop=False)[0]}
 
-    @section("pin")
+    @section("pin", skip=args.load_only)
     def _():
         out = {}
         dt, p = timed(lambda: ok(rt.cudaHostAlloc(N, rt.cudaHostAllocPortable | rt.cudaHostAllocMapped)))
@@ -193,7 +194,7 @@ def main():
                        for k, v in out.items()}
         return out
 
-    @section("read_into")
+    @section("read_into", skip=args.load_only)
     def _():
         from tiermem._load import FileTensor, Reader, host_bytes
         out = {}
@@ -231,7 +232,7 @@ def main():
                 phases[key] = phases.get(key, 0.0) + time.perf_counter() - t
         setattr(owner, name, wrapped)
 
-    from tiermem import _backend, _disk, _load, _module
+    from tiermem import _backend, _disk, _engine, _hostpages, _load, _module, _tensor, _torch
     timer(tf.AutoModelForCausalLM, "from_config", "from_config")
     timer(_backend.CudaBackend, "host_alloc", "host_alloc")
     timer(_backend.CudaBackend, "device_alloc", "device_alloc")
@@ -241,6 +242,16 @@ def main():
     timer(_disk.DiskTier, "__init__", "disk_tier_init")
     timer(_load, "model_weights", "model_weights")
     timer(_load.Checkpoint, "__init__", "checkpoint_headers")
+    # inside the two big phases
+    timer(_load.Reader, "read_ranges", "reader.read_ranges (all reads)")
+    timer(_hostpages, "map_pages", "host_alloc: map_pages")
+    timer(rt, "cudaHostRegister", "host_alloc: cudaHostRegister")
+    timer(_engine.Engine, "empty_group", "resident: empty_group")
+    timer(_module._Filler, "_flush", "resident: filler reads and queued copies")
+    timer(_module._Filler, "discard", "resident: filler waits for copies")
+    timer(_torch, "fill_and_bind", "resident: fill_and_bind")
+    timer(_tensor.TieredTensor, "advise", "resident: advise")
+    timer(_module.TieredModule, "_adopt", "adopt (resident groups, home, hooks, prefetch)")
 
     def load(path, prof=False):
         gc.collect()

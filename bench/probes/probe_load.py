@@ -13,7 +13,7 @@ Sections, each timed on its own:
   load_big     load_pretrained of the bench's checkpoint (cache warm) under cProfile: the main
                thread's top calls; host memory by kind (anon, file, shmem) at its peak
 
-    python bench/probes/probe_load.py [--weights-gb 12.5] [--budget 2GB] [--host-budget 4GB]
+    python bench/probes/probe_load.py [--weights-gb 12.5] [--budget 2GB] [--host-budget 4GB] [--load-only]
 Writes $OUT/probe_load.json (or bench/results/probe_load-<date>.json).
 """
 import argparse

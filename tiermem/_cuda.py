@@ -234,7 +234,8 @@ def device_malloc(nbytes: int, device: int) -> DeviceMemory:
 # pinned memory to the copy engines and, mapped (cudaHostRegisterMapped) on a machine with
 # unified addressing, the GPU reads it at the same address, as it does cudaHostAlloc's.
 # So large host blocks are made this way; small ones keep CuPy's pinned pool, which reuses
-# them.
+# them. Unregistering is not documented to wait for copies still reading the memory, so
+# ``free`` synchronizes the device first (as cudaFreeHost does).
 #
 # NOTE [filled before pinning]
 # Memory that is about to be filled from a file (a checkpoint's pinned home) need not be zeroed
@@ -244,8 +245,8 @@ def device_malloc(nbytes: int, device: int) -> DeviceMemory:
 # cost the load 0.46 s for its 3.86 GB home. ``host_register(fill=...)`` maps the memory
 # untouched, lets ``fill`` write it, then page-locks it. Pages ``fill`` leaves alone are faulted
 # in (as zeros) by the registration, on one thread: correct, only slower, so ``fill`` should
-# write most of the block. Unregistering is not documented to wait for copies still reading the memory, so
-# ``free`` synchronizes the device first (as cudaFreeHost does).
+# write most of the block. With this, all of a load's reads ran at the page cache's warm rate
+# on the H100 (docs/inference.md, "Loading a checkpoint"); registering is what is left.
 class RegisteredHost(_Owned):
     """Host memory from :func:`_hostpages.map_pages`, page-locked and mapped for every device
     (NOTE [pinned by registration]). ``free()`` (or collection) unpins and unmaps it."""

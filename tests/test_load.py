@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import traceback
 
 import pytest
 import torch
@@ -477,3 +478,22 @@ def test_a_file_gone_since_its_header_was_read_is_a_checkpoint_error(tmp_path):
         r.read([(gone, host_bytes(buf.data_ptr(), 16))])
     assert isinstance(e.value, ValueError)
     r.close()
+
+
+@pytest.mark.parametrize("pct", [100, 5])    # every group resident (the read buffers); every group streamed (the home)
+def test_a_file_cut_short_since_its_header_was_read_fails_the_adoption_with_nothing_allocated(tier, fake, ckpt, pct):
+    """A read that fails while the home is filled, before it is pinned (NOTE [filled before
+    pinning]), or while resident groups are filled, leaves nothing allocated and the module as
+    it was."""
+    _, ck = ckpt
+    m = _meta(_mlp)
+    path = ck.files[0]
+    os.truncate(path, os.path.getsize(path) // 2)
+    stats = tier.stats()
+    with pytest.raises(CheckpointError, match="truncated") as e:
+        tier.wrap_module(m, budget=share(m, pct), max_group_bytes=1 * MiB, weights=ck)
+    where = {f.name for f in traceback.extract_tb(e.value.__traceback__)}
+    assert ("_flush" in where) == (pct == 100) and ("fill" in where) == (pct != 100), where
+    assert all(p.is_meta for p in m.parameters()) and _live(fake) == 0 and tier.budget is None
+    now = tier.stats()
+    assert {k: v for k, v in now.items() if k.endswith(".current")} == {k: v for k, v in stats.items() if k.endswith(".current")}

@@ -1218,6 +1218,11 @@ class _Filler:
             self.bufs, self.done = [], [None] * FILL_BUFFERS
 
 
+def _view_of(tier: Tier, b: Any, t: Any) -> Any:
+    """A torch view of buffer ``b`` shaped as ``t``."""
+    return tier.backend.torch_view(b.ptr, b.nbytes, b.token(internal=True)).view(t.dtype).view(t.shape)
+
+
 def _wrap_from(tier: Tier, tensors: list[Any], sources: list[Any], names: list[str], policy: Policy,
                room: int | None = None) -> list[TieredTensor]:
     """wrap_group's steps (one managed allocation, filled from the device side, each tensor rebound)
@@ -1231,14 +1236,13 @@ def _wrap_from(tier: Tier, tensors: list[Any], sources: list[Any], names: list[s
     specs = [(tuple(t.shape), canonical(t.dtype)) for t in tensors]
     tts = tier.empty_group(specs, role=role, names=names, policy=Policy(preferred_location=Location.DEVICE))
     filler = _Filler(tier, sources, room)
+    views: list[Any] = []
     try:
         with torch.no_grad():
-            views = []
-            for tt, t, src in zip(tts, tensors, sources):
-                b = tt.buffer
-                views.append(tier.backend.torch_view(b.ptr, b.nbytes, b.token(internal=True)).view(t.dtype).view(t.shape))
+            views += [_view_of(tier, tt.buffer, t) for tt, t in zip(tts, tensors)]
+            for tt, src in zip(tts, sources):
                 if isinstance(src, FileTensor):
-                    filler.add(b.ptr, src)
+                    filler.add(tt.buffer.ptr, src)
             filler.close()
             for tt, t, src, view in zip(tts, tensors, sources, views):
                 home = _origin(t)
@@ -1253,6 +1257,8 @@ def _wrap_from(tier: Tier, tensors: list[Any], sources: list[Any], names: list[s
         tier.change_policies([tt.buffer for tt in tts], policy)
     except BaseException:
         filler.discard()
+        views.clear()      # a traceback keeps this frame: its views must not keep the memory
+        view = None        # noqa: F841
         for tt in tts:
             tt.buffer.bindings = []
             tt.free()

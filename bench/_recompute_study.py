@@ -137,10 +137,29 @@ def study(kit, torch, tiermem, name, build, blocks_of, loss_fn, batches, a, rate
                                    "peak": info["resident_peak_bytes"], "budget": budget,
                                    "recomputed": info["recomputed"], "kind": info["kind"],
                                    "losses_equal": r.loss_values() == want[: len(steps)]}
-            raw[f"{name}_{ratio:g}_{mode}"] = dict(runs[(ratio, mode)], plan=info["plan"], checked=info["measured"])
+            raw[f"{name}_{ratio:g}_{mode}"] = dict(runs[(ratio, mode)], plan=info["plan"], checked=info["measured"],
+                                                   report=info["report"])
             progress(f"  {name} 1/{ratio:g} {mode}: {meas:.1f} ms (predicted {pred:.1f}; mean "
                      f"{r.mean_ms(skip=SETTLE):.1f}, garbage collection {r.gc_ms_per_step(skip=SETTLE):.2f} ms a step), "
                      f"{info['recomputed']} blocks recomputed, plan {info['kind']}")
+    if 2.5 in a.ratios:
+        # NOTE [replayed recompute]: the same budget with the recomputed blocks' backwards replayed
+        budget = int(footprint / 2.5)
+        r, info = tiermem_run(torch, tiermem, build, loss_fn, batches[: a.plan_steps], budget,
+                              f"{name} 1/2.5 auto, graphs", block_bytes=a.block4_mib * MiB, recompute="auto",
+                              link_GBps=rate, graphs=True)
+        meas = r.median_ms(skip=SETTLE)
+        runs[(2.5, "auto_graphs")] = {"step_ms": meas, "predicted_ms": info["predicted_ms"],
+                                     "peak": info["resident_peak_bytes"], "budget": budget,
+                                     "recomputed": info["recomputed"], "kind": info["kind"],
+                                     "losses_equal": r.loss_values() == want[: a.plan_steps]}
+        raw[f"{name}_2.5_auto_graphs"] = dict(runs[(2.5, "auto_graphs")], plan=info["plan"], checked=info["measured"],
+                                              report=info["report"])
+        progress(f"  {name} 1/2.5 auto, graphs: {meas:.1f} ms, {info['recomputed']} blocks recomputed, "
+                 f"{info['report']['replayed_backwards']} backwards replayed"
+                 + (f", graphs off: {info['report']['graphs_off'][:160]}" if info['report']['graphs_off'] else ""))
+        m[f"{name}_auto_graphs_2.5_ms"] = round(meas, 2)
+        m[f"{name}_graphs_over_resident"] = round(meas / resident_ms, 3)
     main = runs[(2.5, "auto")]
     m.update({
         f"{name}_state_bytes": footprint,
@@ -153,7 +172,8 @@ def study(kit, torch, tiermem, name, build, blocks_of, loss_fn, batches, a, rate
         f"{name}_swap_only_over_resident": round(runs[(2.5, "never")]["step_ms"] / resident_ms, 3),
         f"{name}_fsdp_offload_over_tiermem": round(peers["fsdp_offload"] / main["step_ms"], 3),
         f"{name}_checkpoint_over_resident": round(peers["checkpoint"] / resident_ms, 3),
-        f"{name}_plan_error_max": round(max(abs(v["predicted_ms"] - v["step_ms"]) / v["step_ms"] for v in runs.values()), 3),
+        f"{name}_plan_error_max": round(max(abs(v["predicted_ms"] - v["step_ms"]) / v["step_ms"] for v in runs.values()
+                                            if "moved" in v), 3),
         f"{name}_plan_error_2_5": round(abs(main["predicted_ms"] - main["step_ms"]) / main["step_ms"], 3),
         f"{name}_bytes_moved_per_state_byte": round(main["moved"] / footprint, 3),
         f"{name}_swap_only_bytes_moved_per_state_byte": round(runs[(2.5, "never")]["moved"] / footprint, 3),

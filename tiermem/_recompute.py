@@ -26,9 +26,10 @@ _NONE = object()
 class Recompute:
     """The set of modules whose forward is checkpointed, changed with :meth:`set`."""
 
-    def __init__(self, torch: Any, in_step: Callable[[], bool]):
+    def __init__(self, torch: Any, in_step: Callable[[], bool], replays: Any = None):
         self.torch = torch
         self.in_step = in_step
+        self.replays = replays                 # a Replays: backward as CUDA graphs where it can be
         self.wrapped: dict[int, tuple[Any, Any]] = {}     # key -> (module, its previous instance forward)
 
     @property
@@ -49,10 +50,13 @@ class Recompute:
         inner = m.forward
         torch = self.torch
         in_step = self.in_step
+        replays = self.replays
 
         def forward(*args: Any, **kwargs: Any) -> Any:
             if not in_step() or not torch.is_grad_enabled():
                 return inner(*args, **kwargs)
+            if replays is not None and replays.capture:
+                return replays.run(m, inner, args, kwargs)
             return torch.utils.checkpoint.checkpoint(lambda *a: inner(*a, **kwargs), *args, use_reentrant=False)
 
         forward.__wrapped__ = inner            # type: ignore[attr-defined]

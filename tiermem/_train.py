@@ -120,6 +120,7 @@ from ._limits import check_bytes, parse_bytes
 from ._meter import StallMeter
 from ._module import module_groups
 from ._recompute import Recompute
+from ._replay import Replays
 from ._swap import ActivationSwap
 from ._trainplan import LINK_GBPS, RECOMPUTE_MODES, SavedRecord, StepTrace, TrainPlan, plan_training
 from ._trainslots import Block, BlockSlots, aligned
@@ -136,6 +137,7 @@ log = logging.getLogger("tiermem")
 BLOCK_BYTES = 64 << 20    # parameter bytes per block: a slot holds ~4x that (params, grads, Adam's two moments)
 RESIDENT_STEP_BYTES = 64 << 20   # parameter bytes per optimizer call for resident blocks
 PROBE_STEPS = 2     # steps under the probe's plan; the last is metered (NOTE [measured choice])
+RECAPTURE_STEPS = 4  # steps a probe or check may repeat because they captured graphs (NOTE [replayed recompute])
 VERIFY_STEPS = 3    # steps under the plan made after it; the fastest after the first is timed against the probe
 VERIFY_SLACK = 0.02
 
@@ -143,7 +145,7 @@ VERIFY_SLACK = 0.02
 def check_options(budget: int | str, *, lookahead: int = 2, recompute: str = "auto",
                   link_GBps: float | None = None, state_dtype: Any = None, accumulate: int = 1,
                   max_grad_norm: float | None = None, norm_type: float = 2.0, speculate: bool = False,
-                  **_: Any) -> None:
+                  graphs: bool = False, **_: Any) -> None:
     """Raise :class:`ConfigError` for a bad budget, lookahead, recompute, link rate, state dtype,
     accumulate, max_grad_norm, norm_type or speculate of :func:`wrap_training`. Needs no GPU, so
     tiermem.wrap_training checks them before it looks for one; it takes all of wrap_training's
@@ -159,6 +161,8 @@ def check_options(budget: int | str, *, lookahead: int = 2, recompute: str = "au
         raise ConfigError(f"accumulate must be at least 1 (micro-batches per optimizer step), got {accumulate}")
     if not isinstance(speculate, bool):
         raise ConfigTypeError(f"speculate must be True or False, got {speculate!r}")
+    if not isinstance(graphs, bool):
+        raise ConfigTypeError(f"graphs must be True or False, got {graphs!r}")
     if speculate and max_grad_norm is None:
         raise ConfigError("speculate=True speculates that clipping leaves the gradients alone: it needs max_grad_norm")
     for name, v in (("max_grad_norm", max_grad_norm), ("norm_type", norm_type)):
@@ -206,6 +210,9 @@ class TieredTraining:
     does; ``train.grad_norm`` is the norm it found (NOTE [clipping]). ``speculate``: step the
     streamed blocks inside backward as if the clip will not bite, into a second pinned home, and
     keep that step when it did not (NOTE [speculative clipping]); it doubles their pinned bytes.
+    ``graphs``: replay each recomputed block's backward as a CUDA graph where the budget leaves
+    room for the graphs' pool (NOTE [replayed recompute]); off by default, when torch's
+    checkpoint recomputes every step.
     """
 
     def __init__(self, tier: Tier, model: Any, optimizer: Any, budget: int | str, *, lookahead: int = 2,
@@ -213,11 +220,12 @@ class TieredTraining:
                  block_bytes: int = BLOCK_BYTES, margin: int | None = None, process_group: Any = None,
                  recompute: str = "auto", link_GBps: float | None = None, state_dtype: Any = None,
                  accumulate: int = 1, max_grad_norm: float | None = None, norm_type: float = 2.0,
-                 speculate: bool = False):
+                 speculate: bool = False, graphs: bool = False):
         import torch
         self.torch = torch
         check_options(budget, lookahead=lookahead, recompute=recompute, link_GBps=link_GBps, state_dtype=state_dtype,
-                      accumulate=accumulate, max_grad_norm=max_grad_norm, norm_type=norm_type, speculate=speculate)
+                      accumulate=accumulate, max_grad_norm=max_grad_norm, norm_type=norm_type, speculate=speculate,
+                      graphs=graphs)
         if speculate and type(optimizer) not in _leaves_grads():
             raise ConfigError(f"speculate=True needs an optimizer whose step leaves the gradients alone "
                               f"({', '.join(sorted(t.__name__ for t in _leaves_grads()))}), got "
@@ -278,7 +286,12 @@ class TieredTraining:
         self._state_hooks: list[Any] = []    # the optimizer's; _take's in-capacity removal keeps them
         self._old_fraction: float | None = None
         self.swap: ActivationSwap | None = None
-        self.recomputing = Recompute(torch, lambda: self._in_step)
+        by_module = {id(b.module): b for b in self.blocks}
+        self.replays = Replays(torch, capture=graphs and be.kind == "cuda",
+                               params_of=lambda m: by_module[id(m)].trainable,
+                               after_replay=lambda m, hit: self._replayed(by_module[id(m)], hit))
+        self.replays.room = self._graph_room
+        self.recomputing = Recompute(torch, lambda: self._in_step, self.replays)
         self.meter = StallMeter(tier.backend)
         self.stream = BlockSlots(tier, self.blocks, optimizer, self.meter, lookahead, self.dev)
         self.states = OptimizerStates(tier, optimizer, self.stream, self.mem, self.state_dtype, self.meter,
@@ -376,6 +389,9 @@ class TieredTraining:
         self._nesting = 1                      # streamed blocks the traced step used at once
         self._verify = 0                       # steps left before the plan is checked against the probe
         self._verify_ms: list[float] = []      # its timed steps
+        self._fwd_general: int | None = None
+        self._recaptures = 0                   # probe or check steps repeated since they captured graphs
+        self._captures_at_begin = 0
         self._probe: tuple[TrainPlan, float] | None = None   # the probe's plan and its measured step (ms)
         self._no_recompute = False             # recompute moved other segments' saves: plan without it
         self._step_events: Any = None
@@ -543,10 +559,20 @@ class TieredTraining:
             if t is not None:
                 t.register_hook(lambda g, b=b: self._bwd_enter(b))
 
+    def _graph_room(self) -> int | None:
+        """Bytes the recomputed blocks' graphs' pool may take (NOTE [replayed recompute]): what
+        torch's allocator is capped at, less an eighth of the budget (backward's own temporaries,
+        fragmentation), less what this step's forward allocated outside the pool."""
+        if self._fwd_general is None:
+            return None
+        cap = max(self.budget - self.tier.resident_bytes, 0) + self.outside
+        return cap - self.budget // 8 - self._fwd_general
+
     def _bwd_enter(self, b: Block, ahead: bool = True) -> None:
         if not self.stream.in_backward:
             self.meter.mark(("fwd", "end"))
             self.meter.mark(("bwd", "start"))
+            self._fwd_general = self.mem.max_allocated() - self.replays.pool_bytes
         self.stream.in_backward = True
         if b.resident or b.entered:
             return
@@ -569,6 +595,9 @@ class TieredTraining:
             self._bwd_enter(b)
 
     def _grad_done(self, b: Block, p: Any) -> None:
+        if self.replays.capturing:
+            self.replays.hit.append(p)     # the capture's accumulation; its replays report it
+            return
         if not self._in_step or b.resident:
             return
         if not b.entered:
@@ -582,6 +611,11 @@ class TieredTraining:
         b.waiting -= 1
         if b.waiting == 0:
             self._block_done(b)
+
+    def _replayed(self, b: Block, hit: list[Any]) -> None:
+        """A replayed backward added into ``hit``'s gradients, as autograd's accumulation would have."""
+        for p in hit:
+            self._grad_done(b, p)
 
     def _block_done(self, b: Block) -> None:
         """A streamed block's gradients of this micro-batch are complete: step it when the step
@@ -809,6 +843,10 @@ class TieredTraining:
         except torch.OutOfMemoryError as e:
             if hasattr(e, "add_note"):          # Python 3.11+; the error stays torch's, for code that catches it
                 e.add_note(self._budget_note())
+            if self.replays.graphs:
+                # NOTE [replayed recompute]: the graphs' pool held memory the step's own
+                # allocations then lacked; the next steps recompute eagerly, without it
+                self.replays.give_up(f"a step ran out of memory beside the graphs' pool: {e}")
             raise
 
     def _budget_note(self) -> str:
@@ -841,6 +879,8 @@ class TieredTraining:
         self._read_step_time()
         self._got: set[int] = set()
         self._grads_at_begin = self._resident_grads()       # NOTE [zero_grad]
+        self._captures_at_begin = self.replays.captured
+        self._fwd_general = None      # the forward's peak outside the graphs' pool
         self._seg = []
         self._eval_next = 0
         self.moved = {"h2d": 0, "d2h": 0}
@@ -942,11 +982,18 @@ class TieredTraining:
             log.info("tiermem: optimizer states appeared after the plan; tracing the next step")
             self._tracing = True
             self._restart_timing()
+        elif (self._refine or self._verify) and self.replays.captured != self._captures_at_begin \
+                and self._recaptures < RECAPTURE_STEPS:
+            # NOTE [replayed recompute]: a step that captured graphs paid for the captures; the
+            # phase's timed step runs again
+            self._recaptures += 1
         elif self._refine:
+            self._recaptures = 0
             self._refine -= 1
             if not self._refine and metered:
                 self._replan_measured()
         elif self._verify:
+            self._recaptures = 0
             self._verify -= 1
             if self._verify < VERIFY_STEPS - 1:
                 self._verify_ms.append(self._last_step_ms())
@@ -1152,6 +1199,11 @@ class TieredTraining:
     def _take(self, plan: TrainPlan) -> None:
         """Make ``plan`` the one the next steps follow."""
         t = self.trace
+        old = self.plan
+        if (self.replays.graphs and old is not None and self._fwd_general is not None
+                and self.replays.pool_bytes > self._graph_room() - max(0, plan.predicted_peak - old.predicted_peak)):
+            # NOTE [replayed recompute]: the new plan keeps more on the device than the pool leaves room for
+            self.replays.give_up("the new plan leaves no room for the graphs' pool")
         self.plan = plan
         key: dict[int, tuple[int, int]] = {}
         count: dict[int, int] = {}
@@ -1257,7 +1309,9 @@ class TieredTraining:
                 "recomputed_blocks": len(self.plan.recompute) if self.plan is not None else 0,
                 "step_ms": self.plan.measured.get("step_ms", 0.0) if self.plan is not None else 0.0,
                 "slots": len(self.stream.slots), "slot_bytes": self.slot_bytes,
-                "accumulate": self.accumulate, "updates": self.updates}
+                "accumulate": self.accumulate, "updates": self.updates,
+                "graphs": len(self.replays.graphs), "replayed_backwards": self.replays.replayed,
+                "eager_recomputed_blocks": len(self.replays.eager), "graphs_off": self.replays.off}
 
     @property
     def slot_bytes(self) -> int:
@@ -1358,6 +1412,7 @@ class TieredTraining:
             self.stream.release_alt(b)
             b.resident_state_views = []     # views of the memory just freed
         self.stream.release()
+        self.replays.close()               # the graphs' pool and buffers go back to torch's allocator
         if self.swap is not None:
             self.swap.arena.release()
 

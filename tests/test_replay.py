@@ -1,0 +1,90 @@
+"""The replayed recompute's eager path on the CPU (NOTE [replayed recompute] in tiermem/_replay.py):
+what a replayed block computes when it cannot be captured, the gradients of torch's checkpoint
+bitwise; random ops get the forward's draws; a keyword tensor that needs its gradient goes
+through torch's checkpoint. The graphs themselves are GPU tests (tests/test_gpu_recompute.py)."""
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from tiermem._replay import Replays  # noqa: E402
+
+
+class _Layer(torch.nn.Module):
+    def __init__(self, d, p=0.0):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(d, 2 * d), torch.nn.Linear(2 * d, d)
+        self.drop = torch.nn.Dropout(p)
+
+    def forward(self, x, scale=None, tag="x"):
+        h = self.drop(torch.nn.functional.gelu(self.a(x)))
+        y = x + self.b(h)
+        if scale is not None:
+            y = y * scale
+        return y, None, tag          # a non-tensor output and a None, as transformers' layers give
+
+
+def _model(p=0.0, seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.ModuleList(_Layer(16, p) for _ in range(3))
+
+
+def _run(layers, wrap, scale, seed=3):
+    torch.manual_seed(seed)
+    x = torch.randn(4, 8, 16, requires_grad=True)
+    h = x
+    for m in layers:
+        h, none, tag = wrap(m, h, scale)
+        assert none is None and tag == "t"
+    h.square().mean().backward()
+    return [p.grad.clone() for p in layers.parameters()] + [x.grad.clone()]
+
+
+def _plain(m, h, scale):
+    return m(h, scale=scale, tag="t")
+
+
+def _checkpoint(m, h, scale):
+    return torch.utils.checkpoint.checkpoint(lambda a: m(a, scale=scale, tag="t"), h, use_reentrant=False)
+
+
+def _replays():
+    return Replays(torch, capture=False, params_of=lambda m: [p for p in m.parameters()])
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.3])
+def test_the_eager_path_gives_checkpoints_gradients_bitwise(dropout):
+    scale = torch.full((16,), 0.5)
+    want = _run(_model(dropout), _plain, scale)
+    assert all(torch.equal(a, b) for a, b in zip(_run(_model(dropout), _checkpoint, scale), want))
+    r = _replays()
+    got = _run(_model(dropout), lambda m, h, s: r.run(m, m.forward, (h,), {"scale": s, "tag": "t"}), scale)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    # a block that drew random numbers goes to torch's checkpoint from its next forward on
+    assert len(r.eager) == (3 if dropout else 0)
+
+
+def test_a_keyword_tensor_that_needs_its_gradient_gets_it():
+    scale = torch.full((16,), 0.5, requires_grad=True)
+    _run(_model(), _plain, scale)
+    want = scale.grad.clone()
+    scale.grad = None
+    r = _replays()
+    _run(_model(), lambda m, h, s: r.run(m, m.forward, (h,), {"scale": s, "tag": "t"}), scale)
+    assert torch.equal(scale.grad, want)
+
+
+def test_the_forwards_inputs_are_not_held_past_the_saved_tensor_hooks():
+    # the positional inputs reach backward through the saved-tensor hooks alone (tiermem's swap
+    # moves them to the host), not through a reference the replay keeps
+    packed = []
+    r = _replays()
+    m = _model()[0]
+    x = torch.randn(4, 8, 16, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or len(packed) - 1,
+                                                  lambda i: packed[i]):
+        y, _, _ = r.run(m, m.forward, (x * 1.0,), {"tag": "t"})
+    assert len(packed) == 1 and packed[0].shape == x.shape
+    y.sum().backward()
+    assert x.grad is not None and all(p.grad is not None for p in m.parameters())

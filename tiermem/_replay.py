@@ -1,0 +1,362 @@
+"""A recomputed block's backward replayed as a CUDA graph (NOTE [replayed recompute]).
+
+:class:`Replays` runs a module's forward without saving anything but its tensor inputs, and its
+backward as one graph: the forward again, then its backward, the parameters' gradients added
+into their ``.grad`` in place. The graph is keyed by everything it bakes in: the inputs' shapes,
+dtypes and strides, which outputs get a gradient, autocast's state, and the addresses of the
+block's parameters and gradients (a streamed block's slot). A key's first backward captures the
+graph (after one forward without autograd on the capture stream, the first time:
+it warms that stream's cuBLAS handle and workspace) and replays it, later ones replay. A block
+whose forward draws random numbers, whose capture fails (out of memory under the cap, an op
+that syncs), or that needs more than MAX_GRAPHS_PER_BLOCK keys runs eagerly from then on.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+__all__ = ["Replays", "MAX_GRAPHS_PER_BLOCK"]
+
+MAX_GRAPHS_PER_BLOCK = 6     # a streamed block passes through lookahead + 1 slots (3 by default)
+
+log = logging.getLogger("tiermem")
+
+# NOTE [replayed recompute]
+#     A recomputed block costs its forward twice on the GPU, and on the host its Python forward
+#     and checkpoint's hooks twice plus backward's launches. The host's part is what held the
+#     steps of bench/train_budget.py back: on the H100 one Qwen2 layer's forward takes 3.4 ms of
+#     host time against 1.4 ms of kernels, and in backward the GPU waits for it. A CUDA graph of
+#     the block's recompute and backward launches the same kernels in one call, so the same
+#     bits come out (the GPU tests compare losses with the resident run's, bitwise).
+#
+#     What the graph bakes in decides when it may be replayed:
+#     - addresses: the inputs are copied into static buffers (shared by every graph with the same
+#       input at the same position: replays run one after another), the output gradients too;
+#       the parameters and their .grad are read and added into where they were at capture, so the
+#       key holds their addresses, and a streamed block gets a graph per slot it passes through;
+#     - the RNG: a replay draws from the generator's offset at replay time, not the forward's, so
+#       a block whose forward moved the CUDA generator keeps torch's eager path;
+#     - memory: the graphs share one private pool, as large as the largest block's recompute
+#       and backward, which torch's allocator cannot lend to other tensors between replays; the
+#       cap counts it. The trainer gives the room its plan leaves (budget minus the predicted
+#       peak, which already holds an eager recompute's working set); a pool past it, a capture
+#       that fails (out of memory under the cap), or a step that runs out of memory beside the
+#       pool stops all capturing: the pool goes back and every block recomputes eagerly.
+#     The gradient of each input comes out in a shared static buffer and is cloned before it is
+#     returned: autograd may hold it past the next block's replay.
+
+
+class _Graph:
+    __slots__ = ("graph", "static_in", "static_gout", "static_gin", "hit")
+
+    def __init__(self, graph: Any, static_in: list[Any], static_gout: list[Any], static_gin: list[Any],
+                 hit: list[Any]):
+        self.graph, self.static_in, self.static_gout, self.static_gin = graph, static_in, static_gout, static_gin
+        self.hit = hit           # the parameters whose accumulation the capture saw, in its order
+
+
+class Replays:
+    """Graphs of the blocks' recompute and backward, with their shared pool and buffers.
+
+    ``capture``: False runs every backward eagerly (a reentrant checkpoint's way; CPU tests).
+    ``params_of(module)``: the tensors whose gradients the block's backward adds into (its
+    trainable parameters). While :attr:`capturing`, the caller's gradient-accumulation hooks
+    must do nothing but append their parameter to :attr:`hit`; ``after_replay(module, hit)`` is
+    called after each replay with the parameters the capture saw, where those hooks would have
+    run (a graph runs no Python).
+    """
+
+    def __init__(self, torch: Any, *, capture: bool, params_of: Callable[[Any], list[Any]],
+                 after_replay: Callable[[Any, list[Any]], None] | None = None):
+        self.torch = torch
+        self.capture = capture
+        self.warmed = False
+        self.params_of = params_of
+        self.after_replay = after_replay
+        self.capturing = False
+        self.hit: list[Any] = []
+        self.off = ""                            # why capturing stopped, if it did
+        self.pool_bytes = 0                      # what the captures reserved for the pool
+        self.room: Callable[[], int | None] | None = None   # bytes the pool may take (None: no limit)
+        self.graphs: dict[tuple, _Graph] = {}
+        self.per_module: dict[int, int] = {}     # graphs captured per module
+        self.eager: set[int] = set()             # modules left to run eagerly (random ops, failed capture)
+        self.statics: dict[tuple, Any] = {}      # (kind, position, shape, dtype) -> buffer
+        self.stream: Any = None
+        self.pool: Any = None
+        self.replayed = 0
+        self.captured = 0
+
+    def close(self) -> None:
+        """Drop every graph and buffer (their pool goes back to torch's allocator)."""
+        self.graphs.clear()
+        self.statics.clear()
+        self.per_module.clear()
+        self.pool = None
+        self.pool_bytes = 0
+
+    # -- forward -----------------------------------------------------------------------------------
+    def run(self, module: Any, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        """``fn(*args, **kwargs)`` for a recomputed block, its backward replayed when it can be.
+
+        As torch's non-reentrant checkpoint does, the positional tensors are saved for backward
+        (through whatever saved-tensor hooks the step has: tiermem's swap), the keyword ones are
+        held as they are."""
+        torch = self.torch
+        from torch.utils._pytree import tree_flatten, tree_unflatten
+        leaves, spec = tree_flatten((args, kwargs))
+        where = [i for i, x in enumerate(leaves) if torch.is_tensor(x)]
+        npos = len(tree_flatten(args)[0])
+        others = tuple((i, x) for i, x in enumerate(leaves) if not torch.is_tensor(x))
+        try:
+            hash(others)
+        except TypeError:
+            others = None
+        pos = [leaves[i] for i in where if i < npos]
+        held = [leaves[i] for i in where if i >= npos]
+        if (others is None or id(module) in self.eager or not torch.is_grad_enabled()
+                or not any(t.requires_grad for t in pos) or any(t.requires_grad for t in held)):
+            # a keyword tensor that needs its gradient reaches it through checkpoint's closure only
+            return torch.utils.checkpoint.checkpoint(lambda *a: fn(*a, **kwargs), *args, use_reentrant=False)
+
+        template = [None if torch.is_tensor(x) else x for x in leaves]   # the inputs' memory is not held here
+
+        def call(ts: list[Any]) -> Any:
+            lv = list(template)
+            for i, t in zip(where, ts):
+                lv[i] = t
+            a, k = tree_unflatten(lv, spec)
+            return fn(*a, **k)
+
+        box: dict[str, Any] = {"held": held}
+        outs = iter(_Block.apply(self, module, call, others, box, *pos))
+        return tree_unflatten([next(outs) if torch.is_tensor(x) else x for x in box["leaves"]], box["spec"])
+
+    # -- backward ----------------------------------------------------------------------------------
+    def backward(self, module: Any, call: Callable, key0: tuple, tensors: list[Any], gouts: list[Any],
+                 rng: Any, autocast: Any) -> list[Any]:
+        """The gradients of ``tensors`` (positional inputs, then held keyword tensors). ``rng``:
+        the RNG states before the forward when it drew random numbers, else None."""
+        if rng is not None:
+            self.eager.add(id(module))       # from the next step on, torch's checkpoint runs it
+            return _with_rng(self.torch, rng, lambda: _recompute_backward(self.torch, call, tensors, gouts, autocast))
+        params = self.params_of(module)
+        if not self.capture or id(module) in self.eager or any(p.grad is None for p in params):
+            return _recompute_backward(self.torch, call, tensors, gouts, autocast)
+        key = key0 + (tuple(g is not None for g in gouts),
+                      tuple(tuple(g.shape) for g in gouts if g is not None),
+                      tuple(p.data_ptr() for p in params),
+                      tuple(p.grad.data_ptr() for p in params))
+        g = self.graphs.get(key)
+        if g is None:
+            n = self.per_module.get(id(module), 0)
+            if n >= MAX_GRAPHS_PER_BLOCK:
+                # its parameters or inputs keep moving: a graph per step would never be replayed
+                log.info("tiermem: block %s stays eager: %d graphs and still another key",
+                         type(module).__name__, n)
+                self.eager.add(id(module))
+                return _recompute_backward(self.torch, call, tensors, gouts, autocast)
+            why = ""
+            try:
+                self._warm(call, tensors, autocast)
+                g = self._capture(call, tensors, gouts, autocast)
+            except Exception as e:        # noqa: BLE001 - any failure: no graphs from now on
+                why = f"{type(module).__name__}'s capture failed: {e}"
+            room = self.room() if self.room is not None else None
+            if not why and room is not None and self.pool_bytes > room:
+                why = (f"the graphs' pool ({self.pool_bytes / 1e6:.0f} MB) does not fit beside the step's "
+                       f"own peak ({room / 1e6:.0f} MB left in the budget)")
+            if why:
+                g = None                  # no frame may hold a graph while its pool goes back
+                self.give_up(why)
+                return _recompute_backward(self.torch, call, tensors, gouts, autocast)
+            self.graphs[key] = g
+            self.per_module[id(module)] = n + 1
+            self.captured += 1
+        for s, t in zip(g.static_in, tensors):
+            s.copy_(t)
+        for s, t in zip(g.static_gout, gouts):
+            if s is not None:
+                s.copy_(t)
+        g.graph.replay()
+        self.replayed += 1
+        gin = [s.clone() if s is not None else None for s in g.static_gin]
+        if self.after_replay is not None:
+            self.after_replay(module, g.hit)
+        return gin
+
+    def give_up(self, why: str) -> None:
+        """Stop capturing and replaying, and give the pool's memory back to the device: a capture
+        that failed for want of memory under the cap would leave the step's own allocations none."""
+        log.warning("tiermem: recomputed blocks run eagerly from now on: %s", why.splitlines()[0][:300])
+        self.off = why
+        self.capture = False
+        self.close()
+        self.torch.cuda.empty_cache()
+
+    def _side(self) -> Any:
+        if self.stream is None:
+            self.stream = self.torch.cuda.Stream()
+        return self.stream
+
+    def _warm(self, call: Callable, tensors: list[Any], autocast: Any) -> None:
+        """Run the block's forward once, without autograd, on the capture stream: cuBLAS makes its
+        handle and workspace for a stream at its first use there, which must not be inside a
+        capture. The forward draws no random numbers (else the block would be eager) and writes
+        nothing the step keeps."""
+        if self.warmed:
+            return
+        torch = self.torch
+        side, cur = self._side(), torch.cuda.current_stream()
+        side.wait_stream(cur)
+        with torch.cuda.stream(side), torch.no_grad(), _autocast(torch, autocast):
+            call(list(tensors))
+        cur.wait_stream(side)
+        self.warmed = True
+
+    def _static(self, kind: str, i: int, t: Any) -> Any:
+        k = (kind, i, tuple(t.shape), t.dtype, tuple(t.stride()))
+        s = self.statics.get(k)
+        if s is None:
+            s = self.statics[k] = self.torch.empty_strided(tuple(t.shape), t.stride(), dtype=t.dtype, device=t.device)
+        return s
+
+    def _capture(self, call: Callable, tensors: list[Any], gouts: list[Any], autocast: Any) -> _Graph:
+        torch = self.torch
+        static_in = [self._static("in", i, t) for i, t in enumerate(tensors)]
+        static_gout = [self._static("gout", i, g) if g is not None else None for i, g in enumerate(gouts)]
+        static_gin = [self._static("gin", i, t) if t.requires_grad else None for i, t in enumerate(tensors)]
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        # The pool cannot take memory torch's allocator keeps cached for other tensors, and the
+        # cap counts both: what is cached and unused goes back first (a device sync, once a graph).
+        torch.cuda.empty_cache()
+        before = torch.cuda.memory_reserved()
+        graph = torch.cuda.CUDAGraph()
+        side, cur = self._side(), torch.cuda.current_stream()
+        side.wait_stream(cur)
+        self.capturing, self.hit = True, []
+        try:
+            with torch.cuda.stream(side):
+                graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+                try:
+                    xs = [s.detach().requires_grad_(t.requires_grad) for s, t in zip(static_in, tensors)]
+                    gin = _recompute_backward(torch, call, xs, static_gout, autocast)
+                    for s, g in zip(static_gin, gin):
+                        if s is not None:
+                            if g is None:
+                                s.zero_()
+                            else:
+                                s.copy_(g)
+                    del xs, gin
+                finally:
+                    graph.capture_end()
+            hit = self.hit
+        finally:
+            self.capturing, self.hit = False, []
+        cur.wait_stream(side)
+        self.pool_bytes += max(0, torch.cuda.memory_reserved() - before)   # only the pool allocates in a capture
+        return _Graph(graph, static_in, static_gout, static_gin, hit)
+
+
+def _autocast(torch: Any, state: Any) -> Any:
+    enabled, dtype = state
+    return torch.autocast("cuda", dtype=dtype, enabled=enabled) if enabled else _nothing()
+
+
+@contextmanager
+def _nothing() -> Iterator[None]:
+    yield
+
+
+def _recompute_backward(torch: Any, call: Callable, tensors: list[Any], gouts: list[Any], autocast: Any) -> list[Any]:
+    """Run ``call`` on detached copies of ``tensors`` with autograd on, under the forward's
+    autocast state, and backward from ``gouts``: the parameters' gradients accumulate as
+    autograd's do, the inputs' are returned (a reentrant checkpoint's way)."""
+    from torch.utils._pytree import tree_flatten
+    xs = [t.detach().requires_grad_(t.requires_grad) for t in tensors]
+    # Saved tensors stay on the device here, whatever hooks the step has installed: the innermost
+    # hooks are the ones autograd uses.
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_same, _same), _autocast(torch, autocast):
+        out = call(xs)
+    outs = [o for o in tree_flatten(out)[0] if torch.is_tensor(o)]
+    pairs = [(o, g) for o, g in zip(outs, gouts) if g is not None and o.requires_grad]
+    if pairs:
+        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+    return [x.grad if x.requires_grad else None for x in xs]
+
+
+def _same(t: Any) -> Any:
+    return t
+
+
+def _with_rng(torch: Any, rng: Any, run: Callable[[], Any]) -> Any:
+    """``run()`` with the CPU and CUDA generators where the forward found them, as torch's
+    checkpoint recomputes; the generators are where they were afterwards."""
+    cpu, cuda, dev = rng
+    with torch.random.fork_rng(devices=[dev] if cuda is not None else [], device_type="cuda"):
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state(cuda, dev)
+        return run()
+
+
+def _offset(gen: Any) -> Any:
+    """Where the CUDA generator ``gen`` is in its stream of random numbers (None without one)."""
+    if gen is None:
+        return None
+    try:
+        return gen.get_offset()
+    except (AttributeError, RuntimeError):
+        return bytes(gen.get_state().numpy())
+
+
+def _block_function(torch: Any) -> Any:
+    class Block(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, replays: Replays, module: Any, call: Callable, others: tuple, box: dict,
+                    *pos: Any) -> Any:
+            from torch.utils._pytree import tree_flatten
+            held = box.pop("held")
+            tensors = list(pos) + held
+            dev = (pos[0].device.index or 0) if pos and pos[0].is_cuda else None
+            gen = torch.cuda.default_generators[dev] if dev is not None else None
+            cpu = torch.get_rng_state()
+            cuda = torch.cuda.get_rng_state(dev) if dev is not None else None
+            before = _offset(gen)
+            with torch.no_grad():
+                out = call(tensors)
+            leaves, box["spec"] = tree_flatten(out)
+            box["leaves"] = leaves
+            leaves = [x for x in leaves if torch.is_tensor(x)]
+            ctx.replays, ctx.module, ctx.call, ctx.held = replays, module, call, held
+            moved = (gen is not None and _offset(gen) != before) or not torch.equal(torch.get_rng_state(), cpu)
+            ctx.rng = (cpu, cuda, dev) if moved else None
+            ctx.autocast = (torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"))
+            ctx.key = (id(module), others, ctx.autocast,
+                       tuple((tuple(t.shape), t.dtype, tuple(t.stride()), t.requires_grad) for t in tensors))
+            ctx.save_for_backward(*pos)
+            return tuple(leaves)
+
+        @staticmethod
+        def backward(ctx: Any, *gouts: Any) -> Any:
+            tensors = list(ctx.saved_tensors) + ctx.held
+            gin = ctx.replays.backward(ctx.module, ctx.call, ctx.key, tensors, list(gouts), ctx.rng, ctx.autocast)
+            return (None, None, None, None, None, *gin[:len(tensors) - len(ctx.held)])
+
+    return Block
+
+
+class _Lazy:
+    fn: Any = None
+
+    def apply(self, *args: Any) -> Any:
+        if self.fn is None:
+            import torch
+            self.fn = _block_function(torch)
+        return self.fn.apply(*args)
+
+
+_Block = _Lazy()

@@ -40,9 +40,6 @@ class DeviceMemory:
     def max_reserved(self) -> int:
         return int(self.torch.cuda.max_memory_reserved(self.device))
 
-    def max_allocated(self) -> int:
-        return int(self.torch.cuda.max_memory_allocated(self.device))
-
     def reserved_without(self, ptrs: set[int]) -> int:
         """The device bytes torch's other tensors hold: its live blocks less the tensors whose
         storages start at ``ptrs`` (NOTE [outside memory] in _train.py). Free space inside a
@@ -93,9 +90,6 @@ class HostMemory:
         return 0
 
     def max_reserved(self) -> int:
-        return 0
-
-    def max_allocated(self) -> int:
         return 0
 
     def reset_peak(self) -> None:

@@ -40,10 +40,13 @@ log = logging.getLogger("tiermem")
 #       a block whose forward moved the CUDA generator keeps torch's eager path;
 #     - memory: the graphs share one private pool, as large as the largest block's recompute
 #       and backward, which torch's allocator cannot lend to other tensors between replays; the
-#       cap counts it. The trainer gives the room its plan leaves (budget minus the predicted
-#       peak, which already holds an eager recompute's working set); a pool past it, a capture
+#       cap counts it. The trainer gives the room the last step left under its cap (the cap less
+#       that step's peak outside the pool, less 1/32 of the budget); a pool past it, a capture
 #       that fails (out of memory under the cap), or a step that runs out of memory beside the
-#       pool stops all capturing: the pool goes back and every block recomputes eagerly.
+#       pool stops all capturing: the pool goes back and every block recomputes eagerly. That
+#       is not enough yet: a step whose plan then keeps more can run out of memory once (on the
+#       H100 a planned GPT step and a Qwen2 did), which is why wrap_training's graphs are off by
+#       default. The plan should leave room for the pool before it spends the budget.
 #     The gradient of each input comes out in a shared static buffer and is cloned before it is
 #     returned: autograd may hold it past the next block's replay.
 

@@ -389,7 +389,7 @@ class TieredTraining:
         self._nesting = 1                      # streamed blocks the traced step used at once
         self._verify = 0                       # steps left before the plan is checked against the probe
         self._verify_ms: list[float] = []      # its timed steps
-        self._fwd_general: int | None = None
+        self._general_peak: int | None = None   # the last step's peak outside the graphs' pool
         self._recaptures = 0                   # probe or check steps repeated since they captured graphs
         self._captures_at_begin = 0
         self._probe: tuple[TrainPlan, float] | None = None   # the probe's plan and its measured step (ms)
@@ -561,18 +561,18 @@ class TieredTraining:
 
     def _graph_room(self) -> int | None:
         """Bytes the recomputed blocks' graphs' pool may take (NOTE [replayed recompute]): what
-        torch's allocator is capped at, less an eighth of the budget (backward's own temporaries,
-        fragmentation), less what this step's forward allocated outside the pool."""
-        if self._fwd_general is None:
+        torch's allocator is capped at, less the last step's peak outside the pool (a step before
+        any graph recomputed eagerly: its peak holds the working set the pool now holds too, so
+        this errs on the safe side), less 1/32 of the budget."""
+        if self._general_peak is None:
             return None
         cap = max(self.budget - self.tier.resident_bytes, 0) + self.outside
-        return cap - self.budget // 8 - self._fwd_general
+        return cap - self.budget // 32 - self._general_peak
 
     def _bwd_enter(self, b: Block, ahead: bool = True) -> None:
         if not self.stream.in_backward:
             self.meter.mark(("fwd", "end"))
             self.meter.mark(("bwd", "start"))
-            self._fwd_general = self.mem.max_allocated() - self.replays.pool_bytes
         self.stream.in_backward = True
         if b.resident or b.entered:
             return
@@ -880,7 +880,6 @@ class TieredTraining:
         self._got: set[int] = set()
         self._grads_at_begin = self._resident_grads()       # NOTE [zero_grad]
         self._captures_at_begin = self.replays.captured
-        self._fwd_general = None      # the forward's peak outside the graphs' pool
         self._seg = []
         self._eval_next = 0
         self.moved = {"h2d": 0, "d2h": 0}
@@ -953,6 +952,7 @@ class TieredTraining:
             return
         self.steps += 1
         self.last_peak = self.mem.max_reserved()
+        self._general_peak = self.last_peak - self.replays.pool_bytes     # NOTE [replayed recompute]
         diverged = self.swap is not None and self.swap.diverged
         if self._updating:
             self.updates += 1
@@ -1200,7 +1200,7 @@ class TieredTraining:
         """Make ``plan`` the one the next steps follow."""
         t = self.trace
         old = self.plan
-        if (self.replays.graphs and old is not None and self._fwd_general is not None
+        if (self.replays.graphs and old is not None and self._general_peak is not None
                 and self.replays.pool_bytes > self._graph_room() - max(0, plan.predicted_peak - old.predicted_peak)):
             # NOTE [replayed recompute]: the new plan keeps more on the device than the pool leaves room for
             self.replays.give_up("the new plan leaves no room for the graphs' pool")

@@ -13,8 +13,8 @@ that syncs), or that needs more than MAX_GRAPHS_PER_BLOCK keys runs eagerly from
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import nullcontext
 from typing import Any
 
 __all__ = ["Replays", "MAX_GRAPHS_PER_BLOCK"]
@@ -266,12 +266,8 @@ class Replays:
 
 def _autocast(torch: Any, state: Any) -> Any:
     enabled, dtype = state
-    return torch.autocast("cuda", dtype=dtype, enabled=enabled) if enabled else _nothing()
+    return torch.autocast("cuda", dtype=dtype, enabled=enabled) if enabled else nullcontext()
 
-
-@contextmanager
-def _nothing() -> Iterator[None]:
-    yield
 
 
 def _recompute_backward(torch: Any, call: Callable, tensors: list[Any], gouts: list[Any], autocast: Any) -> list[Any]:

@@ -24,10 +24,11 @@ def _tiered(budget, **kw):
     return tier, model, opt, train, c
 
 
-@pytest.mark.parametrize("recompute,graphs", [("always", True), ("always", False), ("auto", False)])
+@pytest.mark.parametrize("recompute,graphs", [("always", True), ("auto", True), ("always", False), ("auto", False)])
 def test_thirty_steps_recomputing_and_swapping_give_the_resident_losses_bitwise(recompute, graphs):
     """With ``graphs`` the recomputed blocks' backwards are replayed (NOTE [replayed recompute]);
-    their shared pool fits the budget beside the step's own allocations."""
+    their shared pool fits the budget beside the step's own allocations, the plan made after the
+    first captures leaving room for it."""
     torch = _setup()
     from tiermem.models import GPTConfig
     batches = _batches(GPTConfig(**CFG), 30)
@@ -123,3 +124,64 @@ def test_dropout_in_recomputed_blocks_gives_the_resident_losses_bitwise():
     for p, q in zip(got_params, want_params):
         assert torch.equal(p, q)
 
+
+
+def test_a_transformers_model_replays_its_recomputed_layers_and_gives_the_resident_losses_bitwise():
+    """A Qwen2 (SDPA, rotary tables and the mask passed as keywords; no KV cache, as for training)
+    recomputing every layer, its layers' backwards replayed as graphs (NOTE [replayed recompute])
+    or, where the budget leaves the pool no room, given up before a step runs out of memory."""
+    torch = _setup()
+    import torch.nn.functional as F
+    import transformers
+    import tiermem
+    cfg = transformers.Qwen2Config(hidden_size=512, intermediate_size=1408, num_hidden_layers=6,
+                                   num_attention_heads=8, num_key_value_heads=2, vocab_size=4096,
+                                   max_position_embeddings=256, tie_word_embeddings=False, use_cache=False)
+    g = torch.Generator(device="cuda").manual_seed(3)
+    batches = [torch.randint(0, 4096, (4, 129), device="cuda", generator=g) for _ in range(12)]
+
+    def loss_of(model, ids):
+        logits = model(input_ids=ids[:, :-1]).logits
+        return F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
+
+    def run(budget):
+        torch.manual_seed(0)
+        model = transformers.Qwen2ForCausalLM(cfg).cuda().train()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        tier = train = None
+        if budget:
+            tier = tiermem.Tier(0, cap="1GiB")
+            train = tier.wrap_training(model, opt, budget, block_bytes=16 * MiB, min_swap=256 << 10,
+                                       recompute="always", graphs=True)
+        out, peaks = [], []
+        for ids in batches:
+            if train is not None:
+                with train.step():
+                    loss = loss_of(model, ids)
+                    loss.backward()
+                peaks.append(train.resident_peak())
+            else:
+                loss = loss_of(model, ids)
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            out.append(loss.detach())
+        losses = [float(v) for v in torch.stack(out).cpu()]
+        rep = train.report() if train is not None else None
+        if train is not None:
+            print(train.plan.table(), rep)
+            _cleanup(tier, train)
+        return losses, rep, peaks
+
+    want, _, _ = run(0)
+    _cleanup()
+    for budget in (416 * MiB, 288 * MiB):
+        got, rep, peaks = run(budget)
+        assert got == want, budget
+        assert max(peaks) <= budget, (max(peaks), budget)
+        assert rep["recomputed_blocks"] >= 6, rep
+        if rep["replayed_backwards"]:
+            assert rep["replayed_backwards"] >= 6 * 6 and rep["eager_recomputed_blocks"] == 0, rep
+        else:
+            assert "does not fit" in rep["graphs_off"] or "no room" in rep["graphs_off"], rep
+        _cleanup()

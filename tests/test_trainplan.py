@@ -174,14 +174,15 @@ def test_a_bad_recompute_mode_or_link_rate_is_a_value_error():
        fwd_ms=st.floats(0.0, 40.0), param=st.integers(1, 64 * MiB), floor=st.integers(0, 512 * MiB),
        budget=st.integers(1, 4096 * MiB), margin=st.integers(0, 64 * MiB), boundary=st.integers(0, 32 * MiB),
        fwd=st.floats(0.0, 100.0), bwd=st.floats(0.0, 200.0), other=st.integers(0, 64 * MiB),
-       rc=st.sets(st.integers(0, 9)), link=st.floats(1.0, 100.0))
+       rc=st.sets(st.integers(0, 9)), link=st.floats(1.0, 100.0),
+       pool=st.sampled_from([0, 0, 1, 64 * MiB, 512 * MiB]))
 def test_the_chosen_plan_fits_and_is_never_slower_than_swap_only_or_recompute_only(
-        blocks, act, saves, fwd_ms, param, floor, budget, margin, boundary, fwd, bwd, other, rc, link):
+        blocks, act, saves, fwd_ms, param, floor, budget, margin, boundary, fwd, bwd, other, rc, link, pool):
     t = seg_trace(blocks, act, saves, fwd_ms, param, floor, boundary, (fwd, bwd), rc, other)
-    p = plan_training(t, budget, margin=margin, link_GBps=link)
-    swap = plan_training(t, budget, margin=margin, link_GBps=link, recompute="never")
-    rec = plan_training(t, budget, margin=margin, link_GBps=link, recompute="always")
-    if floor + margin <= budget:
+    p = plan_training(t, budget, margin=margin, link_GBps=link, graph_pool=pool)
+    swap = plan_training(t, budget, margin=margin, link_GBps=link, recompute="never", graph_pool=pool)
+    rec = plan_training(t, budget, margin=margin, link_GBps=link, recompute="always", graph_pool=pool)
+    if floor + margin + pool <= budget:
         assert p.predicted_peak + margin <= budget
         assert rec.predicted_peak + margin <= budget
     else:
@@ -192,6 +193,25 @@ def test_the_chosen_plan_fits_and_is_never_slower_than_swap_only_or_recompute_on
     assert not (p.keep & {r.index for r in t.saved if r.segment in p.recompute})   # recomputed: not kept too
     assert p.kept_bytes == sum(t.saved[i].nbytes for i in p.keep)
     assert p.swapped_bytes >= 0
+
+
+def test_the_graphs_pool_is_held_whatever_the_plan_and_leaves_less_to_keep():
+    """NOTE [replayed recompute]: the pool holds every recomputed block's backward, in place of
+    the largest recomputed segment, and stays between steps, so a plan that keeps activations
+    keeps fewer by the pool."""
+    t = seg_trace(compute=(1.0, 2.0))
+    budget = 100 * MiB + 200 * MiB
+    bare = plan_training(t, budget, margin=0)
+    held = plan_training(t, budget, margin=0, graph_pool=96 * MiB)
+    assert held.graph_pool == held.recompute_peak == 96 * MiB
+    assert held.predicted_peak <= budget and bare.predicted_peak <= budget
+    assert held.kept_bytes + held.resident_block_bytes < bare.kept_bytes + bare.resident_block_bytes
+    assert "graphs' pool" in str(held) and "graphs' pool" not in str(bare)
+    # a pool the floor leaves no room for: nothing is kept, made resident or recomputed
+    none = plan_training(t, 100 * MiB + 32 * MiB, margin=0, graph_pool=64 * MiB)
+    assert not (none.keep or none.resident_blocks or none.recompute)
+    with pytest.raises(ValueError, match="graph_pool"):
+        plan_training(t, budget, graph_pool=-1)
 
 
 def test_a_probe_measured_with_every_block_recomputed_predicts_its_own_compute_and_prices_the_hooks():

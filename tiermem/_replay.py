@@ -12,6 +12,7 @@ that syncs), or that needs more than MAX_GRAPHS_PER_BLOCK keys runs eagerly from
 """
 from __future__ import annotations
 
+import gc
 import logging
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -20,6 +21,10 @@ from typing import Any
 __all__ = ["Replays", "MAX_GRAPHS_PER_BLOCK"]
 
 MAX_GRAPHS_PER_BLOCK = 6     # a streamed block passes through lookahead + 1 slots (3 by default)
+# torch's caching allocator carves a private pool from its own segments: 2 MiB ones for
+# requests up to 1 MiB, 20 MiB ones up to 10 MiB (c10/cuda/CUDACachingAllocator.cpp), none shared
+# with the cache the step's other tensors use; a pool's estimate leaves room for one of each
+SEGMENTS = 22 << 20
 
 log = logging.getLogger("tiermem")
 
@@ -82,6 +87,9 @@ class Replays:
         self.hit: list[Any] = []
         self.off = ""                            # why capturing stopped, if it did
         self.pool_bytes = 0                      # what the captures reserved for the pool
+        self.need = 0                            # the largest working set an eager backward measured
+        self.measured: set[int] = set()          # modules whose eager backward was measured
+        self.peak_carry = 0                      # the step's reserved peak before a measurement reset it
         self.room: Callable[[], int | None] | None = None   # bytes the pool may take (None: no limit)
         self.graphs: dict[tuple, _Graph] = {}
         self.per_module: dict[int, int] = {}     # graphs captured per module
@@ -153,6 +161,11 @@ class Replays:
                       tuple(p.data_ptr() for p in params),
                       tuple(p.grad.data_ptr() for p in params))
         g = self.graphs.get(key)
+        if g is None and id(module) not in self.measured:
+            # NOTE [replayed recompute]: its first backward runs eagerly, measured, so the plan
+            # and the check below know the pool's size before any capture takes it
+            self.measured.add(id(module))
+            return self._measure(lambda: _recompute_backward(self.torch, call, tensors, gouts, autocast))
         if g is None:
             n = self.per_module.get(id(module), 0)
             if n >= MAX_GRAPHS_PER_BLOCK:
@@ -162,6 +175,12 @@ class Replays:
                 self.eager.add(id(module))
                 return _recompute_backward(self.torch, call, tensors, gouts, autocast)
             why = ""
+            room = self.room() if self.room is not None else None
+            if room is not None and self.reserve > room:
+                why = (f"the graphs' pool (about {self.reserve / 1e6:.0f} MB) does not fit "
+                       f"beside the step's own peak ({room / 1e6:.0f} MB left in the budget)")
+                self.give_up(why)
+                return _recompute_backward(self.torch, call, tensors, gouts, autocast)
             try:
                 self._warm(call, tensors, autocast)
                 g = self._capture(call, tensors, gouts, autocast)
@@ -190,6 +209,28 @@ class Replays:
             self.after_replay(module, g.hit)
         return gin
 
+    @property
+    def reserve(self) -> int:
+        """Bytes a plan must leave the graphs' pool: what it holds, or while capturing is on, what
+        the largest measured backward says it will hold, with a quarter more and the allocator's
+        segments (SEGMENTS) for what the pool cannot share with the rest of the step."""
+        if not self.capture:
+            return self.pool_bytes
+        return max(self.pool_bytes, self.need + self.need // 4 + SEGMENTS if self.need else 0)
+
+    def _measure(self, run: Callable[[], Any]) -> Any:
+        """``run()``, its peak of allocated bytes above where it began kept in :attr:`need`.
+        Measuring resets the device's peak counters; the peak before is kept in :attr:`peak_carry`
+        for the caller, whose step's peak it is part of."""
+        cuda = self.torch.cuda
+        self.peak_carry = max(self.peak_carry, cuda.max_memory_reserved())
+        cuda.reset_peak_memory_stats()
+        begin = cuda.memory_allocated()
+        try:
+            return run()
+        finally:
+            self.need = max(self.need, cuda.max_memory_allocated() - begin)
+
     def give_up(self, why: str) -> None:
         """Stop capturing and replaying, and give the pool's memory back to the device: a capture
         that failed for want of memory under the cap would leave the step's own allocations none."""
@@ -197,6 +238,7 @@ class Replays:
         self.off = why
         self.capture = False
         self.close()
+        gc.collect()           # a failed capture's frames can hold its tensors in the pool in a cycle
         self.torch.cuda.empty_cache()
 
     def _side(self) -> Any:

@@ -559,6 +559,11 @@ class TieredTraining:
             if t is not None:
                 t.register_hook(lambda g, b=b: self._bwd_enter(b))
 
+    def _peak(self) -> int:
+        """torch's peak reserved bytes in this step (NOTE [replayed recompute]: a measured
+        backward resets the device's counter, and keeps the peak before it)."""
+        return max(self.mem.max_reserved(), self.replays.peak_carry)
+
     def _graph_room(self) -> int | None:
         """Bytes the recomputed blocks' graphs' pool may take (NOTE [replayed recompute]): what
         torch's allocator is capped at, less the last step's peak outside the pool (a step before
@@ -886,6 +891,7 @@ class TieredTraining:
         for b in self.blocks:
             b.entered, b.stepped, b.waiting = False, False, 0
         self.mem.reset_peak()
+        self.replays.peak_carry = 0
         if self._tracing:
             self._calls, self._boundary = {}, {}
             self.recomputing.set({})             # the trace sees every block's own saves
@@ -951,7 +957,7 @@ class TieredTraining:
             self._clear_failed_step()
             return
         self.steps += 1
-        self.last_peak = self.mem.max_reserved()
+        self.last_peak = self._peak()
         self._general_peak = self.last_peak - self.replays.pool_bytes     # NOTE [replayed recompute]
         diverged = self.swap is not None and self.swap.diverged
         if self._updating:
@@ -966,7 +972,7 @@ class TieredTraining:
         elif self._tracing:
             # Reserved, not allocated: the cap applies to what torch reserves, fragmentation included.
             try:
-                self._replan(self.mem.max_reserved())
+                self._replan(self._peak())
             except BaseException:
                 # The plan did not take: trace again, and let the next step set the slots and the
                 # cap for the blocks as they are (some may have become resident).
@@ -987,6 +993,9 @@ class TieredTraining:
             # NOTE [replayed recompute]: a step that captured graphs paid for the captures; the
             # phase's timed step runs again
             self._recaptures += 1
+        elif (not self._refine and self.plan is not None
+              and abs(self.replays.reserve - self.plan.graph_pool) > self.budget // 32):
+            self._reserve_pool()
         elif self._refine:
             self._recaptures = 0
             self._refine -= 1
@@ -1169,6 +1178,18 @@ class TieredTraining:
         self._take(back)
         self._restart_timing()
 
+    def _reserve_pool(self) -> None:
+        """NOTE [replayed recompute]: the graphs' pool is not what the plan left room for (the
+        first measured backward came under a plan made before it, or the graphs were given up):
+        plan again, and time the check's steps again under the new plan."""
+        log.info("tiermem: the graphs' pool needs %.0f MB, the plan left %.0f MB; planning again",
+                 self.replays.reserve / 1e6, self.plan.graph_pool / 1e6)
+        plan = self._plan_for(self.trace)
+        if self._verify:
+            self._verify, self._verify_ms = VERIFY_STEPS, []
+        self._take(plan)
+        self._restart_timing()
+
     def _replan_measured(self) -> None:
         """Plan again after the probe step (NOTE [recompute plan]): its recomputed blocks' forwards are
         their compute alone; the trace's are the same forwards with the swap's hooks."""
@@ -1193,15 +1214,21 @@ class TieredTraining:
     def _plan_for(self, trace: StepTrace, mode: str | None = None) -> TrainPlan:
         margin = self.budget // 8 if self.margin is None else self.margin
         mode = mode or ("never" if self._no_recompute else self.recompute_mode)
-        return plan_training(trace, self.budget, margin=margin, recompute=mode, link_GBps=self.link_GBps,
-                             clip=self.max_grad_norm is not None)
+        plan = plan_training(trace, self.budget, margin=margin, recompute=mode, link_GBps=self.link_GBps,
+                             clip=self.max_grad_norm is not None, graph_pool=self.replays.reserve)
+        if plan.graph_pool and plan.predicted_peak > self.budget - margin:
+            # NOTE [replayed recompute]: the floor and the pool together pass the budget
+            self.replays.give_up("the budget leaves no room for the graphs' pool beside the step's floor")
+            plan = plan_training(trace, self.budget, margin=margin, recompute=mode, link_GBps=self.link_GBps,
+                                 clip=self.max_grad_norm is not None)
+        return plan
 
     def _take(self, plan: TrainPlan) -> None:
         """Make ``plan`` the one the next steps follow."""
         t = self.trace
         old = self.plan
         if (self.replays.graphs and old is not None and self._general_peak is not None
-                and self.replays.pool_bytes > self._graph_room() - max(0, plan.predicted_peak - old.predicted_peak)):
+                and self.replays.reserve > self._graph_room() - max(0, _general(plan) - _general(old))):
             # NOTE [replayed recompute]: the new plan keeps more on the device than the pool leaves room for
             self.replays.give_up("the new plan leaves no room for the graphs' pool")
         self.plan = plan
@@ -1516,3 +1543,8 @@ def _first_grad_tensor(out: Any) -> Any:
 def wrap_training(tier: Tier, model: Any, optimizer: Any, budget: int | str, **kwargs: Any) -> TieredTraining:
     """Train ``model`` with ``optimizer`` within ``budget`` (see :class:`TieredTraining`)."""
     return TieredTraining(tier, model, optimizer, budget, **kwargs)
+
+
+def _general(plan: TrainPlan) -> int:
+    """A plan's predicted peak outside the graphs' pool (NOTE [replayed recompute])."""
+    return plan.predicted_peak - plan.recompute_peak

@@ -139,6 +139,7 @@ class TrainPlan:
     recomputed_bytes: int = 0                # saved bytes of those segments, no longer saved
     boundary_bytes: int = 0                  # what the recomputed blocks save instead (swapped)
     recompute_peak: int = 0                  # the largest recomputed segment, alive in its backward
+    graph_pool: int = 0                      # the replayed backwards' pool, held instead (NOTE [replayed recompute])
     fwd_ms: float = 0.0
     bwd_ms: float = 0.0
     recompute_ms: float = 0.0
@@ -215,7 +216,7 @@ class TrainPlan:
                 f", {self.measured['step_ms']:.1f} ms measured ({self.measured['step_ms'] / pred:.2f}x)"
                 if self.measured.get("step_ms") and pred > 0 else ""),
             f"  device peak      {gb(self.predicted_peak)} predicted (floor {gb(self.floor_peak)}, "
-            f"margin {gb(self.margin)})",
+            f"margin {gb(self.margin)}" + (f", graphs' pool {gb(self.graph_pool)}" if self.graph_pool else "") + ")",
         ]
         if self.measured.get("probe_ms"):
             # NOTE [measured choice] in _train.py
@@ -260,8 +261,9 @@ class _Choice:
 
 class _Planner:
     def __init__(self, trace: StepTrace, budget: int, margin: int, can_reside: Sequence[bool] | None,
-                 recompute: str, link_GBps: float, clip: bool = False):
+                 recompute: str, link_GBps: float, clip: bool = False, graph_pool: int = 0):
         self.t, self.budget, self.margin, self.rate = trace, budget, margin, link_GBps * 1e9
+        self.graph_pool = graph_pool
         self.clip = clip
         nb = len(trace.block_param_bytes)
         self.nb = nb
@@ -288,9 +290,10 @@ class _Planner:
 
     # -- evaluation ----------------------------------------------------------------------------------
     def peak_extra(self, c: _Choice) -> int:
-        """Bytes above the floor: resident blocks, kept activations, the largest recomputed segment."""
+        """Bytes above the floor: resident blocks, kept activations, the largest recomputed segment
+        (or the graphs' pool that holds every recomputed segment's backward, whatever the plan)."""
         kept = sum(self.t.saved[i].nbytes for i in c.keep)
-        rec = max((self.seg_bytes.get(i, 0) for i in c.recompute), default=0)
+        rec = self.graph_pool or max((self.seg_bytes.get(i, 0) for i in c.recompute), default=0)
         return sum(self.size[i] for i in c.resident) + kept + rec
 
     def fits(self, c: _Choice) -> bool:
@@ -408,7 +411,7 @@ class _Planner:
 
 def plan_training(trace: StepTrace, budget: int, *, margin: int | None = None,
                   can_reside: Sequence[bool] | None = None, recompute: str = "auto",
-                  link_GBps: float = LINK_GBPS, clip: bool = False) -> TrainPlan:
+                  link_GBps: float = LINK_GBPS, clip: bool = False, graph_pool: int = 0) -> TrainPlan:
     """Plan the steps after ``trace`` within ``budget`` bytes (NOTE [training plan], NOTE
     [recompute plan]).
 
@@ -419,6 +422,8 @@ def plan_training(trace: StepTrace, budget: int, *, margin: int | None = None,
     per block segment, "never" swaps or keeps only, "always" recomputes every recomputable
     segment that fits. ``link_GBps``: the link's rate each way. ``clip``: the streamed blocks
     step in a pass after backward (NOTE [clipping] in _train.py), which streaming a block costs.
+    ``graph_pool``: bytes the recomputed blocks' graphs hold between steps (NOTE [replayed
+    recompute] in _replay.py); the plan counts them in place of the largest recomputed segment.
     """
     if budget <= 0:
         raise ConfigError(f"budget must be positive, got {budget}")
@@ -427,6 +432,8 @@ def plan_training(trace: StepTrace, budget: int, *, margin: int | None = None,
     if not link_GBps > 0:
         raise ConfigError(f"link_GBps must be positive, got {link_GBps}")
     margin = budget // 16 if margin is None else int(margin)
+    if graph_pool < 0:
+        raise ConfigError(f"graph_pool must not be negative, got {graph_pool}")
     nb = len(trace.block_param_bytes)
     if len(trace.block_state_bytes) != nb:
         raise ConfigError(f"block_param_bytes and block_state_bytes differ in length ({nb} and "
@@ -434,8 +441,8 @@ def plan_training(trace: StepTrace, budget: int, *, margin: int | None = None,
     if trace.block_state_moved_bytes and len(trace.block_state_moved_bytes) != nb:
         raise ConfigError(f"block_param_bytes and block_state_moved_bytes differ in length ({nb} and "
                           f"{len(trace.block_state_moved_bytes)})")
-    pl = _Planner(trace, budget, margin, can_reside, recompute, link_GBps, clip)
-    if pl.room - sum(pl.size[i] for i in pl.already) < 0:
+    pl = _Planner(trace, budget, margin, can_reside, recompute, link_GBps, clip, int(graph_pool))
+    if pl.room - pl.graph_pool - sum(pl.size[i] for i in pl.already) < 0:
         c, kind = pl.base(), "swap"          # nothing is added to a floor that does not fit
     elif recompute == "never" or not pl.recomputable:
         c, kind = pl.swap_only(), "swap"
@@ -470,7 +477,8 @@ def _make(pl: _Planner, c: _Choice, kind: str) -> TrainPlan:
                      recompute=frozenset(c.recompute),
                      recomputed_bytes=sum(pl.seg_bytes.get(i, 0) for i in c.recompute),
                      boundary_bytes=sum(pl.boundary[i] for i in c.recompute),
-                     recompute_peak=max((pl.seg_bytes.get(i, 0) for i in c.recompute), default=0),
+                     recompute_peak=pl.graph_pool or max((pl.seg_bytes.get(i, 0) for i in c.recompute), default=0),
+                     graph_pool=pl.graph_pool,
                      fwd_ms=fwd, bwd_ms=bwd, recompute_ms=rec,
                      link_GBps=pl.rate / 1e9, kind=kind, segment_modes=tuple(modes), clip=pl.clip,
                      block_names=tuple(t.block_names))

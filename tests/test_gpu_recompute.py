@@ -50,7 +50,7 @@ def test_thirty_steps_recomputing_and_swapping_give_the_resident_losses_bitwise(
         assert len(plan.recompute) >= CFG["layers"] and plan.swapped_bytes > 0   # both in one step
     assert plan.fwd_ms > 0 and plan.bwd_ms > 0           # measured on the GPU, waits taken out
     assert plan.measured.get("step_ms", 0) > 0
-    if graphs and rep["replayed_backwards"]:
+    if graphs and rep["replayed_backwards"] and not rep["graphs_off"]:
         # NOTE [replayed recompute]: the recomputed blocks' backwards ran as graphs, a few per block
         assert rep["eager_recomputed_blocks"] == 0 and 0 < rep["graphs"] <= 6 * len(plan.recompute), rep
     if graphs:
@@ -180,7 +180,7 @@ def test_a_transformers_model_replays_its_recomputed_layers_and_gives_the_reside
         assert got == want, budget
         assert max(peaks) <= budget, (max(peaks), budget)
         assert rep["recomputed_blocks"] >= 6, rep
-        if rep["replayed_backwards"]:
+        if rep["replayed_backwards"] and not rep["graphs_off"]:
             assert rep["replayed_backwards"] >= 6 * 6 and rep["eager_recomputed_blocks"] == 0, rep
         else:
             assert "does not fit" in rep["graphs_off"] or "no room" in rep["graphs_off"], rep

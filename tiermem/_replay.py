@@ -99,6 +99,7 @@ class Replays:
         self.pool: Any = None
         self.replayed = 0
         self.captured = 0
+        self.changes = 0                         # captures, measured backwards and give-ups: steps not to time
 
     def close(self) -> None:
         """Drop every graph and buffer (their pool goes back to torch's allocator)."""
@@ -197,6 +198,7 @@ class Replays:
             self.graphs[key] = g
             self.per_module[id(module)] = n + 1
             self.captured += 1
+            self.changes += 1
         for s, t in zip(g.static_in, tensors):
             s.copy_(t)
         for s, t in zip(g.static_gout, gouts):
@@ -223,6 +225,7 @@ class Replays:
         Measuring resets the device's peak counters; the peak before is kept in :attr:`peak_carry`
         for the caller, whose step's peak it is part of."""
         cuda = self.torch.cuda
+        self.changes += 1
         self.peak_carry = max(self.peak_carry, cuda.max_memory_reserved())
         cuda.reset_peak_memory_stats()
         begin = cuda.memory_allocated()
@@ -237,6 +240,9 @@ class Replays:
         log.warning("tiermem: recomputed blocks run eagerly from now on: %s", why.splitlines()[0][:300])
         self.off = why
         self.capture = False
+        self.changes += 1
+        if self.pool is None and not self.graphs:
+            return             # nothing was captured: no memory to give back (and no sync mid-step)
         self.close()
         gc.collect()           # a failed capture's frames can hold its tensors in the pool in a cycle
         self.torch.cuda.empty_cache()

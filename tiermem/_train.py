@@ -137,7 +137,7 @@ log = logging.getLogger("tiermem")
 BLOCK_BYTES = 64 << 20    # parameter bytes per block: a slot holds ~4x that (params, grads, Adam's two moments)
 RESIDENT_STEP_BYTES = 64 << 20   # parameter bytes per optimizer call for resident blocks
 PROBE_STEPS = 2     # steps under the probe's plan; the last is metered (NOTE [measured choice])
-RECAPTURE_STEPS = 4  # steps a probe or check may repeat because they captured graphs (NOTE [replayed recompute])
+RECAPTURE_STEPS = 4  # steps a probe or check may repeat because graphs changed in them (NOTE [replayed recompute])
 VERIFY_STEPS = 3    # steps under the plan made after it; the fastest after the first is timed against the probe
 VERIFY_SLACK = 0.02
 
@@ -390,8 +390,8 @@ class TieredTraining:
         self._verify = 0                       # steps left before the plan is checked against the probe
         self._verify_ms: list[float] = []      # its timed steps
         self._general_peak: int | None = None   # the last step's peak outside the graphs' pool
-        self._recaptures = 0                   # probe or check steps repeated since they captured graphs
-        self._captures_at_begin = 0
+        self._recaptures = 0                   # probe or check steps repeated since graphs changed in them
+        self._changes_at_begin = 0
         self._probe: tuple[TrainPlan, float] | None = None   # the probe's plan and its measured step (ms)
         self._no_recompute = False             # recompute moved other segments' saves: plan without it
         self._step_events: Any = None
@@ -884,7 +884,7 @@ class TieredTraining:
         self._read_step_time()
         self._got: set[int] = set()
         self._grads_at_begin = self._resident_grads()       # NOTE [zero_grad]
-        self._captures_at_begin = self.replays.captured
+        self._changes_at_begin = self.replays.changes
         self._seg = []
         self._eval_next = 0
         self.moved = {"h2d": 0, "d2h": 0}
@@ -988,10 +988,10 @@ class TieredTraining:
             log.info("tiermem: optimizer states appeared after the plan; tracing the next step")
             self._tracing = True
             self._restart_timing()
-        elif (self._refine or self._verify) and self.replays.captured != self._captures_at_begin \
+        elif (self._refine or self._verify) and self.replays.changes != self._changes_at_begin \
                 and self._recaptures < RECAPTURE_STEPS:
-            # NOTE [replayed recompute]: a step that captured graphs paid for the captures; the
-            # phase's timed step runs again
+            # NOTE [replayed recompute]: a step that captured, measured or gave up graphs paid
+            # for it; the phase's timed step runs again
             self._recaptures += 1
         elif (not self._refine and self.plan is not None
               and abs(self.replays.reserve - self.plan.graph_pool) > self.budget // 32):

@@ -4,7 +4,8 @@
 backward as one graph: the forward again, then its backward, the parameters' gradients added
 into their ``.grad`` in place. The graph is keyed by everything it bakes in: the inputs' shapes,
 dtypes and strides, which outputs get a gradient, autocast's state, and the addresses of the
-block's parameters and gradients (a streamed block's slot). A key's first backward captures the
+block's parameters and gradients (a streamed block's slot). A block's first backward runs eagerly,
+its working set measured for the pool's room; after it, a key's first backward captures the
 graph (after one forward without autograd on the capture stream, the first time:
 it warms that stream's cuBLAS handle and workspace) and replays it, later ones replay. A block
 whose forward draws random numbers, whose capture fails (out of memory under the cap, an op
@@ -45,13 +46,16 @@ log = logging.getLogger("tiermem")
 #       a block whose forward moved the CUDA generator keeps torch's eager path;
 #     - memory: the graphs share one private pool, as large as the largest block's recompute
 #       and backward, which torch's allocator cannot lend to other tensors between replays; the
-#       cap counts it. The trainer gives the room the last step left under its cap (the cap less
-#       that step's peak outside the pool, less 1/32 of the budget); a pool past it, a capture
-#       that fails (out of memory under the cap), or a step that runs out of memory beside the
-#       pool stops all capturing: the pool goes back and every block recomputes eagerly. That
-#       is not enough yet: a step whose plan then keeps more can run out of memory once (on the
-#       H100 a planned GPT step and a Qwen2 did), which is why wrap_training's graphs are off by
-#       default. The plan should leave room for the pool before it spends the budget.
+#       cap counts it. So a block's first backward runs eagerly and measured (:meth:`_measure`),
+#       the trainer's plan holds room for the estimate (:attr:`reserve`) as it does for kept
+#       activations, no capture starts where the estimate does not fit the room the trainer
+#       gives (its cap less the last step's peak outside the pool, less 1/32 of the budget),
+#       and a pool past that room after a capture, a capture that fails, or a step that runs out
+#       of memory beside the pool stops all capturing: the pool goes back and every block
+#       recomputes eagerly. On the H100 at 1/2.5 of the bench models' state the estimate (422
+#       and 432 MB) did not fit the room (267 and 251 MB), so there the graphs are given up
+#       before any capture: at a tight budget the pool costs what it saves, and graphs stay off
+#       by default (docs/training.md).
 #     The gradient of each input comes out in a shared static buffer and is cloned before it is
 #     returned: autograd may hold it past the next block's replay.
 

@@ -127,16 +127,18 @@ def test_dropout_in_recomputed_blocks_gives_the_resident_losses_bitwise():
 
 
 def test_a_transformers_model_replays_its_recomputed_layers_and_gives_the_resident_losses_bitwise():
-    """A Qwen2 (SDPA, rotary tables and the mask passed as keywords; no KV cache, as for training)
-    recomputing every layer, its layers' backwards replayed as graphs (NOTE [replayed recompute])
-    or, where the budget leaves the pool no room, given up before a step runs out of memory."""
+    """A Qwen2 with transformers' defaults (SDPA, rotary tables and the mask passed as keywords;
+    use_cache=True, off inside the steps: NOTE [no KV cache in a step]) recomputing every layer,
+    its layers' backwards replayed as graphs (NOTE [replayed recompute]) or, where the budget
+    leaves the pool no room, given up before a step runs out of memory."""
     torch = _setup()
     import torch.nn.functional as F
     import transformers
     import tiermem
     cfg = transformers.Qwen2Config(hidden_size=512, intermediate_size=1408, num_hidden_layers=6,
                                    num_attention_heads=8, num_key_value_heads=2, vocab_size=4096,
-                                   max_position_embeddings=256, tie_word_embeddings=False, use_cache=False)
+                                   max_position_embeddings=256, tie_word_embeddings=False)
+    assert cfg.use_cache
     g = torch.Generator(device="cuda").manual_seed(3)
     batches = [torch.randint(0, 4096, (4, 129), device="cuda", generator=g) for _ in range(12)]
 

@@ -213,3 +213,61 @@ def test_a_plan_in_capacity_is_kept_however_slow_its_steps_were_timed():
     gc.collect()
     tier.close()
     assert fake.live() == {"managed": 0, "pinned": 0, "device": 0}
+
+
+def _qwen2(seed: int = 0):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=256, max_position_embeddings=64,
+                                   tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = transformers.Qwen2ForCausalLM(cfg).train()
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def _hf_loss(model, ids):
+    logits = model(input_ids=ids[:, :-1]).logits
+    return F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
+
+
+def test_a_transformers_model_with_its_default_kv_cache_recomputes_its_layers():
+    """transformers' configs default to ``use_cache=True``, so a training forward builds a KV cache
+    that holds every layer's keys and values and makes the layers look unrecomputable (NOTE [no
+    KV cache in a step] in tiermem/_train.py). Inside a step the cache is off, as transformers
+    turns it off under gradient checkpointing; between steps the config is the user's again."""
+    bs = batches(6)
+    model, opt = _qwen2()
+    assert model.config.use_cache is True
+    want = []
+    for ids in bs:
+        loss = _hf_loss(model, ids)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        want.append(float(loss.detach()))
+    model, opt = _qwen2()
+    fake = FakeBackend(total=1 << 30, foreign_host=True)
+    tier = tiermem.Tier(backend=fake)
+    train = tier.wrap_training(model, opt, 4 * state_bytes(model), block_bytes=BLOCK, min_swap=4096,
+                               recompute="always")
+    seen = []
+    h = model.model.layers[0].register_forward_pre_hook(lambda m, a: seen.append(model.config.use_cache))
+    got = []
+    for ids in bs:
+        with train.step():
+            loss = _hf_loss(model, ids)
+            loss.backward()
+        got.append(float(loss.detach()))
+        assert model.config.use_cache is True
+    h.remove()
+    assert got == want
+    assert seen and not any(seen)
+    names = {train.plan.block_names[i] for i in train.plan.recompute}
+    assert {f"model.layers.{i}" for i in range(4)} <= names, train.plan
+    with torch.no_grad():                  # outside a step the cache is built as the user asked
+        assert model(input_ids=bs[0][:, :8]).past_key_values is not None
+    train.unwrap()
+    del train
+    gc.collect()
+    tier.close()
+    assert fake.live() == {"managed": 0, "pinned": 0, "device": 0}

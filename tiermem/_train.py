@@ -250,6 +250,11 @@ class TieredTraining:
         if getattr(model, "_tiermem_handle", None) is not None:
             raise WrapError("this model is already adopted by tiermem; unwrap it first")
         self.tier, self.model, self.opt = tier, model, optimizer
+        self._cached = _kv_cache_configs(model)  # NOTE [no KV cache in a step]
+        if self._cached:
+            log.warning("tiermem: %s's config has use_cache=True; inside train.step() it is False (a training "
+                        "forward has no use for a KV cache, which would hold every layer's keys and values)",
+                        type(model).__name__)
         self.group = _group(process_group)      # NOTE [data parallel]
         be = tier.backend
         total = be.capabilities().total_memory
@@ -837,7 +842,7 @@ class TieredTraining:
                 self._begin_step()
                 hooks = (torch.autograd.graph.saved_tensors_hooks(self.swap.pack, self.swap.unpack)
                          if self.swap is not None and self._swapping() else contextlib.nullcontext())
-                with hooks:
+                with hooks, _kv_cache_off(self._cached):
                     yield self
                 ok = True
             finally:
@@ -1521,6 +1526,45 @@ def _chunks(params: list[Any], limit: int | None) -> list[list[Any]]:
         out[-1].append(p)
         n += size
     return out
+
+
+# NOTE [no KV cache in a step]
+#     transformers' configs default to use_cache=True, and a model forward then builds a KV
+#     cache (a DynamicCache) and hands it to every layer, training or not. Inside a step the
+#     cache does harm: it references every layer's keys and values until the step ends, so the
+#     swap moves them to the host and the device keeps them all the same, and a recomputed
+#     layer's second forward appends its keys and values to the cache again. transformers
+#     itself turns the cache off in a layer that gradient checkpointing runs
+#     (GradientCheckpointingLayer in transformers/modeling_layers.py); tiermem turns off the
+#     config's default for the step's length, so a call that passes use_cache=True itself still
+#     gets its cache, and between steps (evaluation, generate()) the config is the user's.
+def _kv_cache_configs(model: Any) -> list[Any]:
+    """The model's configs (its own and its text model's) whose use_cache default is True."""
+    cfg = getattr(model, "config", None)
+    if cfg is None:
+        return []
+    found = [cfg]
+    text = getattr(cfg, "get_text_config", None)
+    if callable(text):
+        try:
+            t = text()
+        except Exception:      # noqa: BLE001 - a config without a text part
+            t = None
+        if t is not None and t is not cfg:
+            found.append(t)
+    return [c for c in found if getattr(c, "use_cache", None) is True]
+
+
+@contextlib.contextmanager
+def _kv_cache_off(configs: list[Any]) -> Iterator[None]:
+    """NOTE [no KV cache in a step]: ``use_cache`` False in ``configs`` inside, True again after."""
+    for c in configs:
+        c.use_cache = False
+    try:
+        yield
+    finally:
+        for c in configs:
+            c.use_cache = True
 
 
 def _first_grad_tensor(out: Any) -> Any:

@@ -77,7 +77,7 @@ def info(out=sys.stdout) -> int:
         for field in ("managed_memory", "concurrent_managed_access", "pageable_memory_access",
                       "direct_managed_mem_access_from_host", "host_native_atomic_supported", "batch_memory_ops"):
             p(f"  {field:<36}{'yes' if getattr(c, field) else 'no'}")
-        p(f"  tiermem can       " + ", ".join(f"{f}={'yes' if c.supports(f) else 'no'}"
+        p("  tiermem can       " + ", ".join(f"{f}={'yes' if c.supports(f) else 'no'}"
                                              for f in ("advise", "prefetch", "batch_prefetch", "discard")))
         try:
             cap, allow = resolve_cap(None, None, free=free, total=total)

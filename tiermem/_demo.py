@@ -81,7 +81,7 @@ def _dry_run(weights_gb: float, budget: str | None, why: str) -> int:
     print(f"Llama-shaped fp16 model: hidden {shape['hidden_size']}, {shape['num_hidden_layers']} layers, "
           f"vocab {shape['vocab_size']}: {total / 1e9:.2f} GB of weights in {len(groups)} groups.")
     print(plan.table(LINK_GBPS, limit=8))
-    print(f"On a GPU, `python -m tiermem demo` runs this model resident and within the budget and compares them.")
+    print("On a GPU, `python -m tiermem demo` runs this model resident and within the budget and compares them.")
     return 0
 
 

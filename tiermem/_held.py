@@ -1,11 +1,12 @@
-"""What a module tiermem holds refuses: being copied or pickled (NOTE [held modules])."""
+"""What a module tiermem holds refuses: being copied or pickled (NOTE [held modules]); and the
+instance attributes tiermem sets on objects it holds, put back as they were (:class:`InstancePatch`)."""
 from __future__ import annotations
 
 from typing import Any, NoReturn
 
 from ._errors import WrapError
 
-__all__ = ["CopyGuard"]
+__all__ = ["CopyGuard", "InstancePatch"]
 
 # NOTE [held modules]
 #     A module that wrap_module or wrap_training holds carries tiermem's hooks, a reference to its
@@ -21,23 +22,33 @@ _WHY = ("{what} a module that tiermem holds would take tiermem's hooks and memor
         "before wrapping or after unwrap(), or use its state_dict() (NOTE [held modules])")
 
 
-class CopyGuard:
-    """Makes copy.deepcopy and pickle of ``module`` raise WrapError until remove()."""
+class InstancePatch:
+    """Sets ``attrs`` as instance attributes of ``obj`` (over whatever its class gives) until
+    remove(), which puts back the instance's own values where it had them and removes the rest.
+    ``object.__setattr__`` goes past a module's own ``__setattr__``, which would register a
+    module-valued attribute as a child."""
 
-    NAMES = ("__deepcopy__", "__reduce_ex__")
-
-    def __init__(self, module: Any):
-        self.module = module
-        self.old = {n: vars(module)[n] for n in self.NAMES if n in vars(module)}
-        object.__setattr__(module, "__deepcopy__", _refuse_deepcopy)
-        object.__setattr__(module, "__reduce_ex__", _refuse_pickle)
+    def __init__(self, obj: Any, attrs: dict[str, Any]):
+        self.obj = obj
+        own = vars(obj)
+        self.old = {n: own[n] for n in attrs if n in own}
+        self.names = tuple(attrs)
+        for n, v in attrs.items():
+            object.__setattr__(obj, n, v)
 
     def remove(self) -> None:
-        for n in self.NAMES:
+        for n in self.names:
             if n in self.old:
-                object.__setattr__(self.module, n, self.old[n])
+                object.__setattr__(self.obj, n, self.old[n])
             else:
-                vars(self.module).pop(n, None)
+                vars(self.obj).pop(n, None)
+
+
+class CopyGuard(InstancePatch):
+    """Makes copy.deepcopy and pickle of ``module`` raise WrapError until remove()."""
+
+    def __init__(self, module: Any):
+        super().__init__(module, {"__deepcopy__": _refuse_deepcopy, "__reduce_ex__": _refuse_pickle})
 
 
 def _refuse_deepcopy(memo: Any = None) -> NoReturn:

@@ -18,9 +18,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["Recompute"]
+from ._held import InstancePatch
 
-_NONE = object()
+__all__ = ["Recompute"]
 
 
 class Recompute:
@@ -30,7 +30,7 @@ class Recompute:
         self.torch = torch
         self.in_step = in_step
         self.replays = replays                 # a Replays: backward as CUDA graphs where it can be
-        self.wrapped: dict[int, tuple[Any, Any]] = {}     # key -> (module, its previous instance forward)
+        self.wrapped: dict[int, InstancePatch] = {}       # key -> the module's forward, set on the instance
 
     @property
     def keys(self) -> frozenset[int]:
@@ -46,7 +46,6 @@ class Recompute:
                 self._wrap(key, m)
 
     def _wrap(self, key: int, m: Any) -> None:
-        prev = m.__dict__.get("forward", _NONE)
         inner = m.forward
         torch = self.torch
         in_step = self.in_step
@@ -60,12 +59,7 @@ class Recompute:
             return torch.utils.checkpoint.checkpoint(lambda *a: inner(*a, **kwargs), *args, use_reentrant=False)
 
         forward.__wrapped__ = inner            # type: ignore[attr-defined]
-        m.forward = forward
-        self.wrapped[key] = (m, prev)
+        self.wrapped[key] = InstancePatch(m, {"forward": forward})
 
     def _unwrap(self, key: int) -> None:
-        m, prev = self.wrapped.pop(key)
-        if prev is _NONE:
-            m.__dict__.pop("forward", None)
-        else:
-            m.forward = prev
+        self.wrapped.pop(key).remove()

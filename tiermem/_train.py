@@ -115,7 +115,7 @@ from typing import TYPE_CHECKING, Any
 from ._clip import NormParts
 from ._devmem import device_memory
 from ._errors import ConfigError, ConfigTypeError, DeviceFullError, OutOfBudgetError, TierMemError, WrapError
-from ._held import CopyGuard
+from ._held import CopyGuard, InstancePatch
 from ._limits import check_bytes, parse_bytes
 from ._meter import StallMeter
 from ._module import module_groups
@@ -428,8 +428,8 @@ class TieredTraining:
             for p in b.trainable:
                 self._hooks.append(p.register_post_accumulate_grad_hook(lambda p, b=b: self._grad_done(b, p)))
         self._state_hooks = self.states.hooks() + [model.register_load_state_dict_pre_hook(_model_loading(self)),
-                                                   _ZeroGradHook(self.opt, _zero_grad_called(self, "optimizer")),
-                                                   _ZeroGradHook(model, _zero_grad_called(self, "model")),
+                                                   _zero_grad_hook(self.opt, _zero_grad_called(self, "optimizer")),
+                                                   _zero_grad_hook(model, _zero_grad_called(self, "model")),
                                                    CopyGuard(model)]       # NOTE [held modules]
         model._tiermem_handle = weakref.ref(self)
 
@@ -1459,24 +1459,15 @@ def _leaves_grads() -> tuple[type, ...]:
     return (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
 
 
-class _ZeroGradHook:
+def _zero_grad_hook(obj: Any, before: Any) -> InstancePatch:
     """``obj``'s zero_grad (an optimizer's or a module's) wrapped on the instance so that
     ``before`` runs first (NOTE [zero_grad]); remove() puts it back."""
+    inner = obj.zero_grad
 
-    def __init__(self, obj: Any, before: Any):
-        self.obj, self.had, self.old = obj, "zero_grad" in vars(obj), vars(obj).get("zero_grad")
-        inner = obj.zero_grad
-
-        def zero_grad(*args: Any, **kwargs: Any) -> Any:
-            before()
-            return inner(*args, **kwargs)
-        object.__setattr__(obj, "zero_grad", zero_grad)
-
-    def remove(self) -> None:
-        if self.had:
-            object.__setattr__(self.obj, "zero_grad", self.old)
-        else:
-            vars(self.obj).pop("zero_grad", None)
+    def zero_grad(*args: Any, **kwargs: Any) -> Any:
+        before()
+        return inner(*args, **kwargs)
+    return InstancePatch(obj, {"zero_grad": zero_grad})
 
 
 def _zero_grad_called(handle: TieredTraining, owner: str) -> Any:

@@ -266,6 +266,10 @@ def test_a_transformers_model_with_its_default_kv_cache_recomputes_its_layers():
     assert {f"model.layers.{i}" for i in range(4)} <= names, train.plan
     with torch.no_grad():                  # outside a step the cache is built as the user asked
         assert model(input_ids=bs[0][:, :8]).past_key_values is not None
+    model.config.use_cache = False         # the user's own change between steps stays
+    with train.step():
+        _hf_loss(model, bs[0]).backward()
+    assert model.config.use_cache is False
     train.unwrap()
     del train
     gc.collect()

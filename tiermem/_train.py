@@ -250,8 +250,7 @@ class TieredTraining:
         if getattr(model, "_tiermem_handle", None) is not None:
             raise WrapError("this model is already adopted by tiermem; unwrap it first")
         self.tier, self.model, self.opt = tier, model, optimizer
-        self._cached = _kv_cache_configs(model)  # NOTE [no KV cache in a step]
-        if self._cached:
+        if _kv_cache_configs(model):            # NOTE [no KV cache in a step]
             log.warning("tiermem: %s's config has use_cache=True; inside train.step() it is False (a training "
                         "forward has no use for a KV cache, which would hold every layer's keys and values)",
                         type(model).__name__)
@@ -842,7 +841,7 @@ class TieredTraining:
                 self._begin_step()
                 hooks = (torch.autograd.graph.saved_tensors_hooks(self.swap.pack, self.swap.unpack)
                          if self.swap is not None and self._swapping() else contextlib.nullcontext())
-                with hooks, _kv_cache_off(self._cached):
+                with hooks, _kv_cache_off(self.model):
                     yield self
                 ok = True
             finally:
@@ -1547,8 +1546,10 @@ def _kv_cache_configs(model: Any) -> list[Any]:
 
 
 @contextlib.contextmanager
-def _kv_cache_off(configs: list[Any]) -> Iterator[None]:
-    """NOTE [no KV cache in a step]: ``use_cache`` False in ``configs`` inside, True again after."""
+def _kv_cache_off(model: Any) -> Iterator[None]:
+    """NOTE [no KV cache in a step]: ``use_cache`` False inside in the model's configs where it is
+    True at entry, True again after (a config the user turned off between steps stays off)."""
+    configs = _kv_cache_configs(model)
     for c in configs:
         c.use_cache = False
     try:

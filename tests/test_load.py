@@ -497,3 +497,132 @@ def test_a_file_cut_short_since_its_header_was_read_fails_the_adoption_with_noth
     assert all(p.is_meta for p in m.parameters()) and _live(fake) == 0 and tier.budget is None
     now = tier.stats()
     assert {k: v for k, v in now.items() if k.endswith(".current")} == {k: v for k, v in stats.items() if k.endswith(".current")}
+
+
+# -- the home beside the resident groups (NOTE [home beside the resident groups]) -----------------------
+def _pinned_peak(fake, monkeypatch) -> list[int]:
+    """Track the most pinned bytes live at once, across threads."""
+    peak = [0]
+    real = fake.host_alloc
+
+    def host_alloc(*a, **k):
+        block = real(*a, **k)
+        peak[0] = max(peak[0], _pinned(fake))
+        return block
+    monkeypatch.setattr(fake, "host_alloc", host_alloc)
+    return peak
+
+
+@pytest.mark.parametrize("host", [None, 3_000_000])
+def test_the_home_is_made_beside_the_resident_groups_within_the_host_budget(tier, fake, ckpt, host, monkeypatch):
+    import threading
+    from tiermem import _module
+    ref, ck = ckpt
+    monkeypatch.setattr(_module, "MIN_FILL_ROOM", 64 << 10)     # the test's host budget is small
+    peak = _pinned_peak(fake, monkeypatch)
+    where, during = [], []
+    real_run, real_wrap = _module._PinnedTransport._run_host_side, _module._wrap_from
+
+    def run(self):
+        where.append(threading.current_thread().name)
+        return real_run(self)
+
+    def wrap_from(*a, **k):
+        during.append(any(t.name == "tiermem-home" for t in threading.enumerate()))
+        return real_wrap(*a, **k)
+    monkeypatch.setattr(_module._PinnedTransport, "_run_host_side", run)
+    monkeypatch.setattr(_module, "_wrap_from", wrap_from)
+    m = _meta(_mlp)
+    h = tier.wrap_module(m, budget=share(m, 30), max_group_bytes=1 * MiB, weights=ck, host_budget=host)
+    assert h.plan.pinned and len(h.plan.pinned) < len(h.plan.sizes) and bool(h.plan.on_disk) == (host is not None)
+    assert h.stats()["pinned_bytes.home"] > 0
+    assert where == ["tiermem-home"] and during == [True]       # made on its thread, while the resident groups filled
+    if host is not None:
+        assert peak[0] <= host                                  # the fill buffers got what the home left
+    x = torch.randn(8, 256)
+    with torch.no_grad():
+        for _ in range(2):
+            assert torch.equal(m(x), ref(x))
+    h.unwrap()
+    assert _live(fake) == 0
+
+
+def test_with_no_room_beside_the_home_the_resident_groups_fill_first(tier, fake, ckpt, monkeypatch):
+    import threading
+    from tiermem import _module
+    ref, ck = ckpt
+    peak = _pinned_peak(fake, monkeypatch)
+    where = []
+    real_run = _module._PinnedTransport._run_host_side
+    monkeypatch.setattr(_module._PinnedTransport, "_run_host_side",
+                        lambda self: (where.append(threading.current_thread().name), real_run(self))[1])
+    m = _meta(_mlp)
+    host = 3_000_000                                            # leaves less than MIN_FILL_ROOM beside the home
+    h = tier.wrap_module(m, budget=share(m, 30), max_group_bytes=1 * MiB, weights=ck, host_budget=host)
+    assert h.plan.home_bytes > 0 and host - h.plan.home_bytes - h.plan.stages * h.plan.stage_bytes < _module.MIN_FILL_ROOM
+    assert where == [threading.current_thread().name] and peak[0] <= host
+    with torch.no_grad():
+        x = torch.randn(8, 256)
+        assert torch.equal(m(x), ref(x))
+    h.unwrap()
+    assert _live(fake) == 0
+
+
+@pytest.mark.parametrize("side", ["home", "resident"])
+def test_a_failure_on_either_side_of_a_load_leaves_nothing_allocated(tier, fake, ckpt, side, monkeypatch):
+    """The home's thread fails while the resident groups fill, or the resident groups fail while
+    the home is being made: the adoption raises that error, waits for the other side, and gives
+    everything back."""
+    import threading
+    from tiermem import _module
+    _, ck = ckpt
+    real_read, real_flush = _module.Reader.read, _module._Filler._flush
+
+    def read(self, jobs):
+        if side == "home" and threading.current_thread().name == "tiermem-home":
+            raise CheckpointError("the home's read failed", ck.files[0])
+        return real_read(self, jobs)
+
+    def flush(self, *a, **k):
+        if side == "resident":
+            raise CheckpointError("a resident read failed", ck.files[0])
+        return real_flush(self, *a, **k)
+    monkeypatch.setattr(_module.Reader, "read", read)
+    monkeypatch.setattr(_module._Filler, "_flush", flush)
+    m = _meta(_mlp)
+    stats = tier.stats()
+    with pytest.raises(CheckpointError, match=f"{'the home' if side == 'home' else 'a resident'}"):
+        tier.wrap_module(m, budget=share(m, 30), max_group_bytes=1 * MiB, weights=ck)
+    assert not any(t.name == "tiermem-home" for t in threading.enumerate())
+    assert all(p.is_meta for p in m.parameters()) and _live(fake) == 0 and tier.budget is None
+    now = tier.stats()
+    assert {k: v for k, v in now.items() if k.endswith(".current")} == {k: v for k, v in stats.items() if k.endswith(".current")}
+
+
+def test_a_failed_read_waits_for_the_reads_under_way_before_it_raises(tmp_path):
+    """The caller frees the destination when a read raises: no chunk may still be writing it."""
+    import threading
+    import time
+    from tiermem._load import Reader, host_bytes
+    (tmp_path / "a").write_bytes(bytes(64 * 4096))
+    started, finished = set(), set()
+    lock = threading.Lock()
+
+    class Slow(Reader):
+        def _read_chunk(self, path, offset, mv):
+            with lock:
+                started.add(offset)
+            if offset == 4096:
+                raise CheckpointError("failed", path)
+            time.sleep(0.02)
+            super()._read_chunk(path, offset, mv)
+            with lock:
+                finished.add(offset)
+
+    r = Slow(threads=4, chunk=4096)
+    buf = torch.empty(64 * 4096, dtype=torch.uint8)
+    with pytest.raises(CheckpointError, match="failed"):
+        r.read_ranges([(str(tmp_path / "a"), 0, host_bytes(buf.data_ptr(), buf.numel()))])
+    with lock:
+        assert started - {4096} == finished and len(started) < 64     # the rest were cancelled, not left running
+    r.close()

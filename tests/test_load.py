@@ -521,22 +521,27 @@ def test_the_home_is_made_beside_the_resident_groups_within_the_host_budget(tier
     monkeypatch.setattr(_module, "MIN_FILL_ROOM", 64 << 10)     # the test's host budget is small
     peak = _pinned_peak(fake, monkeypatch)
     where, during = [], []
-    real_run, real_wrap = _module._PinnedTransport._run_host_side, _module._wrap_from
+    real_run, real_flush = _module._PinnedTransport._run_host_side, _module._Filler._flush
+
+    first_read = threading.Event()
 
     def run(self):
         where.append(threading.current_thread().name)
+        first_read.wait(10)          # so that both sides are under way at once, however fast each is
         return real_run(self)
 
-    def wrap_from(*a, **k):
-        during.append(any(t.name == "tiermem-home" for t in threading.enumerate()))
-        return real_wrap(*a, **k)
+    def flush(self):
+        if not during:      # the first read of the resident groups, their buffers made before the thread
+            during.append((len(self.bufs) == _module.FILL_BUFFERS, any(t.name == "tiermem-home" for t in threading.enumerate())))
+            first_read.set()
+        return real_flush(self)
     monkeypatch.setattr(_module._PinnedTransport, "_run_host_side", run)
-    monkeypatch.setattr(_module, "_wrap_from", wrap_from)
+    monkeypatch.setattr(_module._Filler, "_flush", flush)
     m = _meta(_mlp)
     h = tier.wrap_module(m, budget=share(m, 30), max_group_bytes=1 * MiB, weights=ck, host_budget=host)
     assert h.plan.pinned and len(h.plan.pinned) < len(h.plan.sizes) and bool(h.plan.on_disk) == (host is not None)
     assert h.stats()["pinned_bytes.home"] > 0
-    assert where == ["tiermem-home"] and during == [True]       # made on its thread, while the resident groups filled
+    assert where == ["tiermem-home"] and during == [(True, True)]   # made on its thread, while the resident groups filled
     if host is not None:
         assert peak[0] <= host                                  # the fill buffers got what the home left
     x = torch.randn(8, 256)

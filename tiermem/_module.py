@@ -412,7 +412,9 @@ class _PinnedTransport:
     # ran while nothing else did. bench/probes/probe_register.py measured a registration beside
     # host-to-device copies: both went on (0.097 s together against 0.123 s and 0.025 s alone).
     # So the home is filled and registered, and the disk tier's staging made, on a thread started
-    # here, while the adopting thread loads the resident groups; ``finish`` waits for it. Only
+    # once the resident groups' fill buffers exist (made beside a thread faulting in the home's
+    # pages, their 140 MB took 0.12 s to map and 0.2 s to register), while the adopting
+    # thread loads the resident groups; ``finish`` waits for it. Only
     # host work runs there: its own memory, the thread-safe Reader, the backend's host_alloc.
     # Under a host budget the resident groups' pinned fill buffers (_Filler) then live beside
     # the home, so they get what the home and staging leave of the budget; with less than
@@ -819,21 +821,21 @@ class TieredModule:
         # before any fill: adoption itself stays within budget
         self._lease = tier.lease(self.budget, owner=f"wrap_module({type(module).__name__})")
         pinned = [g for g in self._groups.values() if g.pinned]
-        room = self.plan.host_budget
+        room, ready = self.plan.host_budget, None
         if streamed:
             self._stream = _PinnedTransport(self, streamed, self.lookahead,
                                             Role.WEIGHT if self._trainable else Role.FROZEN_WEIGHT)
             left = None if room is None else room - self._stream.host_planned
             if self._stream.reads_files and pinned and (left is None or left >= MIN_FILL_ROOM):
-                self._stream.start()      # NOTE [home beside the resident groups]
-                room = left
+                room, ready = left, self._stream.start      # NOTE [home beside the resident groups]
         if pinned:
             flat = [t for g in pinned for t in g.tensors]
             role = Role.WEIGHT if any(t.requires_grad for t in flat) else Role.FROZEN_WEIGHT
             names = [f"{g.name}.{i}" for g in pinned for i in range(len(g.tensors))]
             policy = tier.policies[role].replace(evict=Evict.NEVER)
             if self._sources:
-                tts = _wrap_from(tier, flat, [self._sources.get(id(t)) for t in flat], names, policy, room=room)
+                tts = _wrap_from(tier, flat, [self._sources.get(id(t)) for t in flat], names, policy, room=room,
+                                 ready=ready)
             else:
                 tts = _wrap_group(tier, flat, names, on_host=False, policy=policy)
             k = 0
@@ -1265,6 +1267,13 @@ class _Filler:
         Reader.shared().read_parts([(src, s, host_bytes(buf.ptr + at, n)) for src, s, n, _, at in queued])
         self.done[i] = self.lane.run([(dst, buf.ptr + at, n) for _, _, n, dst, at in queued])[1]
 
+    def prepare(self) -> None:
+        """Make the pinned buffers now (NOTE [home beside the resident groups]: before a thread
+        starts faulting in the home's pages, which slows the mappings made beside it)."""
+        if self.size:
+            for i in range(FILL_BUFFERS):
+                self._buffer(i)
+
     def _buffer(self, i: int) -> Any:
         while i >= len(self.bufs):
             self.bufs.append(self.be.host_alloc(self.size, pooled=False))
@@ -1296,11 +1305,12 @@ def _view_of(tier: Tier, b: Any, t: Any) -> Any:
 
 
 def _wrap_from(tier: Tier, tensors: list[Any], sources: list[Any], names: list[str], policy: Policy,
-               room: int | None = None) -> list[TieredTensor]:
+               room: int | None = None, ready: Callable[[], None] | None = None) -> list[TieredTensor]:
     """wrap_group's steps (one managed allocation, filled from the device side, each tensor rebound)
     with each tensor's bytes taken from its source (or itself): checkpoint tensors read through
     a few pinned buffers (:class:`_Filler`, within ``room`` host bytes), others one at a time, so
-    the host never holds more than one tensor of a resident group (NOTE [weight source])."""
+    the host never holds more than one tensor of a resident group (NOTE [weight source]).
+    ``ready()``, if given, is called once the fill buffers exist, before any read."""
     import torch
     from ._dtypes import canonical
     from ._torch import fill_and_bind
@@ -1310,6 +1320,9 @@ def _wrap_from(tier: Tier, tensors: list[Any], sources: list[Any], names: list[s
     filler = _Filler(tier, sources, room)
     views: list[Any] = []
     try:
+        if ready is not None:
+            filler.prepare()
+            ready()
         with torch.no_grad():
             views += [_view_of(tier, tt.buffer, t) for tt, t in zip(tts, tensors)]
             for tt, src in zip(tts, sources):

@@ -27,6 +27,7 @@ import os
 import pstats
 import shutil
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -220,6 +221,8 @@ def main():
     budget, host_budget = tiermem.planning.parse_bytes(args.budget), tiermem.planning.parse_bytes(args.host_budget)
 
     phases: dict = {}
+    spans: list = []          # (key, thread, start, end) from the load's start: what overlaps what
+    origin = [0.0]
 
     def timer(owner, name, key):
         fn = getattr(owner, name)
@@ -229,7 +232,9 @@ def main():
             try:
                 return fn(*a, **k)
             finally:
-                phases[key] = phases.get(key, 0.0) + time.perf_counter() - t
+                e = time.perf_counter()
+                phases[key] = phases.get(key, 0.0) + e - t
+                spans.append((key, threading.current_thread().name, round(t - origin[0], 4), round(e - origin[0], 4)))
         setattr(owner, name, wrapped)
 
     from tiermem import _backend, _disk, _engine, _hostpages, _load, _module, _tensor, _torch
@@ -252,14 +257,21 @@ def main():
     timer(_torch, "fill_and_bind", "resident: fill_and_bind")
     timer(_tensor.TieredTensor, "advise", "resident: advise")
     timer(_module.TieredModule, "_adopt", "adopt (resident groups, home, hooks, prefetch)")
+    timer(_module._PinnedTransport, "_run_host_side", "home thread (fill, register, disk staging)")
+    timer(_module._PinnedTransport, "finish", "home: finish (wait, window, copies)")
+    timer(tf.AutoConfig, "from_pretrained", "AutoConfig.from_pretrained")
+    timer(tf.GenerationConfig, "from_pretrained", "GenerationConfig.from_pretrained")
+    timer(_module, "_wrap_group", "resident: _wrap_group")
+    timer(_module.TieredModule, "_setup", "wrap_module setup (plan, sources, adopt)")
 
     def load(path, prof=False):
         gc.collect()
         phases.clear()
+        spans.clear()
         s0 = status()
         rss0 = watch.reset()
         pr = cProfile.Profile() if prof else None
-        t = time.perf_counter()
+        t = origin[0] = time.perf_counter()
         if pr:
             pr.enable()
         model, hd = tiermem.load_pretrained(path, budget=budget, host_budget=host_budget, tier=tier)
@@ -268,7 +280,12 @@ def main():
             pr.disable()
         dt = time.perf_counter() - t
         s = hd.stats()
-        out = {"load_s": round(dt, 3), "phases_s": {k: round(v, 3) for k, v in phases.items()}, "pinned": s["pinned_bytes.current"], "peak_over_rss0": watch.peak - rss0,
+        merged: dict = {}
+        for key, th, a, b in spans:      # many short calls (reader.read) become one span per thread
+            m = merged.setdefault((key, th), [a, b, 0])
+            m[0], m[1], m[2] = min(m[0], a), max(m[1], b), m[2] + 1
+        out = {"load_s": round(dt, 3), "phases_s": {k: round(v, 3) for k, v in phases.items()},
+               "timeline": sorted([[k, th, a, b, n] for (k, th), (a, b, n) in merged.items()], key=lambda x: x[2]), "pinned": s["pinned_bytes.current"], "peak_over_rss0": watch.peak - rss0,
                "extra_over_pinned": watch.peak - rss0 - s["pinned_bytes.current"],
                "at_peak_minus_start": {k: watch.at_peak.get(k, 0) - s0.get(k, 0) for k in s0}}
         if pr:

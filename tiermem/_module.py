@@ -1264,7 +1264,12 @@ class _Filler:
         if self.done[i] is not None:
             self.be.synchronize(self.done[i])   # its last bytes have crossed: reuse it
         queued, self.queued, self.used = self.queued, [], 0
-        Reader.shared().read_parts([(src, s, host_bytes(buf.ptr + at, n)) for src, s, n, _, at in queued])
+        reader = Reader.shared()
+        # In pieces that keep every reader thread busy: a buffer made small by a host budget
+        # (140 MB for bench/offload_disk.py) is otherwise read in a few of the reader's chunks.
+        piece = max(1 << 20, -(-self.size // reader.threads))
+        reader.read_parts([(src, s + o, host_bytes(buf.ptr + at + o, min(piece, n - o)))
+                           for src, s, n, _, at in queued for o in range(0, n, piece)])
         self.done[i] = self.lane.run([(dst, buf.ptr + at, n) for _, _, n, dst, at in queued])[1]
 
     def prepare(self) -> None:

@@ -388,7 +388,7 @@ class _PinnedTransport:
                 Reader.shared().read(jobs)
                 return
             # Beside the resident groups, on threads of its own (NOTE [home beside the resident groups]).
-            own = Reader(threads=Reader.shared().threads)
+            own = Reader(threads=max(1, Reader.shared().threads // 2))
             try:
                 own.read(jobs)
             finally:
@@ -431,8 +431,8 @@ class _PinnedTransport:
     # MIN_FILL_ROOM left, the home is made after them, as before.
     # The driver serializes a registration with other CUDA calls: the resident groups' copies
     # waited for the home's page-locking (probe_register.py: 1.4 GB of copies took 0.025 s alone,
-    # 0.097 s beside it). So the home reads on a Reader of its own (as many threads again), and
-    # the resident groups' reads and copies go on beside those reads, not queued behind them
+    # 0.097 s beside it). So the home reads on half the reader's threads, a Reader of its own,
+    # and the resident groups' reads and copies go on beside those reads, not queued behind them
     # into the registration. The two together read at the page cache's rate; the registration
     # (0.1-0.19 s for the 3.86 GB home) and the resident groups' advice (0.07-0.09 s) stay serial.
     # Registering in pieces on several threads does not help (the driver serializes them), and a

@@ -433,7 +433,9 @@ class _PinnedTransport:
     # waited for the home's page-locking (probe_register.py: 1.4 GB of copies took 0.025 s alone,
     # 0.097 s beside it). So the home reads on half the reader's threads, a Reader of its own,
     # and the resident groups' reads and copies go on beside those reads, not queued behind them
-    # into the registration. The two together read at the page cache's rate; the registration
+    # into the registration. (With as many threads again, the home's reads starved the resident
+    # groups' into the registration: 0.69-0.80 s loads against 0.58-0.64 s with half, in
+    # bench/results/probe_load-h100-20261125-16threads.json and -7e90d36.json.) The two together read at the page cache's rate; the registration
     # (0.1-0.19 s for the 3.86 GB home) and the resident groups' advice (0.07-0.09 s) stay serial.
     # Registering in pieces on several threads does not help (the driver serializes them), and a
     # copy may not span two registrations (cudaErrorInvalidValue), so the home stays one block.

@@ -27,7 +27,7 @@ def test_pages_are_zeroed_resident_writable_and_given_back(nbytes, threads):
     before = _rss_kb()
     ptr = _hostpages.map_pages(nbytes, threads)
     try:
-        assert ptr % 4096 == 0
+        assert ptr % (2 * MiB if nbytes >= 2 * MiB else 4096) == 0     # huge pages need 2 MiB alignment
         if nbytes >= 32 * MiB:
             assert _rss_kb() - before >= 0.9 * nbytes / 1024     # written, so resident already
         view = (ctypes.c_ubyte * nbytes).from_address(ptr)
@@ -55,6 +55,24 @@ def test_untouched_pages_fault_in_as_zeros_where_first_written():
         assert bytes(view[n // 2:n // 2 + 4096]) == pattern and bytes(view[:4096]) == bytes(4096)
     finally:
         _hostpages.unmap_pages(ptr, n)
+
+
+def test_an_aligned_block_leaves_no_mapping_around_it():
+    """The 2 MiB mapped beyond an aligned block are given back: nothing of ours is left mapped
+    around it, whatever the kernel's alignment."""
+    def mapped() -> int:
+        with open("/proc/self/maps") as f:
+            return sum(int(b, 16) - int(a, 16) for a, b in (line.split()[0].split("-") for line in f))
+    n = 6 * MiB + 4096
+    before = mapped()
+    ptrs = [_hostpages.map_pages(n, 2, touch=False) for _ in range(8)]
+    try:
+        assert all(p % (2 * MiB) == 0 for p in ptrs)
+        assert mapped() - before <= 8 * (n + 4096) + 8 * MiB     # each block, not each block plus 2 MiB
+    finally:
+        for p in ptrs:
+            _hostpages.unmap_pages(p, n)
+    assert mapped() - before <= 8 * MiB
 
 
 def test_a_mapping_the_kernel_refuses_is_a_memory_error():

@@ -15,6 +15,7 @@ __all__ = ["available", "map_pages", "unmap_pages"]
 
 MADV_HUGEPAGE = 14       # <asm-generic/mman-common.h>; Python's mmap module names it only for its own objects
 MADV_DONTFORK = 10
+HUGE = 2 << 20           # a transparent huge page on x86-64 and most arm64 kernels
 _MAP_FAILED = ctypes.c_void_p(-1).value
 
 _libc = None
@@ -50,9 +51,18 @@ def map_pages(nbytes: int, threads: int = 8, touch: bool = True) -> int:
     kernel refuses the mapping."""
     lib = _lib()
     n = int(nbytes)
-    ptr = lib.mmap(None, n, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
-    if ptr is None or ptr == _MAP_FAILED:
+    # Mapped 2 MiB larger and trimmed to a 2 MiB boundary: a huge page needs an aligned 2 MiB of
+    # the mapping, and a kernel that does not align large mappings itself would leave the first
+    # and last pieces of every block in 4 KiB pages.
+    extra = HUGE if n >= HUGE else 0
+    raw = lib.mmap(None, n + extra, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
+    if raw is None or raw == _MAP_FAILED:
         raise MemoryError(f"mmap of {n:,} bytes of host memory failed: {os.strerror(ctypes.get_errno())}")
+    ptr = -(-raw // HUGE) * HUGE if extra else raw
+    if ptr > raw:
+        lib.munmap(raw, ptr - raw)
+    if extra - (ptr - raw):
+        lib.munmap(ptr + -(-n // mmap.PAGESIZE) * mmap.PAGESIZE, extra - (ptr - raw))
     try:
         lib.madvise(ptr, n, MADV_HUGEPAGE)   # advice only: without huge pages it is slower, not wrong
         lib.madvise(ptr, n, MADV_DONTFORK)

@@ -56,6 +56,15 @@ def status() -> dict:
     return out
 
 
+def anon_huge() -> int:
+    """Bytes of this process's anonymous memory in transparent huge pages."""
+    with open("/proc/self/smaps_rollup") as f:
+        for line in f:
+            if line.startswith("AnonHugePages:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
 class KindWatch(HostWatch):
     """HostWatch that also keeps /proc/self/status's RSS parts at the peak."""
 
@@ -268,6 +277,7 @@ def main():
         gc.collect()
         phases.clear()
         spans.clear()
+        huge0 = anon_huge()
         s0 = status()
         rss0 = watch.reset()
         pr = cProfile.Profile() if prof else None
@@ -284,7 +294,8 @@ def main():
         for key, th, a, b in spans:      # many short calls (reader.read) become one span per thread
             m = merged.setdefault((key, th), [a, b, 0])
             m[0], m[1], m[2] = min(m[0], a), max(m[1], b), m[2] + 1
-        out = {"load_s": round(dt, 3), "phases_s": {k: round(v, 3) for k, v in phases.items()},
+        out = {"load_s": round(dt, 3), "anon_huge_pages_GB": round((anon_huge() - huge0) / 1e9, 3),
+               "phases_s": {k: round(v, 3) for k, v in phases.items()},
                "timeline": sorted([[k, th, a, b, n] for (k, th), (a, b, n) in merged.items()], key=lambda x: x[2]), "pinned": s["pinned_bytes.current"], "peak_over_rss0": watch.peak - rss0,
                "extra_over_pinned": watch.peak - rss0 - s["pinned_bytes.current"],
                "at_peak_minus_start": {k: watch.at_peak.get(k, 0) - s0.get(k, 0) for k in s0}}

@@ -331,3 +331,48 @@ def test_a_held_model_refuses_copies_and_its_optimizer_copies_plain():
     assert not {"__deepcopy__", "__reduce_ex__", "zero_grad"} & set(vars(model))
     twin = pickle.loads(pickle.dumps(copy.deepcopy(model)))
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), twin.parameters()))
+
+
+def test_a_submodules_zero_grad_in_a_window_runs_as_a_plain_loops_where_resident_and_is_refused_where_streamed():
+    """NOTE [zero_grad]: a submodule's own zero_grad inside an accumulation window drops that
+    submodule's gradients, as in a plain loop, where all its parameters are resident; where one
+    streams it is refused with nothing changed (its block keeps them at home with the rest of
+    its block's); after backward inside a step it is refused as the model's is."""
+    bs = batches(2 * N + 1)
+    drop_at = N + 1
+    fake, tier, model, opt, train = tiered(accumulate=N)
+    got, resident_name = [], None
+    for i, ids in enumerate(bs):
+        if i == drop_at:
+            streamed = next(b.name for b in train.blocks if not b.resident and b.trainable)
+            before = {n: p.grad for n, p in model.named_parameters()}
+            with pytest.raises(tiermem.TierMemError, match=f"model.{streamed}.zero_grad.*accumulation window"):
+                model.get_submodule(streamed).zero_grad()
+            assert {n: p.grad for n, p in model.named_parameters()} == before      # nothing changed
+            resident_name = next(b.name for b in train.blocks if b.resident and b.trainable)
+            model.get_submodule(resident_name).zero_grad()
+        with train.step():
+            loss = loss_of(model, ids)
+            (loss / N).backward()
+        got.append(float(loss.detach()))
+    model_p, opt_p = gpt()
+    want = []
+    for i, ids in enumerate(bs):
+        if i == drop_at:
+            model_p.get_submodule(resident_name).zero_grad()
+        loss = loss_of(model_p, ids)
+        (loss / N).backward()
+        want.append(float(loss.detach()))
+        if (i + 1) % N == 0:
+            opt_p.step()
+            opt_p.zero_grad(set_to_none=True)
+    assert got == want and _same(model, model_p)
+    model.get_submodule(resident_name).zero_grad()            # between windows: nothing to drop
+    with pytest.raises(tiermem.TierMemError, match=f"model.{resident_name}.zero_grad.. after backward"):
+        with train.step():
+            loss_of(model, bs[0]).backward()
+            model.get_submodule(resident_name).zero_grad()
+    subs = [m for n, m in model.named_modules() if n and any(True for _ in m.parameters())]
+    assert all("zero_grad" in vars(m) for m in subs)
+    train.unwrap()
+    assert not any("zero_grad" in vars(m) for m in subs)      # the class's own again

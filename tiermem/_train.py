@@ -430,6 +430,11 @@ class TieredTraining:
                                                    _zero_grad_hook(self.opt, _zero_grad_called(self, "optimizer")),
                                                    _zero_grad_hook(model, _zero_grad_called(self, "model")),
                                                    CopyGuard(model)]       # NOTE [held modules]
+        mine = {id(p) for b in self.blocks for p in b.trainable}
+        for name, m in model.named_modules():
+            params = [p for p in m.parameters() if id(p) in mine]
+            if name and params:       # a submodule's own zero_grad (NOTE [zero_grad])
+                self._state_hooks.append(_zero_grad_hook(m, _zero_grad_called(self, f"model.{name}", params)))
         model._tiermem_handle = weakref.ref(self)
 
     def _rollback(self, originals: list[tuple[Any, Any]]) -> None:
@@ -790,14 +795,32 @@ class TieredTraining:
     #     step's end, while the streamed blocks stepped already: refused. tiermem wraps the
     #     zero_grad of the optimizer and of the model on the instance for that, as torch's LR
     #     schedulers wrap the optimizer's step, and unwrap() puts them back. A submodule's own
-    #     zero_grad is not seen. A copy of the optimizer leaves the wrapper out (torch's
+    #     zero_grad (``model.layers[3].zero_grad()``) is wrapped too: after backward inside a
+    #     step it is refused as the model's is; inside an accumulation window it would drop that
+    #     submodule's gradients only, which a streamed block keeps at home as one buffer with the
+    #     rest of its block's, so it is refused where any of its parameters streams, and runs as
+    #     it would in a plain loop where all of them are resident (their gradients are in .grad).
+    #     Between windows every gradient is clear already: it does nothing, as in a plain loop.
+    #     A copy of the optimizer leaves the wrapper out (torch's
     #     Optimizer.__getstate__ keeps its state and groups only); the model refuses copies
     #     while tiermem holds it (NOTE [held modules] in _held.py).
-    def _zero_grad(self, owner: str) -> None:
-        """Before the zero_grad of ``owner``, "optimizer" or "model" (NOTE [zero_grad])."""
+    def _zero_grad(self, owner: str, params: list[Any] | None = None) -> None:
+        """Before the zero_grad of ``owner``: "optimizer", "model", or a submodule's name with
+        its ``params`` (NOTE [zero_grad])."""
         if self._in_step and (self.stream.in_backward or self._got or self._resident_grads_changed()):
             raise TierMemError(f"{owner}.zero_grad() after backward inside train.step() would drop gradients "
                                "before their optimizer step: drop it, the handle clears the gradients itself")
+        if params is not None:
+            if self.accumulated:
+                ids = {id(p) for p in params}
+                streamed = [b.name for b in self.blocks if not b.resident and any(id(p) in ids for p in b.trainable)]
+                if streamed:
+                    raise TierMemError(
+                        f"{owner}.zero_grad() inside an accumulation window ({self.accumulated} micro-batch(es) "
+                        f"in it) would drop only this submodule's gradients, and those of {streamed[0]} wait at "
+                        "home with the rest of its block's: call model.zero_grad() or optimizer.zero_grad() "
+                        "to drop the whole window, or this one after the window's optimizer step")
+            return
         if self.accumulated:
             log.info("tiermem: zero_grad() inside an accumulation window drops its %d micro-batches' gradients",
                      self.accumulated)
@@ -1469,14 +1492,15 @@ def _zero_grad_hook(obj: Any, before: Any) -> InstancePatch:
     return InstancePatch(obj, {"zero_grad": zero_grad})
 
 
-def _zero_grad_called(handle: TieredTraining, owner: str) -> Any:
-    """What the wrapped zero_grad of ``owner`` calls first; it holds the handle weakly."""
+def _zero_grad_called(handle: TieredTraining, owner: str, params: list[Any] | None = None) -> Any:
+    """What the wrapped zero_grad of ``owner`` (with a submodule's ``params``) calls first; it
+    holds the handle weakly."""
     ref = weakref.ref(handle)
 
     def before() -> None:
         h = ref()
         if h is not None:
-            h._zero_grad(owner)
+            h._zero_grad(owner, params)
     return before
 
 

@@ -445,30 +445,28 @@ class _PinnedTransport:
 
     # NOTE [home beside the resident groups]
     # A checkpoint's load has two host-bound parts: the resident groups (read through pinned
-    # staging and copied to the device) and the pinned home (read, then page-locked). On the
-    # H100 machine, for the 12.5 GB Qwen2 of bench/offload_disk.py, they took 0.23 s and 0.32 s of
-    # a 0.83 s load one after the other (bench/results/probe_load-h100-20261124-68986dc.json),
-    # and page-locking the home (0.1-0.17 s, one driver call that more threads do not speed up)
-    # ran while nothing else did. bench/probes/probe_register.py measured a registration beside
-    # host-to-device copies: both went on (0.097 s together against 0.123 s and 0.025 s alone).
-    # So the home is filled and registered, and the disk tier's staging made, on a thread started
-    # once the resident groups' fill buffers exist (made beside a thread faulting in the home's
-    # pages, their 140 MB took 0.12 s to map and 0.2 s to register), while the adopting
-    # thread loads the resident groups; ``finish`` waits for it. Only
-    # host work runs there: its own memory, the thread-safe Reader, the backend's host_alloc.
-    # Under a host budget the resident groups' pinned fill buffers (_Filler) then live beside
-    # the home, so they get what the home and staging leave of the budget; with less than
-    # MIN_FILL_ROOM left, the home is made after them, as before.
-    # The driver serializes a registration with other CUDA calls: the resident groups' copies
-    # waited for the home's page-locking (probe_register.py: 1.4 GB of copies took 0.025 s alone,
-    # 0.097 s beside it). So the home reads on half the reader's threads, a Reader of its own,
-    # and the resident groups' reads and copies go on beside those reads, not queued behind them
-    # into the registration. (With as many threads again, the home's reads starved the resident
-    # groups' into the registration: 0.69-0.80 s loads against 0.58-0.64 s with half, in
-    # bench/results/probe_load-h100-20261125-16threads.json and -7e90d36.json.) The two together read at the page cache's rate; the registration
-    # (0.1-0.19 s for the 3.86 GB home) and the resident groups' advice (0.07-0.09 s) stay serial.
-    # Registering in pieces on several threads does not help (the driver serializes them), and a
-    # copy may not span two registrations (cudaErrorInvalidValue), so the home stays one block.
+    # fill buffers and copied to the device) and the pinned home (read, then page-locked). On
+    # the H100 machine, for the 12.5 GB Qwen2 of bench/offload_disk.py, they took 0.23 s and
+    # 0.32 s of a 0.83 s load, one after the other (bench/results/probe_load-h100-20261124-68986dc.json).
+    # So the home is filled and registered, and the disk tier's staging made, on a thread of its
+    # own while the adopting thread loads the resident groups; ``finish`` waits for it. Only host
+    # work runs there: its own memory, a thread-safe Reader, the backend's host_alloc. What
+    # bench/probes/probe_register.py and probe_load.py found on the way:
+    # - The driver serializes a registration with other CUDA calls: 1.4 GB of copies took
+    #   0.025 s alone and 0.097 s beside one. Registering in pieces on several threads is no
+    #   faster (38-48 GB/s either way), and a copy may not span two registrations
+    #   (cudaErrorInvalidValue), so the home stays one block, registered once its reads are done.
+    # - The home therefore reads on a Reader of its own with half the shared reader's threads,
+    #   so that the resident groups' reads and copies run beside its reads instead of queueing
+    #   behind them into the registration. With as many threads again, they starved: loads of
+    #   0.69-0.80 s against 0.58-0.64 s (probe_load-h100-20261125-16threads.json, -7e90d36.json).
+    # - The fill buffers are made before the thread starts: made beside a thread faulting in the
+    #   home's pages, their 140 MB took 0.12 s to map and 0.2 s to register.
+    # - Under a host budget the fill buffers live beside the home, so they get what the home and
+    #   the staging leave of the budget; with less than MIN_FILL_ROOM left, the home is made
+    #   after the resident groups, as before.
+    # What stays serial is the driver's: the registration (0.1-0.19 s for the 3.86 GB home) and
+    # the resident groups' advice (0.05-0.09 s).
     def _run_host_side(self) -> None:
         fn, self._host_fn = self._host_fn, None
         if fn is None:
@@ -479,7 +477,7 @@ class _PinnedTransport:
             self._host_error = e
 
     def _join_host_side(self) -> None:
-        """Wait for (or run) the host side started by ``__init__``: the home and the disk tier's
+        """Wait for the host side ``start`` began, or run it here: the home and the disk tier's
         staging (NOTE [home beside the resident groups]); raise what it raised."""
         if self._host_thread is not None:
             self._host_thread.join()

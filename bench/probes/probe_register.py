@@ -29,6 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import _path  # noqa: F401
 from _probe import R, section
+from _probe import chk as ok
 
 import numpy as np
 import torch
@@ -37,13 +38,6 @@ from cuda.bindings import runtime as rt
 from tiermem import _hostpages
 
 FLAGS = rt.cudaHostRegisterPortable | rt.cudaHostRegisterMapped
-
-
-def ok(err):
-    e = err[0] if isinstance(err, tuple) else err
-    if e != rt.cudaError_t.cudaSuccess:
-        raise RuntimeError(str(e))
-    return err[1] if isinstance(err, tuple) and len(err) > 1 else None
 
 
 def chunks(ptr, n, k):

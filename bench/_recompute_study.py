@@ -13,9 +13,13 @@ from __future__ import annotations
 
 from _common import progress
 
+from tiermem._train import PROBE_STEPS, VERIFY_STEPS
+
 GiB, MiB = 1 << 30, 1 << 20
 RATIOS = (1.5, 2.5, 4.0)
-SETTLE = 6      # steps before the plan settles: trace, probe (2), check (2), a changed plan's first
+# steps before the plan settles (NOTE [measured choice]): the trace, the probe's, the check's,
+# and a changed plan's first
+SETTLE = 1 + PROBE_STEPS + VERIFY_STEPS + 1
 
 # NOTE: DETERMINISM
 # Losses are compared bitwise with the resident run, which needs the same kernels to give the

@@ -513,12 +513,12 @@ def main():
                block_mib=16, sweep=[0.6, 0.8, 1.0], sweep_steps=8, cap_steps=10, capacity_budget=30 * GiB,
                study_gib=3.0, study_start=8, study_limit=512, study_steps=4, small_d=768, small_layers=8,
                hf_vocab=8192, hf_d=1024, hf_ff=2816, hf_layers=20, hf_heads=16, hf_kv=4, peer_steps=8,
-               plan_steps=12, block4_mib=64)
-    small = dict(vocab=2048, seq=128, d=384, layers=8, heads=4, batch=8, ratio=2.5, steps=12, soc_steps=6,
+               plan_steps=15, block4_mib=64)
+    small = dict(vocab=2048, seq=128, d=384, layers=8, heads=4, batch=8, ratio=2.5, steps=14, soc_steps=6,
                  block_mib=1, sweep=[0.8], sweep_steps=6, cap_steps=6, capacity_budget=4 * GiB,
                  study_gib=0.5, study_start=4, study_limit=64, study_steps=3, small_d=256, small_layers=4,
                  hf_vocab=2048, hf_d=384, hf_ff=1024, hf_layers=6, hf_heads=6, hf_kv=2, peer_steps=5,
-                 plan_steps=9, block4_mib=16)
+                 plan_steps=12, block4_mib=16)
     for k, v in (small if a.quick else big).items():
         setattr(a, k, v)
     torch = setup()

@@ -151,21 +151,22 @@ def test_a_module_that_has_its_own_forward_attribute_gets_it_back():
 
 @pytest.mark.parametrize("plan_slower", [True, False])
 def test_a_plan_slower_than_the_probe_gives_way_to_recomputing_everywhere(plan_slower):
-    # NOTE [measured choice]: the fake's clock says every step takes 1 ms, and, with plan_slower,
-    # 5 ms while a plan other than recompute-everywhere runs; the model (which sees 1 ms per
-    # block of recompute and a near-free link) proposes such a plan after the probe.
-    bs = batches(8)
+    # NOTE [measured choice]: the fake's clock says the probe's (recompute everywhere) timed
+    # steps take 3 ms and then 1 ms, and, with plan_slower, 5 ms while a plan other than
+    # recompute-everywhere runs; the model (which sees 1 ms per block of recompute and a
+    # near-free link) proposes such a plan after the probe.
+    bs = batches(10)
     want, want_params = plain_run(bs)
     fake, tier, model, opt, train = tiered_gpt("auto")
     calls = []
 
     def last_step_ms():
-        # NOTE [measured choice]: the probe's step took 1 ms; the model's plan's two timed steps
-        # 5 ms each when it is slower, else 9 ms (a host's hiccup) then 1 ms: the fastest counts
+        # the fastest of each phase's timed steps counts: the probe's 3 then 1 ms; the model's
+        # plan's 5 ms each when it is slower, else 9 ms (a host's hiccup) then 1 ms
         kind = train.plan.kind
         calls.append(kind)
         if kind == "recompute":
-            return 1.0
+            return 3.0 if calls.count(kind) == 1 else 1.0
         return 5.0 if plan_slower else (9.0 if calls.count(kind) == 1 else 1.0)
     train._last_step_ms = last_step_ms
     got = []
@@ -176,16 +177,16 @@ def test_a_plan_slower_than_the_probe_gives_way_to_recomputing_everywhere(plan_s
     assert got == want
     for p, q in zip(model.parameters(), want_params):
         assert torch.equal(p.detach(), q)
-    # the plan after each step: step 1 traced, steps 2-3 the probe (recompute everywhere), steps
-    # 4-6 the model's plan, the fastest of 5 and 6 checked after step 6
-    assert kinds[:2] == ["recompute"] * 2 and kinds[2] != "recompute" and kinds[3] == kinds[4] == kinds[2], kinds
-    assert calls.count(kinds[2]) == 2, calls
+    # the plan after each step: step 1 traced, steps 2-5 the probe (recompute everywhere; step 3
+    # metered, 4 and 5 timed), steps 6-8 the model's plan, the fastest of 7 and 8 checked after 8
+    assert kinds[:4] == ["recompute"] * 4 and kinds[4] != "recompute" and kinds[5] == kinds[6] == kinds[4], kinds
+    assert calls.count("recompute") == 2 and calls.count(kinds[4]) == 2, calls
     m = train.plan.measured
     if plan_slower:
-        assert kinds[5:] == ["recompute"] * 3, kinds
+        assert kinds[7:] == ["recompute"] * 3, kinds
         assert (m["checked_ms"], m["probe_ms"], m["chosen_by"]) == (5.0, 1.0, "measured")
     else:
-        assert kinds[5:] == [kinds[2]] * 3, kinds
+        assert kinds[7:] == [kinds[4]] * 3, kinds
         assert (m["checked_ms"], m["probe_ms"]) == (1.0, 1.0) and "chosen_by" not in m
     train.unwrap()
     del train

@@ -90,15 +90,19 @@ NOTE [measured choice]
     mixed plan for the GPT model at 1/2.5 of its state (predicted 269 ms, measured 226 ms) where
     recomputing every block ran in 141 ms. So the model proposes, and a measurement decides, as
     cuDNN's benchmark mode does for kernels. After the trace, the probe's plan (recompute every
-    block that can be) runs PROBE_STEPS steps and the last is timed; the plan made after it runs
-    VERIFY_STEPS steps and the fastest after the first is timed too (the first step under a plan
-    pays for its allocations; one slow step of a host-bound run, 129 ms against the probe's 74,
-    once overturned an in-capacity plan on the H100 at acba90b). A plan in capacity, which
-    moves and recomputes nothing, is kept without the check: it does less than the probe. If
-    the plan was more than VERIFY_SLACK slower than the probe, the steps go back to
-    recomputing everywhere (planned again from the blocks now resident, if that still fits).
-    ``train.plan.measured`` keeps both times (``checked_ms``, ``probe_ms``). The probe is timed
-    with the meter on, which only makes the model's plan likelier to stay.
+    block that can be) runs PROBE_STEPS steps: the first pays for its allocations, the second is
+    metered (the plan's model reads its blocks' compute), and the fastest of the last two is the
+    probe's time. The plan made after it runs VERIFY_STEPS steps and the fastest after the first
+    is timed too (one slow step of a host-bound run, 129 ms against the probe's 74, once
+    overturned an in-capacity plan on the H100 at acba90b). A plan in capacity, which moves and
+    recomputes nothing, is kept without the check: it does less than the probe. If the plan was
+    more than VERIFY_SLACK slower than the probe, the steps go back to recomputing everywhere
+    (planned again from the blocks now resident, if that still fits). ``train.plan.measured``
+    keeps both times (``checked_ms``, ``probe_ms``). The probe was once timed on its metered
+    step, but the meter's events cost the host's time: on the H100 at 11a9edf the GPT's metered
+    probe step took 206.5 ms where the same plan then ran in 145 ms, and at ac69f8f a mixed
+    plan that ran 161 ms was kept where recomputing everywhere ran 130 ms
+    (bench/probes/probe_train_overhead.py --model gpt --adamw fused).
 
 NOTE [bf16 moments] and NOTE [loaded states] are in _trainstates.py, with the optimizer's states.
 """
@@ -136,7 +140,7 @@ log = logging.getLogger("tiermem")
 
 BLOCK_BYTES = 64 << 20    # parameter bytes per block: a slot holds ~4x that (params, grads, Adam's two moments)
 RESIDENT_STEP_BYTES = 64 << 20   # parameter bytes per optimizer call for resident blocks
-PROBE_STEPS = 2     # steps under the probe's plan; the last is metered (NOTE [measured choice])
+PROBE_STEPS = 4     # steps under the probe's plan: the second is metered, the last two timed (NOTE [measured choice])
 RECAPTURE_STEPS = 4  # steps a probe or check may repeat because graphs changed in them (NOTE [replayed recompute])
 VERIFY_STEPS = 3    # steps under the plan made after it; the fastest after the first is timed against the probe
 VERIFY_SLACK = 0.02
@@ -389,7 +393,9 @@ class TieredTraining:
         self._keep_keys: frozenset[tuple[int, int]] = frozenset()
         self._boundary_saves: dict[int, int] = {}
         self._expect: dict[int, tuple[int, ...]] | None = None
-        self._refine = 0                       # steps left until the probe step (metered) is done
+        self._refine = 0                       # steps left under the probe's plan (NOTE [measured choice])
+        self._refined: StepTrace | None = None   # the trace with the metered probe step's compute
+        self._probe_ms: list[float] = []       # the probe's timed steps, unmetered
         self._nesting = 1                      # streamed blocks the traced step used at once
         self._verify = 0                       # steps left before the plan is checked against the probe
         self._verify_ms: list[float] = []      # its timed steps
@@ -927,7 +933,7 @@ class TieredTraining:
                 self.swap.begin(None, frozenset(), [])
             else:
                 self.swap.begin(self._expect, self._keep_keys, list(self._need), self.plan.recompute)
-        if self._tracing or (self._refine == 1 and self._updating):
+        if self._tracing or (self._refine == PROBE_STEPS - 1 and self._updating):
             self.meter.start()
         self.meter.mark(("fwd", "start"))
         be = self.tier.backend
@@ -1026,8 +1032,15 @@ class TieredTraining:
         elif self._refine:
             self._recaptures = 0
             self._refine -= 1
-            if not self._refine and metered:
-                self._replan_measured()
+            if self._refine == PROBE_STEPS - 2:
+                if metered:
+                    self._measure_probe()
+                else:
+                    self._refine = 0          # nothing measured: the probe's plan stays
+            elif self._refine < PROBE_STEPS - 2:
+                self._probe_ms.append(self._last_step_ms())
+                if not self._refine:
+                    self._replan_measured()
         elif self._verify:
             self._recaptures = 0
             self._verify -= 1
@@ -1217,17 +1230,27 @@ class TieredTraining:
         self._take(plan)
         self._restart_timing()
 
-    def _replan_measured(self) -> None:
-        """Plan again after the probe step (NOTE [recompute plan]): its recomputed blocks' forwards are
-        their compute alone; the trace's are the same forwards with the swap's hooks."""
-        probe_ms = self._last_step_ms()
+    def _measure_probe(self) -> None:
+        """After the probe's metered step (NOTE [recompute plan]): its recomputed blocks' forwards
+        are their compute alone; the trace's are the same forwards with the swap's hooks."""
         per, fwd, bwd = self._timings()
         t = self.trace
         probe = self.plan.recompute
         clean = tuple(per[i] if i in probe and per[i] >= 0 else old for i, old in enumerate(t.block_fwd_ms))
-        self.trace = dataclasses.replace(t, block_fwd_ms=clean, block_swap_ms=t.block_fwd_ms, fwd_ms=fwd, bwd_ms=bwd,
-                                         measured_recompute=probe,
-                                         resident_blocks=frozenset(b.index for b in self.blocks if b.resident))
+        self._refined = dataclasses.replace(t, block_fwd_ms=clean, block_swap_ms=t.block_fwd_ms, fwd_ms=fwd,
+                                            bwd_ms=bwd, measured_recompute=probe)
+        self._probe_ms = []
+
+    def _replan_measured(self) -> None:
+        """Plan again from the probe's metered step, once its unmetered steps are timed (NOTE
+        [measured choice]); the plan is checked against the fastest of them."""
+        timed, self._probe_ms = [x for x in self._probe_ms if x], []
+        probe_ms = min(timed, default=0.0)
+        refined, self._refined = self._refined, None
+        if refined is None:
+            return
+        self.trace = dataclasses.replace(refined, resident_blocks=frozenset(b.index for b in self.blocks
+                                                                            if b.resident))
         plan = self._plan_for(self.trace)
         if (plan.resident_blocks, plan.recompute, plan.keep) != (self.plan.resident_blocks, self.plan.recompute,
                                                                   self.plan.keep):

@@ -11,6 +11,10 @@ step took 169 and 328 ms after a profiled run, 147 and 254 ms without one): time
 
 With ``--trace``, a Chrome trace of one tiermem step (GPU activity only) in $OUT.
 With ``--cprofile``, the host's top calls (cProfile) over tiermem's timed steps.
+With ``--host-timers``, the host's time inside each of tiermem's per-block entry points (its
+hooks, the slots' fills and write-backs, the optimizer's per-block steps, the swap's pack and
+unpack), timed with perf_counter around each call (inclusive, a fraction of a microsecond each):
+cProfile's overhead per call inflates small functions several times over.
 
     python bench/probes/probe_train_overhead.py [--model hf|gpt] [--profile] [--cprofile] [--modes "always;never"]
 """
@@ -51,6 +55,55 @@ def kernels(run):
     return busy, [(e.key[:70], round(e.self_device_time_total / 1e3, 2), e.count) for e in top]
 
 
+_TIMED = {"train": ("_fwd_pre", "_fwd_post", "_bwd_enter", "_grad_done", "_block_done", "_step_block"),
+          "stream": ("ensure", "ahead", "fill", "write_back", "done", "bind", "begin", "end"),
+          "states": ("step_block", "step"),
+          "swap": ("pack", "unpack")}
+
+
+def host_timers(train, torch):
+    """Wrap tiermem's per-block entry points on their instances; returns name -> seconds so far."""
+    acc = {}
+    objs = {"train": train, "stream": train.stream, "states": train.states, "swap": train.swap}
+    for oname, names in _TIMED.items():
+        obj = objs[oname]
+        if obj is None:
+            continue
+        for n in names:
+            fn = getattr(obj, n)
+            key = f"{oname}.{n}"
+            acc[key] = 0.0
+
+            def timed(*args, _fn=fn, _key=key, **kw):
+                t0 = time.perf_counter()
+                try:
+                    return _fn(*args, **kw)
+                finally:
+                    acc[_key] += time.perf_counter() - t0
+            setattr(obj, n, timed)
+    acc["opt.step (torch)"] = 0.0
+    step = train.states.opt.step
+
+    def opt_step(*args, **kw):
+        t0 = time.perf_counter()
+        try:
+            return step(*args, **kw)
+        finally:
+            acc["opt.step (torch)"] += time.perf_counter() - t0
+    train.states.opt.step = opt_step
+    return acc
+
+
+def restore_timers(train):
+    for oname, names in _TIMED.items():
+        obj = {"train": train, "stream": train.stream, "states": train.states, "swap": train.swap}[oname]
+        for n in names:
+            if obj is not None and n in vars(obj):
+                delattr(obj, n)
+    if "step" in vars(train.states.opt):
+        del train.states.opt.step
+
+
 def trace_summary(path):
     """From a Chrome trace of one step: the compute stream's kernel time, its idle gaps (over
     50 us) and how much of them the copy engines were busy, each copy stream's busy time (ms)."""
@@ -83,6 +136,10 @@ def main():
     ap.add_argument("--trace", action="store_true", help="tiermem's runs: a Chrome trace of one step (GPU activity only) in $OUT")
     ap.add_argument("--summarize", metavar="TRACE", help="only print trace_summary of a saved trace (.json or .json.gz)")
     ap.add_argument("--modes", default="always;always, no rng;never", help="tiermem's runs, ';' between")
+    ap.add_argument("--adamw", choices=("fused", "foreach"), default="foreach",
+                    help="AdamW's implementation (bench/train_budget.py runs fused)")
+    ap.add_argument("--host-timers", action="store_true", help="tiermem's runs: host ms a step in its entry points")
+    ap.add_argument("--ratio", type=float, default=2.5, help="tiermem's budget: the training state / this")
     a = ap.parse_args()
     if a.summarize:
         print(json.dumps(trace_summary(a.summarize), indent=1))
@@ -138,7 +195,7 @@ def main():
             print(f"      {k[1]:8.2f} ms x{k[2]:<5} {k[0]}", flush=True)
 
     model = build()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=a.adamw == "fused")
     record("resident", plain(model, opt))
     for keep_rng in (True, False):
         for blk in layers(model):
@@ -157,15 +214,27 @@ def main():
         torch.utils.checkpoint.checkpoint = (functools.partial(plain_ckpt, preserve_rng_state=False)
                                              if mode.endswith("no rng") else plain_ckpt)
         model = build()
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=a.adamw == "fused")
         tier = tiermem.Tier(0, cap="12GiB")
-        train = tier.wrap_training(model, opt, int(16 * n / 2.5), block_bytes=64 << 20, recompute=mode.split(",")[0])
+        train = tier.wrap_training(model, opt, int(16 * n / a.ratio), block_bytes=64 << 20, recompute=mode.split(",")[0])
 
         def run():
             with train.step():
                 loss_fn(model, ids).backward()
-        for _ in range(6):
+        for _ in range(10):              # the trace, the probe and the plan's check settle ("auto")
             run()
+        if a.host_timers:
+            timers = host_timers(train, torch)
+            timers["run() until it returns"] = 0.0
+            for _ in range(a.steps):
+                t0 = time.perf_counter()
+                run()
+                timers["run() until it returns"] += time.perf_counter() - t0
+                torch.cuda.synchronize()
+            got = {k: round(v / a.steps * 1e3, 2) for k, v in sorted(timers.items(), key=lambda kv: -kv[1])}
+            out[f"tiermem {mode} host_ms_per_step"] = got
+            print(f"tiermem {mode}: host ms a step, inclusive: " + json.dumps(got), flush=True)
+            restore_timers(train)
         if a.cprofile:
             import cProfile
             import io
@@ -205,7 +274,7 @@ def main():
         tier.close()
         torch.cuda.empty_cache()
     path = os.path.join(os.environ.get("OUT", "bench/results"),
-                        f"probe_train_overhead-{a.model}-{time.strftime('%Y%m%d')}.json")
+                        f"probe_train_overhead-{a.model}-{a.adamw}-{time.strftime('%Y%m%d')}.json")
     with open(path, "w") as fh:
         json.dump({"device": torch.cuda.get_device_name(0), "results": out}, fh, indent=1)
     print("wrote", path)

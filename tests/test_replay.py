@@ -88,3 +88,71 @@ def test_the_forwards_inputs_are_not_held_past_the_saved_tensor_hooks():
     assert len(packed) == 1 and packed[0].shape == x.shape
     y.sum().backward()
     assert x.grad is not None and all(p.grad is not None for p in m.parameters())
+
+
+class _Counters:
+    """torch.cuda's allocator counters, as many as the pool's room reads (allocated, reserved, their peaks)."""
+
+    def __init__(self):
+        self.alloc = self.reserved = self.peak_alloc = self.peak_reserved = 0
+
+    def take(self, n):
+        self.alloc += n
+        self.reserved = max(self.reserved, self.alloc)
+        self.peak_alloc = max(self.peak_alloc, self.alloc)
+        self.peak_reserved = max(self.peak_reserved, self.reserved)
+
+    def give(self, n):
+        self.alloc -= n
+
+    def memory_allocated(self):
+        return self.alloc
+
+    def max_memory_allocated(self):
+        return self.peak_alloc
+
+    def max_memory_reserved(self):
+        return self.peak_reserved
+
+    def reset_peak_memory_stats(self):
+        self.peak_alloc, self.peak_reserved = self.alloc, self.reserved
+
+
+def test_the_room_beside_the_eager_backwards_leaves_out_their_working_sets():
+    """NOTE [room beside the eager backwards]: the step's allocated peak outside its eager
+    backwards (their starts included), the whole step's, each backward's working set, and the
+    reserved peak across the resets; an eager backward that is not bracketed makes it unknown."""
+    import types
+    cuda = _Counters()
+    fake = types.SimpleNamespace(cuda=cuda)
+    r = Replays(fake, capture=True, params_of=lambda m: [])
+    r.begin_step()
+    cuda.take(500)                     # the forward's peak: 500
+    cuda.give(200)
+
+    def backward(ws):
+        def run():
+            cuda.take(ws)
+            cuda.give(ws)
+            return ws
+        return run
+    assert r._bracket(backward(300), True) == 300      # inside: 300 + 300 = 600
+    cuda.take(100)
+    assert r._bracket(backward(250), True) == 250      # starts at 400, inside 650
+    cuda.give(100)
+    assert r.outside() == 500 and r.step_alloc_peak() == 650 and r.need == 300
+    assert max(cuda.max_memory_reserved(), r.peak_carry) == 650
+    # a step whose outside peak is its backwards' start
+    r.begin_step()
+    cuda.take(300)                     # 600 live
+    r._bracket(backward(100))
+    assert r.outside() == 600 and r.need == 300        # not measured: need unchanged
+    cuda.give(300)
+    # an eager backward left unbracketed beside the pool: not known
+    r.begin_step()
+    r.outside_peak = None
+    assert r.outside() is None
+    # capturing off: nothing to leave room for
+    off = Replays(fake, capture=False, params_of=lambda m: [])
+    off.begin_step()
+    assert off.outside() is None

@@ -46,14 +46,16 @@ log = logging.getLogger("tiermem")
 #       a block whose forward moved the CUDA generator keeps torch's eager path;
 #     - memory: the graphs share one private pool, as large as the largest block's recompute
 #       and backward, which torch's allocator cannot lend to other tensors between replays; the
-#       cap counts it. So a block's first backward runs eagerly and measured (:meth:`_bracket`),
+#       cap counts it. So a block's first backward runs eagerly and measured (:meth:`_measure`),
 #       the trainer's plan holds room for the estimate (:attr:`reserve`) as it does for kept
 #       activations, no capture starts where the estimate does not fit the room the trainer
-#       gives (its cap less the last step's peak outside the pool and outside the eager
-#       backwards the pool replaces, less 1/32 of the budget: NOTE [room beside the eager
-#       backwards]), and a pool past that room after a capture, a capture that fails, or a step
-#       that runs out of memory beside the pool stops all capturing: the pool goes back and
-#       every block recomputes eagerly. Graphs stay off by default (docs/training.md).
+#       gives (its cap less the last step's peak outside the pool, less 1/32 of the budget),
+#       and a pool past that room after a capture, a capture that fails, or a step that runs out
+#       of memory beside the pool stops all capturing: the pool goes back and every block
+#       recomputes eagerly. On the H100 at 1/2.5 of the bench models' state the estimate (422
+#       and 432 MB) did not fit the room (267 and 251 MB), so there the graphs are given up
+#       before any capture: at a tight budget the pool costs what it saves, and graphs stay off
+#       by default (docs/training.md).
 #     The gradient of each input comes out in a shared static buffer and is cloned before it is
 #     returned: autograd may hold it past the next block's replay.
 
@@ -92,10 +94,6 @@ class Replays:
         self.need = 0                            # the largest working set an eager backward measured
         self.measured: set[int] = set()          # modules whose eager backward was measured
         self.peak_carry = 0                      # the step's reserved peak before a measurement reset it
-        # NOTE [room beside the eager backwards]: this step's allocated peak outside its eager
-        # backwards, and the whole step's; None once a backward ran eagerly unbracketed
-        self.outside_peak: int | None = 0
-        self.alloc_peak = 0
         self.room: Callable[[], int | None] | None = None   # bytes the pool may take (None: no limit)
         self.graphs: dict[tuple, _Graph] = {}
         self.per_module: dict[int, int] = {}     # graphs captured per module
@@ -159,12 +157,9 @@ class Replays:
         the RNG states before the forward when it drew random numbers, else None."""
         if rng is not None:
             self.eager.add(id(module))       # from the next step on, torch's checkpoint runs it
-            self.outside_peak = None         # its backward stays eager beside the pool
             return _with_rng(self.torch, rng, lambda: _recompute_backward(self.torch, call, tensors, gouts, autocast))
         params = self.params_of(module)
         if not self.capture or id(module) in self.eager or any(p.grad is None for p in params):
-            if self.capture:
-                self.outside_peak = None
             return _recompute_backward(self.torch, call, tensors, gouts, autocast)
         key = key0 + (tuple(g is not None for g in gouts),
                       tuple(tuple(g.shape) for g in gouts if g is not None),
@@ -175,8 +170,7 @@ class Replays:
             # NOTE [replayed recompute]: its first backward runs eagerly, measured, so the plan
             # and the check below know the pool's size before any capture takes it
             self.measured.add(id(module))
-            self.changes += 1
-            return self._bracket(lambda: _recompute_backward(self.torch, call, tensors, gouts, autocast), True)
+            return self._measure(lambda: _recompute_backward(self.torch, call, tensors, gouts, autocast))
         if g is None:
             n = self.per_module.get(id(module), 0)
             if n >= MAX_GRAPHS_PER_BLOCK:
@@ -184,7 +178,6 @@ class Replays:
                 log.info("tiermem: block %s stays eager: %d graphs and still another key",
                          type(module).__name__, n)
                 self.eager.add(id(module))
-                self.outside_peak = None
                 return _recompute_backward(self.torch, call, tensors, gouts, autocast)
             why = ""
             room = self.room() if self.room is not None else None
@@ -231,55 +224,19 @@ class Replays:
             return self.pool_bytes
         return max(self.pool_bytes, self.need + self.need // 4 + SEGMENTS if self.need else 0)
 
-    # NOTE [room beside the eager backwards]
-    #     The pool is held all step, so what must fit beside it is the step's peak outside the
-    #     backwards it replaces. A step whose recomputed backwards all ran eagerly peaks inside one
-    #     of them, the working set the pool will hold instead: counting that peak left the pool no
-    #     room on the H100 at 1/2.5 of the bench models' state (room 251-267 MB against 422-432
-    #     MB, the working sets 320-328 MB of it). So while capturing is on, each eager backward is
-    #     bracketed: the peak counters are read and reset around it, and the step's allocated peak
-    #     outside the brackets (:attr:`outside_peak`, their starts included) is what the trainer
-    #     counts, with the allocator's overhead the whole step showed (reserved less allocated
-    #     peak). A backward left eager beside the pool (random ops, too many keys) or run through
-    #     torch's checkpoint is not bracketed, so its working set stays in the outside peak; an
-    #     unbracketed eager backward on this path sets the outside peak to None (not known).
-    def begin_step(self) -> None:
-        self.peak_carry = 0
-        self.outside_peak = 0 if self.capture else None
-        self.alloc_peak = 0
-
-    def outside(self) -> int | None:
-        """The finished step's allocated peak outside its bracketed eager backwards (None: not
-        measured, or nothing bracketed)."""
-        if self.outside_peak is None or not self.capture:
-            return None
-        return max(self.outside_peak, self.torch.cuda.max_memory_allocated())
-
-    def step_alloc_peak(self) -> int:
-        return max(self.alloc_peak, self.torch.cuda.max_memory_allocated())
-
-    def _bracket(self, run: Callable[[], Any], measure: bool = False) -> Any:
-        """``run()`` with the device's peak counters read and reset around it (NOTE [room beside
-        the eager backwards]); with ``measure``, its peak of allocated bytes above where it
-        began is kept in :attr:`need`. The reserved peak before is kept in :attr:`peak_carry` for
-        the caller, whose step's peak it is part of."""
+    def _measure(self, run: Callable[[], Any]) -> Any:
+        """``run()``, its peak of allocated bytes above where it began kept in :attr:`need`.
+        Measuring resets the device's peak counters; the peak before is kept in :attr:`peak_carry`
+        for the caller, whose step's peak it is part of."""
         cuda = self.torch.cuda
+        self.changes += 1
         self.peak_carry = max(self.peak_carry, cuda.max_memory_reserved())
-        before = cuda.max_memory_allocated()
-        self.alloc_peak = max(self.alloc_peak, before)
-        if self.outside_peak is not None:
-            self.outside_peak = max(self.outside_peak, before)
         cuda.reset_peak_memory_stats()
         begin = cuda.memory_allocated()
         try:
             return run()
         finally:
-            inside = cuda.max_memory_allocated()
-            self.alloc_peak = max(self.alloc_peak, inside)
-            if measure:
-                self.need = max(self.need, inside - begin)
-            self.peak_carry = max(self.peak_carry, cuda.max_memory_reserved())
-            cuda.reset_peak_memory_stats()
+            self.need = max(self.need, cuda.max_memory_allocated() - begin)
 
     def give_up(self, why: str) -> None:
         """Stop capturing and replaying, and give the pool's memory back to the device: a capture

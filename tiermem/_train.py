@@ -581,9 +581,9 @@ class TieredTraining:
 
     def _graph_room(self) -> int | None:
         """Bytes the recomputed blocks' graphs' pool may take (NOTE [replayed recompute]): what
-        torch's allocator is capped at, less the last step's peak outside the pool and outside
-        the eager backwards the pool replaces (NOTE [room beside the eager backwards] in
-        _replay.py), less 1/32 of the budget."""
+        torch's allocator is capped at, less the last step's peak outside the pool (a step before
+        any graph recomputed eagerly: its peak holds the working set the pool now holds too, so
+        this errs on the safe side), less 1/32 of the budget."""
         if self._general_peak is None:
             return None
         cap = max(self.budget - self.tier.resident_bytes, 0) + self.outside
@@ -924,7 +924,7 @@ class TieredTraining:
         for b in self.blocks:
             b.entered, b.stepped, b.waiting = False, False, 0
         self.mem.reset_peak()
-        self.replays.begin_step()
+        self.replays.peak_carry = 0
         if self._tracing:
             self._calls, self._boundary = {}, {}
             self.recomputing.set({})             # the trace sees every block's own saves
@@ -992,12 +992,6 @@ class TieredTraining:
         self.steps += 1
         self.last_peak = self._peak()
         self._general_peak = self.last_peak - self.replays.pool_bytes     # NOTE [replayed recompute]
-        outside = self.replays.outside()
-        if outside is not None:
-            # NOTE [room beside the eager backwards] in _replay.py: what the pool would not replace,
-            # with the overhead torch's allocator showed this step
-            over = max(self._general_peak - self.replays.step_alloc_peak(), 0)
-            self._general_peak = min(self._general_peak, outside + over)
         diverged = self.swap is not None and self.swap.diverged
         if self._updating:
             self.updates += 1

@@ -210,7 +210,7 @@ def main():
     torch.cuda.empty_cache()
     import functools
     plain_ckpt = torch.utils.checkpoint.checkpoint
-    for i, mode in enumerate(a.modes.split(";")):
+    for mode in a.modes.split(";"):
         torch.utils.checkpoint.checkpoint = (functools.partial(plain_ckpt, preserve_rng_state=False)
                                              if mode.endswith("no rng") else plain_ckpt)
         model = build()
@@ -232,7 +232,7 @@ def main():
                 timers["run() until it returns"] += time.perf_counter() - t0
                 torch.cuda.synchronize()
             got = {k: round(v / a.steps * 1e3, 2) for k, v in sorted(timers.items(), key=lambda kv: -kv[1])}
-            out[f"tiermem {mode} ({i}) host_ms_per_step"] = got
+            out[f"tiermem {mode} host_ms_per_step"] = got
             print(f"tiermem {mode}: host ms a step, inclusive: " + json.dumps(got), flush=True)
             restore_timers(train)
         if a.cprofile:
@@ -267,10 +267,8 @@ def main():
             prof.export_chrome_trace(tpath)
             out[f"tiermem {mode} trace"] = trace_summary(tpath)
             print("wrote", tpath, json.dumps(out[f"tiermem {mode} trace"]), flush=True)
-        name = f"tiermem {mode} [{i}]"                # a mode may run twice
-        record(name, run, {"plan": str(train.plan).split("\n")[:7], "measured": dict(train.plan.measured)})
+        record(f"tiermem {mode}", run, {"plan": str(train.plan).split("\n")[:7]})
         print("\n".join(str(train.plan).split("\n")[:7]), flush=True)
-        print("  measured:", dict(train.plan.measured), flush=True)
         train.unwrap()
         del train, model, opt
         tier.close()

@@ -1150,6 +1150,7 @@ class TieredTraining:
         # is, and its forward is timed without the swap's hooks; the plan after it uses both.
         probe = bool(self.trace.recomputable) and self.recompute_mode == "auto" and not self._no_recompute
         self._refine = PROBE_STEPS if probe else 0
+        self._refined, self._probe_ms = None, []
         self._verify = 0
         self._take(self._plan_for(self.trace, "always" if probe else None))
         self._tracing = False

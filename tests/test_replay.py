@@ -88,3 +88,22 @@ def test_the_forwards_inputs_are_not_held_past_the_saved_tensor_hooks():
     assert len(packed) == 1 and packed[0].shape == x.shape
     y.sum().backward()
     assert x.grad is not None and all(p.grad is not None for p in m.parameters())
+
+
+def test_the_pools_reserve_is_the_estimate_until_the_pool_is_larger_or_capturing_is_off(monkeypatch):
+    """What the plan must leave the graphs' pool (NOTE [replayed recompute]): nothing before a
+    backward was measured; then the measured working set with RESERVE_MARGIN of it more and the
+    allocator's segments; what the captures really took once that is more; and once capturing
+    is off, only what is still held."""
+    import tiermem._replay as replay
+    r = Replays(torch, capture=True, params_of=lambda m: [])
+    assert r.reserve == 0
+    r.need = 300 << 20
+    assert r.reserve == (300 << 20) + (75 << 20) + replay.SEGMENTS
+    monkeypatch.setattr(replay, "RESERVE_MARGIN", 0.6)
+    assert r.reserve == (300 << 20) + (180 << 20) + replay.SEGMENTS
+    r.pool_bytes = 528 << 20
+    assert r.reserve == 528 << 20
+    r.capture = False
+    r.pool_bytes = 0
+    assert r.reserve == 0

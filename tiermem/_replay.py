@@ -26,6 +26,13 @@ MAX_GRAPHS_PER_BLOCK = 6     # a streamed block passes through lookahead + 1 slo
 # requests up to 1 MiB, 20 MiB ones up to 10 MiB (c10/cuda/CUDACachingAllocator.cpp), none shared
 # with the cache the step's other tensors use; a pool's estimate leaves room for one of each
 SEGMENTS = 22 << 20
+# Before any capture the pool's size is an estimate: the largest measured eager backward, this
+# share of it more, and SEGMENTS. It is not a bound. On the H200 at 1/2.5 of the state of
+# bench/train_budget.py's models the pools came to 438 MB (GPT) and 528 MB (Qwen2) against eager
+# backwards of 319 and 327 MB, 1.37x and 1.61x (bench/probes/probe_train_overhead.py, 'margin=0').
+# A pool that outgrows its room after a capture is given up cleanly, so too low an estimate costs
+# captures that are thrown away; too high a one holds room from kept activations where it fits.
+RESERVE_MARGIN = 0.25
 
 log = logging.getLogger("tiermem")
 
@@ -91,6 +98,7 @@ class Replays:
         self.hit: list[Any] = []
         self.off = ""                            # why capturing stopped, if it did
         self.pool_bytes = 0                      # what the captures reserved for the pool
+        self.pool_peak = 0                       # the most it held, given up or not
         self.need = 0                            # the largest working set an eager backward measured
         self.measured: set[int] = set()          # modules whose eager backward was measured
         self.peak_carry = 0                      # the step's reserved peak before a measurement reset it
@@ -222,7 +230,7 @@ class Replays:
         segments (SEGMENTS) for what the pool cannot share with the rest of the step."""
         if not self.capture:
             return self.pool_bytes
-        return max(self.pool_bytes, self.need + self.need // 4 + SEGMENTS if self.need else 0)
+        return max(self.pool_bytes, self.need + int(self.need * RESERVE_MARGIN) + SEGMENTS if self.need else 0)
 
     def _measure(self, run: Callable[[], Any]) -> Any:
         """``run()``, its peak of allocated bytes above where it began kept in :attr:`need`.
@@ -313,6 +321,7 @@ class Replays:
             self.capturing, self.hit = False, []
         cur.wait_stream(side)
         self.pool_bytes += max(0, torch.cuda.memory_reserved() - before)   # only the pool allocates in a capture
+        self.pool_peak = max(self.pool_peak, self.pool_bytes)
         return _Graph(graph, static_in, static_gout, static_gin, hit)
 
 

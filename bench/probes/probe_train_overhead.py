@@ -135,12 +135,21 @@ def main():
     ap.add_argument("--cprofile", action="store_true", help="tiermem's runs only: the host's top calls over the timed steps")
     ap.add_argument("--trace", action="store_true", help="tiermem's runs: a Chrome trace of one step (GPU activity only) in $OUT")
     ap.add_argument("--summarize", metavar="TRACE", help="only print trace_summary of a saved trace (.json or .json.gz)")
-    ap.add_argument("--modes", default="always;always, no rng;never", help="tiermem's runs, ';' between")
+    ap.add_argument("--modes", default="always;always, no rng;never",
+                    help="tiermem's runs, ';' between; each a recompute mode, then options after commas: "
+                         "'no rng', 'graphs', 'la=N' (lookahead), 'bf16' (state_dtype), 'margin=F' (the graphs' "
+                         "pool estimate's margin, tiermem._replay.RESERVE_MARGIN)")
     ap.add_argument("--adamw", choices=("fused", "foreach"), default="foreach",
                     help="AdamW's implementation (bench/train_budget.py runs fused)")
     ap.add_argument("--host-timers", action="store_true", help="tiermem's runs: host ms a step in its entry points")
+    ap.add_argument("--settle", type=int, default=10, help="untimed steps first: the trace, the probe, the check")
     ap.add_argument("--ratio", type=float, default=2.5, help="tiermem's budget: the training state / this")
+    ap.add_argument("--log", action="store_true", help="tiermem's log at INFO: its plans, checks and switches")
     a = ap.parse_args()
+    if a.log:
+        import logging
+        logging.basicConfig(level=logging.INFO, format="%(relativeCreated)9.0f ms %(message)s")
+        logging.getLogger("tiermem").setLevel(logging.INFO)
     if a.summarize:
         print(json.dumps(trace_summary(a.summarize), indent=1))
         return
@@ -209,6 +218,8 @@ def main():
     del model, opt
     torch.cuda.empty_cache()
     import functools
+    import tiermem._replay as replay
+    default_margin = replay.RESERVE_MARGIN
     plain_ckpt = torch.utils.checkpoint.checkpoint
     for mode in a.modes.split(";"):
         torch.utils.checkpoint.checkpoint = (functools.partial(plain_ckpt, preserve_rng_state=False)
@@ -216,13 +227,22 @@ def main():
         model = build()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=a.adamw == "fused")
         tier = tiermem.Tier(0, cap="12GiB")
-        train = tier.wrap_training(model, opt, int(16 * n / a.ratio), block_bytes=64 << 20, recompute=mode.split(",")[0])
+        opts = [x.strip() for x in mode.split(",")]
+        kw = {"graphs": "graphs" in opts}
+        kw.update(("lookahead", int(x[3:])) for x in opts if x.startswith("la="))
+        if "bf16" in opts:
+            kw["state_dtype"] = torch.bfloat16
+        replay.RESERVE_MARGIN = next((float(x[7:]) for x in opts if x.startswith("margin=")), default_margin)
+        train = tier.wrap_training(model, opt, int(16 * n / a.ratio), block_bytes=64 << 20, recompute=opts[0], **kw)
 
         def run():
             with train.step():
                 loss_fn(model, ids).backward()
-        for _ in range(10):              # the trace, the probe and the plan's check settle ("auto")
-            run()
+        settle = []
+        for _ in range(a.settle):        # the trace, the probe and the plan's check settle ("auto")
+            t = steps(run, 1)[0]
+            settle.append((round(t, 1), train.plan.kind, len(train.plan.recompute)))
+        print(f"tiermem {mode}: settling steps (ms, the plan after each): {settle}", flush=True)
         if a.host_timers:
             timers = host_timers(train, torch)
             timers["run() until it returns"] = 0.0
@@ -267,8 +287,15 @@ def main():
             prof.export_chrome_trace(tpath)
             out[f"tiermem {mode} trace"] = trace_summary(tpath)
             print("wrote", tpath, json.dumps(out[f"tiermem {mode} trace"]), flush=True)
-        record(f"tiermem {mode}", run, {"plan": str(train.plan).split("\n")[:7]})
-        print("\n".join(str(train.plan).split("\n")[:7]), flush=True)
+        rp = train.replays
+        record(f"tiermem {mode}", run, {"plan": str(train.plan).split("\n"), "slots": train.stream.nslots,
+                                        "graphs": {"captured": rp.captured, "replayed": rp.replayed,
+                                                   "pool_MB": round(rp.pool_bytes / 1e6),
+                                                   "pool_peak_MB": round(rp.pool_peak / 1e6), "need_MB": round(rp.need / 1e6),
+                                                   "off": rp.off[:200]},
+                                        "settling": settle})
+        print(f"  slots {train.stream.nslots}; graphs: {out[f'tiermem {mode}']['graphs']}", flush=True)
+        print(str(train.plan), flush=True)
         train.unwrap()
         del train, model, opt
         tier.close()

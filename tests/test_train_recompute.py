@@ -216,6 +216,50 @@ def test_a_plan_in_capacity_is_kept_however_slow_its_steps_were_timed():
     assert fake.live() == {"managed": 0, "pinned": 0, "device": 0}
 
 
+@pytest.mark.parametrize("later", ["slower", "as_fast"])
+def test_a_kept_plan_whose_later_steps_run_slower_than_the_probe_gives_way_once(later):
+    """NOTE [measured choice]: the check keeps the model's plan on two timed steps a side; the
+    median of its next LATE_STEPS steps, read from the steps' own events, is checked against the
+    probe once more, and a plan more than LATE_SLACK slower goes back to recomputing everywhere,
+    once. Losses stay the plain run's bitwise through both switches."""
+    from tiermem._train import LATE_SLACK, LATE_STEPS, PROBE_STEPS, VERIFY_STEPS
+    checked = 1 + PROBE_STEPS + VERIFY_STEPS           # the trace, the probe, the model's plan
+    n = checked + LATE_STEPS + 4
+    bs = batches(n)
+    want, want_params = plain_run(bs)
+    fake, tier, model, opt, train = tiered_gpt("auto")
+    # The check sees the model's plan as fast as the probe (1 ms each); the steps' own events say
+    # the model's plan then takes 1.5 ms a step (or 1.05, within the slack), recomputing 1 ms.
+    train._last_step_ms = lambda: 1.0
+    slow = 1.5 if later == "slower" else 1 + LATE_SLACK / 2
+    fake.elapsed_ms = lambda a, b: 1.0 if train.plan is None or train.plan.kind == "recompute" else slow
+    kinds, got = [], []
+    for ids in bs:
+        got += tiered_losses(train, model, [ids])
+        kinds.append(train.plan.kind)
+    assert got == want
+    for p, q in zip(model.parameters(), want_params):
+        assert torch.equal(p.detach(), q)
+    # the plan after each step: the check after step `checked` keeps the model's plan; a step's
+    # time is read when the next one begins, so its LATE_STEPS steps are all read one step later
+    model_plan = kinds[checked - 1]
+    assert model_plan != "recompute", kinds
+    assert kinds[checked - 1:checked + LATE_STEPS] == [model_plan] * (LATE_STEPS + 1), " ".join(kinds)
+    m = train.plan.measured
+    if later == "slower":
+        assert kinds[checked + LATE_STEPS:] == ["recompute"] * (n - checked - LATE_STEPS), " ".join(kinds)
+        assert (m["late_ms"], m["probe_ms"], m["chosen_by"]) == (1.5, 1.0, "late"), m
+        assert "checked again" in train.plan.table() and "recomputing everywhere" in train.plan.table()
+    else:
+        assert kinds[checked - 1:] == [model_plan] * (n - checked + 1), kinds
+        assert m["late_ms"] == slow and "chosen_by" not in m, m
+    train.unwrap()
+    del train
+    gc.collect()
+    tier.close()
+    assert fake.live() == {"managed": 0, "pinned": 0, "device": 0}
+
+
 def _qwen2(seed: int = 0):
     transformers = pytest.importorskip("transformers")
     cfg = transformers.Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,

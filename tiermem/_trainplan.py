@@ -220,10 +220,14 @@ class TrainPlan:
         ]
         if self.measured.get("probe_ms"):
             # NOTE [measured choice] in _train.py
+            by = self.measured.get("chosen_by")
             lines.append(f"  checked          the model's plan took {self.measured['checked_ms']:.1f} ms a step, "
                          f"recomputing everywhere {self.measured['probe_ms']:.1f} ms: "
-                         + ("recomputing everywhere" if self.measured.get("chosen_by") == "measured"
-                            else "the model's plan kept"))
+                         + ("recomputing everywhere" if by == "measured" else "the model's plan kept"))
+            if "late_ms" in self.measured:
+                lines.append(f"  checked again    the model's plan took {self.measured['late_ms']:.1f} ms a step "
+                             "(median of its next steps): "
+                             + ("recomputing everywhere" if by == "late" else "the model's plan kept"))
         if self.segment_modes and self.block_names:
             lines.append("  per block        params / activations")
             for i, (name, mode) in enumerate(zip(self.block_names, self.segment_modes)):

@@ -18,7 +18,8 @@ from tiermem._train import PROBE_STEPS, VERIFY_STEPS
 GiB, MiB = 1 << 30, 1 << 20
 RATIOS = (1.5, 2.5, 4.0)
 # steps before the plan settles (NOTE [measured choice]): the trace, the probe's, the check's,
-# and a changed plan's first
+# and a changed plan's first; a kept plan checked again later times from its last change
+# (Result.settled in train_budget.py)
 SETTLE = 1 + PROBE_STEPS + VERIFY_STEPS + 1
 
 # NOTE: DETERMINISM
@@ -133,18 +134,19 @@ def study(kit, torch, tiermem, name, build, blocks_of, loss_fn, batches, a, rate
             pred = info["predicted_ms"]
             # the plan settles after the trace, the probe and the check (NOTE [measured choice]):
             # steps 1-5, and a step more if the check changed the plan
-            meas = r.median_ms(skip=SETTLE)
+            skip = r.settled(SETTLE)
+            meas = r.median_ms(skip=skip)
             mv = r.moved[-1]
             runs[(ratio, mode)] = {"step_ms": meas, "predicted_ms": pred, "moved": mv["h2d"] + mv["d2h"],
-                                   "mean_ms": round(r.mean_ms(skip=SETTLE), 2),
-                                   "gc_ms_per_step": round(r.gc_ms_per_step(skip=SETTLE), 2),
+                                   "mean_ms": round(r.mean_ms(skip=skip), 2), "timed_from_step": skip + 1,
+                                   "gc_ms_per_step": round(r.gc_ms_per_step(skip=skip), 2),
                                    "peak": info["resident_peak_bytes"], "budget": budget,
                                    "recomputed": info["recomputed"], "kind": info["kind"],
                                    "losses_equal": r.loss_values() == want[: len(steps)]}
             raw[f"{name}_{ratio:g}_{mode}"] = dict(runs[(ratio, mode)], plan=info["plan"], checked=info["measured"],
                                                    report=info["report"])
             progress(f"  {name} 1/{ratio:g} {mode}: {meas:.1f} ms (predicted {pred:.1f}; mean "
-                     f"{r.mean_ms(skip=SETTLE):.1f}, garbage collection {r.gc_ms_per_step(skip=SETTLE):.2f} ms a step), "
+                     f"{r.mean_ms(skip=skip):.1f}, garbage collection {r.gc_ms_per_step(skip=skip):.2f} ms a step), "
                      f"{info['recomputed']} blocks recomputed, plan {info['kind']}")
     if 2.5 in a.ratios:
         # NOTE [replayed recompute]: the same budget with the recomputed blocks' backwards replayed
@@ -188,7 +190,7 @@ def study(kit, torch, tiermem, name, build, blocks_of, loss_fn, batches, a, rate
         r, info = tiermem_run(torch, tiermem, build, loss_fn, batches, budget, f"{name} 1/2.5 auto bf16 states",
                               block_bytes=a.block4_mib * MiB, recompute="auto", link_GBps=rate,
                               state_dtype=torch.bfloat16)
-        meas, mv = r.median_ms(skip=SETTLE), r.moved[-1]
+        meas, mv = r.median_ms(skip=r.settled(SETTLE)), r.moved[-1]
         gap = max(abs(x - y) / abs(y) for x, y in zip(r.loss_values(), want))
         runs[(2.5, "auto_bf16")] = {"step_ms": meas, "predicted_ms": info["predicted_ms"],
                                     "moved": mv["h2d"] + mv["d2h"], "peak": info["resident_peak_bytes"],
@@ -209,7 +211,7 @@ def study(kit, torch, tiermem, name, build, blocks_of, loss_fn, batches, a, rate
 
 def _graph_row(a, name, r, info, budget, want, resident_ms, runs, raw, m):
     """The 1/2.5 run with graphs=True (NOTE [replayed recompute]): its row and metrics."""
-    meas = r.median_ms(skip=SETTLE)
+    meas = r.median_ms(skip=r.settled(SETTLE))
     runs[(2.5, "auto_graphs")] = {"step_ms": meas, "predicted_ms": info["predicted_ms"],
                                  "peak": info["resident_peak_bytes"], "budget": budget,
                                  "recomputed": info["recomputed"], "kind": info["kind"],

@@ -187,11 +187,13 @@ def tiermem_run(torch, tiermem, build, loss_fn, batches, budget, label, **kw):
     tier = shared_tier(tiermem)
     train = tier.wrap_training(model, opt, budget, **kw)
     st = Stepper(torch, model, opt, loss_fn, train=train)
-    peaks = []
+    peaks, plans = [], []
     try:
         for i, bt in enumerate(batches):
             st.step(bt)
             peaks.append(train.resident_peak())
+            p = train.plan
+            plans.append((p.kind, p.resident_blocks, p.recompute, p.keep) if p else None)
             if i in (0, len(batches) - 1) or (i + 1) % 10 == 0:
                 progress(f"  {label}: step {i + 1}/{len(batches)} {st.times[-1] * 1e3:.1f} ms")
     except BaseException:
@@ -208,7 +210,7 @@ def tiermem_run(torch, tiermem, build, loss_fn, batches, budget, label, **kw):
             "predicted_ms": plan.predicted_seconds() * 1e3 if plan else float("nan"),
             "recomputed": len(plan.recompute) if plan else 0, "kind": plan.kind if plan else "none",
             "measured": {k: v for k, v in plan.measured.items()} if plan else {}}
-    res = Result(st)
+    res = Result(st, plans)
     train.unwrap()
     del train, st, model, opt
     free()
@@ -230,9 +232,19 @@ def shared_tier(tiermem):
 class Result:
     """What a finished run leaves: numbers only, so its tensors can be freed."""
 
-    def __init__(self, st):
+    def __init__(self, st, plans=()):
         self.times, self.moved, self.gc_ms = list(st.times), list(st.moved), list(st.gc_ms)
         self._losses = st.loss_values()
+        self.plans = list(plans)          # per step, the plan the steps after it follow
+
+    def settled(self, skip):
+        """The first step to time: at least ``skip``, and past the last change of plan (NOTE
+        [measured choice]: a kept plan is checked again after its first steps, and may give way
+        then) and the new plan's first step, which pays for its allocations. Where that leaves
+        fewer than three steps, ``skip``."""
+        last = max((i for i in range(1, len(self.plans)) if self.plans[i] != self.plans[i - 1]), default=-1)
+        start = max(skip, last + 2)
+        return start if len(self.times) - start >= 3 else skip
 
     def median_ms(self, skip=3):
         return median(self.times[skip:]) * 1e3
@@ -513,7 +525,7 @@ def main():
                block_mib=16, sweep=[0.6, 0.8, 1.0], sweep_steps=8, cap_steps=10, capacity_budget=30 * GiB,
                study_gib=3.0, study_start=8, study_limit=512, study_steps=4, small_d=768, small_layers=8,
                hf_vocab=8192, hf_d=1024, hf_ff=2816, hf_layers=20, hf_heads=16, hf_kv=4, peer_steps=8,
-               plan_steps=15, block4_mib=64)
+               plan_steps=28, block4_mib=64)
     small = dict(vocab=2048, seq=128, d=384, layers=8, heads=4, batch=8, ratio=2.5, steps=14, soc_steps=6,
                  block_mib=1, sweep=[0.8], sweep_steps=6, cap_steps=6, capacity_budget=4 * GiB,
                  study_gib=0.5, study_start=4, study_limit=64, study_steps=3, small_d=256, small_layers=4,

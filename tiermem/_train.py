@@ -1238,7 +1238,7 @@ class TieredTraining:
         """NOTE [measured choice]: the median of a kept plan's first LATE_STEPS timed steps after
         the check, against the probe's time; more than LATE_SLACK slower goes back to
         recomputing everywhere. Once: the plan is not checked again."""
-        got, self._late_ms = sorted(self._late_ms or []), None
+        got, self._late_ms = sorted((self._late_ms or [])[:LATE_STEPS]), None
         ms = got[len(got) // 2]
         self.plan.measured["late_ms"] = ms
         if ms > self._late_probe_ms * (1 + LATE_SLACK):

@@ -149,6 +149,15 @@ def test_a_module_that_has_its_own_forward_attribute_gets_it_back():
     assert blk.__dict__["forward"] is patched
 
 
+def _losses_and_kinds(train, model, bs):
+    """Each step's loss, and the kind of plan the steps after it follow."""
+    got, kinds = [], []
+    for ids in bs:
+        got += tiered_losses(train, model, [ids])
+        kinds.append(train.plan.kind)
+    return got, kinds
+
+
 @pytest.mark.parametrize("plan_slower", [True, False])
 def test_a_plan_slower_than_the_probe_gives_way_to_recomputing_everywhere(plan_slower):
     # NOTE [measured choice]: the fake's clock says the probe's (recompute everywhere) timed
@@ -169,11 +178,7 @@ def test_a_plan_slower_than_the_probe_gives_way_to_recomputing_everywhere(plan_s
             return 3.0 if calls.count(kind) == 1 else 1.0
         return 5.0 if plan_slower else (9.0 if calls.count(kind) == 1 else 1.0)
     train._last_step_ms = last_step_ms
-    got = []
-    kinds = []
-    for ids in bs:
-        got += tiered_losses(train, model, [ids])
-        kinds.append(train.plan.kind)
+    got, kinds = _losses_and_kinds(train, model, bs)
     assert got == want
     for p, q in zip(model.parameters(), want_params):
         assert torch.equal(p.detach(), q)
@@ -233,10 +238,7 @@ def test_a_kept_plan_whose_later_steps_run_slower_than_the_probe_gives_way_once(
     train._last_step_ms = lambda: 1.0
     slow = 1.5 if later == "slower" else 1 + LATE_SLACK / 2
     fake.elapsed_ms = lambda a, b: 1.0 if train.plan is None or train.plan.kind == "recompute" else slow
-    kinds, got = [], []
-    for ids in bs:
-        got += tiered_losses(train, model, [ids])
-        kinds.append(train.plan.kind)
+    got, kinds = _losses_and_kinds(train, model, bs)
     assert got == want
     for p, q in zip(model.parameters(), want_params):
         assert torch.equal(p.detach(), q)

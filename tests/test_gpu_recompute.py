@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from test_gpu_train import CFG, _batches, _cleanup, _resident_losses, _setup, _train_losses
+from test_gpu_train import CFG, _batches, _cleanup, _loss, _resident_losses, _setup, _train_losses
 
 pytestmark = pytest.mark.gpu
 
@@ -187,3 +187,66 @@ def test_a_transformers_model_replays_its_recomputed_layers_and_gives_the_reside
         else:
             assert "does not fit" in rep["graphs_off"] or "no room" in rep["graphs_off"], rep
         _cleanup()
+
+
+def test_a_kept_plan_that_runs_slower_later_gives_way_on_the_steps_own_cuda_events():
+    """NOTE [measured choice] on the GPU: the second check reads the kept plan's step times from
+    the steps' own CUDA events, and a plan whose later steps run more than LATE_SLACK slower than
+    the probe goes back to recomputing everywhere, once, the losses still resident's bitwise. The
+    GPU's sleep kernel, queued at the start of chosen steps' forwards, sets the times: the probe's
+    two timed steps run slower (so the first check keeps the model's plan), and the model's plan
+    runs much slower after its check (so the second check must give it up)."""
+    torch = _setup()
+    from tiermem._train import LATE_SLACK, LATE_STEPS, PROBE_STEPS, VERIFY_STEPS
+    from tiermem.models import GPTConfig
+    checked = 1 + PROBE_STEPS + VERIFY_STEPS              # the trace, the probe, the model's plan
+    n = checked + LATE_STEPS + 12                          # room for the host to run ahead of the GPU
+    batches = _batches(GPTConfig(**CFG), n)
+    want, want_params = _resident_losses(batches)
+    _cleanup()
+
+    # cycles of the sleep kernel per millisecond on this GPU, timed with events
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(1 << 20)
+    a.record(); torch.cuda._sleep(50_000_000); b.record(); b.synchronize()
+    per_ms = 50_000_000 / a.elapsed_time(b)
+
+    tier, model, opt, train, c = _tiered(288 * MiB, recompute="auto")
+    step = [0]
+
+    def sleep(mod, args):
+        p = train.plan
+        if not torch.is_grad_enabled() or p is None:
+            return
+        if step[0] in (PROBE_STEPS - 1, PROBE_STEPS) and p.kind == "recompute":
+            torch.cuda._sleep(int(100 * per_ms))           # the probe's two timed steps: +100 ms
+        elif step[0] >= checked and p.kind != "recompute":
+            torch.cuda._sleep(int(400 * per_ms))           # the kept plan, after its check: +400 ms
+
+    hook = model.register_forward_pre_hook(sleep)
+    out, peaks, kinds = [], [], []
+    for ids in batches:
+        with train.step():
+            loss = _loss(model, ids)
+            loss.backward()
+        out.append(loss.detach())
+        peaks.append(train.resident_peak())
+        kinds.append(train.plan.kind)
+        step[0] += 1
+    hook.remove()
+    got = [float(x) for x in torch.stack(out).cpu()]
+    m = dict(train.plan.measured)
+    print(kinds, m)
+    assert got == want
+    for p, q in zip(model.parameters(), want_params):
+        assert torch.equal(p.detach(), q)
+    assert max(peaks) <= 288 * MiB
+    # the first check kept the model's plan; it ran on until LATE_STEPS of its steps were read
+    kept = kinds[checked - 1]
+    assert kept != "recompute", kinds
+    assert kinds[checked - 1:checked + LATE_STEPS] == [kept] * (LATE_STEPS + 1), kinds
+    # then gave way once, on times that saw the sleeps: no switch back
+    switch = kinds.index("recompute", checked)
+    assert kinds[switch:] == ["recompute"] * (n - switch), kinds
+    assert m["chosen_by"] == "late" and m["late_ms"] > m["probe_ms"] * (1 + LATE_SLACK) and m["late_ms"] > 400, m
+    _cleanup(tier, train)

@@ -110,7 +110,8 @@ def trace_summary(path):
     import gzip
     with (gzip.open if path.endswith(".gz") else open)(path, "rt") as fh:
         ev = [e for e in json.load(fh)["traceEvents"] if e.get("ph") == "X"]
-    kern = sorted((e["ts"], e["ts"] + e["dur"]) for e in ev if e.get("cat") in ("kernel", "gpu_memset"))
+    named = sorted((e["ts"], e["ts"] + e["dur"], e.get("name", "")) for e in ev if e.get("cat") in ("kernel", "gpu_memset"))
+    kern = [(a, b) for a, b, _ in named]
     copies = {}
     for e in ev:
         if e.get("cat") == "gpu_memcpy":
@@ -119,7 +120,28 @@ def trace_summary(path):
 
     def during(iv):
         return sum(max(0, min(b, y) - max(a, x)) for x, y, _ in iv for a, b in gaps) / 1e3
-    return {"span_ms": round((max(b for _, b in kern) - kern[0][0]) / 1e3, 1),
+    # backward starts after the loss: the first kernel of cross-entropy's backward, else the middle
+    split = next((a for a, _, n in named if "nll_loss_backward" in n or "log_softmax_backward" in n),
+                 named[len(named) // 2][0])
+    gi = [(i, named[i + 1][0] - named[i][1]) for i in range(len(named) - 1) if named[i + 1][0] - named[i][1] > 50]
+
+    def phase(lo, hi):
+        ks = [(a, b) for a, b, _ in named if lo <= a < hi]
+        gs = [g for i, g in gi if lo <= named[i][1] < hi]
+        return {"kernel_ms": round(sum(b - a for a, b in ks) / 1e3, 1), "span_ms": round((ks[-1][1] - ks[0][0]) / 1e3, 1)
+                if ks else 0.0, "gaps": len(gs), "gap_ms": round(sum(gs) / 1e3, 1)}
+    # the idle time by the kernel that ends it: what the GPU waited for the host to launch
+    by_next = {}
+    for i, g in gi:
+        k = named[i + 1][2][:70]
+        n, t = by_next.get(k, (0, 0.0))
+        by_next[k] = (n + 1, t + g)
+    top_next = sorted(by_next.items(), key=lambda kv: -kv[1][1])[:15]
+    return {"forward": phase(named[0][0], split), "backward": phase(split, named[-1][1] + 1),
+            "gaps_by_next_kernel": [(k, n, round(t / 1e3, 2)) for k, (n, t) in top_next],
+            "largest_gaps": [(round(g / 1e3, 2), named[i][2][:50], named[i + 1][2][:50])
+                             for i, g in sorted(gi, key=lambda x: -x[1])[:12]],
+            "span_ms": round((max(b for _, b in kern) - kern[0][0]) / 1e3, 1),
             "kernel_ms": round(sum(b - a for a, b in kern) / 1e3, 1), "kernels": len(kern),
             "gaps": len(gaps), "gap_ms": round(sum(b - a for a, b in gaps) / 1e3, 1),
             "copies": {str(t): {"n": len(v), "busy_ms": round(sum(b - a for a, b, _ in v) / 1e3, 1),
@@ -184,6 +206,18 @@ def main():
             opt.zero_grad(set_to_none=True)
         return run
 
+    def trace_step(name, run):
+        """A Chrome trace of one step of ``run`` (GPU activity only) in $OUT, and its summary."""
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            run()
+            torch.cuda.synchronize()
+        tag = name.replace("tiermem ", "").replace(" ", "").replace(",", "-").replace("=", "")
+        tpath = os.path.join(os.environ.get("OUT", "bench/results"), f"trace-{a.model}-{tag}.json")
+        prof.export_chrome_trace(tpath)
+        out[f"{name} trace"] = trace_summary(tpath)
+        print("wrote", tpath, json.dumps(out[f"{name} trace"]), flush=True)
+
     def record(name, run, extra=None):
         keys = ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_sync_all_streams")
         before = torch.cuda.memory_stats()
@@ -193,6 +227,8 @@ def main():
         # torch's allocator under the cap: a retry frees its cache (a device sync) and asks again
         alloc = {k: (after.get(k, 0) - before.get(k, 0)) / a.steps for k in keys}
         out[name] = {"step_ms": round(med, 1), "allocator_per_step": alloc, **(extra or {})}
+        if a.trace and name.startswith("checkpoint rng=True"):
+            trace_step(name, run)
         print(f"{name:<32} allocator per step: " + ", ".join(f"{k} {v:.1f}" for k, v in alloc.items()), flush=True)
         if not a.profile:
             print(f"{name:<32} step {med:7.1f} ms", flush=True)
@@ -278,15 +314,7 @@ def main():
             print(f"tiermem {mode}: {wall:.1f} ms a step under cProfile", flush=True)
             print(buf.getvalue()[-14000:], flush=True)
         if a.trace:
-            torch.cuda.synchronize()
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                run()
-                torch.cuda.synchronize()
-            tpath = os.path.join(os.environ.get("OUT", "bench/results"),
-                                 f"trace-{a.model}-{mode.replace(' ', '').replace(',', '-')}.json")
-            prof.export_chrome_trace(tpath)
-            out[f"tiermem {mode} trace"] = trace_summary(tpath)
-            print("wrote", tpath, json.dumps(out[f"tiermem {mode} trace"]), flush=True)
+            trace_step(f"tiermem {mode}", run)
         rp = train.replays
         record(f"tiermem {mode}", run, {"plan": str(train.plan).split("\n"), "slots": train.stream.nslots,
                                         "graphs": {"captured": rp.captured, "replayed": rp.replayed,

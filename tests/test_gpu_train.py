@@ -878,3 +878,81 @@ def test_a_transformers_model_accumulates_clips_and_generates_between_steps_on_a
     with torch.no_grad():
         again = model.generate(prompt, max_new_tokens=8, do_sample=False)
     assert torch.equal(tokens, again)
+
+
+@pytest.mark.parametrize("arch", ["Llama", "Mixtral"])
+def test_llama_and_a_mixture_of_experts_train_on_a_really_small_gpu_with_the_resident_losses(arch):
+    """Two architectures no bench is tuned on, with transformers' default flags but eager
+    attention (SDPA's backward is not bitwise repeatable): a Llama, and a Mixtral whose experts
+    each see a different, data-dependent share of the tokens at every step (an expert that gets
+    none has no gradient, and the optimizer skips it, as it does resident). On a GPU made really
+    small (less free memory than the training state), at a budget of 1/2.5 of the state, with the
+    default plan (keep, swap or recompute, NOTE [recompute plan]): the losses and the parameters
+    are the resident run's bitwise when the resident run is itself repeatable (checked by running
+    it twice), else within 1e-5; the step's peak stays within the budget."""
+    from test_gpu_module import _take_device
+    torch = _setup()
+    import tiermem
+    transformers = pytest.importorskip("transformers")
+    common = dict(hidden_size=512, intermediate_size=1024 if arch == "Llama" else 512, num_hidden_layers=6,
+                  num_attention_heads=8, num_key_value_heads=2, vocab_size=2048, max_position_embeddings=256,
+                  attn_implementation="eager")
+    if arch == "Mixtral":
+        cfg = transformers.MixtralConfig(num_local_experts=4, num_experts_per_tok=2, **common)
+    else:
+        cfg = transformers.LlamaConfig(**common)
+    cls = getattr(transformers, f"{arch}ForCausalLM")
+    g = torch.Generator(device="cuda").manual_seed(1)
+    batches = [torch.randint(0, cfg.vocab_size, (4, 128), device="cuda", generator=g) for _ in range(12)]
+
+    def build():
+        torch.manual_seed(0)
+        m = cls(cfg).cuda().train()
+        return m, torch.optim.AdamW(m.parameters(), lr=1e-3)
+
+    def resident():
+        m, opt = build()
+        out = []
+        for ids in batches:
+            loss = m(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            out.append(float(loss.detach()))
+        return out, [p.detach().cpu() for p in m.parameters()]
+
+    want, want_params = resident()
+    again, _ = resident()
+    repeatable = want == again
+    _cleanup()
+    model, opt = build()
+    state = sum(p.numel() * p.element_size() for p in model.parameters()) * 4    # parameters, gradients, AdamW
+    blob = _take_device(state // 2)            # less free device memory than the training state
+    try:
+        free, _ = torch.cuda.mem_get_info()
+        assert free < state
+        tier = tiermem.Tier(0)                 # the default cap: the memory free now
+        budget = int(state / 2.5)
+        train = tier.wrap_training(model, opt, budget, block_bytes=4 * MiB)
+        got, peaks = [], []
+        for ids in batches:
+            with train.step():
+                loss = model(input_ids=ids, labels=ids).loss
+                loss.backward()
+            got.append(float(loss.detach()))
+            peaks.append(train.resident_peak())
+        plan = train.plan
+        print(arch, plan.table(), got, want, repeatable)
+        assert plan.streamed_blocks and max(peaks) <= budget, (max(peaks), budget)
+        params = [p.detach().cpu() for p in model.parameters()]
+        if repeatable:
+            assert got == want
+            assert all(torch.equal(p, q) for p, q in zip(params, want_params))
+        else:
+            assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(got, want)), (got, want)
+        train.unwrap()
+        del train
+        _cleanup(tier)
+    finally:
+        del blob
+        torch.cuda.empty_cache()

@@ -322,3 +322,55 @@ def test_a_transformers_model_with_its_default_kv_cache_recomputes_its_layers():
     gc.collect()
     tier.close()
     assert fake.live() == {"managed": 0, "pinned": 0, "device": 0}
+
+
+@pytest.mark.parametrize("recompute", ["always", "auto"])
+def test_a_mixture_of_experts_recomputes_and_gives_the_plain_losses_bitwise(recompute):
+    """A transformers Mixtral: each expert sees a different, data-dependent share of the tokens
+    at every step, and one that gets none has no gradient (the optimizer skips it, as it does in
+    the plain loop). Its layers are recomputed (the routing runs again on the same input, so it
+    picks the same experts) and the losses and parameters are the plain run's bitwise."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.MixtralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                                     num_key_value_heads=2, vocab_size=256, max_position_embeddings=64,
+                                     tie_word_embeddings=False, num_local_experts=4, num_experts_per_tok=2)
+
+    def build():
+        torch.manual_seed(0)
+        m = transformers.MixtralForCausalLM(cfg).train()
+        return m, torch.optim.AdamW(m.parameters(), lr=1e-3)
+    bs = batches(8)
+    model, opt = build()
+    want = []
+    for ids in bs:
+        loss = _hf_loss(model, ids)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        want.append(float(loss.detach()))
+    want_params = [p.detach().clone() for p in model.parameters()]
+    model, opt = build()
+    fake = FakeBackend(total=1 << 30, foreign_host=True)
+    tier = tiermem.Tier(backend=fake)
+    # as the Qwen2 test above: 4x the parameters, the slots taking most of it
+    train = tier.wrap_training(model, opt, 4 * state_bytes(model), block_bytes=BLOCK, min_swap=4096,
+                               recompute=recompute)
+    got = []
+    for ids in bs:
+        with train.step():
+            loss = _hf_loss(model, ids)
+            loss.backward()
+        got.append(float(loss.detach()))
+    assert got == want
+    for p, q in zip(model.parameters(), want_params):
+        assert torch.equal(p.detach(), q)
+    plan = train.plan
+    assert plan.streamed_blocks
+    if recompute == "always":
+        names = {plan.block_names[i] for i in plan.recompute}
+        assert {f"model.layers.{i}" for i in range(4)} <= names, plan
+    train.unwrap()
+    del train
+    gc.collect()
+    tier.close()
+    assert fake.live() == {"managed": 0, "pinned": 0, "device": 0}

@@ -72,6 +72,20 @@ def cuda_times(fn: Callable[[], Any], reps: int = 5, warmup: int = 1, setup: Cal
     return out
 
 
+def host_us_per_call(fn: Callable[[], Any], n: int = 2000, warmup: int = 50) -> float:
+    """Microseconds of host time per call of ``fn`` (the GPU's work it queues waited for once,
+    after the loop): what a call costs the host, not the device."""
+    import torch
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    torch.cuda.synchronize()
+    return round((time.perf_counter() - t) / n * 1e6, 2)
+
+
 def median(xs: list[float]) -> float:
     return float(statistics.median(xs))
 

@@ -277,6 +277,18 @@ def _hf_loss(model, ids):
     return F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
 
 
+def _plain_hf_losses(model, opt, bs):
+    """The plain loop's losses: backward, the optimizer's step, zero_grad."""
+    out = []
+    for ids in bs:
+        loss = _hf_loss(model, ids)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        out.append(float(loss.detach()))
+    return out
+
+
 def test_a_transformers_model_with_its_default_kv_cache_recomputes_its_layers():
     """transformers' configs default to ``use_cache=True``, so a training forward builds a KV cache
     that holds every layer's keys and values and makes the layers look unrecomputable (NOTE [no
@@ -285,13 +297,7 @@ def test_a_transformers_model_with_its_default_kv_cache_recomputes_its_layers():
     bs = batches(6)
     model, opt = _qwen2()
     assert model.config.use_cache is True
-    want = []
-    for ids in bs:
-        loss = _hf_loss(model, ids)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        want.append(float(loss.detach()))
+    want = _plain_hf_losses(model, opt, bs)
     model, opt = _qwen2()
     fake = FakeBackend(total=1 << 30, foreign_host=True)
     tier = tiermem.Tier(backend=fake)
@@ -341,13 +347,7 @@ def test_a_mixture_of_experts_recomputes_and_gives_the_plain_losses_bitwise(reco
         return m, torch.optim.AdamW(m.parameters(), lr=1e-3)
     bs = batches(8)
     model, opt = build()
-    want = []
-    for ids in bs:
-        loss = _hf_loss(model, ids)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        want.append(float(loss.detach()))
+    want = _plain_hf_losses(model, opt, bs)
     want_params = [p.detach().clone() for p in model.parameters()]
     model, opt = build()
     fake = FakeBackend(total=1 << 30, foreign_host=True)

@@ -21,6 +21,7 @@ import os
 import time
 
 import _path  # noqa: F401 - bench/ and the repository root on sys.path
+from _common import host_us_per_call
 
 import torch
 import torch.nn.functional as F
@@ -29,17 +30,6 @@ import tiermem
 from tiermem import _cuda
 
 COUNTED = ("new_event", "record", "wait", "query", "synchronize", "copy", "current_stream", "torch_view")
-
-
-def per_call_us(fn, n=4000):
-    for _ in range(100):
-        fn()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(n):
-        fn()
-    torch.cuda.synchronize()
-    return round((time.perf_counter() - t) / n * 1e6, 2)
 
 
 def prices(be):
@@ -62,17 +52,17 @@ def prices(be):
         keep.append(be.new_event())
         if len(keep) > 64:
             keep.clear()                 # 65 destructions
-    return {"new_event": per_call_us(lambda: be.new_event()),
-            "new_event + destroy": per_call_us(create_destroy),
-            "record": per_call_us(lambda: be.record(ev, s)),
-            "wait": per_call_us(lambda: be.wait(s, ev)),
-            "query": per_call_us(lambda: be.query(ev)),
-            "current_stream": per_call_us(be.current_stream),
-            "copy (4 KiB, device to device)": per_call_us(lambda: be.copy(dst.data_ptr(), src.data_ptr(), 4096, s)),
-            "cudaEventRecord (cuda-bindings, no checks)": per_call_us(
+    return {"new_event": host_us_per_call(lambda: be.new_event()),
+            "new_event + destroy": host_us_per_call(create_destroy),
+            "record": host_us_per_call(lambda: be.record(ev, s)),
+            "wait": host_us_per_call(lambda: be.wait(s, ev)),
+            "query": host_us_per_call(lambda: be.query(ev)),
+            "current_stream": host_us_per_call(be.current_stream),
+            "copy (4 KiB, device to device)": host_us_per_call(lambda: be.copy(dst.data_ptr(), src.data_ptr(), 4096, s)),
+            "cudaEventRecord (cuda-bindings, no checks)": host_us_per_call(
                 lambda: _cuda._runtime().cudaEventRecord(ev.handle, s)),
-            "torch.cuda.current_stream()": per_call_us(torch.cuda.current_stream),
-            "p.data = v": per_call_us(rebind)}
+            "torch.cuda.current_stream()": host_us_per_call(torch.cuda.current_stream),
+            "p.data = v": host_us_per_call(rebind)}
 
 
 def count_step(model_name):

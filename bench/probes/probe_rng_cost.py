@@ -18,24 +18,12 @@ import datetime
 import json
 import os
 import statistics
-import time
 
 import _path  # noqa: F401 - bench/ and the repository root on sys.path
-from _common import cuda_times
+from _common import cuda_times, host_us_per_call
 
 import torch
 import torch.utils.checkpoint as cp
-
-
-def per_call_us(fn, n=2000):
-    for _ in range(50):
-        fn()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(n):
-        fn()
-    torch.cuda.synchronize()
-    return round((time.perf_counter() - t) / n * 1e6, 2)
 
 
 def main():
@@ -53,10 +41,10 @@ def main():
             torch.set_rng_state(cpu)
             cp.set_device_states(devs, states, device_type="cuda")
     cpu = torch.get_rng_state()
-    R["calls_us"] = {"torch.get_rng_state": per_call_us(torch.get_rng_state),
-                     "get_device_states(x)": per_call_us(lambda: cp.get_device_states(x)),
-                     "fork_rng+set_states": per_call_us(fork),
-                     "cuda_generator.get_offset": per_call_us(gen.get_offset)}
+    R["calls_us"] = {"torch.get_rng_state": host_us_per_call(torch.get_rng_state),
+                     "get_device_states(x)": host_us_per_call(lambda: cp.get_device_states(x)),
+                     "fork_rng+set_states": host_us_per_call(fork),
+                     "cuda_generator.get_offset": host_us_per_call(gen.get_offset)}
     print(json.dumps(R["calls_us"]), flush=True)
 
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")

@@ -107,22 +107,3 @@ def test_the_pools_reserve_is_the_estimate_until_the_pool_is_larger_or_capturing
     r.capture = False
     r.pool_bytes = 0
     assert r.reserve == 0
-
-
-def test_a_pool_short_of_its_room_asks_for_room_once_then_gives_up():
-    """NOTE [room asked once]: the first time the pool does not fit the room the trainer gives,
-    capturing stays on, the reserve grows by what was missing and the trainer is asked to plan
-    again; the second time the graphs are given up, and the reserve is what is still held."""
-    r = Replays(torch, capture=True, params_of=lambda m: [])
-    r.need = 300 << 20
-    size = r.pool_size
-    assert size == r.reserve and size > r.need
-    r._short_of(size, size - (10 << 20), "about ")
-    assert r.capture and r.deferred and not r.off
-    assert r.paused == -1                        # the rest of the step, and until the trainer plans: eager
-    assert r.short == 10 << 20 and r.reserve == size + (10 << 20) and r.pool_size == size
-    r.pool_peak = size + (40 << 20)              # a capture then took more than the estimate
-    assert r.reserve == size + (50 << 20)
-    r._short_of(r.pool_peak, r.pool_peak - (1 << 20), "")
-    assert not r.capture and "does not fit" in r.off and "after a plan that left more room" in r.off
-    assert r.reserve == 0 and r.pool_size == 0

@@ -374,33 +374,3 @@ def test_a_mixture_of_experts_recomputes_and_gives_the_plain_losses_bitwise(reco
     gc.collect()
     tier.close()
     assert fake.live() == {"managed": 0, "pinned": 0, "device": 0}
-
-
-def test_a_pool_asking_for_room_gets_a_new_plan_and_one_eager_step_to_measure_it(caplog):
-    """NOTE [room asked once] in tiermem/_replay.py, the trainer's side: when the graphs' pool
-    asked for more room in a step, that step's end plans again with the larger reserve, and the
-    step after it captures nothing (it measures the room the new plan leaves); the losses stay
-    the plain run's bitwise. (The graphs themselves need a GPU: tests/test_gpu_recompute.py.)"""
-    import logging
-    bs = batches(6)
-    want, _ = plain_run(bs)
-    fake, tier, model, opt, train = tiered_gpt("always")
-    got, paused = [], []
-    with caplog.at_level(logging.INFO, logger="tiermem"):
-        for i, ids in enumerate(bs):
-            if i == 2:
-                train.replays.deferred, train.replays.paused = True, -1   # as Replays._short_of leaves them
-            with train.step():
-                loss = F.cross_entropy(model(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten())
-                loss.backward()
-            got.append(float(loss.detach()))
-            paused.append(train.replays.paused)
-    assert got == want
-    assert "planning again" in caplog.text
-    # planned again at the end of step 3: step 4 runs paused, and its end lifts the pause
-    assert paused == [0, 0, 4, 0, 0, 0] and not train.replays.deferred
-    train.unwrap()
-    del train
-    gc.collect()
-    tier.close()
-    assert fake.live() == {"managed": 0, "pinned": 0, "device": 0}

@@ -100,11 +100,6 @@ class Replays:
         self.pool_bytes = 0                      # what the captures reserved for the pool
         self.pool_peak = 0                       # the most it held, given up or not
         self.need = 0                            # the largest working set an eager backward measured
-        self.short = 0                           # what the room lacked once (NOTE [room asked once])
-        self.asked = False                       # the trainer was asked once to plan more room
-        self.deferred = False                    # ... and has not planned since
-        self.paused = 0                          # no capture before the step of this number ends (0: none,
-                                                 # -1: before the trainer plans again)
         self.measured: set[int] = set()          # modules whose eager backward was measured
         self.peak_carry = 0                      # the step's reserved peak before a measurement reset it
         self.room: Callable[[], int | None] | None = None   # bytes the pool may take (None: no limit)
@@ -184,10 +179,6 @@ class Replays:
             # and the check below know the pool's size before any capture takes it
             self.measured.add(id(module))
             return self._measure(lambda: _recompute_backward(self.torch, call, tensors, gouts, autocast))
-        if g is None and self.paused:
-            # NOTE [room asked once]: the room is read from the last step's peak, so the first
-            # step under the plan that made more room runs eagerly and measures it
-            return _recompute_backward(self.torch, call, tensors, gouts, autocast)
         if g is None:
             n = self.per_module.get(id(module), 0)
             if n >= MAX_GRAPHS_PER_BLOCK:
@@ -198,8 +189,10 @@ class Replays:
                 return _recompute_backward(self.torch, call, tensors, gouts, autocast)
             why = ""
             room = self.room() if self.room is not None else None
-            if room is not None and self.pool_size > room:
-                self._short_of(self.pool_size, room, "about ")
+            if room is not None and self.reserve > room:
+                why = (f"the graphs' pool (about {self.reserve / 1e6:.0f} MB) does not fit "
+                       f"beside the step's own peak ({room / 1e6:.0f} MB left in the budget)")
+                self.give_up(why)
                 return _recompute_backward(self.torch, call, tensors, gouts, autocast)
             try:
                 self._warm(call, tensors, autocast)
@@ -208,9 +201,8 @@ class Replays:
                 why = f"{type(module).__name__}'s capture failed: {e}"
             room = self.room() if self.room is not None else None
             if not why and room is not None and self.pool_bytes > room:
-                g = None                  # no frame may hold a graph while its pool goes back
-                self._short_of(self.pool_bytes, room, "")
-                return _recompute_backward(self.torch, call, tensors, gouts, autocast)
+                why = (f"the graphs' pool ({self.pool_bytes / 1e6:.0f} MB) does not fit beside the step's "
+                       f"own peak ({room / 1e6:.0f} MB left in the budget)")
             if why:
                 g = None                  # no frame may hold a graph while its pool goes back
                 self.give_up(why)
@@ -234,40 +226,11 @@ class Replays:
     @property
     def reserve(self) -> int:
         """Bytes a plan must leave the graphs' pool: what it holds, or while capturing is on, what
-        the captures took or the largest measured backward says it will hold (with a quarter more
-        and the allocator's segments, SEGMENTS, for what the pool cannot share with the rest of
-        the step), and what the room lacked once (NOTE [room asked once])."""
+        the largest measured backward says it will hold, with a quarter more and the allocator's
+        segments (SEGMENTS) for what the pool cannot share with the rest of the step."""
         if not self.capture:
             return self.pool_bytes
-        return self.pool_size + self.short
-
-    @property
-    def pool_size(self) -> int:
-        """What the pool holds or, while capturing is on, will hold: the most the captures took,
-        else the estimate from the largest measured backward."""
-        if not self.capture:
-            return self.pool_bytes
-        estimate = self.need + int(self.need * RESERVE_MARGIN) + SEGMENTS if self.need else 0
-        return max(self.pool_bytes, self.pool_peak, estimate)
-
-    def _short_of(self, pool: int, room: int, about: str) -> None:
-        """The pool (``pool`` bytes) does not fit the ``room`` the trainer gives: the first time,
-        ask the trainer for a plan that leaves the shortfall more (NOTE [room asked once]); after
-        that, give the graphs up."""
-        why = (f"the graphs' pool ({about}{pool / 1e6:.0f} MB) does not fit beside the step's own peak "
-               f"({room / 1e6:.0f} MB left in the budget)")
-        if not self.asked:
-            self.asked = self.deferred = True
-            self.paused = -1         # no capture until the trainer has planned (it sets the step)
-            self.short += pool - room
-            self.changes += 1
-            log.info("tiermem: %s; planning %.0f MB more room for it", why, (pool - room) / 1e6)
-            if self.pool is not None or self.graphs:
-                self.close()         # captured ones go back: they are captured again in that room
-                gc.collect()
-                self.torch.cuda.empty_cache()
-            return
-        self.give_up(why + (" after a plan that left more room" if self.short else ""))
+        return max(self.pool_bytes, self.need + int(self.need * RESERVE_MARGIN) + SEGMENTS if self.need else 0)
 
     def _measure(self, run: Callable[[], Any]) -> Any:
         """``run()``, its peak of allocated bytes above where it began kept in :attr:`need`.
@@ -361,19 +324,6 @@ class Replays:
         self.pool_peak = max(self.pool_peak, self.pool_bytes)
         return _Graph(graph, static_in, static_gout, static_gin, hit)
 
-
-# NOTE [room asked once]
-#     The room the trainer gives the pool is its cap less the last step's peak outside the pool,
-#     and the plan that made that room predicted the step's peak, which the step then passed by
-#     a little: on the H200 at 1/2 of the state of bench/train_budget.py's models the captured
-#     pools (438 and 528 MB) missed their room by 1 and 14 MB, and were thrown away. So the first
-#     time the pool does not fit, nothing is given up: this backward runs eagerly, the pool's
-#     reserve grows by what was missing (and counts the pool the captures really took), and the
-#     trainer plans again with it (fewer activations kept, fewer blocks made resident). The room
-#     is read from the last step's peak, so the first step under that plan runs eagerly too
-#     (:attr:`paused`), and the step after it captures in the room it measured. A second miss,
-#     or a plan that cannot leave that much beside the step's floor, gives the graphs up as
-#     before.
 
 def _autocast(torch: Any, state: Any) -> Any:
     enabled, dtype = state

@@ -1008,8 +1008,6 @@ class TieredTraining:
         self.steps += 1
         self.last_peak = self._peak()
         self._general_peak = self.last_peak - self.replays.pool_bytes     # NOTE [replayed recompute]
-        if self.replays.paused > 0 and self.steps >= self.replays.paused:
-            self.replays.paused = 0         # NOTE [room asked once]: the room is measured now
         diverged = self.swap is not None and self.swap.diverged
         if self._updating:
             self.updates += 1
@@ -1045,7 +1043,7 @@ class TieredTraining:
             # for it; the phase's timed step runs again
             self._recaptures += 1
         elif (not self._refine and self.plan is not None
-              and (self.replays.deferred or abs(self.replays.reserve - self.plan.graph_pool) > self.budget // 32)):
+              and abs(self.replays.reserve - self.plan.graph_pool) > self.budget // 32):
             self._reserve_pool()
         elif self._refine:
             self._recaptures = 0
@@ -1309,9 +1307,6 @@ class TieredTraining:
 
     def _plan_for(self, trace: StepTrace, mode: str | None = None) -> TrainPlan:
         margin = self.budget // 8 if self.margin is None else self.margin
-        if self.replays.deferred:           # NOTE [room asked once]: this plan holds the larger reserve;
-            self.replays.deferred = False   # the step after it measures the room it leaves
-            self.replays.paused = self.steps + 1
         mode = mode or ("never" if self._no_recompute else self.recompute_mode)
         plan = plan_training(trace, self.budget, margin=margin, recompute=mode, link_GBps=self.link_GBps,
                              clip=self.max_grad_norm is not None, graph_pool=self.replays.reserve)
@@ -1327,7 +1322,7 @@ class TieredTraining:
         t = self.trace
         old = self.plan
         if (self.replays.graphs and old is not None and self._general_peak is not None
-                and self.replays.pool_size > self._graph_room() - max(0, _general(plan) - _general(old))):
+                and self.replays.reserve > self._graph_room() - max(0, _general(plan) - _general(old))):
             # NOTE [replayed recompute]: the new plan keeps more on the device than the pool leaves room for
             self.replays.give_up("the new plan leaves no room for the graphs' pool")
         self.plan = plan

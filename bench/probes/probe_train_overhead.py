@@ -166,6 +166,8 @@ def main():
     ap.add_argument("--host-timers", action="store_true", help="tiermem's runs: host ms a step in its entry points")
     ap.add_argument("--settle", type=int, default=10, help="untimed steps first: the trace, the probe, the check")
     ap.add_argument("--ratio", type=float, default=2.5, help="tiermem's budget: the training state / this")
+    ap.add_argument("--block-mib", type=int, default=64, help="wrap_training's block_bytes in MiB: 64 makes a "
+                    "layer of these models one block, 40 splits it into its attention and its MLP")
     ap.add_argument("--log", action="store_true", help="tiermem's log at INFO: its plans, checks and switches")
     a = ap.parse_args()
     if a.log:
@@ -269,7 +271,7 @@ def main():
         if "bf16" in opts:
             kw["state_dtype"] = torch.bfloat16
         replay.RESERVE_MARGIN = next((float(x[7:]) for x in opts if x.startswith("margin=")), default_margin)
-        train = tier.wrap_training(model, opt, int(16 * n / a.ratio), block_bytes=64 << 20, recompute=opts[0], **kw)
+        train = tier.wrap_training(model, opt, int(16 * n / a.ratio), block_bytes=a.block_mib << 20, recompute=opts[0], **kw)
 
         def run():
             with train.step():

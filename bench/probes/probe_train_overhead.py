@@ -155,7 +155,9 @@ def main():
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--cprofile", action="store_true", help="tiermem's runs only: the host's top calls over the timed steps")
-    ap.add_argument("--trace", action="store_true", help="tiermem's runs: a Chrome trace of one step (GPU activity only) in $OUT")
+    ap.add_argument("--trace", action="store_true", help="tiermem's runs and torch's checkpointed one: a "
+                    "Chrome trace of one step each (GPU activity only) in $OUT, summarised by phase; the profiler stays "
+                    "attached (CUPTI), so steps timed after it are slower")
     ap.add_argument("--summarize", metavar="TRACE", help="only print trace_summary of a saved trace (.json or .json.gz)")
     ap.add_argument("--modes", default="always;always, no rng;never",
                     help="tiermem's runs, ';' between; each a recompute mode, then options after commas: "
@@ -167,7 +169,8 @@ def main():
     ap.add_argument("--settle", type=int, default=10, help="untimed steps first: the trace, the probe, the check")
     ap.add_argument("--ratio", type=float, default=2.5, help="tiermem's budget: the training state / this")
     ap.add_argument("--block-mib", type=int, default=64, help="wrap_training's block_bytes in MiB: 64 makes a "
-                    "layer of these models one block, 40 splits it into its attention and its MLP")
+                    "layer of these models one block; 40 splits a Qwen2 layer into its attention and its MLP, "
+                    "a GPT layer into its Linears")
     ap.add_argument("--log", action="store_true", help="tiermem's log at INFO: its plans, checks and switches")
     a = ap.parse_args()
     if a.log:

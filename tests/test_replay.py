@@ -107,3 +107,60 @@ def test_the_pools_reserve_is_the_estimate_until_the_pool_is_larger_or_capturing
     r.capture = False
     r.pool_bytes = 0
     assert r.reserve == 0
+
+
+class _Allocator:
+    """torch.cuda's memory counters, driven by hand: ``alloc``/``free`` move the allocated bytes;
+    reserved bytes follow the allocated peak, as a caching allocator's do."""
+
+    def __init__(self):
+        self.now = self.peak = self.reserved = self.rpeak = 0
+
+    def alloc(self, n):
+        self.now += n
+        self.peak = max(self.peak, self.now)
+        self.reserved = max(self.reserved, self.now)
+        self.rpeak = max(self.rpeak, self.reserved)
+
+    def free(self, n):
+        self.now -= n
+
+    def memory_allocated(self):
+        return self.now
+
+    def max_memory_allocated(self):
+        return self.peak
+
+    def max_memory_reserved(self):
+        return self.rpeak
+
+    def reset_peak_memory_stats(self):
+        self.peak, self.rpeak = self.now, self.reserved
+
+
+class _Torch:
+    def __init__(self):
+        self.cuda = _Allocator()
+
+
+@pytest.mark.parametrize("logits", [0, 400, 900])
+def test_the_room_beside_the_pool_counts_an_eager_recomputes_working_set_once(logits):
+    """NOTE [room beside the pool]: a step whose peak is an eager recompute's working set loses
+    that peak's excess over the rest of the step once the backwards replay; one whose peak lies
+    elsewhere (a loss's logits here) loses nothing; the step's reserved peak is kept whole."""
+    t = _Torch()
+    a = t.cuda
+    r = Replays(t, capture=True, params_of=lambda m: [])
+    r.begin_step()
+    a.alloc(500)                        # slots, kept inputs: the step's floor
+    a.alloc(logits)
+    a.free(logits)
+    for ws in (300, 250):               # two blocks' eager recompute and backward
+        r._eager(lambda: (a.alloc(ws), a.free(ws)), measure=True)
+    a.alloc(100)                        # an optimizer step's temporaries
+    a.free(100)
+    assert r.need == 300
+    assert max(a.max_memory_reserved(), r.peak_carry) == max(800, 500 + logits)
+    assert r.saving() == max(0, 800 - max(600, 500 + logits))
+    r.begin_step()
+    assert r.saving() == 0 and r.peak_carry == 0

@@ -78,11 +78,7 @@ log = logging.getLogger("tiermem")
 #     loses once those backwards replay. A step whose peak lies elsewhere (the loss's logits, an
 #     optimizer step) saves nothing, and its room is what it was. Allocated bytes stand in for
 #     reserved ones here: the cap is on reserved bytes, but what torch's allocator holds cached
-#     beyond its live tensors it frees and retries before it fails an allocation, but only by
-#     whole segments: what it held beyond the step's allocated peak (fragments) is taken off the
-#     saving. (Without that, two runs of bench/train_budget.py's Qwen2 model at 1/2.5 on the
-#     H200 captured with a room of 502 MB for a 466 MB pool and then lost a step out of memory:
-#     1.32 GiB allocated of 1.48 allowed, the rest held in fragments.) That holds
+#     beyond its live tensors it frees and retries before it fails an allocation. That holds
 #     for a step that never ran its recomputes eagerly, not for the step that captures: what
 #     its eager backwards left cached goes back only by whole segments, so each capture also
 #     checks what is free under the cap at that moment (``headroom``) and gives the graphs up
@@ -294,16 +290,14 @@ class Replays:
             self.peak_carry = max(self.peak_carry, cuda.max_memory_reserved())
             cuda.reset_peak_memory_stats()
 
-    def saving(self, reserved_peak: int) -> int:
+    def saving(self) -> int:
         """Bytes off the step's peak once the eager backwards it ran replay in the pool instead
-        (NOTE [room beside the pool]): how far their allocated peak passed the rest of the step's,
-        less what the step reserved beyond its allocated peak (``reserved_peak``, outside the
-        pool). Call at the step's end; 0 when none ran."""
+        (NOTE [room beside the pool]): how far their allocated peak passed the rest of the step's.
+        Call at the step's end; 0 when none ran."""
         if not self.inside:
             return 0
         outside = max(self.outside, self.torch.cuda.max_memory_allocated())
-        spare = max(0, reserved_peak - max(outside, self.inside))
-        return max(0, self.inside - outside - spare)
+        return max(0, self.inside - outside)
 
     def give_up(self, why: str) -> None:
         """Stop capturing and replaying, and give the pool's memory back to the device: a capture

@@ -1017,8 +1017,7 @@ class TieredTraining:
         self.steps += 1
         self.last_peak = self._peak()
         # NOTE [replayed recompute], NOTE [room beside the pool]
-        general = self.last_peak - self.replays.pool_bytes
-        self._general_peak = general - self.replays.saving(general)
+        self._general_peak = self.last_peak - self.replays.pool_bytes - self.replays.saving()
         diverged = self.swap is not None and self.swap.diverged
         if self._updating:
             self.updates += 1

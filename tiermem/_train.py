@@ -411,6 +411,8 @@ class TieredTraining:
         self._verify_ms: list[float] = []      # its timed steps
         self._general_peak: int | None = None   # the last step's peak outside the graphs' pool
         self._pool_measured = False            # the plan left the pool to the measured room (NOTE [measured pool room])
+        self._pool_held = 0                    # the graphs' pool through the last step that ended well
+        self._pool_held_at_begin = 0
         self._recaptures = 0                   # probe or check steps repeated since graphs changed in them
         self._changes_at_begin = 0
         self._probe: tuple[TrainPlan, float] | None = None   # the probe's plan and its measured step (ms)
@@ -599,7 +601,9 @@ class TieredTraining:
         _replay.py), less 1/32 of the budget."""
         if self._general_peak is None:
             return None
-        return self._cap_bytes() - self.budget // 32 - self._general_peak
+        # NOTE [measured pool room]: a step that held the pool as it is now proved it fits
+        proved = 0 < self.replays.pool_bytes <= self._pool_held
+        return self._cap_bytes() - (0 if proved else self.budget // 32) - self._general_peak
 
     def _graph_headroom(self) -> int:
         """Bytes torch's allocator may still reserve now, less 1/32 of the budget (NOTE [room
@@ -945,6 +949,7 @@ class TieredTraining:
             b.entered, b.stepped, b.waiting = False, False, 0
         self.mem.reset_peak()
         self.replays.begin_step()
+        self._pool_held_at_begin = self.replays.pool_bytes
         if self._tracing:
             self._calls, self._boundary = {}, {}
             self.recomputing.set({})             # the trace sees every block's own saves
@@ -1018,6 +1023,7 @@ class TieredTraining:
         self.last_peak = self._peak()
         # NOTE [replayed recompute], NOTE [room beside the pool]
         self._general_peak = self.last_peak - self.replays.pool_bytes - self.replays.saving()
+        self._pool_held = self.replays.pool_bytes if self._pool_held_at_begin == self.replays.pool_bytes else 0
         diverged = self.swap is not None and self.swap.diverged
         if self._updating:
             self.updates += 1
@@ -1305,14 +1311,9 @@ class TieredTraining:
             return
         self.trace = dataclasses.replace(refined, resident_blocks=frozenset(b.index for b in self.blocks
                                                                             if b.resident))
-        plan = self._plan_for(self.trace, hold=True)
-        differs = (plan.resident_blocks, plan.recompute, plan.keep) != (self.plan.resident_blocks, self.plan.recompute,
-                                                                         self.plan.keep)
-        if plan is self.plan or (differs and self._costs_graphs(plan)):
-            # NOTE [measured pool room]: the replayed backwards stay, and the plan with them
-            log.info("tiermem: the model's plan leaves the graphs' pool no room; the plan that replays stays")
-            return
-        if differs:
+        plan = self._plan_for(self.trace)
+        if (plan.resident_blocks, plan.recompute, plan.keep) != (self.plan.resident_blocks, self.plan.recompute,
+                                                                  self.plan.keep):
             self._probe = (self.plan, probe_ms)
             self._verify, self._verify_ms = VERIFY_STEPS, []
             self._take(plan)
@@ -1334,30 +1335,22 @@ class TieredTraining:
     #     _replay.py, less 1/32 of the budget) holds the pool's reserve, the plan is made as for
     #     eager recompute and the graphs stay on. Every capture then checks the room again, a
     #     new plan that keeps more gives the graphs up first (_take), and the pool's reserve
-    #     is not asked of the plan again (_finish_step). The measured choice (NOTE [measured
-    #     choice]) does not give held graphs up for a plan the model prefers: that model priced
-    #     recompute eagerly, and the steps replaying it are the faster ones (on the H200 the
-    #     Qwen2 run above switched to a mixed plan that left the pool 2 MB short of its room, and
-    #     its check then measured 189.8 ms against 180.2 recomputing everywhere); it keeps the
-    #     plan it has. (A run that dropped the room's 1/32 margin once a step had held the whole
-    #     pool lost a step out of memory beside it on the next plan: the margin stays.)
-    def _plan_for(self, trace: StepTrace, mode: str | None = None, hold: bool = False) -> TrainPlan:
-        """The plan for ``trace``; with ``hold``, the plan followed now where the new one would
-        cost the graphs held now (NOTE [measured pool room])."""
+    #     is not asked of the plan again (_finish_step). The room's margin (1/32 of the budget)
+    #     is for a pool not yet taken: once a step has run to its end holding the whole pool,
+    #     its peak is the proof that the pool fits beside that plan, and only a new plan's
+    #     growth counts against it (the Qwen2 run above gave its graphs up for 2 MB of margin).
+    def _plan_for(self, trace: StepTrace, mode: str | None = None) -> TrainPlan:
         margin = self.budget // 8 if self.margin is None else self.margin
         mode = mode or ("never" if self._no_recompute else self.recompute_mode)
         plan = plan_training(trace, self.budget, margin=margin, recompute=mode, link_GBps=self.link_GBps,
                              clip=self.max_grad_norm is not None, graph_pool=self.replays.reserve)
-        was, self._pool_measured = self._pool_measured, False
+        self._pool_measured = False
         if plan.graph_pool and plan.predicted_peak > self.budget - margin:
             room = self._graph_room()
             if room is not None and self.replays.reserve <= room:
                 self._pool_measured = True       # NOTE [measured pool room]
                 log.info("tiermem: the plan's model leaves the graphs' pool (%.0f MB) no room, the last step "
                          "left %.0f MB: the measurement decides", self.replays.reserve / 1e6, room / 1e6)
-            elif hold and self.replays.graphs and self.plan is not None:
-                self._pool_measured = was
-                return self.plan
             else:
                 # NOTE [replayed recompute]: the floor and the pool together pass the budget
                 left = "" if room is None else f", nor did the last step ({room / 1e6:.0f} MB left)"
@@ -1367,16 +1360,12 @@ class TieredTraining:
                                  clip=self.max_grad_norm is not None)
         return plan
 
-    def _costs_graphs(self, plan: TrainPlan) -> bool:
-        """Whether ``plan`` keeps more outside the graphs' pool than the last step left it room for."""
-        old = self.plan
-        return bool(self.replays.graphs and old is not None and self._general_peak is not None
-                    and self.replays.reserve > self._graph_room() - max(0, _general(plan) - _general(old)))
-
     def _take(self, plan: TrainPlan) -> None:
         """Make ``plan`` the one the next steps follow."""
         t = self.trace
-        if self._costs_graphs(plan):
+        old = self.plan
+        if (self.replays.graphs and old is not None and self._general_peak is not None
+                and self.replays.reserve > self._graph_room() - max(0, _general(plan) - _general(old))):
             # NOTE [replayed recompute]: the new plan keeps more on the device than the pool leaves room for
             self.replays.give_up("the new plan leaves no room for the graphs' pool")
         self.plan = plan

@@ -229,8 +229,6 @@ class Replays:
             try:
                 self._warm(call, tensors, autocast)
                 g = self._capture(call, tensors, gouts, autocast)
-            except _NoRoom as e:
-                why = str(e)
             except Exception as e:        # noqa: BLE001 - any failure: no graphs from now on
                 why = f"{type(module).__name__}'s capture failed: {e}"
             room = self.room() if self.room is not None else None
@@ -356,8 +354,8 @@ class Replays:
             # optimizer's memory: tests/test_gpu_recompute.py found it)
             free, more = self.headroom(), max(self.reserve - self.pool_bytes, SEGMENTS)
             if more > free:
-                raise _NoRoom(f"the graphs' pool does not fit what is free under the cap now (about "
-                              f"{more / 1e6:.0f} MB more, {max(free, 0) / 1e6:.0f} MB free)")
+                raise _NoRoom(f"the graphs' pool needs about {more / 1e6:.0f} MB more, and {max(free, 0) / 1e6:.0f} MB "
+                              "are free under the cap now")
         before = torch.cuda.memory_reserved()
         graph = torch.cuda.CUDAGraph()
         side, cur = self._side(), torch.cuda.current_stream()

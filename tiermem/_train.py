@@ -411,8 +411,6 @@ class TieredTraining:
         self._verify_ms: list[float] = []      # its timed steps
         self._general_peak: int | None = None   # the last step's peak outside the graphs' pool
         self._pool_measured = False            # the plan left the pool to the measured room (NOTE [measured pool room])
-        self._pool_held = 0                    # the graphs' pool through the last step that ended well
-        self._pool_held_at_begin = 0
         self._recaptures = 0                   # probe or check steps repeated since graphs changed in them
         self._changes_at_begin = 0
         self._probe: tuple[TrainPlan, float] | None = None   # the probe's plan and its measured step (ms)
@@ -601,9 +599,7 @@ class TieredTraining:
         _replay.py), less 1/32 of the budget."""
         if self._general_peak is None:
             return None
-        # NOTE [measured pool room]: a step that held the pool as it is now proved it fits
-        proved = 0 < self.replays.pool_bytes <= self._pool_held
-        return self._cap_bytes() - (0 if proved else self.budget // 32) - self._general_peak
+        return self._cap_bytes() - self.budget // 32 - self._general_peak
 
     def _graph_headroom(self) -> int:
         """Bytes torch's allocator may still reserve now, less 1/32 of the budget (NOTE [room
@@ -949,7 +945,6 @@ class TieredTraining:
             b.entered, b.stepped, b.waiting = False, False, 0
         self.mem.reset_peak()
         self.replays.begin_step()
-        self._pool_held_at_begin = self.replays.pool_bytes
         if self._tracing:
             self._calls, self._boundary = {}, {}
             self.recomputing.set({})             # the trace sees every block's own saves
@@ -1023,7 +1018,6 @@ class TieredTraining:
         self.last_peak = self._peak()
         # NOTE [replayed recompute], NOTE [room beside the pool]
         self._general_peak = self.last_peak - self.replays.pool_bytes - self.replays.saving()
-        self._pool_held = self.replays.pool_bytes if self._pool_held_at_begin == self.replays.pool_bytes else 0
         diverged = self.swap is not None and self.swap.diverged
         if self._updating:
             self.updates += 1
@@ -1335,10 +1329,7 @@ class TieredTraining:
     #     _replay.py, less 1/32 of the budget) holds the pool's reserve, the plan is made as for
     #     eager recompute and the graphs stay on. Every capture then checks the room again, a
     #     new plan that keeps more gives the graphs up first (_take), and the pool's reserve
-    #     is not asked of the plan again (_finish_step). The room's margin (1/32 of the budget)
-    #     is for a pool not yet taken: once a step has run to its end holding the whole pool,
-    #     its peak is the proof that the pool fits beside that plan, and only a new plan's
-    #     growth counts against it (the Qwen2 run above gave its graphs up for 2 MB of margin).
+    #     is not asked of the plan again (_finish_step).
     def _plan_for(self, trace: StepTrace, mode: str | None = None) -> TrainPlan:
         margin = self.budget // 8 if self.margin is None else self.margin
         mode = mode or ("never" if self._no_recompute else self.recompute_mode)

@@ -78,15 +78,7 @@ log = logging.getLogger("tiermem")
 #     loses once those backwards replay. A step whose peak lies elsewhere (the loss's logits, an
 #     optimizer step) saves nothing, and its room is what it was. Allocated bytes stand in for
 #     reserved ones here: the cap is on reserved bytes, but what torch's allocator holds cached
-#     beyond its live tensors it frees and retries before it fails an allocation. That holds
-#     for a step that never ran its recomputes eagerly, not for the step that captures: what
-#     its eager backwards left cached goes back only by whole segments, so each capture also
-#     checks what is free under the cap at that moment (``headroom``) and gives the graphs up
-#     cleanly when the rest of the pool does not fit there.
-
-
-class _NoRoom(Exception):
-    pass
+#     beyond its live tensors it frees and retries before it fails an allocation.
 
 
 class _Graph:
@@ -127,7 +119,6 @@ class Replays:
         self.outside = 0                         # the step's allocated peak outside eager backwards (NOTE [room beside the pool])
         self.inside = 0                          # ... and inside them
         self.room: Callable[[], int | None] | None = None   # bytes the pool may take (None: no limit)
-        self.headroom: Callable[[], int] | None = None      # bytes the allocator may reserve now
         self.graphs: dict[tuple, _Graph] = {}
         self.per_module: dict[int, int] = {}     # graphs captured per module
         self.eager: set[int] = set()             # modules left to run eagerly (random ops, failed capture)
@@ -347,15 +338,6 @@ class Replays:
         # The pool cannot take memory torch's allocator keeps cached for other tensors, and the
         # cap counts both: what is cached and unused goes back first (a device sync, once a graph).
         torch.cuda.empty_cache()
-        if self.headroom is not None:
-            # NOTE [room beside the pool]: the room is the step's; what the eager recomputes
-            # left cached, fragmented, is given back only by whole segments, so the pool must also
-            # fit what is free now (a capture out of memory mid-step can cost the step its
-            # optimizer's memory: tests/test_gpu_recompute.py found it)
-            free, more = self.headroom(), max(self.reserve - self.pool_bytes, SEGMENTS)
-            if more > free:
-                raise _NoRoom(f"the graphs' pool needs about {more / 1e6:.0f} MB more, and {max(free, 0) / 1e6:.0f} MB "
-                              "are free under the cap now")
         before = torch.cuda.memory_reserved()
         graph = torch.cuda.CUDAGraph()
         side, cur = self._side(), torch.cuda.current_stream()

@@ -308,7 +308,6 @@ class TieredTraining:
                                params_of=lambda m: by_module[id(m)].trainable,
                                after_replay=lambda m, hit: self._replayed(by_module[id(m)], hit))
         self.replays.room = self._graph_room
-        self.replays.headroom = self._graph_headroom
         self.recomputing = Recompute(torch, lambda: self._in_step, self.replays)
         self.meter = StallMeter(tier.backend)
         self.stream = BlockSlots(tier, self.blocks, optimizer, self.meter, lookahead, self.dev)
@@ -599,15 +598,8 @@ class TieredTraining:
         _replay.py), less 1/32 of the budget."""
         if self._general_peak is None:
             return None
-        return self._cap_bytes() - self.budget // 32 - self._general_peak
-
-    def _graph_headroom(self) -> int:
-        """Bytes torch's allocator may still reserve now, less 1/32 of the budget (NOTE [room
-        beside the pool] in _replay.py: what a capture may take at once)."""
-        return self._cap_bytes() - self.budget // 32 - self.mem.reserved()
-
-    def _cap_bytes(self) -> int:
-        return max(self.budget - self.tier.resident_bytes, 0) + self.outside
+        cap = max(self.budget - self.tier.resident_bytes, 0) + self.outside
+        return cap - self.budget // 32 - self._general_peak
 
     def _bwd_enter(self, b: Block, ahead: bool = True) -> None:
         if not self.stream.in_backward:
@@ -1340,13 +1332,9 @@ class TieredTraining:
             room = self._graph_room()
             if room is not None and self.replays.reserve <= room:
                 self._pool_measured = True       # NOTE [measured pool room]
-                log.info("tiermem: the plan's model leaves the graphs' pool (%.0f MB) no room, the last step "
-                         "left %.0f MB: the measurement decides", self.replays.reserve / 1e6, room / 1e6)
             else:
                 # NOTE [replayed recompute]: the floor and the pool together pass the budget
-                left = "" if room is None else f", nor did the last step ({room / 1e6:.0f} MB left)"
-                self.replays.give_up(f"the budget leaves no room for the graphs' pool "
-                                     f"({self.replays.reserve / 1e6:.0f} MB) beside the step's floor{left}")
+                self.replays.give_up("the budget leaves no room for the graphs' pool beside the step's floor")
             plan = plan_training(trace, self.budget, margin=margin, recompute=mode, link_GBps=self.link_GBps,
                                  clip=self.max_grad_norm is not None)
         return plan

@@ -53,7 +53,7 @@ log = logging.getLogger("tiermem")
 #       a block whose forward moved the CUDA generator keeps torch's eager path;
 #     - memory: the graphs share one private pool, as large as the largest block's recompute
 #       and backward, which torch's allocator cannot lend to other tensors between replays; the
-#       cap counts it. So a block's first backward runs eagerly and measured (:meth:`_eager`),
+#       cap counts it. So a block's first backward runs eagerly and measured (:meth:`_measure`),
 #       the trainer's plan holds room for the estimate (:attr:`reserve`) as it does for kept
 #       activations, no capture starts where the estimate does not fit the room the trainer
 #       gives (its cap less the last step's peak outside the pool, less 1/32 of the budget),
@@ -65,20 +65,6 @@ log = logging.getLogger("tiermem")
 #       by default (docs/training.md).
 #     The gradient of each input comes out in a shared static buffer and is cloned before it is
 #     returned: autograd may hold it past the next block's replay.
-# NOTE [room beside the pool]
-#     The room a capture checks is the cap less the step's peak outside the pool. Before the
-#     graphs exist, that peak was set by a step that recomputed eagerly, and an eager recompute
-#     holds the block's working set outside any pool: the very bytes the pool will hold instead.
-#     Counting them twice kept every capture out at the budgets where graphs pay (on the H200 at
-#     1/2.5 of bench/train_budget.py's states the rooms were 251-267 MB for pools of 422-528 MB,
-#     against eager working sets of 319-327 MB). So while capturing is on, each eager backward is
-#     bracketed (:meth:`Replays._eager`): the allocated peak of the step outside those brackets
-#     (which includes what was allocated as each began) and the peak inside them are kept apart,
-#     and :meth:`Replays.saving` is how far the inside passed the outside: what the step's peak
-#     loses once those backwards replay. A step whose peak lies elsewhere (the loss's logits, an
-#     optimizer step) saves nothing, and its room is what it was. Allocated bytes stand in for
-#     reserved ones here: the cap is on reserved bytes, but what torch's allocator holds cached
-#     beyond its live tensors it frees and retries before it fails an allocation.
 
 
 class _Graph:
@@ -116,8 +102,6 @@ class Replays:
         self.need = 0                            # the largest working set an eager backward measured
         self.measured: set[int] = set()          # modules whose eager backward was measured
         self.peak_carry = 0                      # the step's reserved peak before a measurement reset it
-        self.outside = 0                         # the step's allocated peak outside eager backwards (NOTE [room beside the pool])
-        self.inside = 0                          # ... and inside them
         self.room: Callable[[], int | None] | None = None   # bytes the pool may take (None: no limit)
         self.graphs: dict[tuple, _Graph] = {}
         self.per_module: dict[int, int] = {}     # graphs captured per module
@@ -183,11 +167,8 @@ class Replays:
             self.eager.add(id(module))       # from the next step on, torch's checkpoint runs it
             return _with_rng(self.torch, rng, lambda: _recompute_backward(self.torch, call, tensors, gouts, autocast))
         params = self.params_of(module)
-        eager = lambda: _recompute_backward(self.torch, call, tensors, gouts, autocast)  # noqa: E731
-        if not self.capture or id(module) in self.eager:
-            return eager()
-        if any(p.grad is None for p in params):
-            return self._eager(eager)
+        if not self.capture or id(module) in self.eager or any(p.grad is None for p in params):
+            return _recompute_backward(self.torch, call, tensors, gouts, autocast)
         key = key0 + (tuple(g is not None for g in gouts),
                       tuple(tuple(g.shape) for g in gouts if g is not None),
                       tuple(p.data_ptr() for p in params),
@@ -197,8 +178,7 @@ class Replays:
             # NOTE [replayed recompute]: its first backward runs eagerly, measured, so the plan
             # and the check below know the pool's size before any capture takes it
             self.measured.add(id(module))
-            self.changes += 1
-            return self._eager(eager, measure=True)
+            return self._measure(lambda: _recompute_backward(self.torch, call, tensors, gouts, autocast))
         if g is None:
             n = self.per_module.get(id(module), 0)
             if n >= MAX_GRAPHS_PER_BLOCK:
@@ -206,7 +186,7 @@ class Replays:
                 log.info("tiermem: block %s stays eager: %d graphs and still another key",
                          type(module).__name__, n)
                 self.eager.add(id(module))
-                return eager()
+                return _recompute_backward(self.torch, call, tensors, gouts, autocast)
             why = ""
             room = self.room() if self.room is not None else None
             if room is not None and self.reserve > room:
@@ -214,9 +194,6 @@ class Replays:
                        f"beside the step's own peak ({room / 1e6:.0f} MB left in the budget)")
                 self.give_up(why)
                 return _recompute_backward(self.torch, call, tensors, gouts, autocast)
-            if not self.graphs:
-                log.info("tiermem: capturing recomputed backwards: pool about %.0f MB, room %s MB",
-                         self.reserve / 1e6, "unlimited" if room is None else f"{room / 1e6:.0f}")
             try:
                 self._warm(call, tensors, autocast)
                 g = self._capture(call, tensors, gouts, autocast)
@@ -255,38 +232,19 @@ class Replays:
             return self.pool_bytes
         return max(self.pool_bytes, self.need + int(self.need * RESERVE_MARGIN) + SEGMENTS if self.need else 0)
 
-    def begin_step(self) -> None:
-        self.peak_carry = self.outside = self.inside = 0
-
-    def _eager(self, run: Callable[[], Any], measure: bool = False) -> Any:
-        """``run()``, an eager backward while capturing is on, bracketed for NOTE [room beside
-        the pool]: the allocated peak before it goes to :attr:`outside`, its own to
-        :attr:`inside`; with ``measure``, its peak above where it began to :attr:`need`. The
-        brackets reset the device's peak counters; the reserved peak so far is kept in
-        :attr:`peak_carry` for the caller, whose step's peak it is part of."""
+    def _measure(self, run: Callable[[], Any]) -> Any:
+        """``run()``, its peak of allocated bytes above where it began kept in :attr:`need`.
+        Measuring resets the device's peak counters; the peak before is kept in :attr:`peak_carry`
+        for the caller, whose step's peak it is part of."""
         cuda = self.torch.cuda
+        self.changes += 1
         self.peak_carry = max(self.peak_carry, cuda.max_memory_reserved())
-        self.outside = max(self.outside, cuda.max_memory_allocated())
         cuda.reset_peak_memory_stats()
         begin = cuda.memory_allocated()
         try:
             return run()
         finally:
-            top = cuda.max_memory_allocated()
-            if measure:
-                self.need = max(self.need, top - begin)
-            self.inside = max(self.inside, top)
-            self.peak_carry = max(self.peak_carry, cuda.max_memory_reserved())
-            cuda.reset_peak_memory_stats()
-
-    def saving(self) -> int:
-        """Bytes off the step's peak once the eager backwards it ran replay in the pool instead
-        (NOTE [room beside the pool]): how far their allocated peak passed the rest of the step's.
-        Call at the step's end; 0 when none ran."""
-        if not self.inside:
-            return 0
-        outside = max(self.outside, self.torch.cuda.max_memory_allocated())
-        return max(0, self.inside - outside)
+            self.need = max(self.need, cuda.max_memory_allocated() - begin)
 
     def give_up(self, why: str) -> None:
         """Stop capturing and replaying, and give the pool's memory back to the device: a capture

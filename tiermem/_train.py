@@ -409,7 +409,6 @@ class TieredTraining:
         self._verify = 0                       # steps left before the plan is checked against the probe
         self._verify_ms: list[float] = []      # its timed steps
         self._general_peak: int | None = None   # the last step's peak outside the graphs' pool
-        self._pool_measured = False            # the plan left the pool to the measured room (NOTE [measured pool room])
         self._recaptures = 0                   # probe or check steps repeated since graphs changed in them
         self._changes_at_begin = 0
         self._probe: tuple[TrainPlan, float] | None = None   # the probe's plan and its measured step (ms)
@@ -593,9 +592,9 @@ class TieredTraining:
 
     def _graph_room(self) -> int | None:
         """Bytes the recomputed blocks' graphs' pool may take (NOTE [replayed recompute]): what
-        torch's allocator is capped at, less the last step's peak outside the pool (less what its
-        eager recomputes held beyond the rest of the step: NOTE [room beside the pool] in
-        _replay.py), less 1/32 of the budget."""
+        torch's allocator is capped at, less the last step's peak outside the pool (a step before
+        any graph recomputed eagerly: its peak holds the working set the pool now holds too, so
+        this errs on the safe side), less 1/32 of the budget."""
         if self._general_peak is None:
             return None
         cap = max(self.budget - self.tier.resident_bytes, 0) + self.outside
@@ -936,7 +935,7 @@ class TieredTraining:
         for b in self.blocks:
             b.entered, b.stepped, b.waiting = False, False, 0
         self.mem.reset_peak()
-        self.replays.begin_step()
+        self.replays.peak_carry = 0
         if self._tracing:
             self._calls, self._boundary = {}, {}
             self.recomputing.set({})             # the trace sees every block's own saves
@@ -1008,8 +1007,7 @@ class TieredTraining:
             return
         self.steps += 1
         self.last_peak = self._peak()
-        # NOTE [replayed recompute], NOTE [room beside the pool]
-        self._general_peak = self.last_peak - self.replays.pool_bytes - self.replays.saving()
+        self._general_peak = self.last_peak - self.replays.pool_bytes     # NOTE [replayed recompute]
         diverged = self.swap is not None and self.swap.diverged
         if self._updating:
             self.updates += 1
@@ -1044,7 +1042,7 @@ class TieredTraining:
             # NOTE [replayed recompute]: a step that captured, measured or gave up graphs paid
             # for it; the phase's timed step runs again
             self._recaptures += 1
-        elif (not self._refine and self.plan is not None and not self._pool_measured
+        elif (not self._refine and self.plan is not None
               and abs(self.replays.reserve - self.plan.graph_pool) > self.budget // 32):
             self._reserve_pool()
         elif self._refine:
@@ -1307,34 +1305,14 @@ class TieredTraining:
         else:
             self.plan = plan
 
-    # NOTE [measured pool room]
-    #     The plan's peak is a model: its floor comes from the traced step, which swapped every
-    #     saved tensor, and its margin (1/8 of the budget) is for what that trace could not see.
-    #     On the H200 at 1/2.5 of bench/train_budget.py's states it predicted 1.351 GB for the
-    #     Qwen2 model recomputing every layer, where the steps peaked at 1.174 GB; with the
-    #     graphs' pool (432 MB) in place of a layer's 222 MB it predicted past the budget, and the
-    #     graphs were given up, though the pool fitted the measured room (502 MB for a pool that
-    #     came to 466 MB) and the steps that replayed took 177-186 ms against 265-288 eagerly.
-    #     So once a step has been measured, the measurement decides: where the model says the
-    #     pool does not fit but the room the last step left (_graph_room: the cap less its peak
-    #     outside the pool, its eager recomputes counted once, NOTE [room beside the pool] in
-    #     _replay.py, less 1/32 of the budget) holds the pool's reserve, the plan is made as for
-    #     eager recompute and the graphs stay on. Every capture then checks the room again, a
-    #     new plan that keeps more gives the graphs up first (_take), and the pool's reserve
-    #     is not asked of the plan again (_finish_step).
     def _plan_for(self, trace: StepTrace, mode: str | None = None) -> TrainPlan:
         margin = self.budget // 8 if self.margin is None else self.margin
         mode = mode or ("never" if self._no_recompute else self.recompute_mode)
         plan = plan_training(trace, self.budget, margin=margin, recompute=mode, link_GBps=self.link_GBps,
                              clip=self.max_grad_norm is not None, graph_pool=self.replays.reserve)
-        self._pool_measured = False
         if plan.graph_pool and plan.predicted_peak > self.budget - margin:
-            room = self._graph_room()
-            if room is not None and self.replays.reserve <= room:
-                self._pool_measured = True       # NOTE [measured pool room]
-            else:
-                # NOTE [replayed recompute]: the floor and the pool together pass the budget
-                self.replays.give_up("the budget leaves no room for the graphs' pool beside the step's floor")
+            # NOTE [replayed recompute]: the floor and the pool together pass the budget
+            self.replays.give_up("the budget leaves no room for the graphs' pool beside the step's floor")
             plan = plan_training(trace, self.budget, margin=margin, recompute=mode, link_GBps=self.link_GBps,
                                  clip=self.max_grad_norm is not None)
         return plan

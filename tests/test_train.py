@@ -46,12 +46,12 @@ def plain_run(bs):
     return out, [p.detach().clone() for p in model.parameters()]
 
 
-def tiered_losses(train, model, bs) -> list[float]:
-    """The losses of steps under ``train`` over the batches ``bs``."""
+def tiered_losses(train, model, bs, loss_fn=None) -> list[float]:
+    """The losses of steps under ``train`` over the batches ``bs`` (``loss_fn``: loss_of)."""
     out = []
     for ids in bs:
         with train.step():
-            loss = loss_of(model, ids)
+            loss = (loss_fn or loss_of)(model, ids)
             loss.backward()
         out.append(float(loss.detach()))
     return out

@@ -355,12 +355,7 @@ def test_a_mixture_of_experts_recomputes_and_gives_the_plain_losses_bitwise(reco
     # as the Qwen2 test above: 4x the parameters, the slots taking most of it
     train = tier.wrap_training(model, opt, 4 * state_bytes(model), block_bytes=BLOCK, min_swap=4096,
                                recompute=recompute)
-    got = []
-    for ids in bs:
-        with train.step():
-            loss = _hf_loss(model, ids)
-            loss.backward()
-        got.append(float(loss.detach()))
+    got = tiered_losses(train, model, bs, _hf_loss)
     assert got == want
     for p, q in zip(model.parameters(), want_params):
         assert torch.equal(p.detach(), q)

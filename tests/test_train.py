@@ -34,15 +34,21 @@ def loss_of(model, ids):
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
 
 
-def plain_run(bs):
-    model, opt = gpt()
+def plain_losses(model, opt, bs, loss_fn=None) -> list[float]:
+    """The plain loop's losses over ``bs`` (``loss_fn``: loss_of): backward, step, zero_grad."""
     out = []
     for ids in bs:
-        loss = loss_of(model, ids)
+        loss = (loss_fn or loss_of)(model, ids)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         out.append(float(loss.detach()))
+    return out
+
+
+def plain_run(bs):
+    model, opt = gpt()
+    out = plain_losses(model, opt, bs)
     return out, [p.detach().clone() for p in model.parameters()]
 
 

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 import tiermem
 from fakes import FakeBackend
-from test_train import _deterministic, batches, gpt, plain_run, state_bytes, tiered_losses  # noqa: F401 - the fixture, autouse here too
+from test_train import _deterministic, batches, gpt, plain_losses, plain_run, state_bytes, tiered_losses  # noqa: F401 - the fixture, autouse here too
 
 BLOCK = 1 << 20            # each of the GPT's transformer blocks (200 KB of parameters, 64 KiB a tensor as spans count) is one block
 
@@ -278,15 +278,7 @@ def _hf_loss(model, ids):
 
 
 def _plain_hf_losses(model, opt, bs):
-    """The plain loop's losses: backward, the optimizer's step, zero_grad."""
-    out = []
-    for ids in bs:
-        loss = _hf_loss(model, ids)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        out.append(float(loss.detach()))
-    return out
+    return plain_losses(model, opt, bs, _hf_loss)
 
 
 def test_a_transformers_model_with_its_default_kv_cache_recomputes_its_layers():

@@ -250,3 +250,55 @@ def test_a_kept_plan_that_runs_slower_later_gives_way_on_the_steps_own_cuda_even
     assert kinds[switch:] == ["recompute"] * (n - switch), kinds
     assert m["chosen_by"] == "late" and m["late_ms"] > m["probe_ms"] * (1 + LATE_SLACK) and m["late_ms"] > 400, m
     _cleanup(tier, train)
+
+
+def test_the_measured_eager_backwards_allocate_in_the_graphs_pool_and_the_graphs_give_their_gradients():
+    """NOTE [one pool for the recompute]: a block's first, measured backward allocates in the
+    graphs' pool, not in torch's general cache, and the pool holds at least its working set; the
+    captures after it and their replays give the eager path's gradients bitwise, step after step."""
+    torch = _setup()
+    from tiermem._replay import Replays
+
+    class Layer(torch.nn.Module):
+        def __init__(self, d):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(d, 4 * d), torch.nn.Linear(4 * d, d)
+
+        def forward(self, x):
+            return x + self.b(torch.nn.functional.gelu(self.a(x)))
+
+    def model():
+        torch.manual_seed(0)
+        return torch.nn.ModuleList(Layer(512) for _ in range(3)).cuda()
+
+    def grads(layers, wrap, steps):
+        out = []
+        for p in layers.parameters():
+            p.grad = torch.zeros_like(p)         # a graph adds into .grad where it was captured
+        for s in range(steps):
+            torch.manual_seed(10 + s)
+            x = torch.randn(8, 256, 512, device="cuda", requires_grad=True)
+            h = x
+            for m in layers:
+                h = wrap(m, h)
+            h.square().mean().backward()
+            out.append([p.grad.clone() for p in layers.parameters()] + [x.grad.clone()])
+            states.append((r.pool_bytes, r.need, len(r.graphs), torch.cuda.memory_reserved()) if r else None)
+        return out
+
+    states: list = []
+    r = None
+    want = grads(model(), lambda m, h: torch.utils.checkpoint.checkpoint(m, h, use_reentrant=False), 3)
+    _cleanup()
+    states.clear()
+    r = Replays(torch, capture=True, params_of=lambda m: list(m.parameters()))
+    layers = model()
+    got = grads(layers, lambda m, h: r.run(m, m.forward, (h,), {}), 3)
+    (pool1, need1, graphs1, _), (pool2, _, graphs2, _), _ = states
+    assert graphs1 == 0 and need1 > 0 and pool1 >= need1, states     # the working set went to the pool
+    assert graphs2 == 3 and r.replayed == 6 and not r.off, (states, r.off)
+    for a, b in zip(got, want):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+    r.close()
+    del layers, r
+    _cleanup()

@@ -74,10 +74,7 @@ log = logging.getLogger("tiermem")
 #     backwards' fragments, which the allocator gives back by whole segments only. On an H200 at
 #     1/2.5 of the Qwen2-style model's state the pool grew to 504 MiB while 165 MiB of such
 #     fragments were held, and steps ran out of memory (docs/training.md). In one pool the
-#     captures reuse the segments the eager backwards left (so those run on the capture stream:
-#     torch's allocator hands a cached block only to the stream it was allocated on; on an H100 a
-#     pool filled from the step's own stream grew from 327 to 583 MB and its capture ran out of
-#     memory), and the last step's peak less the
+#     captures reuse the segments the eager backwards left, and the last step's peak less the
 #     pool's segments is the step's peak outside the pool, the working set counted once.
 #     Eager allocations go to the pool only while no graph exists: a graph's replay writes where
 #     its capture allocated, which the pool counts free between replays, so an eager tensor
@@ -263,17 +260,8 @@ class Replays:
         try:
             if not route:
                 return run()
-            # on the capture stream: the allocator reuses a cached block on the stream it was
-            # allocated on only (NOTE [one pool for the recompute])
-            side, cur = self._side(), cuda.current_stream()
-            side.wait_stream(cur)
-            with cuda.stream(side), cuda.use_mem_pool(self._mempool()):
-                gin = run()
-            cur.wait_stream(side)
-            for g in gin:
-                if g is not None:
-                    g.record_stream(cur)     # read on the step's stream: not reused before it has
-            return gin
+            with cuda.use_mem_pool(self._mempool()):
+                return run()
         finally:
             self.need = max(self.need, cuda.max_memory_allocated() - begin)
             if route:

@@ -66,20 +66,6 @@ log = logging.getLogger("tiermem")
 #     The gradient of each input comes out in a shared static buffer and is cloned before it is
 #     returned: autograd may hold it past the next block's replay.
 
-# NOTE [one pool for the recompute]
-#     The graphs' pool is a torch.cuda.MemPool, and the blocks' measured eager backwards (each
-#     block's first, before any capture) allocate in it too (torch.cuda.use_mem_pool, entered on
-#     autograd's thread, where the backward runs). Before, they allocated in torch's general
-#     cache, and the step that captured held both: the pool's new segments and the eager
-#     backwards' fragments, which the allocator gives back by whole segments only. On an H200 at
-#     1/2.5 of the Qwen2-style model's state the pool grew to 504 MiB while 165 MiB of such
-#     fragments were held, and steps ran out of memory (docs/training.md). In one pool the
-#     captures reuse the segments the eager backwards left, and the last step's peak less the
-#     pool's segments is the step's peak outside the pool, the working set counted once.
-#     Eager allocations go to the pool only while no graph exists: a graph's replay writes where
-#     its capture allocated, which the pool counts free between replays, so an eager tensor
-#     placed there later would be overwritten.
-
 
 class _Graph:
     __slots__ = ("graph", "static_in", "static_gout", "static_gin", "hit")
@@ -249,23 +235,16 @@ class Replays:
     def _measure(self, run: Callable[[], Any]) -> Any:
         """``run()``, its peak of allocated bytes above where it began kept in :attr:`need`.
         Measuring resets the device's peak counters; the peak before is kept in :attr:`peak_carry`
-        for the caller, whose step's peak it is part of. Before any graph is captured, the
-        backward's allocations go to the graphs' pool (NOTE [one pool for the recompute])."""
+        for the caller, whose step's peak it is part of."""
         cuda = self.torch.cuda
         self.changes += 1
         self.peak_carry = max(self.peak_carry, cuda.max_memory_reserved())
         cuda.reset_peak_memory_stats()
         begin = cuda.memory_allocated()
-        route = self.capture and not self.graphs
         try:
-            if not route:
-                return run()
-            with cuda.use_mem_pool(self._mempool()):
-                return run()
+            return run()
         finally:
             self.need = max(self.need, cuda.max_memory_allocated() - begin)
-            if route:
-                self._count_pool()
 
     def give_up(self, why: str) -> None:
         """Stop capturing and replaying, and give the pool's memory back to the device: a capture
@@ -279,20 +258,6 @@ class Replays:
         self.close()
         gc.collect()           # a failed capture's frames can hold its tensors in the pool in a cycle
         self.torch.cuda.empty_cache()
-
-    def _mempool(self) -> Any:
-        if self.pool is None:
-            self.pool = self.torch.cuda.MemPool()
-        return self.pool
-
-    def _count_pool(self) -> None:
-        """:attr:`pool_bytes` from the pool's own segments, used or cached."""
-        try:
-            segments = self.pool.snapshot(include_traces=False)
-        except TypeError:                  # torch before include_traces
-            segments = self.pool.snapshot()
-        self.pool_bytes = sum(int(s["total_size"]) for s in segments)
-        self.pool_peak = max(self.pool_peak, self.pool_bytes)
 
     def _side(self) -> Any:
         if self.stream is None:
@@ -326,18 +291,19 @@ class Replays:
         static_in = [self._static("in", i, t) for i, t in enumerate(tensors)]
         static_gout = [self._static("gout", i, g) if g is not None else None for i, g in enumerate(gouts)]
         static_gin = [self._static("gin", i, t) if t.requires_grad else None for i, t in enumerate(tensors)]
-        pool = self._mempool()
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
         # The pool cannot take memory torch's allocator keeps cached for other tensors, and the
-        # cap counts both: what is cached and unused goes back first (a device sync, once a graph;
-        # the pool's own free segments stay, NOTE [one pool for the recompute]).
+        # cap counts both: what is cached and unused goes back first (a device sync, once a graph).
         torch.cuda.empty_cache()
+        before = torch.cuda.memory_reserved()
         graph = torch.cuda.CUDAGraph()
         side, cur = self._side(), torch.cuda.current_stream()
         side.wait_stream(cur)
         self.capturing, self.hit = True, []
         try:
             with torch.cuda.stream(side):
-                graph.capture_begin(pool=pool.id, capture_error_mode="thread_local")
+                graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
                 try:
                     xs = [s.detach().requires_grad_(t.requires_grad) for s, t in zip(static_in, tensors)]
                     gin = _recompute_backward(torch, call, xs, static_gout, autocast)
@@ -354,7 +320,8 @@ class Replays:
         finally:
             self.capturing, self.hit = False, []
         cur.wait_stream(side)
-        self._count_pool()
+        self.pool_bytes += max(0, torch.cuda.memory_reserved() - before)   # only the pool allocates in a capture
+        self.pool_peak = max(self.pool_peak, self.pool_bytes)
         return _Graph(graph, static_in, static_gout, static_gin, hit)
 
 

@@ -592,9 +592,9 @@ class TieredTraining:
 
     def _graph_room(self) -> int | None:
         """Bytes the recomputed blocks' graphs' pool may take (NOTE [replayed recompute]): what
-        torch's allocator is capped at, less the last step's peak outside the pool (the measured
-        eager backwards ran in the pool, NOTE [one pool for the recompute]), less 1/32 of the
-        budget."""
+        torch's allocator is capped at, less the last step's peak outside the pool (a step before
+        any graph recomputed eagerly: its peak holds the working set the pool now holds too, so
+        this errs on the safe side), less 1/32 of the budget."""
         if self._general_peak is None:
             return None
         cap = max(self.budget - self.tier.resident_bytes, 0) + self.outside

@@ -250,3 +250,47 @@ def test_a_kept_plan_that_runs_slower_later_gives_way_on_the_steps_own_cuda_even
     assert kinds[switch:] == ["recompute"] * (n - switch), kinds
     assert m["chosen_by"] == "late" and m["late_ms"] > m["probe_ms"] * (1 + LATE_SLACK) and m["late_ms"] > 400, m
     _cleanup(tier, train)
+
+
+def test_an_expanded_keyword_tensor_replays_with_checkpoints_gradients_bitwise():
+    """NOTE [replayed recompute]: a held keyword tensor that overlaps itself (an attention mask
+    made with ``expand``, stride 0) is copied into a dense static buffer; the block's first
+    backward runs eagerly, the second captures, the third replays, each giving the gradients of
+    torch's checkpoint bitwise."""
+    torch = _setup()
+    from tiermem._replay import Replays
+
+    class Layer(torch.nn.Module):
+        def __init__(self, d):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(d, 4 * d), torch.nn.Linear(4 * d, d)
+
+        def forward(self, x, mask=None):
+            return x + self.b(torch.nn.functional.gelu(self.a(x))) * mask
+
+    def grads(wrap):
+        torch.manual_seed(0)
+        layers = torch.nn.ModuleList(Layer(256) for _ in range(2)).cuda()
+        for p in layers.parameters():
+            p.grad = torch.zeros_like(p)          # a graph adds into .grad where it was captured
+        mask = torch.rand(1, 128, 1, device="cuda").expand(8, 128, 256)
+        assert 0 in mask.stride()
+        out = []
+        for s in range(3):
+            torch.manual_seed(10 + s)
+            x = torch.randn(8, 128, 256, device="cuda", requires_grad=True)
+            h = x
+            for m in layers:
+                h = wrap(m, h, mask)
+            h.square().mean().backward()
+            out.append([p.grad.clone() for p in layers.parameters()] + [x.grad.clone()])
+        return out
+
+    want = grads(lambda m, h, mask: torch.utils.checkpoint.checkpoint(m, h, mask=mask, use_reentrant=False))
+    r = Replays(torch, capture=True, params_of=lambda m: list(m.parameters()))
+    got = grads(lambda m, h, mask: r.run(m, m.forward, (h,), {"mask": mask}))
+    assert r.captured == 2 and r.replayed == 4 and not r.off, (r.captured, r.replayed, r.off)
+    for a, b in zip(got, want):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+    r.close()
+    _cleanup()

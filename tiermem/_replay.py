@@ -283,7 +283,9 @@ class Replays:
         k = (kind, i, tuple(t.shape), t.dtype, tuple(t.stride()))
         s = self.statics.get(k)
         if s is None:
-            s = self.statics[k] = self.torch.empty_strided(tuple(t.shape), t.stride(), dtype=t.dtype, device=t.device)
+            # t's strides where they are dense; contiguous where t overlaps itself (an expanded
+            # mask: a copy into a buffer with its stride-0 layout is refused)
+            s = self.statics[k] = self.torch.empty_like(t, memory_format=self.torch.preserve_format)
         return s
 
     def _capture(self, call: Callable, tensors: list[Any], gouts: list[Any], autocast: Any) -> _Graph:

@@ -26,11 +26,10 @@ __all__ = ["Recompute"]
 class Recompute:
     """The set of modules whose forward is checkpointed, changed with :meth:`set`."""
 
-    def __init__(self, torch: Any, in_step: Callable[[], bool], replays: Any = None, own: bool = True):
+    def __init__(self, torch: Any, in_step: Callable[[], bool], replays: Any = None):
         self.torch = torch
         self.in_step = in_step
         self.replays = replays                 # a Replays: backward as CUDA graphs where it can be
-        self.own = own                         # NOTE [own recompute]: eager blocks through replays too
         self.wrapped: dict[int, InstancePatch] = {}       # key -> the module's forward, set on the instance
 
     @property
@@ -51,12 +50,11 @@ class Recompute:
         torch = self.torch
         in_step = self.in_step
         replays = self.replays
-        rc = self
 
         def forward(*args: Any, **kwargs: Any) -> Any:
             if not in_step() or not torch.is_grad_enabled():
                 return inner(*args, **kwargs)
-            if replays is not None and (replays.capture or rc.own):
+            if replays is not None and replays.capture:
                 return replays.run(m, inner, args, kwargs)
             return torch.utils.checkpoint.checkpoint(lambda *a: inner(*a, **kwargs), *args, use_reentrant=False)
 

@@ -275,8 +275,6 @@ def main():
             kw["state_dtype"] = torch.bfloat16
         replay.RESERVE_MARGIN = next((float(x[7:]) for x in opts if x.startswith("margin=")), default_margin)
         train = tier.wrap_training(model, opt, int(16 * n / a.ratio), block_bytes=a.block_mib << 20, recompute=opts[0], **kw)
-        if "ckpt" in opts:
-            train.recomputing.own = False     # torch's checkpoint for the eager recompute (NOTE [own recompute])
 
         def run():
             with train.step():

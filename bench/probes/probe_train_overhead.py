@@ -279,11 +279,17 @@ def main():
         def run():
             with train.step():
                 loss_fn(model, ids).backward()
-        settle = []
+        settle, alloc = [], []
+        keys = ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_sync_all_streams")
         for _ in range(a.settle):        # the trace, the probe and the plan's check settle ("auto")
+            before = torch.cuda.memory_stats()
             t = steps(run, 1)[0]
+            after = torch.cuda.memory_stats()
             settle.append((round(t, 1), train.plan.kind, len(train.plan.recompute)))
+            # torch's allocator in each settling step: a retry empties its cache (a device sync)
+            alloc.append(tuple(int(after.get(k, 0) - before.get(k, 0)) for k in keys))
         print(f"tiermem {mode}: settling steps (ms, the plan after each): {settle}", flush=True)
+        print(f"tiermem {mode}: settling steps' allocator ({', '.join(keys)}): {alloc}", flush=True)
         if a.host_timers:
             timers = host_timers(train, torch)
             timers["run() until it returns"] = 0.0
@@ -326,7 +332,7 @@ def main():
                                                    "pool_MB": round(rp.pool_bytes / 1e6),
                                                    "pool_peak_MB": round(rp.pool_peak / 1e6), "need_MB": round(rp.need / 1e6),
                                                    "off": rp.off[:200]},
-                                        "settling": settle})
+                                        "settling": settle, "settling_allocator": alloc})
         print(f"  slots {train.stream.nslots}; graphs: {out[f'tiermem {mode}']['graphs']}", flush=True)
         print(str(train.plan), flush=True)
         train.unwrap()

@@ -1,0 +1,82 @@
+"""Data-parallel tiered training on two GPUs under NCCL (NOTE [data parallel] in
+tiermem/_train.py): each rank streams its own replica under a budget and averages each block's
+gradients just before the block's step; the replicas stay bitwise equal, and their losses and
+parameters are bitwise those of one process on one GPU that averages the two halves' gradients
+(two fp32 values summed once, as NCCL's all-reduce of two ranks does, then halved)."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+pytestmark = [pytest.mark.gpu, pytest.mark.multigpu]
+
+STEPS = 6
+WORLD = 2
+
+
+def _rank(rank: int, world: int, init: str, out: str) -> None:
+    import sys
+    sys.path.insert(0, os.path.dirname(__file__))
+    import torch
+    import torch.distributed as dist
+    import tiermem
+    from test_gpu_train import BUDGET, _batches, _gpt, _loss, _setup
+    _setup()
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=init, rank=rank, world_size=world)
+    try:
+        model, c = _gpt()                                  # on this rank's GPU
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        tier = tiermem.Tier(rank, cap="1GiB")
+        train = tier.wrap_training(model, opt, BUDGET, block_bytes=1 << 20, min_swap=256 << 10,
+                                   process_group=True)
+        losses, peaks = [], []
+        for ids in _batches(c, STEPS):                     # the same batches on every rank (same seed)
+            with train.step():
+                loss = _loss(model, ids.chunk(world)[rank])
+                loss.backward()
+            losses.append(float(loss.detach()))
+            peaks.append(train.resident_peak())
+        plan, streamed = str(train.plan), len(train.plan.streamed_blocks)
+        train.unwrap()
+        torch.save({"params": [p.detach().cpu() for p in model.parameters()], "losses": losses,
+                    "peaks": peaks, "plan": plan, "streamed": streamed, "device": torch.cuda.current_device()},
+                   os.path.join(out, f"rank{rank}.pt"))
+        del train
+        tier.close()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_gpus_train_as_one_process_averaging_their_gradients(tmp_path):
+    import torch
+    if torch.cuda.device_count() < WORLD:
+        pytest.skip(f"needs {WORLD} GPUs, this host has {torch.cuda.device_count()}")
+    import torch.multiprocessing as mp
+    from test_gpu_train import BUDGET, _batches, _gpt, _loss, _setup
+    mp.spawn(_rank, args=(WORLD, f"file://{tmp_path / 'rendezvous'}", str(tmp_path)), nprocs=WORLD, join=True)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
+    assert [r["device"] for r in ranks] == list(range(WORLD))
+    for a, b in zip(ranks[0]["params"], ranks[1]["params"]):
+        assert torch.equal(a, b)                          # the replicas stepped the same averages
+    assert ranks[0]["plan"] == ranks[1]["plan"] and ranks[0]["streamed"] > 0, ranks[0]["plan"]
+    assert max(max(r["peaks"]) for r in ranks) <= BUDGET
+    _setup()
+    model, c = _gpt()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for step, ids in enumerate(_batches(c, STEPS)):
+        grads, losses = [], []
+        for part in ids.chunk(WORLD):
+            loss = _loss(model, part)
+            loss.backward()
+            losses.append(float(loss.detach()))
+            grads.append([p.grad.clone() for p in model.parameters()])
+            opt.zero_grad(set_to_none=True)
+        for p, g0, g1 in zip(model.parameters(), *grads):
+            p.grad = (g0 + g1).div_(WORLD)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        assert [r["losses"][step] for r in ranks] == losses, step
+    for a, p in zip(ranks[0]["params"], model.parameters()):
+        assert torch.equal(a, p.detach().cpu())

@@ -13,11 +13,15 @@ pytestmark = [pytest.mark.gpu, pytest.mark.multigpu]
 
 STEPS = 6
 WORLD = 2
+WATCHDOG_S = 180
 
 
 def _rank(rank: int, world: int, init: str, out: str) -> None:
+    import faulthandler
     import sys
     sys.path.insert(0, os.path.dirname(__file__))
+    # a rank stuck in a collective prints every thread's stack and exits, and the test fails
+    faulthandler.dump_traceback_later(WATCHDOG_S, exit=True)
     import torch
     import torch.distributed as dist
     import tiermem

@@ -18,7 +18,8 @@ STEPS = 4
 TOL = dict(rtol=0, atol=1e-4)
 
 
-def _rank(rank: int, world: int, init: str, out: str, accumulate: int, clip: float | None) -> None:
+def _rank(rank: int, world: int, init: str, out: str, accumulate: int, clip: float | None,
+          wider: int = 0) -> None:
     import sys
     sys.path.insert(0, os.path.dirname(__file__))
     import tiermem
@@ -36,7 +37,9 @@ def _rank(rank: int, world: int, init: str, out: str, accumulate: int, clip: flo
     try:
         model, opt = gpt()
         tier = tiermem.Tier(backend=FakeBackend(total=1 << 30, foreign_host=True))
-        train = tier.wrap_training(model, opt, state_bytes(model), block_bytes=16 << 10, min_swap=4096,
+        # ``wider``: this rank's budget is that many more times the state, so its plan differs
+        train = tier.wrap_training(model, opt, state_bytes(model) * (1 + wider * rank), block_bytes=16 << 10,
+                                   min_swap=4096,
                                    process_group=True, accumulate=accumulate, max_grad_norm=clip)
         losses = []
         for ids in batches(STEPS):
@@ -55,21 +58,28 @@ def _rank(rank: int, world: int, init: str, out: str, accumulate: int, clip: flo
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("accumulate, clip", [(1, None), (2, None), (2, 0.05)])
-def test_two_ranks_train_as_one_process_averaging_their_gradients(tmp_path, accumulate, clip):
+@pytest.mark.parametrize("accumulate, clip, wider", [(1, None, 0), (2, None, 0), (2, 0.05, 0), (1, None, 3),
+                                                     (2, 0.05, 3)])
+def test_two_ranks_train_as_one_process_averaging_their_gradients(tmp_path, accumulate, clip, wider):
     """With ``accumulate`` each rank's half of a batch is that many micro-batches, and the
     gradients are averaged once per optimizer step, in its last micro-batch (as DDP's no_sync);
-    with ``clip`` the averaged gradients are clipped to that global norm (NOTE [clipping])."""
+    with ``clip`` the averaged gradients are clipped to that global norm (NOTE [clipping]). With
+    ``wider`` the second rank's budget is that many times larger, so its plan keeps other blocks
+    resident: the all-reduces still pair up (NOTE [data parallel])."""
     import torch.multiprocessing as mp
     from test_train import batches, gpt, loss_of
     world = 2
-    mp.spawn(_rank, args=(world, f"file://{tmp_path / 'rendezvous'}", str(tmp_path), accumulate, clip), nprocs=world,
-             join=True)
+    mp.spawn(_rank, args=(world, f"file://{tmp_path / 'rendezvous'}", str(tmp_path), accumulate, clip, wider),
+             nprocs=world, join=True)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
     # Every rank stepped the same averaged gradients: the replicas are bitwise the same.
     for a, b in zip(ranks[0]["params"], ranks[1]["params"]):
         assert torch.equal(a, b)
-    assert ranks[0]["plan"] == ranks[1]["plan"] and ranks[0]["streamed"] > 0
+    assert ranks[0]["streamed"] > 0
+    if wider:
+        assert ranks[1]["streamed"] < ranks[0]["streamed"], (ranks[0]["plan"], ranks[1]["plan"])
+    else:
+        assert ranks[0]["plan"] == ranks[1]["plan"]
     # Each parameter's gradient is reduced once per optimizer step, whatever the micro-batches.
     n = sum(p.numel() for p in gpt()[0].parameters())
     assert ranks[0]["reduced"] == ranks[1]["reduced"] == STEPS * n

@@ -51,14 +51,20 @@ NOTE [training transport]
 NOTE [data parallel]
     With ``process_group`` each rank trains its own replica, and a block's gradients are averaged
     over the group (``all_reduce``, then divided by its size) as soon as they are complete, just
-    before that block's optimizer step inside backward; resident blocks' gradients are averaged
-    at the step's end, before theirs. Every rank runs the same graph, so the blocks complete, and
-    the all-reduces run, in the same order on every rank. DDP does not compose: its reducer
+    before that block's optimizer step inside backward, and a resident block's as soon as they
+    are complete too (a block whose gradients are not all there by then: at the step's end, in
+    block order, resident or not). So the all-reduces follow the blocks' completion, which is the
+    graph's, not the plan's: ranks whose plans differ (budgets, or measured times that chose
+    other blocks to keep resident) still run them in one order. Averaging resident blocks at the
+    step's end, as before, made that order the plan's, and two gloo ranks with different budgets
+    aborted on mismatched sizes (tests/test_train_dp.py). With a process group the gradient hooks
+    stay in capacity. Every rank runs the same graph, so the blocks complete in the same order on
+    every rank. DDP does not compose: its reducer
     averages gradients at the end of backward, after tiermem has stepped the blocks, so wrap the
     bare replica and pass the group instead. Not handled: parameters that get a gradient on some
     ranks only (data-dependent routing) would leave the all-reduces out of step, and a rank whose
     step fails leaves the others waiting in theirs. tests/test_train_dp.py runs two ranks under
-    gloo on the CPU; the NCCL run on two GPUs is not made yet.
+    gloo on the CPU, with one budget and with two; tests/test_gpu_train_dp.py two GPUs under NCCL.
 
 NOTE [accumulation]
     With ``accumulate=N`` each ``train.step()`` is one micro-batch and the optimizer steps in
@@ -432,6 +438,8 @@ class TieredTraining:
         self._in_step = False
         self._failed = False
         self._got = set()
+        self._resident_got: dict[int, set[int]] = {}     # NOTE [data parallel]: per step
+        self._averaged: set[int] = set()
         self._grads_at_begin: dict[int, int | None] = {}
         self._eval_next = 0                    # NOTE [evaluation between steps]: the block expected next
         self.moved = {"h2d": 0, "d2h": 0}      # bytes moved in the last step
@@ -629,7 +637,11 @@ class TieredTraining:
         if self.replays.capturing:
             self.replays.hit.append(p)     # the capture's accumulation; its replays report it
             return
-        if not self._in_step or b.resident:
+        if not self._in_step:
+            return
+        if b.resident:
+            if self.group is not None and self._updating:
+                self._resident_grad_done(b, p)
             return
         if not b.entered:
             self._bwd_enter(b)    # a gradient with no backward entry seen (an output not tracked)
@@ -642,6 +654,20 @@ class TieredTraining:
         b.waiting -= 1
         if b.waiting == 0:
             self._block_done(b)
+
+    def _resident_grad_done(self, b: Block, p: Any) -> None:
+        """NOTE [data parallel]: a resident block's gradients are averaged as soon as they are
+        complete, as a streamed block's are, so the all-reduces keep one order on every rank
+        whichever blocks each rank's plan keeps resident."""
+        got = self._resident_got.setdefault(b.index, set())
+        got.add(id(p))
+        if len(got) == len(b.trainable):
+            self._average_resident(b)
+
+    def _average_resident(self, b: Block) -> None:
+        if b.index not in self._averaged:
+            self._averaged.add(b.index)
+            self._average([p for p in b.trainable if p.grad is not None])
 
     def _replayed(self, b: Block, hit: list[Any]) -> None:
         """A replayed backward added into ``hit``'s gradients, as autograd's accumulation would have."""
@@ -927,6 +953,7 @@ class TieredTraining:
             self._set_cap()
         self._read_step_time()
         self._got: set[int] = set()
+        self._resident_got, self._averaged = {}, set()     # NOTE [data parallel]
         self._grads_at_begin = self._resident_grads()       # NOTE [zero_grad]
         self._changes_at_begin = self.replays.changes
         self._seg = []
@@ -1076,9 +1103,10 @@ class TieredTraining:
                 self._block_done(b)
             elif b.slot is not None:
                 b.slot.busy = False
+            if ok and self._updating and b.resident and self.group is not None:
+                self._average_resident(b)          # NOTE [data parallel]: in block order, as the streamed
         res = [p for b in self.blocks if b.resident for p in b.trainable if p.grad is not None]
         if ok and self._updating:
-            self._average(res)
             if self.max_grad_norm is not None:
                 self._clip_and_step(res)
         self.stream.end()           # this step's write-backs; every parameter its home's again
@@ -1355,9 +1383,10 @@ class TieredTraining:
         self._set_cap()
         self.mem.empty_cache()
         self.recomputing.set({i: self.blocks[i].module for i in plan.recompute})
-        if not plan.streamed_blocks and plan.swapped_bytes == 0 and not plan.recompute:
+        if not plan.streamed_blocks and plan.swapped_bytes == 0 and not plan.recompute and self.group is None:
             # In capacity: nothing moves, so no hook is needed, and a module with hooks takes
-            # torch's slower call path. Steps are then plain steps on managed memory.
+            # torch's slower call path. Steps are then plain steps on managed memory. (With a
+            # process group the gradient hooks stay: NOTE [data parallel].)
             for h in self._hooks:
                 h.remove()
             self._hooks = []

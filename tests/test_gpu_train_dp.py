@@ -64,7 +64,9 @@ def test_two_gpus_train_as_one_process_averaging_their_gradients(tmp_path):
     assert [r["device"] for r in ranks] == list(range(WORLD))
     for a, b in zip(ranks[0]["params"], ranks[1]["params"]):
         assert torch.equal(a, b)                          # the replicas stepped the same averages
-    assert ranks[0]["plan"] == ranks[1]["plan"] and ranks[0]["streamed"] > 0, ranks[0]["plan"]
+    # each rank plans from its own measured times, so the plans may differ (on two H200s they
+    # did): the all-reduces pair up all the same (NOTE [data parallel])
+    assert all(r["streamed"] > 0 for r in ranks), [r["plan"] for r in ranks]
     assert max(max(r["peaks"]) for r in ranks) <= BUDGET
     _setup()
     model, c = _gpt()

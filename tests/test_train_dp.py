@@ -19,7 +19,7 @@ TOL = dict(rtol=0, atol=1e-4)
 
 
 def _rank(rank: int, world: int, init: str, out: str, accumulate: int, clip: float | None,
-          wider: int = 0) -> None:
+          wider: int = 0, capacity: bool = False) -> None:
     import sys
     sys.path.insert(0, os.path.dirname(__file__))
     import tiermem
@@ -37,9 +37,11 @@ def _rank(rank: int, world: int, init: str, out: str, accumulate: int, clip: flo
     try:
         model, opt = gpt()
         tier = tiermem.Tier(backend=FakeBackend(total=1 << 30, foreign_host=True))
-        # ``wider``: this rank's budget is that many more times the state, so its plan differs
-        train = tier.wrap_training(model, opt, state_bytes(model) * (1 + wider * rank), block_bytes=16 << 10,
-                                   min_swap=4096,
+        # ``wider``: this rank's budget is that many more times the state, so its plan differs;
+        # ``capacity``: the second rank's budget holds everything, and it plans no recompute
+        budget = state_bytes(model) * (100 if capacity and rank else 1 + wider * rank)
+        train = tier.wrap_training(model, opt, budget, block_bytes=16 << 10, min_swap=4096,
+                                   recompute="never" if capacity and rank else "auto",
                                    process_group=True, accumulate=accumulate, max_grad_norm=clip)
         losses = []
         for ids in batches(STEPS):
@@ -50,33 +52,40 @@ def _rank(rank: int, world: int, init: str, out: str, accumulate: int, clip: flo
                 losses.append(float(loss.detach()))
         plan = str(train.plan)
         streamed = len(train.plan.streamed_blocks)
+        in_capacity = not streamed and not train.plan.swapped_bytes and not train.plan.recompute
         train.unwrap()
         torch.save({"params": [p.detach().clone() for p in model.parameters()], "losses": losses, "plan": plan,
-                    "streamed": streamed, "reduced": sum(reduces)}, os.path.join(out, f"rank{rank}.pt"))
+                    "streamed": streamed, "in_capacity": in_capacity,
+                    "reduced": sum(reduces)}, os.path.join(out, f"rank{rank}.pt"))
     finally:
         dist.all_reduce = all_reduce
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("accumulate, clip, wider", [(1, None, 0), (2, None, 0), (2, 0.05, 0), (1, None, 3),
-                                                     (2, 0.05, 3)])
-def test_two_ranks_train_as_one_process_averaging_their_gradients(tmp_path, accumulate, clip, wider):
+@pytest.mark.parametrize("accumulate, clip, wider, capacity", [(1, None, 0, False), (2, None, 0, False),
+                                                               (2, 0.05, 0, False), (1, None, 3, False),
+                                                               (2, 0.05, 3, False), (2, None, 0, True)])
+def test_two_ranks_train_as_one_process_averaging_their_gradients(tmp_path, accumulate, clip, wider, capacity):
     """With ``accumulate`` each rank's half of a batch is that many micro-batches, and the
     gradients are averaged once per optimizer step, in its last micro-batch (as DDP's no_sync);
     with ``clip`` the averaged gradients are clipped to that global norm (NOTE [clipping]). With
     ``wider`` the second rank's budget is that many times larger, so its plan keeps other blocks
-    resident: the all-reduces still pair up (NOTE [data parallel])."""
+    resident, and with ``capacity`` it holds everything (its plan moves nothing and needs no
+    hooks alone): the all-reduces still pair up (NOTE [data parallel])."""
     import torch.multiprocessing as mp
     from test_train import batches, gpt, loss_of
     world = 2
-    mp.spawn(_rank, args=(world, f"file://{tmp_path / 'rendezvous'}", str(tmp_path), accumulate, clip, wider),
+    mp.spawn(_rank, args=(world, f"file://{tmp_path / 'rendezvous'}", str(tmp_path), accumulate, clip, wider,
+                          capacity),
              nprocs=world, join=True)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
     # Every rank stepped the same averaged gradients: the replicas are bitwise the same.
     for a, b in zip(ranks[0]["params"], ranks[1]["params"]):
         assert torch.equal(a, b)
     assert ranks[0]["streamed"] > 0
-    if wider:
+    if capacity:
+        assert ranks[1]["in_capacity"] and not ranks[0]["in_capacity"], ranks[1]["plan"]
+    elif wider:
         assert ranks[1]["streamed"] < ranks[0]["streamed"], (ranks[0]["plan"], ranks[1]["plan"])
     else:
         assert ranks[0]["plan"] == ranks[1]["plan"]

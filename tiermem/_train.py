@@ -57,14 +57,15 @@ NOTE [data parallel]
     graph's, not the plan's: ranks whose plans differ (budgets, or measured times that chose
     other blocks to keep resident) still run them in one order. Averaging resident blocks at the
     step's end, as before, made that order the plan's, and two gloo ranks with different budgets
-    aborted on mismatched sizes (tests/test_train_dp.py). With a process group the gradient hooks
-    stay in capacity. Every rank runs the same graph, so the blocks complete in the same order on
+    aborted on mismatched sizes (tests/test_train_dp.py). With a process group the hooks stay in
+    capacity (the gradients' tell when a block is complete). Every rank runs the same graph, so the blocks complete in the same order on
     every rank. DDP does not compose: its reducer
     averages gradients at the end of backward, after tiermem has stepped the blocks, so wrap the
     bare replica and pass the group instead. Not handled: parameters that get a gradient on some
     ranks only (data-dependent routing) would leave the all-reduces out of step, and a rank whose
     step fails leaves the others waiting in theirs. tests/test_train_dp.py runs two ranks under
-    gloo on the CPU, with one budget and with two; tests/test_gpu_train_dp.py two GPUs under NCCL.
+    gloo on the CPU, with one budget, with two, and with one rank in capacity;
+    tests/test_gpu_train_dp.py two GPUs under NCCL.
 
 NOTE [accumulation]
     With ``accumulate=N`` each ``train.step()`` is one micro-batch and the optimizer steps in
@@ -1104,7 +1105,7 @@ class TieredTraining:
             elif b.slot is not None:
                 b.slot.busy = False
             if ok and self._updating and b.resident and self.group is not None:
-                self._average_resident(b)          # NOTE [data parallel]: in block order, as the streamed
+                self._average_resident(b)          # NOTE [data parallel]: in block order, with the streamed
         res = [p for b in self.blocks if b.resident for p in b.trainable if p.grad is not None]
         if ok and self._updating:
             if self.max_grad_norm is not None:
@@ -1386,7 +1387,7 @@ class TieredTraining:
         if not plan.streamed_blocks and plan.swapped_bytes == 0 and not plan.recompute and self.group is None:
             # In capacity: nothing moves, so no hook is needed, and a module with hooks takes
             # torch's slower call path. Steps are then plain steps on managed memory. (With a
-            # process group the gradient hooks stay: NOTE [data parallel].)
+            # process group the hooks stay: NOTE [data parallel].)
             for h in self._hooks:
                 h.remove()
             self._hooks = []

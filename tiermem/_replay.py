@@ -102,8 +102,6 @@ class Replays:
         self.need = 0                            # the largest working set an eager backward measured
         self.measured: set[int] = set()          # modules whose eager backward was measured
         self.peak_carry = 0                      # the step's reserved peak before a measurement reset it
-        self.outside_peak = 0                    # the step's allocated peak outside measured backwards
-        self.window_peak = 0                     # ... and inside them (0: none measured this step)
         self.room: Callable[[], int | None] | None = None   # bytes the pool may take (None: no limit)
         self.graphs: dict[tuple, _Graph] = {}
         self.per_module: dict[int, int] = {}     # graphs captured per module
@@ -241,28 +239,12 @@ class Replays:
         cuda = self.torch.cuda
         self.changes += 1
         self.peak_carry = max(self.peak_carry, cuda.max_memory_reserved())
-        self.outside_peak = max(self.outside_peak, cuda.max_memory_allocated())
         cuda.reset_peak_memory_stats()
         begin = cuda.memory_allocated()
         try:
             return run()
         finally:
-            top = cuda.max_memory_allocated()
-            self.need = max(self.need, top - begin)
-            self.window_peak = max(self.window_peak, top)
-            self.peak_carry = max(self.peak_carry, cuda.max_memory_reserved())
-            cuda.reset_peak_memory_stats()
-
-    def begin_step(self) -> None:
-        self.peak_carry = self.outside_peak = self.window_peak = 0
-
-    def replaced(self) -> int:
-        """At a step's end: by how much the backwards it measured raised its allocated peak
-        above the rest of the step; the graphs' pool takes their place (an experiment)."""
-        if not self.window_peak:
-            return 0
-        outside = max(self.outside_peak, self.torch.cuda.max_memory_allocated())
-        return max(0, self.window_peak - outside)
+            self.need = max(self.need, cuda.max_memory_allocated() - begin)
 
     def give_up(self, why: str) -> None:
         """Stop capturing and replaying, and give the pool's memory back to the device: a capture

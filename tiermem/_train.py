@@ -963,7 +963,7 @@ class TieredTraining:
         for b in self.blocks:
             b.entered, b.stepped, b.waiting = False, False, 0
         self.mem.reset_peak()
-        self.replays.begin_step()
+        self.replays.peak_carry = 0
         if self._tracing:
             self._calls, self._boundary = {}, {}
             self.recomputing.set({})             # the trace sees every block's own saves
@@ -1035,7 +1035,7 @@ class TieredTraining:
             return
         self.steps += 1
         self.last_peak = self._peak()
-        self._general_peak = self.last_peak - self.replays.pool_bytes - self.replays.replaced()
+        self._general_peak = self.last_peak - self.replays.pool_bytes     # NOTE [replayed recompute]
         diverged = self.swap is not None and self.swap.diverged
         if self._updating:
             self.updates += 1

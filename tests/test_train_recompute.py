@@ -200,6 +200,71 @@ def test_a_plan_slower_than_the_probe_gives_way_to_recomputing_everywhere(plan_s
     assert fake.live() == {"managed": 0, "pinned": 0, "device": 0}
 
 
+def test_the_plan_after_the_probe_is_predicted_from_times_fitted_to_the_probes_steps(monkeypatch):
+    """NOTE [calibrated compute]: after the probe, the compute times are fitted to the mean of
+    its two unmetered steps (30 and 50 ms here) through the probe's own plan, and every plan
+    after carries the factor. The fitting's arithmetic is tests/test_trainplan.py's; the fake's
+    clock gives no compute to fit, so the factor is stood in for here."""
+    import tiermem._train as trainmod
+    seen = []
+
+    def fit(plan, ms):
+        seen.append((plan.kind, sorted(plan.recompute), ms))
+        return 2.0
+    monkeypatch.setattr(trainmod, "fit_compute", fit)
+    bs = batches(8)
+    want, _ = plain_run(bs)
+    fake, tier, model, opt, train = tiered_gpt("auto")
+    times = iter([30.0, 50.0])
+    train._last_step_ms = lambda: next(times, 1.0)
+    got, kinds = _losses_and_kinds(train, model, bs)
+    assert got == want
+    assert len(seen) == 1, seen
+    kind, rec, ms = seen[0]
+    assert kind == "recompute" and rec and ms == 40.0
+    assert train.trace.compute_scale == 2.0 and train.plan.compute_scale == 2.0
+    assert "x2.00, fitted to the probe's own steps" in train.plan.table()
+    train.unwrap()
+    del train
+    gc.collect()
+    tier.close()
+    assert fake.live() == {"managed": 0, "pinned": 0, "device": 0}
+
+
+@pytest.mark.parametrize("recompute", ["never", "always"])
+def test_a_plan_with_no_choice_to_check_is_still_predicted_from_its_own_steps(monkeypatch, recompute):
+    """NOTE [calibrated compute]: "never" and "always" have no probe to choose by, but their plan
+    is metered and timed the same way, and its prediction fitted to its own steps; its choices
+    stay, and nothing after it is checked or switched."""
+    import tiermem._train as trainmod
+    seen = []
+
+    def fit(plan, ms):
+        seen.append((plan.kind, ms))
+        return 0.5
+    monkeypatch.setattr(trainmod, "fit_compute", fit)
+    bs = batches(8)
+    want, _ = plain_run(bs)
+    fake, tier, model, opt, train = tiered_gpt(recompute)
+    times = iter([30.0, 50.0])
+    train._last_step_ms = lambda: next(times, 1.0)
+    got = tiered_losses(train, model, bs[:1])
+    first = train.plan
+    for ids in bs[1:]:
+        got += tiered_losses(train, model, [ids])
+        assert (train.plan.resident_blocks, train.plan.recompute, train.plan.keep, train.plan.kind) == \
+            (first.resident_blocks, first.recompute, first.keep, first.kind)
+    assert got == want
+    assert seen == [("swap" if recompute == "never" else "recompute", 40.0)], seen
+    assert train.plan.compute_scale == 0.5 and "x0.50, fitted" in train.plan.table()
+    assert "checked_ms" not in train.plan.measured
+    train.unwrap()
+    del train
+    gc.collect()
+    tier.close()
+    assert fake.live() == {"managed": 0, "pinned": 0, "device": 0}
+
+
 def test_a_plan_in_capacity_is_kept_however_slow_its_steps_were_timed():
     """NOTE [measured choice]: a plan that moves and recomputes nothing does less than the probe
     (recompute everywhere); a slow host's clock does not send it back there."""

@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tiermem.planning import plan_training, StepTrace, TrainPlan
-from tiermem._trainplan import SavedRecord
+from tiermem._trainplan import SavedRecord, evaluate, fit_compute, scaled
 
 MiB = 1 << 20
 
@@ -258,3 +258,52 @@ def test_clipping_counts_its_pass_in_the_predicted_step_and_the_bytes():
     assert clip.predicted_seconds() == pytest.approx(plain.predicted_seconds() + (2 * p + s) / rate)
     assert clip.h2d_bytes == plain.h2d_bytes + 2 * p and clip.d2h_bytes == plain.d2h_bytes + p
     assert clip.predicted_peak <= budget
+
+
+# -- calibrated compute (NOTE [calibrated compute]) -----------------------------------------------
+
+@settings(max_examples=200, deadline=None)
+@given(fwd=st.floats(0.5, 200.0), bwd=st.floats(0.5, 400.0), fwd_ms=st.floats(0.1, 20.0),
+       act=st.integers(1 * MiB, 256 * MiB), budget=st.integers(100 * MiB, 2048 * MiB),
+       link=st.floats(1.0, 100.0), target=st.floats(0.05, 20.0), mode=st.sampled_from(["always", "never", "auto"]),
+       clip=st.booleans())
+def test_the_fitted_compute_predicts_the_probes_time_or_the_nearest_a_factor_can(
+        fwd, bwd, fwd_ms, act, budget, link, target, mode, clip):
+    """A plan evaluated on the trace scaled by fit_compute's factor predicts the time it was
+    fitted to, unless the link alone takes longer (the least factor then) or the factor would
+    pass its bound; the choices stay the plan's, and only compute times change."""
+    t = seg_trace(act=act, fwd_ms=fwd_ms, compute=(fwd, bwd))
+    p = plan_training(t, budget, margin=0, link_GBps=link, recompute=mode, clip=clip)
+    want = p.predicted_seconds() * 1e3 * target      # the probe's steps: faster or slower than the model
+    f = fit_compute(p, want)
+    q = evaluate(scaled(t, f), p)
+    assert (q.resident_blocks, q.recompute, q.keep, q.kind) == (p.resident_blocks, p.recompute, p.keep, p.kind)
+    assert (q.h2d_bytes, q.d2h_bytes, q.predicted_peak) == (p.h2d_bytes, p.d2h_bytes, p.predicted_peak)
+    assert q.compute_scale == pytest.approx(f)
+    got = q.predicted_seconds() * 1e3
+    if 0.25 < f < 4.0:
+        assert got == pytest.approx(want, rel=1e-6)
+    elif f == 0.25:
+        assert got >= want - 1e-9        # the link bounds the step above what was measured
+    else:
+        assert got <= want + 1e-9
+
+
+def test_a_probe_slower_than_the_model_scales_every_plan_and_the_table_says_so():
+    """The model predicts 40 ms of a compute-bound step; the probe's steps took 60: every plan
+    made from the fitted trace carries 1.5x the compute, and the plan's table shows the factor."""
+    t = seg_trace(act=4 * MiB, compute=(10.0, 30.0))
+    budget = 100 * MiB + 200 * MiB
+    p = plan_training(t, budget, margin=0, recompute="always")
+    assert p.predicted_seconds() * 1e3 == pytest.approx(44.0)     # 40 ms, and 4 blocks of 1 ms recomputed
+    f = fit_compute(p, 66.0)
+    assert f == pytest.approx(1.5)
+    base, again = plan_training(t, budget, margin=0), plan_training(scaled(t, f), budget, margin=0)
+    assert again.compute_scale == pytest.approx(1.5) and base.compute_scale == 1.0
+    assert (again.fwd_ms, again.bwd_ms, again.recompute_ms) == pytest.approx(
+        (1.5 * base.fwd_ms, 1.5 * base.bwd_ms, 1.5 * base.recompute_ms))
+    assert "x1.50, fitted to the probe's own steps" in again.table()
+    assert "fitted" not in p.table()
+    assert fit_compute(p, 0.0) == 1.0
+    with pytest.raises(ValueError, match="compute scale"):
+        scaled(t, 0.0)

@@ -140,7 +140,8 @@ from ._module import module_groups
 from ._recompute import Recompute
 from ._replay import Replays
 from ._swap import ActivationSwap
-from ._trainplan import LINK_GBPS, RECOMPUTE_MODES, SavedRecord, StepTrace, TrainPlan, plan_training
+from ._trainplan import (LINK_GBPS, RECOMPUTE_MODES, SavedRecord, StepTrace, TrainPlan, evaluate, fit_compute,
+                         plan_training, scaled)
 from ._trainslots import Block, BlockSlots, aligned
 from ._trainstates import OptimizerStates
 from .roles import Evict, Location, Prefetch, Role
@@ -410,6 +411,7 @@ class TieredTraining:
         self._boundary_saves: dict[int, int] = {}
         self._expect: dict[int, tuple[int, ...]] | None = None
         self._refine = 0                       # steps left under the probe's plan (NOTE [measured choice])
+        self._calibrating = False              # ... measured only for its times (NOTE [calibrated compute])
         self._refined: StepTrace | None = None   # the trace with the metered probe step's compute
         self._probe_ms: list[float] = []       # the probe's timed steps, unmetered
         self._nesting = 1                      # streamed blocks the traced step used at once
@@ -1196,10 +1198,14 @@ class TieredTraining:
         # The next step is the probe (NOTE [recompute plan]): every block that can be recomputed
         # is, and its forward is timed without the swap's hooks; the plan after it uses both.
         probe = bool(self.trace.recomputable) and self.recompute_mode == "auto" and not self._no_recompute
-        self._refine = PROBE_STEPS if probe else 0
+        plan = self._plan_for(self.trace, "always" if probe else None)
+        # NOTE [calibrated compute]: a plan with no choice to check is measured the same way,
+        # for the times its prediction is made of, where it moves or recomputes anything
+        self._calibrating = not probe and bool(plan.streamed_blocks or plan.recompute or plan.swapped_bytes)
+        self._refine = PROBE_STEPS if probe or self._calibrating else 0
         self._refined, self._probe_ms = None, []
         self._verify = 0
-        self._take(self._plan_for(self.trace, "always" if probe else None))
+        self._take(plan)
         self._tracing = False
         self._restart_timing()
 
@@ -1320,10 +1326,21 @@ class TieredTraining:
         timed, self._probe_ms = [x for x in self._probe_ms if x], []
         probe_ms = min(timed, default=0.0)
         refined, self._refined = self._refined, None
+        calibrating, self._calibrating = self._calibrating, False
         if refined is None:
             return
         self.trace = dataclasses.replace(refined, resident_blocks=frozenset(b.index for b in self.blocks
                                                                             if b.resident))
+        if timed:
+            # NOTE [calibrated compute]: the model's times, fitted to the probe's own steps
+            factor = fit_compute(evaluate(self.trace, self.plan), sum(timed) / len(timed))
+            self.trace = scaled(self.trace, factor)
+        if calibrating:
+            # the same choices ("never", "always", nothing to recompute), predicted anew
+            plan = evaluate(self.trace, self.plan)
+            plan.measured.update(self.plan.measured)
+            self.plan = plan
+            return
         plan = self._plan_for(self.trace)
         if (plan.resident_blocks, plan.recompute, plan.keep) != (self.plan.resident_blocks, self.plan.recompute,
                                                                   self.plan.keep):

@@ -162,7 +162,8 @@ def main():
     ap.add_argument("--modes", default="always;always, no rng;never",
                     help="tiermem's runs, ';' between; each a recompute mode, then options after commas: "
                          "'no rng', 'graphs', 'la=N' (lookahead), 'bf16' (state_dtype), 'margin=F' (the graphs' "
-                         "pool estimate's margin, tiermem._replay.RESERVE_MARGIN)")
+                         "pool estimate's margin, tiermem._replay.RESERVE_MARGIN), 'credit' (the graphs' room "
+                         "counts the eager working set the pool replaces: an experiment)")
     ap.add_argument("--adamw", choices=("fused", "foreach"), default="foreach",
                     help="AdamW's implementation (bench/train_budget.py runs fused)")
     ap.add_argument("--host-timers", action="store_true", help="tiermem's runs: host ms a step in its entry points")
@@ -275,6 +276,10 @@ def main():
             kw["state_dtype"] = torch.bfloat16
         replay.RESERVE_MARGIN = next((float(x[7:]) for x in opts if x.startswith("margin=")), default_margin)
         train = tier.wrap_training(model, opt, int(16 * n / a.ratio), block_bytes=a.block_mib << 20, recompute=opts[0], **kw)
+        if "credit" in opts:
+            room0 = train._graph_room
+            train._graph_room = lambda: (None if (r := room0()) is None else r + train.replays.need)
+            train.replays.room = train._graph_room
 
         def run():
             with train.step():
@@ -283,7 +288,11 @@ def main():
         keys = ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_sync_all_streams")
         for _ in range(a.settle):        # the trace, the probe and the plan's check settle ("auto")
             before = torch.cuda.memory_stats()
-            t = steps(run, 1)[0]
+            try:
+                t = steps(run, 1)[0]
+            except torch.OutOfMemoryError as e:     # a lost step: said, and the run goes on
+                print(f"tiermem {mode}: a step ran out of memory: {str(e)[:300]}", flush=True)
+                t = -1.0
             after = torch.cuda.memory_stats()
             settle.append((round(t, 1), train.plan.kind, len(train.plan.recompute)))
             # torch's allocator in each settling step: a retry empties its cache (a device sync)

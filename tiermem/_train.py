@@ -100,7 +100,8 @@ NOTE [measured choice]
     block that can be) runs PROBE_STEPS steps: the first pays for its allocations, the second is
     metered (the plan's model reads its blocks' compute), and the fastest of the last two is the
     probe's time (their mean is what the model's compute is fitted to before the plan after it
-    is made: NOTE [calibrated compute] in _trainplan.py). The plan made after it runs VERIFY_STEPS steps and the fastest after the first
+    is made: NOTE [calibrated compute] in _trainplan.py). The plan made after it runs
+    VERIFY_STEPS steps and the fastest after the first
     is timed too (one slow step of a host-bound run, 129 ms against the probe's 74, once
     overturned an in-capacity plan on the H100 at acba90b). A plan in capacity, which moves and
     recomputes nothing, is kept without the check: it does less than the probe. If the plan was

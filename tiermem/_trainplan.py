@@ -531,9 +531,10 @@ def evaluate(trace: StepTrace, plan: TrainPlan) -> TrainPlan:
 def fit_compute(plan: TrainPlan, measured_ms: float, lo: float = 0.25, hi: float = 4.0) -> float:
     """The factor on ``plan``'s compute times under which it predicts ``measured_ms`` a step,
     within [lo, hi] (NOTE [calibrated compute]). The link's terms stay: a factor only moves the
-    compute, and a step the link bounds below ``measured_ms`` gets ``lo``."""
+    compute, so a plan whose link alone takes longer than ``measured_ms`` gets ``lo``."""
     if not measured_ms > 0:
         return 1.0
+
     def ms(f: float) -> float:
         return dataclasses.replace(plan, fwd_ms=plan.fwd_ms * f, bwd_ms=plan.bwd_ms * f,
                                    recompute_ms=plan.recompute_ms * f).predicted_seconds() * 1e3

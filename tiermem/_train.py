@@ -58,8 +58,8 @@ NOTE [data parallel]
     other blocks to keep resident) still run them in one order. Averaging resident blocks at the
     step's end, as before, made that order the plan's, and two gloo ranks with different budgets
     aborted on mismatched sizes (tests/test_train_dp.py). With a process group the hooks stay in
-    capacity (the gradients' tell when a block is complete). Every rank runs the same graph, so the blocks complete in the same order on
-    every rank. DDP does not compose: its reducer
+    capacity (the gradients' tell when a block is complete). Every rank runs the same graph, so
+    the blocks complete in the same order on every rank. DDP does not compose: its reducer
     averages gradients at the end of backward, after tiermem has stepped the blocks, so wrap the
     bare replica and pass the group instead. Not handled: parameters that get a gradient on some
     ranks only (data-dependent routing) would leave the all-reduces out of step, and a rank whose
@@ -1203,7 +1203,7 @@ class TieredTraining:
         plan = self._plan_for(self.trace, "always" if probe else None)
         # NOTE [calibrated compute]: a plan with no choice to check is measured the same way,
         # for the times its prediction is made of, where it moves or recomputes anything
-        self._calibrating = not probe and bool(plan.streamed_blocks or plan.recompute or plan.swapped_bytes)
+        self._calibrating = not probe and not plan.in_capacity
         self._refine = PROBE_STEPS if probe or self._calibrating else 0
         self._refined, self._probe_ms = None, []
         self._verify = 0
@@ -1262,7 +1262,7 @@ class TieredTraining:
             return
         self.plan.measured.update(checked_ms=ms, probe_ms=probe_ms)
         p = self.plan
-        if not (p.streamed_blocks or p.recompute or p.swapped_bytes):
+        if p.in_capacity:
             return                    # in capacity: it does less than the probe
         if ms > probe_ms * (1 + VERIFY_SLACK) and self._back_to_probe(ms, probe_ms):
             return
@@ -1403,7 +1403,7 @@ class TieredTraining:
         self._set_cap()
         self.mem.empty_cache()
         self.recomputing.set({i: self.blocks[i].module for i in plan.recompute})
-        if not plan.streamed_blocks and plan.swapped_bytes == 0 and not plan.recompute and self.group is None:
+        if plan.in_capacity and self.group is None:
             # In capacity: nothing moves, so no hook is needed, and a module with hooks takes
             # torch's slower call path. Steps are then plain steps on managed memory. (With a
             # process group the hooks stay: NOTE [data parallel].)

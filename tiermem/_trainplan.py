@@ -176,6 +176,11 @@ class TrainPlan:
         return tuple(i for i in range(len(self.block_param_bytes)) if i not in self.resident_blocks)
 
     @property
+    def in_capacity(self) -> bool:
+        """Nothing streamed, swapped or recomputed: the step runs as plain PyTorch would."""
+        return not (self.streamed_blocks or self.recompute or self.swapped_bytes)
+
+    @property
     def _states_moved(self) -> tuple[int, ...]:
         return self.block_state_moved_bytes or self.block_state_bytes
 

@@ -255,8 +255,8 @@ def test_a_kept_plan_that_runs_slower_later_gives_way_on_the_steps_own_cuda_even
 def test_an_expanded_keyword_tensor_replays_with_checkpoints_gradients_bitwise():
     """NOTE [replayed recompute]: a held keyword tensor that overlaps itself (an attention mask
     made with ``expand``, stride 0) is copied into a dense static buffer; the block's first
-    backward runs eagerly, the second captures, the third replays, each giving the gradients of
-    torch's checkpoint bitwise."""
+    backward runs eagerly and asks for its graph, captured between the steps; the second and
+    third replay it, each giving the gradients of torch's checkpoint bitwise."""
     torch = _setup()
     from tiermem._replay import Replays
 
@@ -268,7 +268,7 @@ def test_an_expanded_keyword_tensor_replays_with_checkpoints_gradients_bitwise()
         def forward(self, x, mask=None):
             return x + self.b(torch.nn.functional.gelu(self.a(x))) * mask
 
-    def grads(wrap):
+    def grads(wrap, between=lambda: None):
         torch.manual_seed(0)
         layers = torch.nn.ModuleList(Layer(256) for _ in range(2)).cuda()
         for p in layers.parameters():
@@ -284,12 +284,13 @@ def test_an_expanded_keyword_tensor_replays_with_checkpoints_gradients_bitwise()
                 h = wrap(m, h, mask)
             h.square().mean().backward()
             out.append([p.grad.clone() for p in layers.parameters()] + [x.grad.clone()])
+            between()
         return out
 
     want = grads(lambda m, h, mask: torch.utils.checkpoint.checkpoint(m, h, mask=mask, use_reentrant=False))
     r = Replays(torch, capture=True, params_of=lambda m: list(m.parameters()))
-    got = grads(lambda m, h, mask: r.run(m, m.forward, (h,), {"mask": mask}))
-    assert r.captured == 2 and r.replayed == 4 and not r.off, (r.captured, r.replayed, r.off)
+    got = grads(lambda m, h, mask: r.run(m, m.forward, (h,), {"mask": mask}), between=r.capture_pending)
+    assert r.captured == 2 and r.replayed == 4 and not r.off and not r.pending, (r.captured, r.replayed, r.off)
     for a, b in zip(got, want):
         assert all(torch.equal(x, y) for x, y in zip(a, b))
     r.close()

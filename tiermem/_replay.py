@@ -4,12 +4,13 @@
 backward as one graph: the forward again, then its backward, the parameters' gradients added
 into their ``.grad`` in place. The graph is keyed by everything it bakes in: the inputs' shapes,
 dtypes and strides, which outputs get a gradient, autocast's state, and the addresses of the
-block's parameters and gradients (a streamed block's slot). A block's first backward runs eagerly,
-its working set measured for the pool's room; after it, a key's first backward captures the
-graph (after one forward without autograd on the capture stream, the first time:
-it warms that stream's cuBLAS handle and workspace) and replays it, later ones replay. A block
-whose forward draws random numbers, whose capture fails (out of memory under the cap, an op
-that syncs), or that needs more than MAX_GRAPHS_PER_BLOCK keys runs eagerly from then on.
+block's parameters and gradients (a streamed block's slot). A key's first backward runs eagerly
+(a block's first one measured, its working set for the pool's room) and asks for the graph;
+:meth:`Replays.capture_pending`, called between steps, captures what was asked for (after one
+forward without autograd on the capture stream, the first time: it warms that stream's cuBLAS
+handle and workspace), and later backwards replay. A block whose forward draws random numbers,
+whose capture fails (out of memory under the cap, an op that syncs), or that needs more than
+MAX_GRAPHS_PER_BLOCK keys runs eagerly from then on.
 """
 from __future__ import annotations
 
@@ -56,13 +57,22 @@ log = logging.getLogger("tiermem")
 #       cap counts it. So a block's first backward runs eagerly and measured (:meth:`_measure`),
 #       the trainer's plan holds room for the estimate (:attr:`reserve`) as it does for kept
 #       activations, no capture starts where the estimate does not fit the room the trainer
-#       gives (its cap less the last step's peak outside the pool, less 1/32 of the budget),
+#       gives (its cap less 1/32 of the budget less the last step's peak outside the pool and
+#       without what the measured backwards added to it, as replayed they run in the pool),
 #       and a pool past that room after a capture, a capture that fails, or a step that runs out
 #       of memory beside the pool stops all capturing: the pool goes back and every block
-#       recomputes eagerly. On the H100 at 1/2.5 of the bench models' state the estimate (422
-#       and 432 MB) did not fit the room (267 and 251 MB), so there the graphs are given up
-#       before any capture: at a tight budget the pool costs what it saves, and graphs stay off
-#       by default (docs/training.md).
+#       recomputes eagerly.
+#     - when: between steps (:meth:`capture_pending`), never inside one. Captured inside the
+#       step that measured, the pool's new segments and the eager backwards' cached ones were
+#       held at once, and a room that counted the working set once lost steps that way (a
+#       capture, then the optimizer, ran out of memory with 114-301 MiB cached but unallocated;
+#       docs/training.md). Between steps the cache is emptied first, and the pool takes what
+#       the step's tensors left. A graph bakes in its block's slot, so a recipe holds where the
+#       block's parameters and gradients were and the capture puts them there and back; a
+#       new plan (new slots) drops what was asked for, and later backwards ask again.
+#     On the H100 at 1/2.5 of the bench models' state with three slots the plan's floor and the
+#     pool together pass the budget less its margin, so there the graphs are given up before
+#     any capture, and graphs stay off by default (docs/training.md).
 #     The gradient of each input comes out in a shared static buffer and is cloned before it is
 #     returned: autograd may hold it past the next block's replay.
 
@@ -74,6 +84,19 @@ class _Graph:
                  hit: list[Any]):
         self.graph, self.static_in, self.static_gout, self.static_gin = graph, static_in, static_gout, static_gin
         self.hit = hit           # the parameters whose accumulation the capture saw, in its order
+
+
+class _Recipe:
+    """What a graph is captured from between steps (NOTE [replayed recompute]): the block's call,
+    the static buffers its replays copy into and out of, and where its parameters and gradients
+    were (``binding``: parameter, its data, its .grad) when an eager backward asked for it."""
+    __slots__ = ("module", "call", "autocast", "static_in", "grad_in", "static_gout", "static_gin", "binding")
+
+    def __init__(self, module: Any, call: Callable, autocast: Any, static_in: list[Any], grad_in: list[bool],
+                 static_gout: list[Any], static_gin: list[Any], binding: list[tuple[Any, Any, Any]]):
+        self.module, self.call, self.autocast = module, call, autocast
+        self.static_in, self.grad_in, self.static_gout, self.static_gin = static_in, grad_in, static_gout, static_gin
+        self.binding = binding
 
 
 class Replays:
@@ -102,8 +125,11 @@ class Replays:
         self.need = 0                            # the largest working set an eager backward measured
         self.measured: set[int] = set()          # modules whose eager backward was measured
         self.peak_carry = 0                      # the step's reserved peak before a measurement reset it
+        self.outside_peak = 0                    # the step's allocated peak outside measured backwards
+        self.window_peak = 0                     # ... and inside them (0: none measured this step)
         self.room: Callable[[], int | None] | None = None   # bytes the pool may take (None: no limit)
         self.graphs: dict[tuple, _Graph] = {}
+        self.pending: dict[tuple, _Recipe] = {}  # graphs the step's eager backwards asked for
         self.per_module: dict[int, int] = {}     # graphs captured per module
         self.eager: set[int] = set()             # modules left to run eagerly (random ops, failed capture)
         self.statics: dict[tuple, Any] = {}      # (kind, position, shape, dtype) -> buffer
@@ -116,6 +142,7 @@ class Replays:
     def close(self) -> None:
         """Drop every graph and buffer (their pool goes back to torch's allocator)."""
         self.graphs.clear()
+        self.pending.clear()
         self.statics.clear()
         self.per_module.clear()
         self.pool = None
@@ -174,43 +201,14 @@ class Replays:
                       tuple(p.data_ptr() for p in params),
                       tuple(p.grad.data_ptr() for p in params))
         g = self.graphs.get(key)
-        if g is None and id(module) not in self.measured:
-            # NOTE [replayed recompute]: its first backward runs eagerly, measured, so the plan
-            # and the check below know the pool's size before any capture takes it
-            self.measured.add(id(module))
-            return self._measure(lambda: _recompute_backward(self.torch, call, tensors, gouts, autocast))
         if g is None:
-            n = self.per_module.get(id(module), 0)
-            if n >= MAX_GRAPHS_PER_BLOCK:
-                # its parameters or inputs keep moving: a graph per step would never be replayed
-                log.info("tiermem: block %s stays eager: %d graphs and still another key",
-                         type(module).__name__, n)
-                self.eager.add(id(module))
-                return _recompute_backward(self.torch, call, tensors, gouts, autocast)
-            why = ""
-            room = self.room() if self.room is not None else None
-            if room is not None and self.reserve > room:
-                why = (f"the graphs' pool (about {self.reserve / 1e6:.0f} MB) does not fit "
-                       f"beside the step's own peak ({room / 1e6:.0f} MB left in the budget)")
-                self.give_up(why)
-                return _recompute_backward(self.torch, call, tensors, gouts, autocast)
-            try:
-                self._warm(call, tensors, autocast)
-                g = self._capture(call, tensors, gouts, autocast)
-            except Exception as e:        # noqa: BLE001 - any failure: no graphs from now on
-                why = f"{type(module).__name__}'s capture failed: {e}"
-            room = self.room() if self.room is not None else None
-            if not why and room is not None and self.pool_bytes > room:
-                why = (f"the graphs' pool ({self.pool_bytes / 1e6:.0f} MB) does not fit beside the step's "
-                       f"own peak ({room / 1e6:.0f} MB left in the budget)")
-            if why:
-                g = None                  # no frame may hold a graph while its pool goes back
-                self.give_up(why)
-                return _recompute_backward(self.torch, call, tensors, gouts, autocast)
-            self.graphs[key] = g
-            self.per_module[id(module)] = n + 1
-            self.captured += 1
-            self.changes += 1
+            # NOTE [replayed recompute]: eager now; the graph is captured between steps
+            self._ask(module, call, key, tensors, gouts, autocast, params)
+            if id(module) not in self.measured:
+                # its first backward is measured, so the plan and the room know the pool's size
+                self.measured.add(id(module))
+                return self._measure(lambda: _recompute_backward(self.torch, call, tensors, gouts, autocast))
+            return _recompute_backward(self.torch, call, tensors, gouts, autocast)
         for s, t in zip(g.static_in, tensors):
             s.copy_(t)
         for s, t in zip(g.static_gout, gouts):
@@ -239,12 +237,92 @@ class Replays:
         cuda = self.torch.cuda
         self.changes += 1
         self.peak_carry = max(self.peak_carry, cuda.max_memory_reserved())
+        self.outside_peak = max(self.outside_peak, cuda.max_memory_allocated())
         cuda.reset_peak_memory_stats()
         begin = cuda.memory_allocated()
         try:
             return run()
         finally:
-            self.need = max(self.need, cuda.max_memory_allocated() - begin)
+            top = cuda.max_memory_allocated()
+            self.need = max(self.need, top - begin)
+            self.window_peak = max(self.window_peak, top)
+            self.peak_carry = max(self.peak_carry, cuda.max_memory_reserved())
+            cuda.reset_peak_memory_stats()
+
+    def begin_step(self) -> None:
+        """A step begins: its peaks are its own."""
+        self.peak_carry = self.outside_peak = self.window_peak = 0
+
+    def replaced(self) -> int:
+        """At a step's end: by how many allocated bytes the backwards it measured raised its peak
+        above the rest of the step. Replayed, those backwards run in the graphs' pool instead."""
+        if not self.window_peak:
+            return 0
+        outside = max(self.outside_peak, self.torch.cuda.max_memory_allocated())
+        return max(0, self.window_peak - outside)
+
+    def _ask(self, module: Any, call: Callable, key: tuple, tensors: list[Any], gouts: list[Any],
+             autocast: Any, params: list[Any]) -> None:
+        """Ask for ``key``'s graph, to be captured between steps (:meth:`capture_pending`)."""
+        if key in self.pending:
+            return
+        n = self.per_module.get(id(module), 0) + sum(r.module is module for r in self.pending.values())
+        if n >= MAX_GRAPHS_PER_BLOCK:
+            # its parameters or inputs keep moving: a graph per step would never be replayed
+            log.info("tiermem: block %s stays eager: %d graphs and still another key", type(module).__name__, n)
+            self.eager.add(id(module))
+            return
+        self._warm(call, tensors, autocast)
+        self.pending[key] = _Recipe(
+            module, call, autocast,
+            static_in=[self._static("in", i, t) for i, t in enumerate(tensors)],
+            grad_in=[t.requires_grad for t in tensors],
+            static_gout=[self._static("gout", i, g) if g is not None else None for i, g in enumerate(gouts)],
+            static_gin=[self._static("gin", i, t) if t.requires_grad else None for i, t in enumerate(tensors)],
+            binding=[(p, p.data, p.grad) for p in params])
+
+    def drop_pending(self) -> None:
+        """Forget the graphs asked for: the memory they were asked at is no longer the blocks'."""
+        self.pending.clear()
+
+    def capture_pending(self) -> int:
+        """Capture the graphs the last step asked for; returns how many. Call it between steps,
+        when the step's own tensors are gone (NOTE [replayed recompute]): the pool then takes its
+        memory from an emptied cache, not beside the step's."""
+        pending, self.pending = self.pending, {}
+        if not pending or not self.capture:
+            return 0
+        room = self.room() if self.room is not None else None
+        if room is not None and self.reserve > room:
+            self.give_up(f"the graphs' pool (about {self.reserve / 1e6:.0f} MB) does not fit "
+                         f"beside the step's own peak ({room / 1e6:.0f} MB left in the budget)")
+            return 0
+        torch = self.torch
+        # The pool cannot take memory torch's allocator keeps cached for other tensors, and the
+        # cap counts both: what is cached and unused goes back first (a device sync).
+        torch.cuda.empty_cache()
+        done = 0
+        for key, rec in pending.items():
+            if key in self.graphs or id(rec.module) in self.eager:
+                continue
+            why = ""
+            try:
+                g = self._capture(rec)
+            except Exception as e:        # noqa: BLE001 - any failure: no graphs from now on
+                g, why = None, f"{type(rec.module).__name__}'s capture failed: {e}"
+            if not why and room is not None and self.pool_bytes > room:
+                why = (f"the graphs' pool ({self.pool_bytes / 1e6:.0f} MB) does not fit beside the step's "
+                       f"own peak ({room / 1e6:.0f} MB left in the budget)")
+            if why:
+                g = None                  # no frame may hold a graph while its pool goes back
+                self.give_up(why)
+                return done
+            self.graphs[key] = g
+            self.per_module[id(rec.module)] = self.per_module.get(id(rec.module), 0) + 1
+            self.captured += 1
+            self.changes += 1
+            done += 1
+        return done
 
     def give_up(self, why: str) -> None:
         """Stop capturing and replaying, and give the pool's memory back to the device: a capture
@@ -288,28 +366,28 @@ class Replays:
             s = self.statics[k] = self.torch.empty_like(t, memory_format=self.torch.preserve_format)
         return s
 
-    def _capture(self, call: Callable, tensors: list[Any], gouts: list[Any], autocast: Any) -> _Graph:
+    def _capture(self, rec: _Recipe) -> _Graph:
+        """A graph of ``rec``'s recompute and backward, captured with the block's parameters and
+        gradients where they were when it was asked for (its slot's memory), put back after."""
         torch = self.torch
-        static_in = [self._static("in", i, t) for i, t in enumerate(tensors)]
-        static_gout = [self._static("gout", i, g) if g is not None else None for i, g in enumerate(gouts)]
-        static_gin = [self._static("gin", i, t) if t.requires_grad else None for i, t in enumerate(tensors)]
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
-        # The pool cannot take memory torch's allocator keeps cached for other tensors, and the
-        # cap counts both: what is cached and unused goes back first (a device sync, once a graph).
-        torch.cuda.empty_cache()
         before = torch.cuda.memory_reserved()
         graph = torch.cuda.CUDAGraph()
         side, cur = self._side(), torch.cuda.current_stream()
         side.wait_stream(cur)
+        was = [(p, p.data, p.grad) for p, _, _ in rec.binding]
         self.capturing, self.hit = True, []
         try:
+            for p, data, grad in rec.binding:
+                p.data = data
+                p.grad = grad
             with torch.cuda.stream(side):
                 graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
                 try:
-                    xs = [s.detach().requires_grad_(t.requires_grad) for s, t in zip(static_in, tensors)]
-                    gin = _recompute_backward(torch, call, xs, static_gout, autocast)
-                    for s, g in zip(static_gin, gin):
+                    xs = [s.detach().requires_grad_(r) for s, r in zip(rec.static_in, rec.grad_in)]
+                    gin = _recompute_backward(torch, rec.call, xs, rec.static_gout, rec.autocast)
+                    for s, g in zip(rec.static_gin, gin):
                         if s is not None:
                             if g is None:
                                 s.zero_()
@@ -321,10 +399,13 @@ class Replays:
             hit = self.hit
         finally:
             self.capturing, self.hit = False, []
+            for p, data, grad in was:
+                p.data = data
+                p.grad = grad
         cur.wait_stream(side)
         self.pool_bytes += max(0, torch.cuda.memory_reserved() - before)   # only the pool allocates in a capture
         self.pool_peak = max(self.pool_peak, self.pool_bytes)
-        return _Graph(graph, static_in, static_gout, static_gin, hit)
+        return _Graph(graph, rec.static_in, rec.static_gout, rec.static_gin, hit)
 
 
 def _autocast(torch: Any, state: Any) -> Any:

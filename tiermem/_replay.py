@@ -204,11 +204,10 @@ class Replays:
         if g is None:
             # NOTE [replayed recompute]: eager now; the graph is captured between steps
             self._ask(module, call, key, tensors, gouts, autocast, params)
-            if id(module) not in self.measured:
-                # its first backward is measured, so the plan and the room know the pool's size
-                self.measured.add(id(module))
-                return self._measure(lambda: _recompute_backward(self.torch, call, tensors, gouts, autocast))
-            return _recompute_backward(self.torch, call, tensors, gouts, autocast)
+            # measured, so the plan knows the pool's size and the room what the pool replaces
+            first = id(module) not in self.measured
+            self.measured.add(id(module))
+            return self._measure(lambda: _recompute_backward(self.torch, call, tensors, gouts, autocast), first)
         for s, t in zip(g.static_in, tensors):
             s.copy_(t)
         for s, t in zip(g.static_gout, gouts):
@@ -230,12 +229,12 @@ class Replays:
             return self.pool_bytes
         return max(self.pool_bytes, self.need + int(self.need * RESERVE_MARGIN) + SEGMENTS if self.need else 0)
 
-    def _measure(self, run: Callable[[], Any]) -> Any:
+    def _measure(self, run: Callable[[], Any], first: bool = True) -> Any:
         """``run()``, its peak of allocated bytes above where it began kept in :attr:`need`.
         Measuring resets the device's peak counters; the peak before is kept in :attr:`peak_carry`
         for the caller, whose step's peak it is part of."""
         cuda = self.torch.cuda
-        self.changes += 1
+        self.changes += first            # a block's first measurement: a step not to time
         self.peak_carry = max(self.peak_carry, cuda.max_memory_reserved())
         self.outside_peak = max(self.outside_peak, cuda.max_memory_allocated())
         cuda.reset_peak_memory_stats()

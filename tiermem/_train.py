@@ -1114,8 +1114,17 @@ class TieredTraining:
             r.drop_pending()
             return
         if r.reserve > self.plan.graph_pool:
-            with_pool = evaluate(self.trace, dataclasses.replace(self.plan, graph_pool=r.reserve))
-            if with_pool.predicted_peak > self.budget - self.plan.margin:
+            with_pool = dataclasses.replace(self.plan, graph_pool=r.reserve)
+            if evaluate(self.trace, with_pool).predicted_peak > self.budget - self.plan.margin:
+                slot = aligned(self.stream.needed_slot_bytes())
+                fewer = dataclasses.replace(self.trace, floor_peak=max(self.trace.floor_peak - slot, 0))
+                if (self.stream.nslots > max(2, self._nesting + 1)
+                        and evaluate(fewer, with_pool).predicted_peak <= self.budget - self.plan.margin):
+                    # NOTE [fewer slots]: the plan's choices stay; the next step asks again
+                    self._slot_for_pool(slot)
+                    measured = self.plan.measured
+                    self.plan = evaluate(self.trace, with_pool)
+                    self.plan.measured.update(measured)
                 r.drop_pending()
                 return
         r.capture_pending()

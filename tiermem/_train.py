@@ -1417,6 +1417,12 @@ class TieredTraining:
         if self._general_peak is not None:
             self._general_peak = max(self._general_peak - slot, 0)     # the room, as the next step will have it
         self.replays.drop_pending()          # asked for at the old slots
+        # The old ring goes back to the device before the new one is taken: carved from the
+        # old ring's cached segment, the new one would leave the slot it gave up in torch's
+        # cache, where the graphs' private pool cannot take it.
+        st.unbind_all()
+        st.release()
+        self.mem.empty_cache()
         st.alloc()
 
     def _take(self, plan: TrainPlan) -> None:

@@ -426,3 +426,44 @@ def test_a_mixture_of_experts_recomputes_and_gives_the_plain_losses_bitwise(reco
     gc.collect()
     tier.close()
     assert fake.live() == {"managed": 0, "pinned": 0, "device": 0}
+
+
+def test_graphs_are_captured_between_steps_only_where_the_plan_holds_their_pool(monkeypatch):
+    """NOTE [replayed recompute]: after a step, the graphs its eager backwards asked for are
+    captured only if the plan's peak with the pool stays within the budget less its margin;
+    else the asks are dropped (the plan makes room first, or gives the graphs up). A new plan
+    drops them too: they were asked at the old plan's slots. (The fake has no CUDA graphs: the
+    capture itself is tests/test_gpu_recompute.py's.)"""
+    import types
+
+    import tiermem._replay as replay
+    monkeypatch.setattr(replay, "SEGMENTS", 0)
+    monkeypatch.setattr(replay, "RESERVE_MARGIN", 0.0)
+    fake, tier, model, opt, train = tiered_gpt("always")
+    tiered_losses(train, model, batches(4))
+    r = train.replays
+    calls = []
+    monkeypatch.setattr(r, "capture_pending", lambda: calls.append(dict(r.pending)) or 0)
+    r.capture = True
+
+    def ask():
+        r.pending[("k",)] = types.SimpleNamespace(module=model)
+
+    r.need = 1                       # a pool of a byte fits wherever the plan did
+    ask()
+    train._capture_graphs()
+    assert len(calls) == 1 and ("k",) in calls[0]
+    r.pending.clear()
+    r.need = train.budget            # a pool of the whole budget does not
+    ask()
+    train._capture_graphs()
+    assert len(calls) == 1 and not r.pending and r.capture
+    ask()
+    train._take(train.plan)
+    assert not r.pending
+    r.capture, r.need = False, 0
+    tiered_losses(train, model, batches(2))
+    train.unwrap()
+    del train, model, opt
+    gc.collect()
+    assert fake.live() == {"managed": 0, "pinned": 0, "device": 0}

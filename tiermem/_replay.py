@@ -57,8 +57,7 @@ log = logging.getLogger("tiermem")
 #       cap counts it. So a block's first backward runs eagerly and measured (:meth:`_measure`),
 #       the trainer's plan holds room for the estimate (:attr:`reserve`) as it does for kept
 #       activations, no capture starts where the estimate does not fit the room the trainer
-#       gives (its cap less 1/32 of the budget less the last step's peak outside the pool and
-#       without what the measured backwards added to it, as replayed they run in the pool),
+#       gives (its cap less the last step's peak outside the pool, less 1/32 of the budget),
 #       and a pool past that room after a capture, a capture that fails, or a step that runs out
 #       of memory beside the pool stops all capturing: the pool goes back and every block
 #       recomputes eagerly.
@@ -69,10 +68,13 @@ log = logging.getLogger("tiermem")
 #       docs/training.md). Between steps the cache is emptied first, and the pool takes what
 #       the step's tensors left. A graph bakes in its block's slot, so a recipe holds where the
 #       block's parameters and gradients were and the capture puts them there and back; a
-#       new plan (new slots) drops what was asked for, and later backwards ask again.
-#     On the H100 at 1/2.5 of the bench models' state with three slots the plan's floor and the
-#     pool together pass the budget less its margin, so there the graphs are given up before
-#     any capture, and graphs stay off by default (docs/training.md).
+#       new plan (new slots) drops what was asked for, and later backwards ask again. The room
+#       still counts the eager working set twice (in the step's peak and in the pool): counted
+#       once, a GPT step replaying its graphs ran out of memory in forward (2026-11-27,
+#       docs/training.md), so capturing between steps makes the capture safe, not the room larger.
+#     At 1/2.5 of the bench models' state the plan's floor and the pool together pass the budget
+#     less its margin, so there the graphs are given up before any capture, and graphs stay off
+#     by default (docs/training.md).
 #     The gradient of each input comes out in a shared static buffer and is cloned before it is
 #     returned: autograd may hold it past the next block's replay.
 
@@ -125,8 +127,6 @@ class Replays:
         self.need = 0                            # the largest working set an eager backward measured
         self.measured: set[int] = set()          # modules whose eager backward was measured
         self.peak_carry = 0                      # the step's reserved peak before a measurement reset it
-        self.outside_peak = 0                    # the step's allocated peak outside measured backwards
-        self.window_peak = 0                     # ... and inside them (0: none measured this step)
         self.room: Callable[[], int | None] | None = None   # bytes the pool may take (None: no limit)
         self.graphs: dict[tuple, _Graph] = {}
         self.pending: dict[tuple, _Recipe] = {}  # graphs the step's eager backwards asked for
@@ -204,10 +204,11 @@ class Replays:
         if g is None:
             # NOTE [replayed recompute]: eager now; the graph is captured between steps
             self._ask(module, call, key, tensors, gouts, autocast, params)
-            # measured, so the plan knows the pool's size and the room what the pool replaces
-            first = id(module) not in self.measured
-            self.measured.add(id(module))
-            return self._measure(lambda: _recompute_backward(self.torch, call, tensors, gouts, autocast), first)
+            if id(module) not in self.measured:
+                # its first backward is measured, so the plan and the room know the pool's size
+                self.measured.add(id(module))
+                return self._measure(lambda: _recompute_backward(self.torch, call, tensors, gouts, autocast))
+            return _recompute_backward(self.torch, call, tensors, gouts, autocast)
         for s, t in zip(g.static_in, tensors):
             s.copy_(t)
         for s, t in zip(g.static_gout, gouts):
@@ -229,36 +230,19 @@ class Replays:
             return self.pool_bytes
         return max(self.pool_bytes, self.need + int(self.need * RESERVE_MARGIN) + SEGMENTS if self.need else 0)
 
-    def _measure(self, run: Callable[[], Any], first: bool = True) -> Any:
+    def _measure(self, run: Callable[[], Any]) -> Any:
         """``run()``, its peak of allocated bytes above where it began kept in :attr:`need`.
         Measuring resets the device's peak counters; the peak before is kept in :attr:`peak_carry`
         for the caller, whose step's peak it is part of."""
         cuda = self.torch.cuda
-        self.changes += first            # a block's first measurement: a step not to time
+        self.changes += 1
         self.peak_carry = max(self.peak_carry, cuda.max_memory_reserved())
-        self.outside_peak = max(self.outside_peak, cuda.max_memory_allocated())
         cuda.reset_peak_memory_stats()
         begin = cuda.memory_allocated()
         try:
             return run()
         finally:
-            top = cuda.max_memory_allocated()
-            self.need = max(self.need, top - begin)
-            self.window_peak = max(self.window_peak, top)
-            self.peak_carry = max(self.peak_carry, cuda.max_memory_reserved())
-            cuda.reset_peak_memory_stats()
-
-    def begin_step(self) -> None:
-        """A step begins: its peaks are its own."""
-        self.peak_carry = self.outside_peak = self.window_peak = 0
-
-    def replaced(self) -> int:
-        """At a step's end: by how many allocated bytes the backwards it measured raised its peak
-        above the rest of the step. Replayed, those backwards run in the graphs' pool instead."""
-        if not self.window_peak:
-            return 0
-        outside = max(self.outside_peak, self.torch.cuda.max_memory_allocated())
-        return max(0, self.window_peak - outside)
+            self.need = max(self.need, cuda.max_memory_allocated() - begin)
 
     def _ask(self, module: Any, call: Callable, key: tuple, tensors: list[Any], gouts: list[Any],
              autocast: Any, params: list[Any]) -> None:

@@ -967,7 +967,7 @@ class TieredTraining:
         for b in self.blocks:
             b.entered, b.stepped, b.waiting = False, False, 0
         self.mem.reset_peak()
-        self.replays.begin_step()
+        self.replays.peak_carry = 0
         if self._tracing:
             self._calls, self._boundary = {}, {}
             self.recomputing.set({})             # the trace sees every block's own saves
@@ -1039,9 +1039,7 @@ class TieredTraining:
             return
         self.steps += 1
         self.last_peak = self._peak()
-        # NOTE [replayed recompute]: outside the pool, and without what the measured eager
-        # backwards added to the step's peak: replayed, they run in the pool
-        self._general_peak = self.last_peak - self.replays.pool_bytes - self.replays.replaced()
+        self._general_peak = self.last_peak - self.replays.pool_bytes     # NOTE [replayed recompute]
         diverged = self.swap is not None and self.swap.diverged
         if self._updating:
             self.updates += 1
@@ -1114,17 +1112,8 @@ class TieredTraining:
             r.drop_pending()
             return
         if r.reserve > self.plan.graph_pool:
-            with_pool = dataclasses.replace(self.plan, graph_pool=r.reserve)
-            if evaluate(self.trace, with_pool).predicted_peak > self.budget - self.plan.margin:
-                slot = aligned(self.stream.needed_slot_bytes())
-                fewer = dataclasses.replace(self.trace, floor_peak=max(self.trace.floor_peak - slot, 0))
-                if (self.stream.nslots > max(2, self._nesting + 1)
-                        and evaluate(fewer, with_pool).predicted_peak <= self.budget - self.plan.margin):
-                    # NOTE [fewer slots]: the plan's choices stay; the next step asks again
-                    self._slot_for_pool(slot)
-                    measured = self.plan.measured
-                    self.plan = evaluate(self.trace, with_pool)
-                    self.plan.measured.update(measured)
+            with_pool = evaluate(self.trace, dataclasses.replace(self.plan, graph_pool=r.reserve))
+            if with_pool.predicted_peak > self.budget - self.plan.margin:
                 r.drop_pending()
                 return
         r.capture_pending()
@@ -1252,11 +1241,7 @@ class TieredTraining:
     #     block fewer brought in ahead of use. If that is not enough, the step is refused with
     #     what it needs, rather than torch's allocator running out in the next step. On the H100
     #     the GPT of bench/train_budget.py at 1/4 of its state (0.875 GB) needed 0.925 GB with
-    #     three slots (bench/probes/probe_floor.py at e2aaa74). With graphs=True the ring also
-    #     gives up a slot where the plan's floor and the graphs' pool pass the budget less its
-    #     margin with it and not without it (NOTE [replayed recompute]): at 1/2.5 of the bench
-    #     models' state a slot (180-200 MB) is what the pool (438-528 MB) lacks, and two slots
-    #     alone did not make the eager steps slower beyond the machine's spread (docs/training.md).
+    #     three slots (bench/probes/probe_floor.py at e2aaa74).
     def _fit_slots(self, slot: int) -> None:
         st = self.stream
         while True:
@@ -1395,35 +1380,10 @@ class TieredTraining:
                              clip=self.max_grad_norm is not None, graph_pool=self.replays.reserve)
         if plan.graph_pool and plan.predicted_peak > self.budget - margin:
             # NOTE [replayed recompute]: the floor and the pool together pass the budget
-            slot = aligned(self.stream.needed_slot_bytes())
-            if (self.stream.slots and self.stream.nslots > max(2, self._nesting + 1)
-                    and plan.predicted_peak - slot <= self.budget - margin):
-                self._slot_for_pool(slot)        # NOTE [fewer slots]
-                return self._plan_for(dataclasses.replace(trace, floor_peak=max(trace.floor_peak - slot, 0)), mode)
             self.replays.give_up("the budget leaves no room for the graphs' pool beside the step's floor")
             plan = plan_training(trace, self.budget, margin=margin, recompute=mode, link_GBps=self.link_GBps,
                                  clip=self.max_grad_norm is not None)
         return plan
-
-    def _slot_for_pool(self, slot: int) -> None:
-        """NOTE [fewer slots]: one slot fewer, where that leaves the graphs' pool room beside the
-        step's floor; between steps."""
-        st = self.stream
-        log.warning("tiermem: the graphs' pool fits beside the step's floor only with %d slots, not %d: "
-                    "lookahead lowered to %d (NOTE [fewer slots])", st.nslots - 1, st.nslots, st.lookahead - 1)
-        st.nslots -= 1
-        st.lookahead -= 1
-        self.trace = dataclasses.replace(self.trace, floor_peak=max(self.trace.floor_peak - slot, 0))
-        if self._general_peak is not None:
-            self._general_peak = max(self._general_peak - slot, 0)     # the room, as the next step will have it
-        self.replays.drop_pending()          # asked for at the old slots
-        # The old ring goes back to the device before the new one is taken: carved from the
-        # old ring's cached segment, the new one would leave the slot it gave up in torch's
-        # cache, where the graphs' private pool cannot take it.
-        st.unbind_all()
-        st.release()
-        self.mem.empty_cache()
-        st.alloc()
 
     def _take(self, plan: TrainPlan) -> None:
         """Make ``plan`` the one the next steps follow."""

@@ -109,6 +109,31 @@ def test_the_pools_reserve_is_the_estimate_until_the_pool_is_larger_or_capturing
     assert r.reserve == 0
 
 
+def test_an_ask_makes_no_buffer_in_the_step_and_the_reserve_counts_the_buffers_it_names():
+    """NOTE [replayed recompute], memory: an eager backward that asks for its graph makes none of
+    the graph's static buffers (made in backward they took memory no plan had left); the reserve
+    counts them from the ask on, once per shape and place however many blocks share them, and
+    nothing once the graphs are given up."""
+    r = Replays(torch, capture=True, params_of=lambda m: list(m.parameters()))
+    layers = _model()
+    for m in layers:
+        r.measured.add(id(m))            # their first backward was measured (a GPU's counters)
+        for p in m.parameters():
+            p.grad = torch.zeros_like(p)
+    x = torch.randn(4, 8, 16, requires_grad=True)
+    h = x
+    for m in layers:
+        h, _, _ = r.run(m, m.forward, (h,), {"tag": "t"})
+    h.square().sum().backward()          # a dense output gradient (sum's alone is an expanded one)
+    assert len(r.pending) == 3 and not r.statics and r.statics_bytes == 0 and r.held_bytes == 0
+    one = 4 * 8 * 16 * 4
+    assert r.reserve == 3 * one          # input, output gradient, input gradient: shared by the three
+    r.need = 100 << 20
+    assert r.reserve > (100 << 20) + 3 * one
+    r.give_up("a test")
+    assert r.reserve == 0 and not r.pending
+
+
 def test_graphs_asked_for_are_captured_between_steps_only_where_the_room_holds_their_pool():
     """NOTE [replayed recompute]: capture_pending takes what a step asked for, once; with nothing
     asked it does nothing; where the pool's estimate passes the room it captures nothing and

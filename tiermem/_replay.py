@@ -6,9 +6,9 @@ into their ``.grad`` in place. The graph is keyed by everything it bakes in: the
 dtypes and strides, which outputs get a gradient, autocast's state, and the addresses of the
 block's parameters and gradients (a streamed block's slot). A key's first backward runs eagerly
 (a block's first one measured, its working set for the pool's room) and asks for the graph;
-:meth:`Replays.capture_pending`, called between steps, captures what was asked for (after one
-forward without autograd on the capture stream, the first time: it warms that stream's cuBLAS
-handle and workspace), and later backwards replay. A block whose forward draws random numbers,
+:meth:`Replays.capture_pending`, called between steps, makes the static buffers and captures
+what was asked for (after one forward without autograd on the capture stream, the first time:
+it warms that stream's cuBLAS handle and workspace), and later backwards replay. A block whose forward draws random numbers,
 whose capture fails (out of memory under the cap, an op that syncs), or that needs more than
 MAX_GRAPHS_PER_BLOCK keys runs eagerly from then on.
 """
@@ -60,7 +60,13 @@ log = logging.getLogger("tiermem")
 #       gives (its cap less the last step's peak outside the pool, less 1/32 of the budget),
 #       and a pool past that room after a capture, a capture that fails, or a step that runs out
 #       of memory beside the pool stops all capturing: the pool goes back and every block
-#       recomputes eagerly.
+#       recomputes eagerly. The static buffers (inputs, output gradients, input gradients: one
+#       per shape and place, shared by the blocks) live outside the pool; an ask names them and
+#       the reserve counts them from then on, but they are made between steps, with the capture.
+#       Made by the ask, inside backward, they took memory no plan had left: a GPT split into
+#       its Linears (100 blocks) asked for buffers of every Linear's shapes, its head's 64 MiB
+#       output gradient among them, and every step after the first ran out of memory (H200,
+#       2026-11-27, docs/training.md).
 #     - when: between steps (:meth:`capture_pending`), never inside one. Captured inside the
 #       step that measured, the pool's new segments and the eager backwards' cached ones were
 #       held at once, and a room that counted the working set once lost steps that way (a
@@ -90,12 +96,15 @@ class _Graph:
 
 class _Recipe:
     """What a graph is captured from between steps (NOTE [replayed recompute]): the block's call,
-    the static buffers its replays copy into and out of, and where its parameters and gradients
-    were (``binding``: parameter, its data, its .grad) when an eager backward asked for it."""
+    the static buffers its replays copy into and out of (their keys: :meth:`Replays._spec`; the
+    buffers are made when it is captured, not in the step that asks), and where its parameters
+    and gradients were (``binding``: parameter, its data, its .grad) when an eager backward asked
+    for it."""
     __slots__ = ("module", "call", "autocast", "static_in", "grad_in", "static_gout", "static_gin", "binding")
 
-    def __init__(self, module: Any, call: Callable, autocast: Any, static_in: list[Any], grad_in: list[bool],
-                 static_gout: list[Any], static_gin: list[Any], binding: list[tuple[Any, Any, Any]]):
+    def __init__(self, module: Any, call: Callable, autocast: Any, static_in: list[tuple], grad_in: list[bool],
+                 static_gout: list[tuple | None], static_gin: list[tuple | None],
+                 binding: list[tuple[Any, Any, Any]]):
         self.module, self.call, self.autocast = module, call, autocast
         self.static_in, self.grad_in, self.static_gout, self.static_gin = static_in, grad_in, static_gout, static_gin
         self.binding = binding
@@ -132,7 +141,8 @@ class Replays:
         self.pending: dict[tuple, _Recipe] = {}  # graphs the step's eager backwards asked for
         self.per_module: dict[int, int] = {}     # graphs captured per module
         self.eager: set[int] = set()             # modules left to run eagerly (random ops, failed capture)
-        self.statics: dict[tuple, Any] = {}      # (kind, position, shape, dtype) -> buffer
+        self.statics: dict[tuple, Any] = {}      # (kind, position, shape, dtype, strides, device) -> buffer
+        self.static_sizes: dict[tuple, int] = {} # every buffer's key an ask named -> its bytes, made or not
         self.stream: Any = None
         self.pool: Any = None
         self.replayed = 0
@@ -144,6 +154,7 @@ class Replays:
         self.graphs.clear()
         self.pending.clear()
         self.statics.clear()
+        self.static_sizes.clear()
         self.per_module.clear()
         self.pool = None
         self.pool_bytes = 0
@@ -223,12 +234,24 @@ class Replays:
 
     @property
     def reserve(self) -> int:
-        """Bytes a plan must leave the graphs' pool: what it holds, or while capturing is on, what
+        """Bytes a plan must leave the graphs: what the pool holds, or while capturing is on, what
         the largest measured backward says it will hold, with a quarter more and the allocator's
-        segments (SEGMENTS) for what the pool cannot share with the rest of the step."""
+        segments (SEGMENTS) for what the pool cannot share with the rest of the step; and the
+        static buffers that every ask so far named, made or not."""
         if not self.capture:
-            return self.pool_bytes
-        return max(self.pool_bytes, self.need + int(self.need * RESERVE_MARGIN) + SEGMENTS if self.need else 0)
+            return self.pool_bytes + self.statics_bytes
+        pool = max(self.pool_bytes, self.need + int(self.need * RESERVE_MARGIN) + SEGMENTS if self.need else 0)
+        return pool + sum(self.static_sizes.values())
+
+    @property
+    def statics_bytes(self) -> int:
+        """Bytes of the static buffers made so far (outside the pool, in torch's cache)."""
+        return sum(self.static_sizes[k] for k in self.statics)
+
+    @property
+    def held_bytes(self) -> int:
+        """What the graphs hold now: the pool and the static buffers."""
+        return self.pool_bytes + self.statics_bytes
 
     def _measure(self, run: Callable[[], Any]) -> Any:
         """``run()``, its peak of allocated bytes above where it began kept in :attr:`need`.
@@ -255,13 +278,13 @@ class Replays:
             log.info("tiermem: block %s stays eager: %d graphs and still another key", type(module).__name__, n)
             self.eager.add(id(module))
             return
-        self._warm(call, tensors, autocast)
+        # the buffers' keys only: they are made between steps (NOTE [replayed recompute], memory)
         self.pending[key] = _Recipe(
             module, call, autocast,
-            static_in=[self._static("in", i, t) for i, t in enumerate(tensors)],
+            static_in=[self._spec("in", i, t) for i, t in enumerate(tensors)],
             grad_in=[t.requires_grad for t in tensors],
-            static_gout=[self._static("gout", i, g) if g is not None else None for i, g in enumerate(gouts)],
-            static_gin=[self._static("gin", i, t) if t.requires_grad else None for i, t in enumerate(tensors)],
+            static_gout=[self._spec("gout", i, g) if g is not None else None for i, g in enumerate(gouts)],
+            static_gin=[self._spec("gin", i, t) if t.requires_grad else None for i, t in enumerate(tensors)],
             binding=[(p, p.data, p.grad) for p in params])
 
     def drop_pending(self) -> None:
@@ -293,9 +316,9 @@ class Replays:
                 g = self._capture(rec)
             except Exception as e:        # noqa: BLE001 - any failure: no graphs from now on
                 g, why = None, f"{type(rec.module).__name__}'s capture failed: {e}"
-            if not why and room is not None and self.pool_bytes > room:
-                why = (f"the graphs' pool ({self.pool_bytes / 1e6:.0f} MB) does not fit beside the step's "
-                       f"own peak ({room / 1e6:.0f} MB left in the budget)")
+            if not why and room is not None and self.held_bytes > room:
+                why = (f"the graphs' pool and buffers ({self.held_bytes / 1e6:.0f} MB) do not fit beside the "
+                       f"step's own peak ({room / 1e6:.0f} MB left in the budget)")
             if why:
                 g = None                  # no frame may hold a graph while its pool goes back
                 self.give_up(why)
@@ -314,7 +337,9 @@ class Replays:
         self.off = why
         self.capture = False
         self.changes += 1
-        if self.pool is None and not self.graphs:
+        self.pending.clear()
+        if self.pool is None and not self.graphs and not self.statics:
+            self.static_sizes.clear()
             return             # nothing was captured: no memory to give back (and no sync mid-step)
         self.close()
         gc.collect()           # a failed capture's frames can hold its tensors in the pool in a cycle
@@ -328,7 +353,8 @@ class Replays:
     def _warm(self, call: Callable, tensors: list[Any], autocast: Any) -> None:
         """Run the block's forward once, without autograd, on the capture stream: cuBLAS makes its
         handle and workspace for a stream at its first use there, which must not be inside a
-        capture. The forward draws no random numbers (else the block would be eager) and writes
+        capture. Between steps, on the static buffers (zeros: an index read from them is in
+        range). The forward draws no random numbers (else the block would be eager) and writes
         nothing the step keeps."""
         if self.warmed:
             return
@@ -338,21 +364,37 @@ class Replays:
         with torch.cuda.stream(side), torch.no_grad(), _autocast(torch, autocast):
             call(list(tensors))
         cur.wait_stream(side)
+        torch.cuda.empty_cache()      # what the forward left cached is the capture stream's alone
         self.warmed = True
 
-    def _static(self, kind: str, i: int, t: Any) -> Any:
-        k = (kind, i, tuple(t.shape), t.dtype, tuple(t.stride()))
+    def _spec(self, kind: str, i: int, t: Any) -> tuple:
+        """The key of the static buffer for tensor ``t`` at position ``i`` of ``kind``; its bytes
+        are counted in :attr:`reserve` from now on, the buffer is made by :meth:`_static`."""
+        k = (kind, i, tuple(t.shape), t.dtype, tuple(t.stride()), t.device)
+        if k not in self.static_sizes:
+            self.static_sizes[k] = t.numel() * t.element_size()
+        return k
+
+    def _static(self, k: tuple) -> Any:
         s = self.statics.get(k)
         if s is None:
-            # t's strides where they are dense; contiguous where t overlaps itself (an expanded
-            # mask: a copy into a buffer with its stride-0 layout is refused)
-            s = self.statics[k] = self.torch.empty_like(t, memory_format=self.torch.preserve_format)
+            _, _, shape, dtype, stride, dev = k
+            # dense where the tensor was (its strides kept); contiguous where it overlapped itself
+            # (an expanded mask: a copy into a buffer with its stride-0 layout is refused)
+            like = self.torch.empty_strided(shape, stride, dtype=dtype, device=dev)
+            s = self.statics[k] = self.torch.zeros_like(like, memory_format=self.torch.preserve_format)
+            del like
+            self.static_sizes[k] = s.untyped_storage().nbytes()
         return s
 
     def _capture(self, rec: _Recipe) -> _Graph:
         """A graph of ``rec``'s recompute and backward, captured with the block's parameters and
         gradients where they were when it was asked for (its slot's memory), put back after."""
         torch = self.torch
+        static_in = [self._static(k) for k in rec.static_in]
+        static_gout = [self._static(k) if k is not None else None for k in rec.static_gout]
+        static_gin = [self._static(k) if k is not None else None for k in rec.static_gin]
+        self._warm(rec.call, static_in, rec.autocast)
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         before = torch.cuda.memory_reserved()
@@ -368,9 +410,9 @@ class Replays:
             with torch.cuda.stream(side):
                 graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
                 try:
-                    xs = [s.detach().requires_grad_(r) for s, r in zip(rec.static_in, rec.grad_in)]
-                    gin = _recompute_backward(torch, rec.call, xs, rec.static_gout, rec.autocast)
-                    for s, g in zip(rec.static_gin, gin):
+                    xs = [s.detach().requires_grad_(r) for s, r in zip(static_in, rec.grad_in)]
+                    gin = _recompute_backward(torch, rec.call, xs, static_gout, rec.autocast)
+                    for s, g in zip(static_gin, gin):
                         if s is not None:
                             if g is None:
                                 s.zero_()
@@ -388,7 +430,7 @@ class Replays:
         cur.wait_stream(side)
         self.pool_bytes += max(0, torch.cuda.memory_reserved() - before)   # only the pool allocates in a capture
         self.pool_peak = max(self.pool_peak, self.pool_bytes)
-        return _Graph(graph, rec.static_in, rec.static_gout, rec.static_gin, hit)
+        return _Graph(graph, static_in, static_gout, static_gin, hit)
 
 
 def _autocast(torch: Any, state: Any) -> Any:

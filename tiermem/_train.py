@@ -1039,7 +1039,7 @@ class TieredTraining:
             return
         self.steps += 1
         self.last_peak = self._peak()
-        self._general_peak = self.last_peak - self.replays.pool_bytes     # NOTE [replayed recompute]
+        self._general_peak = self.last_peak - self.replays.held_bytes     # NOTE [replayed recompute]
         diverged = self.swap is not None and self.swap.diverged
         if self._updating:
             self.updates += 1

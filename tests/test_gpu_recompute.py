@@ -317,16 +317,7 @@ def test_a_gpt_split_into_its_linears_loses_no_step_with_graphs(budget_mib):
         m = GPT(c).cuda()
         return m, torch.optim.AdamW(m.parameters(), lr=1e-3)
 
-    model, opt = build()
-    want = []
-    for ids in batches:
-        loss = _loss(model, ids)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        want.append(loss.detach())
-    want = [float(x) for x in torch.stack(want).cpu()]
-    del model, opt
+    want, _ = _resident_losses(batches, build)
     _cleanup()
     model, opt = build()
     tier = tiermem.Tier(0, cap="1GiB")

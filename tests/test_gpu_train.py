@@ -46,10 +46,15 @@ def _loss(model, ids):
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
 
 
-def _resident_losses(batches):
+def _resident_losses(batches, build=None):
+    """The plain loop's losses and final parameters; ``build()`` gives (model, optimizer), by
+    default the GPT of CFG with AdamW."""
     import torch
-    model, _ = _gpt()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    if build is None:
+        model, _ = _gpt()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    else:
+        model, opt = build()
     out = []
     for ids in batches:
         loss = _loss(model, ids)

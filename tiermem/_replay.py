@@ -8,9 +8,9 @@ block's parameters and gradients (a streamed block's slot). A key's first backwa
 (a block's first one measured, its working set for the pool's room) and asks for the graph;
 :meth:`Replays.capture_pending`, called between steps, makes the static buffers and captures
 what was asked for (after one forward without autograd on the capture stream, the first time:
-it warms that stream's cuBLAS handle and workspace), and later backwards replay. A block whose forward draws random numbers,
-whose capture fails (out of memory under the cap, an op that syncs), or that needs more than
-MAX_GRAPHS_PER_BLOCK keys runs eagerly from then on.
+it warms that stream's cuBLAS handle and workspace), and later backwards replay. A block whose
+forward draws random numbers, whose capture fails (out of memory under the cap, an op that
+syncs), or that needs more than MAX_GRAPHS_PER_BLOCK keys runs eagerly from then on.
 """
 from __future__ import annotations
 
@@ -381,9 +381,8 @@ class Replays:
             _, _, shape, dtype, stride, dev = k
             # dense where the tensor was (its strides kept); contiguous where it overlapped itself
             # (an expanded mask: a copy into a buffer with its stride-0 layout is refused)
-            like = self.torch.empty_strided(shape, stride, dtype=dtype, device=dev)
-            s = self.statics[k] = self.torch.zeros_like(like, memory_format=self.torch.preserve_format)
-            del like
+            like = self.torch.empty_strided(shape, stride, dtype=dtype, device="meta")   # no memory
+            s = self.statics[k] = self.torch.zeros_like(like, device=dev, memory_format=self.torch.preserve_format)
             self.static_sizes[k] = s.untyped_storage().nbytes()
         return s
 

@@ -72,3 +72,58 @@ def test_a_ported_trainer_loop_gives_the_plain_loops_losses_and_parameters_bitwi
     gc.collect()
     tier.close()
     assert fake.live() == {"managed": 0, "pinned": 0, "device": 0}
+
+
+def test_a_parameter_moved_between_groups_mid_run_is_stepped_with_its_new_groups_settings():
+    """Each block steps the groups' share of its parameters. That share is kept from step to step
+    (filtering every group per block cost the host a pass over the model), so a caller who moves
+    a parameter to another group in place, keeping the lists' lengths, must still have it stepped
+    with the new group's weight decay, as a plain loop does."""
+    def swap(model, opt):
+        named = dict(model.named_parameters())
+        w, b = named["blocks.1.fc.weight"], named["blocks.1.ln2.bias"]
+        decay, rest = opt.param_groups[0]["params"], opt.param_groups[1]["params"]
+        i = next(k for k, p in enumerate(decay) if p is w)
+        j = next(k for k, p in enumerate(rest) if p is b)
+        decay[i], rest[j] = b, w
+
+    def make():
+        model, _ = gpt()
+        opt, _ = trainer_optimizer(model, lambda g: torch.optim.AdamW(g, lr=1e-2, foreach=True))
+        return model, opt
+
+    bs = batches(5)
+    model, opt = make()
+    want = []
+    for i, ids in enumerate(bs):
+        if i == 2:
+            swap(model, opt)
+        loss = loss_of(model, ids)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        want.append(float(loss.detach()))
+    want_params = [p.detach().clone() for p in model.parameters()]
+
+    model, opt = make()
+    fake = FakeBackend(total=1 << 30, foreign_host=True)
+    tier = tiermem.Tier(backend=fake)
+    train = tier.wrap_training(model, opt, state_bytes(model), block_bytes=16 << 10, min_swap=4096)
+    got = []
+    for i, ids in enumerate(bs):
+        if i == 2:
+            swap(model, opt)
+        with train.step():
+            loss = loss_of(model, ids)
+            loss.backward()
+        got.append(float(loss.detach()))
+    moved = dict(model.named_parameters())["blocks.1.fc.weight"]
+    assert [b.index for b in train.blocks if any(p is moved for p in b.params)][0] in train.plan.streamed_blocks
+    assert got == want
+    for p, q in zip(model.parameters(), want_params):
+        assert torch.equal(p.detach(), q)
+    train.unwrap()
+    del train
+    gc.collect()
+    tier.close()
+    assert fake.live() == {"managed": 0, "pinned": 0, "device": 0}

@@ -107,6 +107,7 @@ class BlockSlots:
         self.lookahead, self.nslots = lookahead, lookahead + 1
         self.block_of = {id(p): b for b in blocks for p in b.params}
         self.params: dict[int, Any] = {}
+        self._bound: dict[int, int] = {}   # id(parameter) -> the address bind() registered in params
         self.slots: SlotRing | list[TrainSlot] = []
         self.slot_mem: Any = None
         self.slot_bytes = 0
@@ -175,13 +176,18 @@ class BlockSlots:
         p.data = v
         b = self.block_of.get(id(p))
         if b is not None and not b.resident:
-            self.params[v.untyped_storage().data_ptr()] = p
+            ptr = v.untyped_storage().data_ptr()
+            self.params[ptr] = p
+            self._bound[id(p)] = ptr
 
     def forget(self, p: Any, old: int | None = None) -> None:
-        """``p``'s memory at ``old`` (default: its present memory) is no longer a streamed parameter's."""
-        old = p.data.untyped_storage().data_ptr() if old is None else old
-        if self.params.get(old) is p:
-            del self.params[old]
+        """``p``'s memory at ``old``, and where :meth:`bind` last registered it, is no longer a
+        streamed parameter's. The registered address is remembered rather than read back from
+        ``p.data``: a step binds every streamed parameter four times, and reading it back made a
+        new tensor and storage object each time."""
+        for ptr in (self._bound.pop(id(p), None), old):
+            if ptr is not None and self.params.get(ptr) is p:
+                del self.params[ptr]
 
     def bind_states(self, b: Block, views: list[Any]) -> None:
         for (p, key, _), v in zip(b.states, views):

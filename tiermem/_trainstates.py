@@ -93,6 +93,8 @@ class OptimizerStates:
                          if state_dtype is not None else None)
         self._pending: list[tuple[Any, str, Any]] = []   # states the optimizer's load left to us
         self.stepping = False         # tiermem's own optimizer.step() is running
+        # a block's parameters -> (the groups' lengths, each group's share, (group, place, parameter))
+        self._restricted_of: dict[tuple[int, ...], tuple[tuple[int, ...], list[list[Any]], list[Any]]] = {}
 
     def hooks(self) -> list[Any]:
         """Register the optimizer's hooks (NOTE [bf16 moments], NOTE [loaded states]); returns
@@ -129,18 +131,38 @@ class OptimizerStates:
     # -- steps -------------------------------------------------------------------------------------
     def step(self, params: list[Any]) -> None:
         """The optimizer's own step, restricted to ``params`` (NOTE [training transport])."""
-        ids = {id(p) for p in params}
         groups = self.opt.param_groups
         saved = [g["params"] for g in groups]
+        restricted = self._restricted(params, saved)
         try:
-            for g in groups:
-                g["params"] = [p for p in g["params"] if id(p) in ids]
+            for g, ps in zip(groups, restricted):
+                g["params"] = ps
             self.stepping = True
             self.opt.step()
         finally:
             self.stepping = False
             for g, ps in zip(groups, saved):
                 g["params"] = ps
+
+    def _restricted(self, params: list[Any], groups: list[list[Any]]) -> list[list[Any]]:
+        """Each group's parameters that are among ``params``, in the group's order. Each block
+        steps once a step, and filtering every group's list each time cost the host a pass over
+        the whole model per block; so the result is kept per ``params``, with where each of them
+        stood, and used again while the groups keep their number and lengths and each kept
+        parameter its place (a parameter moved to another group, or a list replaced by one of
+        another length, is filtered again)."""
+        key = tuple(map(id, params))
+        lens = tuple(map(len, groups))
+        hit = self._restricted_of.get(key)
+        if hit is not None and hit[0] == lens and all(groups[i][j] is p for i, j, p in hit[2]):
+            return hit[1]
+        ids = set(key)
+        at = [(i, j, p) for i, g in enumerate(groups) for j, p in enumerate(g) if id(p) in ids]
+        out: list[list[Any]] = [[] for _ in groups]
+        for i, _, p in at:
+            out[i].append(p)
+        self._restricted_of[key] = (lens, out, at)
+        return out
 
     def step_block(self, b: Block, s: TrainSlot) -> None:
         """Step streamed block ``b`` in its slot ``s``. After its first, :meth:`adopt` gives the

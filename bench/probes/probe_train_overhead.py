@@ -104,12 +104,40 @@ def restore_timers(train):
         del train.states.opt.step
 
 
+def waited_for(ev, least_us=20.0):
+    """What the compute stream's idle time (gaps over ``least_us``) waited for, split by the
+    launch of the kernel that ended each gap (its CUDA runtime call, joined by correlation id):
+    launched after the stream ran dry, the GPU waited for the host ("host_late_ms"); launched
+    before, it waited on the device, for an event (a copy) it was ordered after
+    ("device_wait_ms"). A kernel launched part-way through a gap splits it."""
+    launch = {e["args"]["correlation"]: e["ts"] + e["dur"] for e in ev
+              if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+    work = [e for e in ev if e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy")]
+    if not work:
+        return {}
+    streams = [e["args"].get("stream") for e in work if e.get("cat") == "kernel"]
+    compute = max(set(streams), key=streams.count)
+    ks = sorted((e for e in work if e["args"].get("stream") == compute), key=lambda e: e["ts"])
+    host = dev = 0.0
+    end = ks[0]["ts"]
+    for e in ks:
+        gap = e["ts"] - end
+        at = launch.get(e["args"].get("correlation"))
+        if gap > least_us and at is not None:
+            late = min(max(at - end, 0.0), gap)
+            host += late
+            dev += gap - late
+        end = max(end, e["ts"] + e["dur"])
+    return {"host_late_ms": round(host / 1e3, 1), "device_wait_ms": round(dev / 1e3, 1)}
+
+
 def trace_summary(path):
     """From a Chrome trace of one step: the compute stream's kernel time, its idle gaps (over
     50 us) and how much of them the copy engines were busy, each copy stream's busy time (ms)."""
     import gzip
     with (gzip.open if path.endswith(".gz") else open)(path, "rt") as fh:
         ev = [e for e in json.load(fh)["traceEvents"] if e.get("ph") == "X"]
+    who = waited_for(ev)
     named = sorted((e["ts"], e["ts"] + e["dur"], e.get("name", "")) for e in ev if e.get("cat") in ("kernel", "gpu_memset"))
     kern = [(a, b) for a, b, _ in named]
     copies = {}
@@ -141,6 +169,7 @@ def trace_summary(path):
             "gaps_by_next_kernel": [(k, n, round(t / 1e3, 2)) for k, (n, t) in top_next],
             "largest_gaps": [(round(g / 1e3, 2), named[i][2][:50], named[i + 1][2][:50])
                              for i, g in sorted(gi, key=lambda x: -x[1])[:12]],
+            "idle_by_cause_ms": who,
             "span_ms": round((max(b for _, b in kern) - kern[0][0]) / 1e3, 1),
             "kernel_ms": round(sum(b - a for a, b in kern) / 1e3, 1), "kernels": len(kern),
             "gaps": len(gaps), "gap_ms": round(sum(b - a for a, b in gaps) / 1e3, 1),

@@ -58,7 +58,7 @@ def kernels(run):
 _TIMED = {"train": ("_fwd_pre", "_fwd_post", "_bwd_enter", "_grad_done", "_block_done", "_step_block"),
           "stream": ("ensure", "ahead", "fill", "write_back", "done", "bind", "begin", "end"),
           "states": ("step_block", "step"),
-          "swap": ("pack", "unpack")}
+          "swap": ("pack", "unpack", "_host_wait")}
 
 
 def host_timers(train, torch):
@@ -190,7 +190,8 @@ def main():
     ap.add_argument("--summarize", metavar="TRACE", help="only print trace_summary of a saved trace (.json or .json.gz)")
     ap.add_argument("--modes", default="always;always, no rng;never",
                     help="tiermem's runs, ';' between; each a recompute mode, then options after commas: "
-                         "'no rng', 'graphs', 'la=N' (lookahead), 'bf16' (state_dtype), 'margin=F' (the graphs' "
+                         "'no rng', 'graphs', 'la=N' (lookahead), 'window=MiB' (the swap's copies in flight), "
+                         "'bf16' (state_dtype), 'margin=F' (the graphs' "
                          "pool estimate's margin, tiermem._replay.RESERVE_MARGIN), 'credit' (the graphs' room "
                          "counts the eager working set the pool replaces: an experiment)")
     ap.add_argument("--adamw", choices=("fused", "foreach"), default="foreach",
@@ -301,6 +302,7 @@ def main():
         opts = [x.strip() for x in mode.split(",")]
         kw = {"graphs": "graphs" in opts}
         kw.update(("lookahead", int(x[3:])) for x in opts if x.startswith("la="))
+        kw.update(("window", int(x[7:]) << 20) for x in opts if x.startswith("window="))
         if "bf16" in opts:
             kw["state_dtype"] = torch.bfloat16
         replay.RESERVE_MARGIN = next((float(x[7:]) for x in opts if x.startswith("margin=")), default_margin)

@@ -131,6 +131,54 @@ def waited_for(ev, least_us=20.0):
     return {"host_late_ms": round(host / 1e3, 1), "device_wait_ms": round(dev / 1e3, 1)}
 
 
+def lag_of(run, blocks, steps=4):
+    """How far the host runs ahead of the GPU through a step, without a profiler: at each block's
+    forward (a forward pre-hook, after any of tiermem's) and at each block's backward (a hook on its
+    output's gradient), the host's time since the step began and the GPU's time when it reached a
+    CUDA event recorded there; the step begins with the GPU idle. Their difference is how much
+    queued work the GPU had left when the host got there: near 0, the GPU was waiting for the host.
+    Medians over ``steps`` steps, per phase: the lag at the forward's and backward's marks, and the
+    host's and the GPU's end of the step."""
+    marks = []
+
+    def mark(name):
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        marks.append((name, time.perf_counter(), ev))
+
+    def pre(m, args, i):
+        mark(("f", i))
+
+    def post(m, args, out, i):
+        t = out[0] if isinstance(out, tuple) else out
+        if torch.is_tensor(t) and t.requires_grad and torch.is_grad_enabled():
+            t.register_hook(lambda g, i=i: mark(("b", i)))
+    hooks = [h for i, m in enumerate(blocks) for h in (m.register_forward_pre_hook(lambda m, a, i=i: pre(m, a, i)),
+                                                        m.register_forward_hook(lambda m, a, o, i=i: post(m, a, o, i)))]
+    per = {"forward": [], "backward": [], "host_end": [], "gpu_end": []}
+    try:
+        for _ in range(steps):
+            torch.cuda.synchronize()
+            marks.clear()
+            mark(("step", 0))
+            run()
+            mark(("end", 0))
+            torch.cuda.synchronize()
+            (_, h0, e0) = marks[0]
+            lags = {"f": [], "b": []}
+            for (kind, _), h, ev in marks[1:-1]:
+                lags[kind].append(e0.elapsed_time(ev) - (h - h0) * 1e3)
+            per["forward"].append(statistics.median(lags["f"]) if lags["f"] else 0.0)
+            per["backward"].append(statistics.median(lags["b"]) if lags["b"] else 0.0)
+            per["host_end"].append((marks[-1][1] - h0) * 1e3)
+            per["gpu_end"].append(e0.elapsed_time(marks[-1][2]))
+    finally:
+        for h in hooks:
+            h.remove()
+    return {k + ("_lag_ms" if k in ("forward", "backward") else "_ms"): round(statistics.median(v), 1)
+            for k, v in per.items()}
+
+
 def trace_summary(path):
     """From a Chrome trace of one step: the compute stream's kernel time, its idle gaps (over
     50 us) and how much of them the copy engines were busy, each copy stream's busy time (ms)."""
@@ -202,6 +250,8 @@ def main():
     ap.add_argument("--block-mib", type=int, default=64, help="wrap_training's block_bytes in MiB: 64 makes a "
                     "layer of these models one block; 40 splits a Qwen2 layer into its attention and its MLP, "
                     "a GPT layer into its Linears")
+    ap.add_argument("--lag", action="store_true", help="torch's checkpointed run and tiermem's: how far the host runs "
+                    "ahead of the GPU at each block, from CUDA events (no profiler)")
     ap.add_argument("--log", action="store_true", help="tiermem's log at INFO: its plans, checks and switches")
     a = ap.parse_args()
     if a.log:
@@ -265,6 +315,9 @@ def main():
         out[name] = {"step_ms": round(med, 1), "allocator_per_step": alloc, **(extra or {})}
         if a.trace and name.startswith("checkpoint rng=True"):
             trace_step(name, run)
+        if a.lag and lag_blocks is not None and not name.startswith("checkpoint rng=False"):
+            out[name]["lag"] = lag_of(run, lag_blocks())
+            print(f"{name:<32} lag {json.dumps(out[name]['lag'])}", flush=True)
         print(f"{name:<32} allocator per step: " + ", ".join(f"{k} {v:.1f}" for k, v in alloc.items()), flush=True)
         if not a.profile:
             print(f"{name:<32} step {med:7.1f} ms", flush=True)
@@ -277,6 +330,7 @@ def main():
 
     model = build()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=a.adamw == "fused")
+    lag_blocks = lambda: layers(model)   # noqa: E731 - the model of the run being recorded
     record("resident", plain(model, opt))
     for keep_rng in (True, False):
         for blk in layers(model):

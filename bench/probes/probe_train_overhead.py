@@ -131,6 +131,37 @@ def waited_for(ev, least_us=20.0):
     return {"host_late_ms": round(host / 1e3, 1), "device_wait_ms": round(dev / 1e3, 1)}
 
 
+def host_profile(run, steps):
+    """cProfile over ``steps`` steps: (wall ms a step, {function: (calls, tottime ms) a step})."""
+    import cProfile
+    import pstats
+    torch.cuda.synchronize()
+    pr = cProfile.Profile()
+    t0 = time.perf_counter()
+    pr.enable()
+    for _ in range(steps):
+        run()
+    torch.cuda.synchronize()
+    pr.disable()
+    wall = (time.perf_counter() - t0) / steps * 1e3
+    st = pstats.Stats(pr)
+    per = {}
+    for (f, line, fn), (_, nc, tt, _, _) in st.stats.items():
+        where = f.split("site-packages/")[-1].split("/work/main/")[-1]
+        per[f"{where}:{line}:{fn}"] = (nc / steps, tt / steps * 1e3)
+    return wall, per
+
+
+def profile_diff(base, other, top=30):
+    """The functions whose own host time a step (cProfile's tottime) grew most from ``base``."""
+    keys = set(base) | set(other)
+    rows = [(other.get(k, (0, 0.0))[1] - base.get(k, (0, 0.0))[1], k, base.get(k, (0, 0.0)), other.get(k, (0, 0.0)))
+            for k in keys]
+    rows.sort(reverse=True)
+    return [{"fn": k[-90:], "delta_ms": round(d, 2), "calls": (round(b[0], 1), round(o[0], 1)),
+             "ms": (round(b[1], 2), round(o[1], 2))} for d, k, b, o in rows[:top]]
+
+
 def lag_of(run, blocks, steps=4):
     """How far the host runs ahead of the GPU through a step, without a profiler: at each block's
     forward (a forward pre-hook, after any of tiermem's) and at each block's backward (a hook on its
@@ -315,6 +346,9 @@ def main():
         out[name] = {"step_ms": round(med, 1), "allocator_per_step": alloc, **(extra or {})}
         if a.trace and name.startswith("checkpoint rng=True"):
             trace_step(name, run)
+        if a.cprofile and name.startswith("checkpoint rng=True"):
+            wall, prof_base["per"] = host_profile(run, a.steps)
+            print(f"{name}: {wall:.1f} ms a step under cProfile", flush=True)
         if a.lag and lag_blocks is not None and not name.startswith("checkpoint rng=False"):
             out[name]["lag"] = lag_of(run, lag_blocks())
             print(f"{name:<32} lag {json.dumps(out[name]['lag'])}", flush=True)
@@ -328,6 +362,7 @@ def main():
         for k in top[:5]:
             print(f"      {k[1]:8.2f} ms x{k[2]:<5} {k[0]}", flush=True)
 
+    prof_base = {}
     model = build()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=a.adamw == "fused")
     lag_blocks = lambda: layers(model)   # noqa: E731 - the model of the run being recorded
@@ -418,6 +453,14 @@ def main():
             out[f"tiermem {mode} cprofile"] = {"step_ms_profiled": round(wall, 1), "stats": buf.getvalue()[-30000:]}
             print(f"tiermem {mode}: {wall:.1f} ms a step under cProfile", flush=True)
             print(buf.getvalue()[-14000:], flush=True)
+            if prof_base.get("per"):
+                wall2, per = host_profile(run, a.steps)
+                diff = profile_diff(prof_base["per"], per)
+                out[f"tiermem {mode} cprofile_over_checkpoint"] = {"step_ms_profiled": round(wall2, 1), "top": diff}
+                print(f"tiermem {mode}: own host time a step over torch's checkpoint (cProfile tottime, ms; "
+                      f"calls and ms checkpoint -> tiermem), {wall2:.1f} ms a step profiled:", flush=True)
+                for r in diff:
+                    print(f"  {r['delta_ms']:7.2f}  {str(r['calls']):>16} {str(r['ms']):>18}  {r['fn']}", flush=True)
         if a.trace:
             trace_step(f"tiermem {mode}", run)
         rp = train.replays

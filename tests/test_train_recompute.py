@@ -200,6 +200,38 @@ def test_a_plan_slower_than_the_probe_gives_way_to_recomputing_everywhere(plan_s
     assert fake.live() == {"managed": 0, "pinned": 0, "device": 0}
 
 
+@pytest.mark.parametrize("gain", ["too_small", "enough"])
+def test_a_plan_predicted_barely_faster_than_the_probe_is_not_tried(monkeypatch, gain):
+    """NOTE [measured choice]: the model's plan is tried (and checked) only when it predicts a step
+    at least MIN_GAIN faster than the probe's plan, from the same fitted times; else the steps stay
+    on recomputing everywhere, unchecked, and the table says what was not tried. The fake's model
+    sees a near-free link, so its plan predicts a large gain; MIN_GAIN is raised past it here."""
+    import tiermem._train as trainmod
+    if gain == "too_small":
+        monkeypatch.setattr(trainmod, "MIN_GAIN", 0.99)
+    bs = batches(9)
+    want, want_params = plain_run(bs)
+    fake, tier, model, opt, train = tiered_gpt("auto")
+    train._last_step_ms = lambda: 1.0
+    got, kinds = _losses_and_kinds(train, model, bs)
+    assert got == want
+    for p, q in zip(model.parameters(), want_params):
+        assert torch.equal(p.detach(), q)
+    m = train.plan.measured
+    if gain == "too_small":
+        assert kinds == ["recompute"] * len(bs), kinds
+        assert m["model_ms"] > 0 and "checked_ms" not in m, m
+        assert "not enough faster to try" in train.plan.table()
+    else:
+        assert kinds[4] != "recompute" and "model_ms" not in m, (kinds, m)
+        assert m["checked_ms"] == m["probe_ms"] == 1.0, m
+    train.unwrap()
+    del train
+    gc.collect()
+    tier.close()
+    assert fake.live() == {"managed": 0, "pinned": 0, "device": 0}
+
+
 def test_the_plan_after_the_probe_is_predicted_from_times_fitted_to_the_probes_steps(monkeypatch):
     """NOTE [calibrated compute]: after the probe, the compute times are fitted to the mean of
     its two unmetered steps (30 and 50 ms here) through the probe's own plan, and every plan

@@ -244,6 +244,9 @@ class TrainPlan:
             f"  device peak      {gb(self.predicted_peak)} predicted (floor {gb(self.floor_peak)}, "
             f"margin {gb(self.margin)}" + (f", graphs' pool {gb(self.graph_pool)}" if self.graph_pool else "") + ")",
         ]
+        if self.measured.get("model_ms"):
+            lines.append(f"  not tried        the model's own plan, {self.measured['model_ms']:.1f} ms predicted: "
+                         "not enough faster to try (NOTE [measured choice])")
         if self.measured.get("probe_ms"):
             # NOTE [measured choice] in _train.py
             by = self.measured.get("chosen_by")

@@ -129,11 +129,16 @@ class OptimizerStates:
                       self.opt.register_step_pre_hook(stepped)]
 
     # -- steps -------------------------------------------------------------------------------------
-    def step(self, params: list[Any]) -> None:
-        """The optimizer's own step, restricted to ``params`` (NOTE [training transport])."""
+    def step(self, params: list[Any], block: bool = False) -> None:
+        """The optimizer's own step, restricted to ``params`` (NOTE [training transport]);
+        ``block``: they are a block's, stepped every step (their share of the groups is kept)."""
         groups = self.opt.param_groups
         saved = [g["params"] for g in groups]
-        restricted = self._restricted(params, saved)
+        if block:
+            restricted = self._restricted(params, saved)
+        else:                   # the resident blocks' chunks change with which gradients came
+            ids = {id(p) for p in params}
+            restricted = [[p for p in g if id(p) in ids] for g in saved]
         try:
             for g, ps in zip(groups, restricted):
                 g["params"] = ps
@@ -172,7 +177,7 @@ class OptimizerStates:
             self.to_device(b)
         try:
             narrow = self._widen(b, s, sv)
-            self.step(b.trainable)
+            self.step(b.trainable, block=True)
             for x, v in narrow:
                 round_stochastic(x, v, self.rounding)
         finally:

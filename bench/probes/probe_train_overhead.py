@@ -132,9 +132,8 @@ def waited_for(ev, least_us=20.0):
 
 
 def host_profile(run, steps):
-    """cProfile over ``steps`` steps: (wall ms a step, {function: (calls, tottime ms) a step})."""
+    """cProfile over ``steps`` steps: (wall ms a step, the Profile)."""
     import cProfile
-    import pstats
     torch.cuda.synchronize()
     pr = cProfile.Profile()
     t0 = time.perf_counter()
@@ -143,13 +142,16 @@ def host_profile(run, steps):
         run()
     torch.cuda.synchronize()
     pr.disable()
-    wall = (time.perf_counter() - t0) / steps * 1e3
-    st = pstats.Stats(pr)
+    return (time.perf_counter() - t0) / steps * 1e3, pr
+
+
+def per_function(stats, steps):
+    """{function: (calls, own time in ms) a step} of a pstats.Stats over ``steps`` steps."""
     per = {}
-    for (f, line, fn), (_, nc, tt, _, _) in st.stats.items():
+    for (f, line, fn), (_, nc, tt, _, _) in stats.stats.items():
         where = f.split("site-packages/")[-1].split("/work/main/")[-1]
         per[f"{where}:{line}:{fn}"] = (nc / steps, tt / steps * 1e3)
-    return wall, per
+    return per
 
 
 def profile_diff(base, other, top=30):
@@ -347,7 +349,9 @@ def main():
         if a.trace and name.startswith("checkpoint rng=True"):
             trace_step(name, run)
         if a.cprofile and name.startswith("checkpoint rng=True"):
-            wall, prof_base["per"] = host_profile(run, a.steps)
+            import pstats
+            wall, pr = host_profile(run, a.steps)
+            prof_base["per"] = per_function(pstats.Stats(pr), a.steps)
             print(f"{name}: {wall:.1f} ms a step under cProfile", flush=True)
         if a.lag and lag_blocks is not None and not name.startswith("checkpoint rng=False"):
             out[name]["lag"] = lag_of(run, lag_blocks())
@@ -432,18 +436,9 @@ def main():
             print(f"tiermem {mode}: host ms a step, inclusive: " + json.dumps(got), flush=True)
             restore_timers(train)
         if a.cprofile:
-            import cProfile
             import io
             import pstats
-            torch.cuda.synchronize()
-            pr = cProfile.Profile()
-            t0 = time.perf_counter()
-            pr.enable()
-            for _ in range(a.steps):
-                run()
-            torch.cuda.synchronize()
-            pr.disable()
-            wall = (time.perf_counter() - t0) / a.steps * 1e3
+            wall, pr = host_profile(run, a.steps)
             buf = io.StringIO()
             st = pstats.Stats(pr, stream=buf)
             st.sort_stats("tottime").print_stats(25)
@@ -454,11 +449,10 @@ def main():
             print(f"tiermem {mode}: {wall:.1f} ms a step under cProfile", flush=True)
             print(buf.getvalue()[-14000:], flush=True)
             if prof_base.get("per"):
-                wall2, per = host_profile(run, a.steps)
-                diff = profile_diff(prof_base["per"], per)
-                out[f"tiermem {mode} cprofile_over_checkpoint"] = {"step_ms_profiled": round(wall2, 1), "top": diff}
+                diff = profile_diff(prof_base["per"], per_function(st, a.steps))
+                out[f"tiermem {mode} cprofile_over_checkpoint"] = {"step_ms_profiled": round(wall, 1), "top": diff}
                 print(f"tiermem {mode}: own host time a step over torch's checkpoint (cProfile tottime, ms; "
-                      f"calls and ms checkpoint -> tiermem), {wall2:.1f} ms a step profiled:", flush=True)
+                      f"calls and ms checkpoint -> tiermem), {wall:.1f} ms a step profiled:", flush=True)
                 for r in diff:
                     print(f"  {r['delta_ms']:7.2f}  {str(r['calls']):>16} {str(r['ms']):>18}  {r['fn']}", flush=True)
         if a.trace:

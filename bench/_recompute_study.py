@@ -47,6 +47,29 @@ def hf_loss(model, ids):
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
 
 
+def probe_model(torch, name):
+    """The probes' model of part 4, "gpt" or "hf" (Qwen2-style), at part 4's shapes: its builder,
+    loss, layers, and one fixed batch of 4 x 513 token ids on the GPU."""
+    import argparse
+    if name == "hf":
+        a = argparse.Namespace(hf_vocab=8192, hf_d=1024, hf_ff=2816, hf_layers=20, hf_heads=16, hf_kv=4, seq=512)
+        build, loss_fn, layers, vocab = (lambda: qwen2(torch, a)), hf_loss, (lambda m: list(m.model.layers)), a.hf_vocab
+    else:
+        from tiermem.models import GPT, GPTConfig
+        cfg = GPTConfig(vocab=8192, seq=512, d=1024, layers=16, heads=16)
+
+        def build():
+            torch.manual_seed(0)
+            return GPT(cfg).cuda()
+
+        def loss_fn(model, ids):
+            logits = model(ids[:, :-1])
+            return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+        layers, vocab = (lambda m: list(m.blocks)), cfg.vocab
+    g = torch.Generator(device="cuda").manual_seed(1)
+    return build, loss_fn, layers, torch.randint(0, vocab, (4, 513), device="cuda", generator=g)
+
+
 def _checkpointed(torch, model, blocks):
     """torch's activation checkpointing on every block, the way users add it."""
     if hasattr(model, "gradient_checkpointing_enable"):

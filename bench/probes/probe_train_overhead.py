@@ -297,25 +297,8 @@ def main():
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True, warn_only=True)
     import tiermem
-    from _recompute_study import hf_loss, qwen2
-    args = argparse.Namespace(hf_vocab=8192, hf_d=1024, hf_ff=2816, hf_layers=20, hf_heads=16, hf_kv=4, seq=512)
-    if a.model == "hf":
-        build, loss_fn, layers = (lambda: qwen2(torch, args)), hf_loss, (lambda m: list(m.model.layers))
-        vocab = args.hf_vocab
-    else:
-        from tiermem.models import GPT, GPTConfig
-        cfg = GPTConfig(vocab=8192, seq=512, d=1024, layers=16, heads=16)
-
-        def build():
-            torch.manual_seed(0)
-            return GPT(cfg).cuda()
-
-        def loss_fn(model, ids):
-            logits = model(ids[:, :-1])
-            return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
-        layers, vocab = (lambda m: list(m.blocks)), 8192
-    g = torch.Generator(device="cuda").manual_seed(1)
-    ids = torch.randint(0, vocab, (4, 513), device="cuda", generator=g)
+    from _recompute_study import probe_model
+    build, loss_fn, layers, ids = probe_model(torch, a.model)
     out = {}
 
     def plain(model, opt):

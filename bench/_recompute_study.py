@@ -47,6 +47,26 @@ def hf_loss(model, ids):
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
 
 
+def causal_mask(torch, ids, dtype):
+    """The 4-D additive causal mask transformers' eager attention builds for ``ids[:, :-1]`` (0
+    where a position may attend, the dtype's lowest value elsewhere), built once. Passed as the
+    attention mask, it is used as it is: transformers builds its own each forward with a
+    pageable host-to-device copy of a scalar, which no CUDA graph can capture."""
+    n = ids.shape[1] - 1
+    allowed = torch.ones(n, n, dtype=torch.bool, device=ids.device).tril()
+    mask = torch.full((n, n), torch.finfo(dtype).min, dtype=dtype, device=ids.device).masked_fill(allowed, 0.0)
+    return mask.expand(ids.shape[0], 1, n, n)
+
+
+def hf_graph_loss(mask):
+    """hf_loss with the attention mask built once (causal_mask): a step CUDA graphs can capture."""
+    def loss(model, ids):
+        import torch.nn.functional as F
+        logits = model(input_ids=ids[:, :-1], attention_mask=mask).logits
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+    return loss
+
+
 def probe_model(torch, name):
     """The probes' model of part 4, "gpt" or "hf" (Qwen2-style), at part 4's shapes: its builder,
     loss, layers, and one fixed batch of 4 x 513 token ids on the GPU."""
@@ -188,6 +208,11 @@ def study(kit, torch, tiermem, name, build, blocks_of, loss_fn, batches, a, rate
         if r is not None:
             out["checks"][f"{name}_graphs_no_step_lost"] = True
             _graph_row(a, name, r, info, budget, want, resident_ms, runs, raw, m)
+        # NOTE [whole-step graphs]: the same budget, the whole step captured once and replayed
+        graph_loss = hf_graph_loss(causal_mask(torch, batches[0], torch.float32)) if name == "hf" else loss_fn
+        r, info = tiermem_run(torch, tiermem, build, loss_fn, batches, budget, f"{name} 1/2.5 auto, whole-step graph",
+                              block_bytes=a.block4_mib * MiB, recompute="auto", link_GBps=rate, graphed=graph_loss)
+        _step_graph_row(name, r, info, budget, want, resident_ms, peers, runs, raw, m, out["checks"])
     main = runs[(2.5, "auto")]
     m.update({
         f"{name}_state_bytes": footprint,
@@ -246,6 +271,29 @@ def _graph_row(a, name, r, info, budget, want, resident_ms, runs, raw, m):
              + (f", graphs off: {info['report']['graphs_off'][:160]}" if info['report']['graphs_off'] else ""))
     m[f"{name}_auto_graphs_2.5_ms"] = round(meas, 2)
     m[f"{name}_graphs_over_resident"] = round(meas / resident_ms, 3)
+
+
+def _step_graph_row(name, r, info, budget, want, resident_ms, peers, runs, raw, m, checks):
+    """The 1/2.5 run with the whole step replayed as one graph (NOTE [whole-step graphs]): timed
+    over its replays (the steps before the capture are the eager plan's), its row and metrics."""
+    g = info["graphed"]
+    first = len(r.times) - g["replays"]
+    meas = r.median_ms(skip=first + 1) if g["replays"] > 1 else float("nan")
+    mv = r.moved[-1]
+    runs[(2.5, "graphed")] = {"step_ms": meas, "moved_bytes": mv["h2d"] + mv["d2h"],
+                              "peak": info["resident_peak_bytes"], "budget": budget,
+                              "recomputed": info["recomputed"], "kind": info["kind"],
+                              "losses_equal": r.loss_values() == want, "timed_from_step": first + 2}
+    raw[f"{name}_2.5_graphed"] = dict(runs[(2.5, "graphed")], plan=info["plan"], graphed=g)
+    progress(f"  {name} 1/2.5 auto, whole-step graph: {meas:.1f} ms over {g['replays']} replays "
+             f"({meas / resident_ms:.2f}x resident), captures {g['captures']}"
+             + (f", off: {g['off'][:160]}" if g["off"] else ""))
+    m[f"{name}_graphed_2.5_ms"] = round(meas, 2)
+    m[f"{name}_graphed_over_resident"] = round(meas / resident_ms, 3)
+    m[f"{name}_fsdp_offload_over_graphed"] = round(peers["fsdp_offload"] / meas, 3)
+    checks[f"{name}_graphed_losses_equal_resident"] = runs[(2.5, "graphed")]["losses_equal"]
+    checks[f"{name}_graphed_within_budget"] = runs[(2.5, "graphed")]["peak"] <= budget
+    checks[f"{name}_graphed_replayed"] = g["captures"] >= 1 and g["replays"] > 1 and not g["drops"]
 
 
 def arena_study(kit, torch, name, build, loss_fn, batches, out):
@@ -311,6 +359,9 @@ def part4(kit, torch, tiermem, a, rates, out):
     m = out["metrics"]
     m["fsdp_offload_over_tiermem"] = min(m["gpt_fsdp_offload_over_tiermem"], m["hf_fsdp_offload_over_tiermem"])
     m["plan_error"] = max(m["gpt_plan_error_2_5"], m["hf_plan_error_2_5"])
+    if "gpt_graphed_over_resident" in m and "hf_graphed_over_resident" in m:
+        m["graphed_over_resident"] = max(m["gpt_graphed_over_resident"], m["hf_graphed_over_resident"])
+        m["fsdp_offload_over_graphed"] = min(m["gpt_fsdp_offload_over_graphed"], m["hf_fsdp_offload_over_graphed"])
     m["bytes_moved_per_state_byte"] = m["gpt_bytes_moved_per_state_byte"]
     c = out["checks"]
     c["losses_equal_resident"] = c.get("losses_equal_resident", True) and c["gpt_losses_equal_resident"] and \
@@ -338,6 +389,9 @@ def plot4(out, path):
             xs = [1 / ratio for ratio in ratios]
             ys = [r[f"{ratio:g}_{mode}"]["step_ms"] for ratio in ratios]
             ax.plot(xs, ys, style, label=f"tiermem {'swap only' if mode == 'never' else 'keep/swap/recompute'}")
+        if "2.5_graphed" in r:
+            ax.plot([1 / 2.5], [r["2.5_graphed"]["step_ms"]], "*", ms=12, color="tab:orange",
+                    label="tiermem, whole-step graph")
         if "2.5_auto_bf16" in r:
             ax.plot([1 / 2.5], [r["2.5_auto_bf16"]["step_ms"]], "D", color="k", label="tiermem, bf16 moments")
         for label, color in (("resident", "g"), ("checkpoint", "c"), ("save_on_cpu", "r"), ("fsdp_offload", "m")):

@@ -122,6 +122,7 @@ class Stepper:
     def __init__(self, torch, model, opt, loss_fn, train=None, save_on_cpu=False):
         self.torch, self.model, self.opt, self.loss_fn, self.train = torch, model, opt, loss_fn, train
         self.save_on_cpu = save_on_cpu
+        self.graphed = None               # train.graphed(...): the step as one captured graph
         self.losses, self.times, self.moved, self.gc_ms = [], [], [], []
 
     def step(self, batch):
@@ -129,7 +130,10 @@ class Stepper:
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         gc0 = _GC["ms"]
         a.record()
-        if self.train is not None:
+        if self.graphed is not None:          # NOTE [whole-step graphs] in tiermem/_stepgraph.py
+            loss = self.graphed(batch)
+            self.moved.append(dict(self.train.moved))
+        elif self.train is not None:
             with self.train.step():
                 loss = self.loss_fn(self.model, batch)
                 loss.backward()
@@ -185,8 +189,11 @@ def tiermem_run(torch, tiermem, build, loss_fn, batches, budget, label, **kw):
     opt = adamw(torch, model.parameters()) if kw.pop("adamw", True) else \
         torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     tier = shared_tier(tiermem)
+    graph_loss = kw.pop("graphed", None)    # the loss the graphed step runs (NOTE [whole-step graphs])
     train = tier.wrap_training(model, opt, budget, **kw)
     st = Stepper(torch, model, opt, loss_fn, train=train)
+    if graph_loss is not None:
+        st.graphed = train.graphed(lambda b: graph_loss(model, b))
     peaks, plans = [], []
     try:
         for i, bt in enumerate(batches):
@@ -210,6 +217,11 @@ def tiermem_run(torch, tiermem, build, loss_fn, batches, budget, label, **kw):
             "predicted_ms": plan.predicted_seconds() * 1e3 if plan else float("nan"),
             "recomputed": len(plan.recompute) if plan else 0, "kind": plan.kind if plan else "none",
             "measured": {k: v for k, v in plan.measured.items()} if plan else {}}
+    if st.graphed is not None:
+        g = st.graphed
+        info["graphed"] = {"captures": g.captures, "replays": g.replays, "off": g.off, "drops": list(g.drops),
+                           "reserved_after_bytes": torch.cuda.memory_reserved()}
+        g.close()
     res = Result(st, plans)
     train.unwrap()
     del train, st, model, opt

@@ -35,15 +35,18 @@ NOTE [discard fence]
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
 from . import _cuda
+from ._capture import CaptureEpochs
 from ._cuda import Capabilities, RangeInfo
-from ._errors import CapExceededError, ConfigError, CUDAError, CUDAOutOfMemoryError, CUDAUnavailableError, ViewError
+from ._errors import (CapExceededError, ConfigError, CUDAError, CUDAOutOfMemoryError, CUDAUnavailableError,
+                      TierMemError, ViewError)
 from ._limits import CapGuard, resolve_cap
 from .roles import Advice, Location
 
@@ -173,6 +176,7 @@ class CudaBackend:
         self._pools: dict[str, Any] = {}
         self._lock = threading.Lock()
         self._pinned = cupy.cuda.PinnedMemoryPool()
+        self.epochs = CaptureEpochs()       # NOTE [events across a capture] in _capture.py
 
     # -- memory ---------------------------------------------------------------------------------
     def capabilities(self) -> Capabilities:
@@ -301,6 +305,9 @@ class CudaBackend:
         _cuda.stream_synchronize(stream)
 
     def copy(self, dst: int, src: int, nbytes: int, stream: int) -> None:
+        if self.epochs.now and not _cuda.stream_is_capturing(stream):
+            # It would run now, once, instead of in every replay: fail the capture instead.
+            raise TierMemError("a copy was queued on a stream outside the running capture")
         _cuda.memcpy_async(dst, src, nbytes, stream)
 
     def range_info(self, ptr: int, nbytes: int) -> RangeInfo:
@@ -328,18 +335,69 @@ class CudaBackend:
 
     def record(self, event: Any, stream: int) -> None:
         _cuda.event_record(event, stream)
+        self.epochs.stamp(event)
+        if self.epochs.now:
+            self.epochs.streams.add(stream)
 
     def wait(self, stream: int, event: Any) -> None:
-        _cuda.stream_wait_event(stream, event)
+        how, ev = self.epochs.resolve(event)
+        if how == "present":
+            ev = _cuda.event_create(False)
+            _cuda.event_record(ev, self.current_stream())
+            self.epochs.stamp(ev)
+        if ev is not None:
+            _cuda.stream_wait_event(stream, ev)
+            if self.epochs.now:
+                self.epochs.streams.add(stream)
 
     def query(self, event: Any) -> bool:
-        return _cuda.event_query(event)
+        how, ev = self.epochs.resolve(event)
+        if self.epochs.now:         # the host cannot wait for captured work: the GPU does
+            if how == "use":
+                _cuda.stream_wait_event(self.current_stream(), ev)
+            return True
+        return how == "done" or _cuda.event_query(ev)
 
     def synchronize(self, event: Any) -> None:
-        _cuda.event_synchronize(event)
+        how, ev = self.epochs.resolve(event)
+        if how != "use":
+            return
+        if self.epochs.now:
+            _cuda.stream_wait_event(self.current_stream(), ev)
+        else:
+            _cuda.event_synchronize(ev)
 
     def elapsed_ms(self, start: Any, end: Any) -> float:
+        if getattr(start, "capture", 0) or getattr(end, "capture", 0):
+            raise TierMemError("a captured step's events have no times to read (NOTE [events across a capture])")
         return _cuda.event_elapsed_ms(start, end)
+
+    @contextlib.contextmanager
+    def capturing(self) -> Iterator[None]:
+        """The calls inside are being captured into a CUDA graph (NOTE [events across a capture]):
+        events resolve for it, and a copy on a stream outside the capture is refused."""
+        self.epochs.begin()
+        try:
+            yield
+        finally:
+            self.epochs.end()
+
+    def join_capture(self, into: int) -> None:
+        """Bring the captured work of every stream the capture used back into the capturing
+        stream ``into``: a capture cannot end while another stream has work queued in it that
+        ``into`` does not wait for (a copy queued ahead and never waited on, say)."""
+        for s in sorted(self.epochs.streams):
+            if s != into and _cuda.stream_is_capturing(s):
+                ev = _cuda.event_create(False)
+                _cuda.event_record(ev, s)
+                _cuda.stream_wait_event(into, ev)
+
+    def replayed(self, stream: int) -> None:
+        """A captured graph was just launched on ``stream``: events recorded in captures stand
+        for this launch's end from now on."""
+        ev = _cuda.event_create(False)
+        _cuda.event_record(ev, stream)
+        self.epochs.after_replay = ev
 
     # -- views ------------------------------------------------------------------------------------
     def torch_view(self, ptr: int, nbytes: int, token: Any) -> Any:

@@ -419,6 +419,13 @@ def stream_synchronize(stream: int) -> None:
     _check("cudaStreamSynchronize", _runtime().cudaStreamSynchronize(stream))
 
 
+def stream_is_capturing(stream: int) -> bool:
+    """Whether ``stream`` is being captured into a CUDA graph now."""
+    rt = _runtime()
+    status = _check("cudaStreamIsCapturing", rt.cudaStreamIsCapturing(stream))
+    return status == rt.cudaStreamCaptureStatus.cudaStreamCaptureStatusActive
+
+
 def device_synchronize() -> None:
     _check("cudaDeviceSynchronize", _runtime().cudaDeviceSynchronize())
 
@@ -427,10 +434,11 @@ class Event:
     """A CUDA event that is destroyed when the last reference goes. A training step makes
     thousands of events; cuda-bindings' handles do not free themselves."""
 
-    __slots__ = ("handle",)
+    __slots__ = ("handle", "capture")
 
     def __init__(self, handle: Any):
         self.handle = handle
+        self.capture = 0       # the capture it was last recorded in (NOTE [events across a capture])
 
     def __del__(self) -> None:
         # Destroying an event whose record is still pending is allowed: the driver frees it when

@@ -938,6 +938,87 @@ class TieredTraining:
                 self.replays.give_up(f"a step ran out of memory beside the graphs' pool: {e}")
             raise
 
+    # -- whole-step graphs (NOTE [whole-step graphs] in _stepgraph.py) -----------------------------
+    def graphed(self, fn: Any) -> Any:
+        """``fn(*tensors) -> loss`` as a training step: ``loss = step(ids)`` runs forward,
+        backward and every block's optimizer step, eagerly until the plan has settled, then as
+        one captured CUDA graph replayed each step (NOTE [whole-step graphs] in _stepgraph.py).
+        The returned :class:`GraphedStep` says in ``off`` why its steps stay eager, if they do."""
+        from ._stepgraph import GraphedStep
+        return GraphedStep(self, fn)
+
+    @property
+    def settled(self) -> bool:
+        """The plan will not change by itself: the measured choice and its checks are done, and
+        the last step neither failed nor traced."""
+        return (self.plan is not None and not self._tracing and not self._failed and not self._refine
+                and not self._verify and self._late_ms is None and self._probe is None and not self._in_step
+                and self.accumulated == 0 and not self.replays.pending)
+
+    @property
+    def active(self) -> bool:
+        """This handle still trains its model (not unwrapped)."""
+        ref = getattr(self.model, "_tiermem_handle", None)
+        return ref is not None and ref() is self
+
+    @property
+    def layout(self) -> tuple[Any, ...]:
+        """What a captured step's addresses rest on: the plan, the slots' memory, the resident
+        blocks. A replay is valid only while it is the capture's."""
+        mem = self.stream.slot_mem
+        return (id(self.plan), 0 if mem is None else mem.data_ptr(), self.stream.slot_bytes,
+                frozenset(b.index for b in self.blocks if b.resident))
+
+    def graph_blockers(self) -> str:
+        """Why this training's steps cannot be captured as a graph ("" when they can)."""
+        if self.accumulate > 1:
+            return "accumulate > 1: the micro-batches of a window differ in what they move"
+        if self.max_grad_norm is not None:
+            return "gradient clipping reads the total norm on the host before the blocks step"
+        if self.group is not None:
+            return "data parallel: the process group's collectives are not captured"
+        if self.replays.capture:
+            return "graphs=True replays the recomputed backwards as graphs of their own"
+        if self.tier.backend.kind != "cuda":
+            return "the backend cannot capture CUDA graphs (no GPU)"
+        return ""
+
+    @contextlib.contextmanager
+    def capturing(self) -> Iterator[None]:
+        """The step inside is captured, not run (NOTE [whole-step graphs]): the backend resolves
+        events for the capture (NOTE [events across a capture]), and the step's timing events,
+        which no time can be read from, are dropped. If the capture fails, the step counts as not
+        taken, and the next one starts as after a failed step."""
+        steps, updates = self.steps, self.updates
+        try:
+            with self.tier.backend.capturing():
+                yield
+        except BaseException:
+            self._failed = True
+            raise
+        finally:
+            # nothing ran: the step is counted by its replay (``replayed``), or not at all
+            self.steps, self.updates = steps, updates
+            self._step_events, self._timing = None, []
+
+    def join_streams(self) -> None:
+        """End of a captured step: the side streams' captured copies join the compute stream."""
+        be = self.tier.backend
+        be.join_capture(be.current_stream())
+
+    def before_replay(self) -> None:
+        """A captured step is about to replay: no block may be in a slot (an evaluation between
+        steps leaves them there, NOTE [evaluation between steps])."""
+        if self._in_step:
+            raise TierMemError("a graphed step runs outside train.step(), not inside it")
+        self.stream.reset()
+
+    def replayed(self, moved: dict[str, int]) -> None:
+        """A captured step replayed: it counts as a step, and moved what the capture queued."""
+        self.steps += 1
+        self.updates += 1
+        self.moved = dict(moved)
+
     def _budget_note(self) -> str:
         """Why torch's allocator ran out inside a step: what the budget had to hold."""
         gb = lambda n: f"{n / 1e9:.3f} GB"  # noqa: E731

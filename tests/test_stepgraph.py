@@ -1,0 +1,166 @@
+"""Whole-step graphs on the CPU (NOTE [whole-step graphs] in tiermem/_stepgraph.py): what keeps
+a step eager, and the books behind a capture: how events resolve across it (NOTE [events across
+a capture] in tiermem/_capture.py), which settings it bakes in, and what it counted. Capturing
+and replaying need a GPU: tests/test_gpu_stepgraph.py."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tiermem
+from fakes import FakeBackend
+from test_train import batches, gpt, loss_of, plain_run, state_bytes
+from tiermem._capture import CaptureEpochs
+from tiermem._stepgraph import _capturable, _count_delta, _first_cause, _hyperparameters
+from tiermem.roles import Role
+
+
+class _Ev:
+    capture = 0
+
+
+def test_events_resolve_for_the_capture_they_were_recorded_in():
+    ep = CaptureEpochs()
+    before, during, after = _Ev(), _Ev(), _Ev()
+    ep.stamp(before)
+    assert ep.resolve(before) == ("use", before)           # no capture: events are themselves
+    ep.begin()
+    ep.stamp(during)
+    assert during.capture == 1
+    assert ep.resolve(during) == ("use", during)           # the same capture's event
+    assert ep.resolve(before) == ("present", None)         # from before it: the capturing stream's present
+    ep.end()
+    assert ep.resolve(during) == ("done", None)            # never replayed: its work never ran
+    replay_end = _Ev()
+    ep.after_replay = replay_end
+    assert ep.resolve(during) == ("use", replay_end)       # it stands for the last replay's end
+    assert ep.resolve(before) == ("use", before)
+    ep.begin()
+    assert ep.resolve(during) == ("present", None)         # another capture's: not this one's
+    ep.stamp(after)
+    assert after.capture == 2
+    with pytest.raises(RuntimeError, match="nest"):
+        ep.begin()
+    ep.end()
+
+
+def test_an_event_type_without_room_for_the_stamp_counts_as_never_captured():
+    ep = CaptureEpochs()
+    ep.begin()
+    ev = object()
+    ep.stamp(ev)                     # no error
+    assert ep.resolve(ev) == ("present", None)
+    ep.end()
+    assert ep.resolve(ev) == ("use", ev)
+
+
+def _tiered(**kw):
+    model, opt = gpt()
+    fake = FakeBackend(total=1 << 30, foreign_host=True)
+    tier = tiermem.Tier(backend=fake)
+    kw.setdefault("block_bytes", 16 << 10)
+    kw.setdefault("min_swap", 4096)
+    train = tier.wrap_training(model, opt, kw.pop("budget", state_bytes(model)), **kw)
+    return model, opt, train
+
+
+@pytest.mark.parametrize("kw,why", [
+    ({}, "no GPU"),
+    ({"accumulate": 2}, "accumulate"),
+    ({"max_grad_norm": 1.0}, "clipping"),
+])
+def test_what_keeps_the_steps_eager_is_said_and_they_train_as_plain_ones(kw, why):
+    bs = batches(5)
+    want, want_params = plain_run(bs)
+    model, _, train = _tiered(**kw)
+    step = train.graphed(lambda ids: loss_of(model, ids))
+    assert why in step.off and step.graph is None
+    assert why in repr(step)
+    if not kw:
+        got = [float(step(ids)) for ids in bs]
+        assert got == want
+        for p, q in zip(model.parameters(), want_params):
+            assert torch.equal(p.detach(), q)
+        assert train.steps == len(bs) and step.captures == step.replays == 0
+    step.close()
+    train.unwrap()
+
+
+def test_a_graphed_step_refuses_what_it_cannot_take():
+    model, _, train = _tiered()
+    with pytest.raises(tiermem.ConfigError, match="loss function"):
+        train.graphed(3)
+    step = train.graphed(lambda ids: loss_of(model, ids))
+    with pytest.raises(tiermem.ConfigError, match="tensors only"):
+        step([1, 2])
+    with pytest.raises(ValueError):            # a bad value is a ValueError too
+        step("ids")
+    train.unwrap()
+    with pytest.raises(tiermem.TierMemError, match="unwrapped"):
+        step(batches(1)[0])
+
+
+def test_the_plan_is_settled_once_the_measured_choice_is_done():
+    model, _, train = _tiered(recompute="auto")
+    seen = []
+    for ids in batches(20):
+        with train.step():
+            loss_of(model, ids).backward()
+        seen.append(train.settled)
+    # the traced step plans; the probe's steps, the check's and a kept plan's later steps follow
+    # (NOTE [measured choice] in tiermem/_train.py); then nothing changes the plan by itself
+    assert not any(seen[:8])
+    assert seen[-1] and train.plan is not None
+    layout = train.layout
+    with train.step():
+        loss_of(model, batches(1)[0]).backward()
+    assert train.layout == layout             # a settled plan keeps its slots and resident blocks
+
+
+def test_settings_are_compared_by_value_and_a_tensor_learning_rate_by_identity():
+    p = torch.nn.Parameter(torch.ones(3))
+    lr = torch.tensor(0.1)
+    opt = torch.optim.AdamW([p], lr=lr)
+    h = _hyperparameters(opt)
+    lr.fill_(0.05)                            # a schedule's in-place update: the graph reads it
+    assert _hyperparameters(opt) == h
+    opt.param_groups[0]["lr"] = torch.tensor(0.05)     # a new tensor: the graph holds the old one
+    assert _hyperparameters(opt) != h
+    opt2 = torch.optim.AdamW([p], lr=0.1)
+    h2 = _hyperparameters(opt2)
+    opt2.param_groups[0]["weight_decay"] = 0.5
+    assert _hyperparameters(opt2) != h2
+
+
+def test_only_fused_groups_say_capturable_for_the_capture_and_get_their_setting_back():
+    a, b = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.AdamW([{"params": [a]}, {"params": [b]}], lr=0.1)
+    opt.param_groups[0]["fused"] = True      # a CPU AdamW may not be fused: the flag is what is read
+    with pytest.raises(RuntimeError, match="inside"):
+        with _capturable(opt):
+            assert opt.param_groups[0]["capturable"] is True
+            assert opt.param_groups[1]["capturable"] is False     # foreach/for-loop: its own choice
+            raise RuntimeError("inside")
+    assert opt.param_groups[0]["capturable"] is False
+
+
+def test_the_capture_counts_moves_once_per_replay():
+    from tiermem._stats import Accounting
+    acc = Accounting()
+    before = acc.snapshot()
+    acc.on_move(Role.WEIGHT, "h2d", 100)
+    acc.on_move(Role.ACTIVATION, "d2h", 7)
+    acc.count(Role.ACTIVATION, "evict_ops")
+    delta = _count_delta(before, acc.snapshot())
+    assert delta == {(Role.WEIGHT, "moved_h2d_bytes"): 100, (Role.ACTIVATION, "moved_d2h_bytes"): 7,
+                     (Role.ACTIVATION, "evict_ops"): 1}
+
+
+def test_the_first_error_of_a_failed_capture_is_the_one_reported():
+    try:
+        try:
+            raise RuntimeError("operation not permitted when stream is capturing\nmore")
+        finally:
+            raise OSError("capturing stream has unjoined work")
+    except OSError as e:
+        assert _first_cause(e) == "RuntimeError: operation not permitted when stream is capturing"

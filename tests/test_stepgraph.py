@@ -11,7 +11,8 @@ import tiermem
 from fakes import FakeBackend
 from test_train import batches, gpt, loss_of, plain_run, state_bytes
 from tiermem._capture import CaptureEpochs
-from tiermem._stepgraph import _capturable, _count_delta, _first_cause, _hyperparameters
+from tiermem._stepgraph import (SETTLED_STEPS, _capturable, _count_delta, _first_cause, _hyperparameters,
+                                capture_now, why_invalid)
 from tiermem.roles import Role
 
 
@@ -164,3 +165,24 @@ def test_the_first_error_of_a_failed_capture_is_the_one_reported():
             raise OSError("capturing stream has unjoined work")
     except OSError as e:
         assert _first_cause(e) == "RuntimeError: operation not permitted when stream is capturing"
+
+
+def test_a_step_is_captured_after_the_settled_plan_ran_eagerly_and_never_once_graphs_are_off():
+    assert not capture_now("", True, SETTLED_STEPS)           # the first step under the plan allocates
+    assert capture_now("", True, SETTLED_STEPS + 1)
+    assert not capture_now("", False, 5)                      # the plan may still change
+    assert not capture_now("the capture failed: ...", True, 5)
+
+
+def test_what_a_capture_baked_in_is_checked_before_each_replay():
+    x = torch.zeros(4, 8, dtype=torch.long)
+    ok = dict(stale=False, settled=True, layout=(1, 2), captured_layout=(1, 2), inputs=(x,), static=[x.clone()],
+              hyper=[{"lr": 0.1}], captured_hyper=[{"lr": 0.1}])
+    assert why_invalid(**ok) == ""
+    assert "loaded" in why_invalid(**{**ok, "stale": True})
+    assert "plan" in why_invalid(**{**ok, "settled": False})
+    assert "plan" in why_invalid(**{**ok, "layout": (1, 3)})          # new slots, other resident blocks
+    assert "shapes" in why_invalid(**{**ok, "inputs": (torch.zeros(2, 8, dtype=torch.long),)})
+    assert "shapes" in why_invalid(**{**ok, "inputs": (x.float(),)})
+    assert "shapes" in why_invalid(**{**ok, "inputs": (x, x)})
+    assert "hyperparameters" in why_invalid(**{**ok, "hyper": [{"lr": 0.05}]})

@@ -52,7 +52,7 @@ from typing import Any
 
 from ._errors import ConfigError, TierMemError
 
-__all__ = ["GraphedStep"]
+__all__ = ["GraphedStep", "capture_now", "why_invalid"]
 
 log = logging.getLogger("tiermem")
 
@@ -115,7 +115,7 @@ class GraphedStep:
         layout = t.layout
         self._settled = self._settled + 1 if t.settled and layout == self._layout else 0
         self._layout = layout
-        if not self.off and t.settled and self._settled > SETTLED_STEPS:
+        if capture_now(self.off, t.settled, self._settled):
             loss = self._capture(inputs)
             if loss is not None:
                 return loss
@@ -178,16 +178,9 @@ class GraphedStep:
     # -- replay ------------------------------------------------------------------------------------
     def _invalid(self, inputs: tuple[Any, ...]) -> str:
         t = self.train
-        if self._stale:
-            return "the model's or the optimizer's state was loaded"
-        if not t.settled or t.layout != self._layout:
-            return "the plan changed"
-        if len(inputs) != len(self._static) or any(
-                x.shape != s.shape or x.dtype != s.dtype or x.device != s.device for x, s in zip(inputs, self._static)):
-            return "the inputs' shapes changed"
-        if _hyperparameters(t.opt) != self._hyper:
-            return "the optimizer's hyperparameters changed"
-        return ""
+        return why_invalid(stale=self._stale, settled=t.settled, layout=t.layout, captured_layout=self._layout,
+                           inputs=inputs, static=self._static, hyper=_hyperparameters(t.opt),
+                           captured_hyper=self._hyper)
 
     def _replay(self, inputs: tuple[Any, ...], first: bool = False) -> Any:
         t = self.train
@@ -223,6 +216,28 @@ def _first_cause(e: BaseException) -> str:
         e = e.__context__
     msg = str(e).splitlines()[0] if str(e) else ""
     return f"{type(e).__name__}: {msg}"
+
+
+def capture_now(off: str, settled: bool, settled_steps: int) -> bool:
+    """Whether this step is captured: graphs not given up, and the plan settled for more than
+    SETTLED_STEPS eager steps in a row under one layout (its first step under the plan makes
+    the allocations the later ones reuse)."""
+    return not off and settled and settled_steps > SETTLED_STEPS
+
+
+def why_invalid(*, stale: bool, settled: bool, layout: Any, captured_layout: Any, inputs: Any, static: Any,
+                hyper: Any, captured_hyper: Any) -> str:
+    """Why a captured step may not replay now ("" when it may): what the graph baked in changed."""
+    if stale:
+        return "the model's or the optimizer's state was loaded"
+    if not settled or layout != captured_layout:
+        return "the plan changed"
+    if len(inputs) != len(static) or any(
+            x.shape != s.shape or x.dtype != s.dtype or x.device != s.device for x, s in zip(inputs, static)):
+        return "the inputs' shapes changed"
+    if hyper != captured_hyper:
+        return "the optimizer's hyperparameters changed"
+    return ""
 
 
 def _unroute(torch: Any, g: Any, prev: Any) -> None:

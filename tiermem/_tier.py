@@ -3,11 +3,13 @@
 The layers, lowest first; a module imports only from its own layer or below, and reaches into
 no other module's private members (tests/test_layers.py holds the code to it):
   - base: errors, dtypes, sizes and limits, roles, the default tier's slot;
-  - CUDA: the raw calls (_cuda.py), the backend protocol (_backend.py), the staging rings;
+  - CUDA: the raw calls (_cuda.py), the backend protocol (_backend.py) with its books of events
+    across a CUDA graph capture (_capture.py), the staging rings;
   - core: the engine (_engine.py) with its tensor, transfer, stats, leases and report, and the
     streaming primitive every mover shares (_stream.py: ordered copies, a ring of device slots,
     a pinned arena);
-  - adapters: torch (wrap, module offload, training, activation swap, the torch allocator),
+  - adapters: torch (wrap, module offload, training and its whole-step graphs, activation swap,
+    the torch allocator),
     checkpoints and the disk tier, CuPy (the allocator, scoped residency);
   - this face, then the module-level API, the CLI and the demo.
 """

@@ -186,3 +186,75 @@ def test_what_a_capture_baked_in_is_checked_before_each_replay():
     assert "shapes" in why_invalid(**{**ok, "inputs": (x.float(),)})
     assert "shapes" in why_invalid(**{**ok, "inputs": (x, x)})
     assert "hyperparameters" in why_invalid(**{**ok, "hyper": [{"lr": 0.05}]})
+
+
+class _Calls:
+    """The raw CUDA calls the backend makes, recorded instead of made (no GPU here)."""
+
+    def __init__(self, monkeypatch, capturing=()):
+        from tiermem import _cuda
+        self.log: list[tuple] = []
+        self.capturing = set(capturing)
+        for name in ("event_record", "stream_wait_event", "event_query", "event_synchronize", "memcpy_async",
+                     "event_elapsed_ms"):
+            monkeypatch.setattr(_cuda, name, lambda *a, name=name: self.log.append((name, *a)) or (
+                True if name == "event_query" else 1.0 if name == "event_elapsed_ms" else None))
+        monkeypatch.setattr(_cuda, "event_create", lambda timing=False: _Ev())
+        monkeypatch.setattr(_cuda, "stream_is_capturing", lambda s: s in self.capturing)
+
+
+def _backend():
+    from tiermem._backend import CudaBackend
+    be = object.__new__(CudaBackend)        # its event calls only: no device is opened
+    be.epochs = CaptureEpochs()
+    be.current_stream = lambda: 7           # the capturing (compute) stream in these tests
+    return be
+
+
+def test_outside_a_capture_the_backend_uses_events_as_they_are(monkeypatch):
+    calls, be = _Calls(monkeypatch), _backend()
+    ev = _Ev()
+    be.record(ev, 3)
+    be.wait(5, ev)
+    assert be.query(ev) is True
+    be.synchronize(ev)
+    assert [c[0] for c in calls.log] == ["event_record", "stream_wait_event", "event_query", "event_synchronize"]
+    assert calls.log[1] == ("stream_wait_event", 5, ev)
+
+
+def test_inside_a_capture_host_checks_become_gpu_waits_and_old_events_the_present(monkeypatch):
+    from tiermem import TierMemError
+    calls, be = _Calls(monkeypatch, capturing={7, 5}), _backend()
+    old = _Ev()
+    be.record(old, 3)                        # before the capture
+    with be.capturing():
+        calls.log.clear()
+        be.wait(5, old)                      # the side stream joins the capture at the present
+        (_, ev_present, on), (_, s, waited) = calls.log
+        assert ev_present is not old and on == 7 and s == 5 and waited is ev_present
+        assert ev_present.capture == 1
+        calls.log.clear()
+        assert be.query(old) is True and calls.log == []        # complete: the capture began after a sync
+        mine = _Ev()
+        be.record(mine, 5)
+        calls.log.clear()
+        assert be.query(mine) is True                            # the GPU waits instead of the host
+        be.synchronize(mine)
+        assert calls.log == [("stream_wait_event", 7, mine)] * 2
+        with pytest.raises(TierMemError, match="outside the running capture"):
+            be.copy(1, 2, 3, 9)             # a stream not in the capture: it would run once, now
+        be.copy(1, 2, 3, 5)
+        calls.log.clear()
+        be.join_capture(7)                   # every capturing stream it used joins the compute stream
+        assert [c[0] for c in calls.log] == ["event_record", "stream_wait_event"]
+        assert calls.log[0][2] == 5 and calls.log[1][1] == 7
+    with pytest.raises(TierMemError, match="no times"):
+        be.elapsed_ms(mine, mine)
+    calls.log.clear()
+    be.wait(4, mine)                         # never replayed: nothing to wait for
+    assert be.query(mine) is True and calls.log == []
+    be.replayed(7)
+    end = calls.log[-1][1]
+    calls.log.clear()
+    be.wait(4, mine)                         # it stands for the last replay's end
+    assert calls.log == [("stream_wait_event", 4, end)]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from test_gpu_train import CFG, _batches, _cleanup, _gpt, _loss, _setup
+from test_gpu_train import CFG, _batches, _cleanup, _gpt, _loss, _resident_losses, _setup
 
 pytestmark = pytest.mark.gpu
 
@@ -61,21 +61,12 @@ def _data(n, big=True):
 
 
 def _plain(batches, loss=_loss, schedule=None, lr=1e-3, big=True):
-    """The plain loop's losses and parameters, fused AdamW (what the graphed runs use)."""
-    import torch
-    model = _big() if big else _gpt()[0]
-    opt = _fused(model, lr)
-    sched = schedule(opt) if schedule else None
-    out = []
-    for ids in batches:
-        v = loss(model, ids)
-        v.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if sched is not None:
-            sched.step()
-        out.append(v.detach())
-    return [float(x) for x in torch.stack(out).cpu()], [p.detach().cpu() for p in model.parameters()]   # the host: the cap is the budget's
+    """The plain loop's losses and parameters (on the host), fused AdamW as the graphed runs use."""
+    def build():
+        model = _big() if big else _gpt()[0]
+        return model, _fused(model, lr)
+    losses, params = _resident_losses(batches, build, loss_fn=loss, schedule=schedule)
+    return losses, [p.cpu() for p in params]
 
 
 def _graphed(batches, loss=_loss, schedule=None, lr=1e-3, big=True, between=None):

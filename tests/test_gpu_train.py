@@ -46,21 +46,25 @@ def _loss(model, ids):
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
 
 
-def _resident_losses(batches, build=None):
+def _resident_losses(batches, build=None, loss_fn=_loss, schedule=None):
     """The plain loop's losses and final parameters; ``build()`` gives (model, optimizer), by
-    default the GPT of CFG with AdamW."""
+    default the GPT of CFG with AdamW; ``schedule(optimizer)``, a learning-rate scheduler
+    stepped after each optimizer step."""
     import torch
     if build is None:
         model, _ = _gpt()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     else:
         model, opt = build()
+    sched = schedule(opt) if schedule is not None else None
     out = []
     for ids in batches:
-        loss = _loss(model, ids)
+        loss = loss_fn(model, ids)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if sched is not None:
+            sched.step()
         out.append(loss.detach())
     return [float(x) for x in torch.stack(out).cpu()], [p.detach().clone() for p in model.parameters()]
 

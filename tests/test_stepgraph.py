@@ -8,8 +8,7 @@ import pytest
 import torch
 
 import tiermem
-from fakes import FakeBackend
-from test_train import batches, gpt, loss_of, plain_run, state_bytes
+from test_train import batches, loss_of, plain_run, tiered
 from tiermem._capture import CaptureEpochs
 from tiermem._stepgraph import (SETTLED_STEPS, _capturable, _count_delta, _first_cause, _hyperparameters,
                                 capture_now, why_invalid)
@@ -56,12 +55,7 @@ def test_an_event_type_without_room_for_the_stamp_counts_as_never_captured():
 
 
 def _tiered(**kw):
-    model, opt = gpt()
-    fake = FakeBackend(total=1 << 30, foreign_host=True)
-    tier = tiermem.Tier(backend=fake)
-    kw.setdefault("block_bytes", 16 << 10)
-    kw.setdefault("min_swap", 4096)
-    train = tier.wrap_training(model, opt, kw.pop("budget", state_bytes(model)), **kw)
+    _, _, model, opt, train = tiered(**kw)
     return model, opt, train
 
 

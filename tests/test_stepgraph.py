@@ -10,7 +10,7 @@ import torch
 import tiermem
 from test_train import batches, loss_of, plain_run, tiered
 from tiermem._capture import CaptureEpochs
-from tiermem._stepgraph import (SETTLED_STEPS, _capturable, _count_delta, _first_cause, _hyperparameters,
+from tiermem._stepgraph import (SETTLED_STEPS, _capturable, _release, _unroute, _count_delta, _first_cause, _hyperparameters,
                                 capture_now, why_invalid)
 from tiermem.roles import Role
 
@@ -159,6 +159,52 @@ def test_the_first_error_of_a_failed_capture_is_the_one_reported():
             raise OSError("capturing stream has unjoined work")
     except OSError as e:
         assert _first_cause(e) == "RuntimeError: operation not permitted when stream is capturing"
+
+
+class _Graph:
+    """torch.cuda.CUDAGraph's calls _release and _unroute make: ``pool()`` refuses a graph whose
+    capture did not end, as torch's does."""
+    def __init__(self, ended):
+        self.ended, self.resets = ended, 0
+
+    def pool(self):
+        if not self.ended:
+            raise RuntimeError("Called CUDAGraph::pool() without a preceding successful capture.")
+        return (1, 0)
+
+    def reset(self):
+        self.resets += 1
+
+
+class _Torch:
+    """The torch calls of _release and _unroute, recorded instead of made."""
+    def __init__(self):
+        import types
+        self.calls = []
+        rec = self.calls.append
+        self._C = types.SimpleNamespace(_cuda_endAllocateToPool=lambda d, p: rec(("end", d, p)),
+                                        _cuda_releasePool=lambda d, p: rec(("release", d, p)),
+                                        _cuda_clearCublasWorkspaces=lambda: rec(("cublas",)))
+        self.cuda = types.SimpleNamespace(set_stream=lambda s: rec(("stream", s)), current_device=lambda: 0,
+                                          synchronize=lambda: None, empty_cache=lambda: rec(("empty",)))
+
+
+@pytest.mark.parametrize("ended", [False, True])
+def test_a_capture_that_did_not_end_gives_its_own_pool_back(ended):
+    """NOTE [failed capture's pool]: torch gives back the pool of a graph whose capture ended
+    (its reset does); one whose capture did not end is ended and given back by tiermem, once."""
+    import types
+    t, g, pool = _Torch(), _Graph(ended), (0, 7)
+    prev = types.SimpleNamespace(device=types.SimpleNamespace(index=0))
+    _unroute(t, g, pool, prev)
+    _release(t, g, pool)
+    assert g.resets == 1
+    mine = [c for c in t.calls if c[0] in ("end", "release", "cublas")]
+    assert t.calls[0] == ("stream", prev) and t.calls[-1] == ("empty",)
+    assert mine == ([] if ended else [("end", 0, pool), ("release", 0, pool), ("cublas",)])
+    t.calls.clear()
+    _release(t, _Graph(False))          # a dropped graph (no pool of its own to give): reset only
+    assert [c for c in t.calls if c[0] != "empty"] == []
 
 
 def test_a_step_is_captured_after_the_settled_plan_ran_eagerly_and_never_once_graphs_are_off():

@@ -137,17 +137,18 @@ class GraphedStep:
         # memory at 352 MiB beside 134 MiB of cached blocks, tests/test_gpu_stepgraph.py).
         _free_cache(torch)
         g = torch.cuda.CUDAGraph()
+        pool = torch.cuda.graph_pool_handle()      # NOTE [failed capture's pool]
         before = t.tier.accounting.snapshot()
         why = ""
         try:
-            self._loss, self._moved = self._record(g)
+            self._loss, self._moved = self._record(g, pool)
         except Exception as e:    # noqa: BLE001 - any refusal: the step runs eagerly, graphs off
             why = _first_cause(e)
         if why:
             # Outside the handler, so the failed step's frames (and the tensors they held in the
             # graph's pool) are gone before the pool is given back.
             self._static, self._loss = [], None
-            _release(torch, g)
+            _release(torch, g, pool)
             self.off = f"the capture failed: {why}"
             log.warning("tiermem: the training step could not be captured as a CUDA graph; the steps stay "
                         "eager: %s", self.off)
@@ -160,18 +161,19 @@ class GraphedStep:
         self._stale = False
         return self._replay(inputs, first=True)
 
-    def _record(self, g: Any) -> tuple[Any, dict[str, int]]:
-        """One step of ``fn`` on the static inputs, captured into ``g``: (its loss, what it moved)."""
+    def _record(self, g: Any, pool: Any) -> tuple[Any, dict[str, int]]:
+        """One step of ``fn`` on the static inputs, captured into ``g`` with its memory from
+        ``pool``: (its loss, what it moved)."""
         torch, t = self.torch, self.train
         prev = torch.cuda.current_stream()
         try:
-            with t.capturing(), _capturable(t.opt), torch.cuda.graph(g):
+            with t.capturing(), _capturable(t.opt), torch.cuda.graph(g, pool=pool):
                 with t.step():
                     loss = self.fn(*self._static)
                     loss.backward()
                 t.join_streams()
         except BaseException:
-            _unroute(torch, g, prev)
+            _unroute(torch, g, pool, prev)
             raise
         return loss.detach(), dict(t.moved)
 
@@ -240,22 +242,28 @@ def why_invalid(*, stale: bool, settled: bool, layout: Any, captured_layout: Any
     return ""
 
 
-def _unroute(torch: Any, g: Any, prev: Any) -> None:
+def _ended(g: Any) -> bool:
+    """Whether ``g``'s capture ended: torch's ``pool()`` refuses a graph whose capture did not."""
+    try:
+        g.pool()
+        return True
+    except Exception:  # noqa: BLE001 - RuntimeError from torch's check
+        return False
+
+
+def _unroute(torch: Any, g: Any, pool: Any, prev: Any) -> None:
     """NOTE [invalidated capture]: a capture that an operation invalidated (a host sync inside
     the step) makes torch.cuda.graph's exit raise before it stops routing allocations to the
     graph's pool and before it gives the caller's stream back; every later allocation on that
     stream would land in the dead pool (the eager step after such a failure ran out of memory
     with 356 MiB held there, H200). Both are undone here: the stream with torch's public call,
     the routing with the private one torch's own ``use_mem_pool`` ends with, where this torch
-    has it. A routing already ended is left alone."""
+    has it. A capture that ended cleanly ended its routing itself."""
     torch.cuda.set_stream(prev)
     end = getattr(torch._C, "_cuda_endAllocateToPool", None)
-    if end is None:
+    if end is None or _ended(g):
         return
-    try:
-        end(prev.device.index if prev.device.index is not None else torch.cuda.current_device(), g.pool())
-    except Exception:  # noqa: BLE001 - routing already ended (the capture ended cleanly)
-        pass
+    end(prev.device.index if prev.device.index is not None else torch.cuda.current_device(), pool)
 
 
 def _free_cache(torch: Any) -> None:
@@ -265,14 +273,34 @@ def _free_cache(torch: Any) -> None:
     torch.cuda.empty_cache()
 
 
-def _release(torch: Any, g: Any) -> None:
+# NOTE [failed capture's pool]
+#     torch gives a graph's private pool back when the graph is reset or destroyed, but only a
+#     graph whose capture ended: a capture that failed in cudaStreamEndCapture (an invalidated
+#     one: a host sync inside the step) leaves its pool referenced for the life of the process,
+#     with every segment it took. Those segments count in torch's reserved bytes, so the next
+#     wrap_training on the device traced a step that "held" them: on the H100 a GPT of 251 MB of
+#     state was refused at 352 MiB, its traced step 3.6 GB, after a failed capture of the
+#     3.5 GB GPT (tests/test_gpu_stepgraph.py at d35d421). So the capture takes a pool handle of
+#     its own, and a capture that did not end gives that pool back with the private call
+#     torch's ``use_mem_pool`` gives its pools back with. cuBLAS keeps a workspace per stream,
+#     and the capture's stream took its workspace from the pool: those are let go too (torch
+#     does the same when it resets a graph whose capture ended).
+def _release(torch: Any, g: Any, pool: Any = None) -> None:
     """A dropped or failed capture's graph gives its pool back to torch's allocator, and the
     allocator its cached memory to the device (the eager steps' cache takes its place)."""
+    give_back = pool is not None and not _ended(g)
     try:
         g.reset()
     except Exception:  # noqa: BLE001 - a capture that never began has nothing to reset
         pass
     del g
+    if give_back:
+        release = getattr(torch._C, "_cuda_releasePool", None)
+        if release is not None:
+            release(torch.cuda.current_device(), pool)
+        clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+        if clear is not None:
+            clear()
     _free_cache(torch)
 
 

@@ -533,10 +533,13 @@ def main():
     ADAMW[a.adamw] = True
     a.arena = a.arena or a.arena_only
     a.ratios = tuple(float(x) for x in a.ratios.split(","))
+    # peer_steps: the peers' medians are of the steps after the first two. FSDP2's CPU offload steps
+    # AdamW on the host, so its time follows the host: over six steps it was 181.9 and 264.1 ms on
+    # two H100 machines (docs/training.md, whole-step graphs); twelve steady it a little.
     big = dict(vocab=8192, seq=512, d=1024, layers=16, heads=16, batch=4, ratio=2.5, steps=30, soc_steps=8,
                block_mib=16, sweep=[0.6, 0.8, 1.0], sweep_steps=8, cap_steps=10, capacity_budget=30 * GiB,
                study_gib=3.0, study_start=8, study_limit=512, study_steps=4, small_d=768, small_layers=8,
-               hf_vocab=8192, hf_d=1024, hf_ff=2816, hf_layers=20, hf_heads=16, hf_kv=4, peer_steps=8,
+               hf_vocab=8192, hf_d=1024, hf_ff=2816, hf_layers=20, hf_heads=16, hf_kv=4, peer_steps=14,
                plan_steps=28, block4_mib=64)
     small = dict(vocab=2048, seq=128, d=384, layers=8, heads=4, batch=8, ratio=2.5, steps=14, soc_steps=6,
                  block_mib=1, sweep=[0.8], sweep_steps=6, cap_steps=6, capacity_budget=4 * GiB,

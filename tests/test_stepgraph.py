@@ -197,7 +197,7 @@ def test_a_capture_that_did_not_end_gives_its_own_pool_back(ended):
     t, g, pool = _Torch(), _Graph(ended), (0, 7)
     prev = types.SimpleNamespace(device=types.SimpleNamespace(index=0))
     _unroute(t, g, pool, prev)
-    _release(t, g, pool, failed=True)
+    _release(t, g, pool)
     assert g.resets == 1
     mine = [c for c in t.calls if c[0] in ("end", "release", "cublas")]
     assert t.calls[0] == ("stream", prev) and t.calls[-1] == ("empty",)

@@ -148,7 +148,7 @@ class GraphedStep:
             # Outside the handler, so the failed step's frames (and the tensors they held in the
             # graph's pool) are gone before the pool is given back.
             self._static, self._loss = [], None
-            _release(torch, g, pool, failed=True)
+            _release(torch, g, pool)
             self.off = f"the capture failed: {why}"
             log.warning("tiermem: the training step could not be captured as a CUDA graph; the steps stay "
                         "eager: %s", self.off)
@@ -285,10 +285,11 @@ def _free_cache(torch: Any) -> None:
 #     torch's ``use_mem_pool`` gives its pools back with. cuBLAS keeps a workspace per stream,
 #     and the capture's stream took its workspace from the pool: those are let go too (torch
 #     does the same when it resets a graph whose capture ended).
-def _release(torch: Any, g: Any, pool: Any = None, failed: bool = False) -> None:
+def _release(torch: Any, g: Any, failed_pool: Any = None) -> None:
     """A dropped or failed capture's graph gives its pool back to torch's allocator, and the
-    allocator its cached memory to the device (the eager steps' cache takes its place)."""
-    give_back = pool is not None and not _ended(g)
+    allocator its cached memory to the device (the eager steps' cache takes its place).
+    ``failed_pool``: the pool handle of a capture that failed (NOTE [failed capture's pool])."""
+    give_back = failed_pool is not None and not _ended(g)
     try:
         g.reset()
     except Exception:  # noqa: BLE001 - a capture that never began has nothing to reset
@@ -297,8 +298,8 @@ def _release(torch: Any, g: Any, pool: Any = None, failed: bool = False) -> None
     if give_back:
         release = getattr(torch._C, "_cuda_releasePool", None)
         if release is not None:
-            release(torch.cuda.current_device(), pool)
-    if failed:
+            release(torch.cuda.current_device(), failed_pool)
+    if failed_pool is not None:
         clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
         if clear is not None:
             clear()

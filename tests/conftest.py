@@ -85,6 +85,37 @@ def _gpu_memory_after(request):
         with open(log, "a") as f:
             f.write(f"{free / 2**30:8.3f} GiB free  torch {torch.cuda.memory_allocated() / 2**20:8.1f} MiB allocated "
                     f"{torch.cuda.memory_reserved() / 2**20:8.1f} MiB reserved  {request.node.nodeid}\n")
+            for line in _private_pool_report(torch):
+                f.write(f"    {line}\n")
+
+
+def _private_pool_report(torch) -> list[str]:
+    """What is left in torch's private pools (a graph's): each segment's live blocks, and the
+    tensors gc can reach that sit in them, with who holds them; blocks no tensor accounts for
+    are the allocator's own (a library's workspace, say)."""
+    segs = [s for s in torch.cuda.memory_snapshot() if tuple(s.get("segment_pool_id", (0, 0))) != (0, 0)]
+    out = []
+    for s in segs:
+        live = [b for b in s["blocks"] if b["state"] == "active_allocated"]
+        out.append(f"private segment pool={tuple(s['segment_pool_id'])} {s['total_size']} B, "
+                   f"live blocks {[int(b['size']) for b in live]}")
+        lo, hi = int(s["address"]), int(s["address"]) + int(s["total_size"])
+        for obj in gc.get_objects():
+            try:
+                if not (torch.is_tensor(obj) and obj.is_cuda and lo <= obj.data_ptr() < hi):
+                    continue
+            except Exception:  # noqa: BLE001 - a half-built object
+                continue
+            held = sorted({_holder(r, obj) for r in gc.get_referrers(obj)} - {"list", "frame"})
+            out.append(f"  tensor {tuple(obj.shape)} {obj.dtype} at +{obj.data_ptr() - lo}, held by {held}")
+    return out
+
+
+def _holder(ref, obj) -> str:
+    if isinstance(ref, dict):
+        keys = [k for k, v in list(ref.items())[:10000] if v is obj][:2]
+        return f"dict{keys}"
+    return type(ref).__name__
 
 
 @pytest.fixture

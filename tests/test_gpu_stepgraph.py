@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from test_gpu_train import CFG, _batches, _cleanup, _gpt, _loss, _resident_losses, _setup
+from test_gpu_train import CFG, _batches, _cleanup, _gpt, _loss, _private_pool_segments, _resident_losses, _setup
 
 pytestmark = pytest.mark.gpu
 
@@ -74,13 +74,6 @@ def _data(n, big=True):
     return _batches(GPTConfig(**(BIG if big else CFG)), n, batch=4 if big else 8)
 
 
-def _private_pool_segments(torch):
-    """Segments of torch's private pools (a graph's), with their live blocks' sizes: none once
-    every graph is gone."""
-    return [(int(seg["total_size"]), [int(b["size"]) for b in seg["blocks"] if b["state"] == "active_allocated"])
-            for seg in torch.cuda.memory_snapshot() if tuple(seg.get("segment_pool_id", (0, 0))) != (0, 0)]
-
-
 def _plain(batches, loss=_loss, schedule=None, lr=1e-3, big=True):
     """The plain loop's losses and parameters (on the host), fused AdamW as the graphed runs use."""
     def build():
@@ -133,6 +126,8 @@ def test_a_graphed_step_replays_and_gives_the_resident_losses_bitwise_within_the
     assert train.steps == len(batches) and train.moved["h2d"] > 0
     step.close()
     _cleanup(tier, train)
+    # NOTE [capture's cuBLAS workspace]: the graph's pool goes back whole, workspaces included
+    assert _private_pool_segments(torch) == []
 
 
 def test_dropout_in_recomputed_blocks_draws_the_same_masks_in_replays():

@@ -104,6 +104,13 @@ def _cleanup(tier=None, train=None):
         tier.close()
 
 
+def _private_pool_segments(torch):
+    """Segments of torch's private pools (a graph's), with their live blocks' sizes: none once
+    every graph is gone."""
+    return [(int(seg["total_size"]), [int(b["size"]) for b in seg["blocks"] if b["state"] == "active_allocated"])
+            for seg in torch.cuda.memory_snapshot() if tuple(seg.get("segment_pool_id", (0, 0))) != (0, 0)]
+
+
 def test_thirty_steps_under_a_tight_budget_give_the_resident_losses_bitwise():
     torch = _setup()
     from tiermem.models import GPTConfig

@@ -299,3 +299,22 @@ def test_inside_a_capture_host_checks_become_gpu_waits_and_old_events_the_presen
     calls.log.clear()
     be.wait(4, mine)                         # it stands for the last replay's end
     assert calls.log == [("stream_wait_event", 4, end)]
+
+
+def test_a_capture_lets_cublas_workspaces_go_before_and_after_it_even_when_it_fails():
+    """NOTE [capture's cuBLAS workspace]: the capture makes its workspaces in its own pool and
+    none outlives it there, or the pool keeps its segments after the graph is gone."""
+    import types
+    from tiermem._workspaces import own_workspaces
+    calls = []
+    t = types.SimpleNamespace(_C=types.SimpleNamespace(_cuda_clearCublasWorkspaces=lambda: calls.append("clear")))
+    with own_workspaces(t):
+        calls.append("capture")
+    assert calls == ["clear", "capture", "clear"]
+    calls.clear()
+    with pytest.raises(RuntimeError), own_workspaces(t):
+        calls.append("capture")
+        raise RuntimeError("invalidated")
+    assert calls == ["clear", "capture", "clear"]
+    with own_workspaces(types.SimpleNamespace(_C=types.SimpleNamespace())):   # a torch without the call
+        pass

@@ -20,6 +20,8 @@ from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Any
 
+from ._workspaces import own_workspaces
+
 __all__ = ["Replays", "MAX_GRAPHS_PER_BLOCK"]
 
 MAX_GRAPHS_PER_BLOCK = 6     # a streamed block passes through lookahead + 1 slots (3 by default)
@@ -406,7 +408,7 @@ class Replays:
             for p, data, grad in rec.binding:
                 p.data = data
                 p.grad = grad
-            with torch.cuda.stream(side):
+            with torch.cuda.stream(side), own_workspaces(torch):   # NOTE [capture's cuBLAS workspace]
                 graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
                 try:
                     xs = [s.detach().requires_grad_(r) for s, r in zip(static_in, rec.grad_in)]

@@ -51,6 +51,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from ._errors import ConfigError, TierMemError
+from ._workspaces import let_go, own_workspaces
 
 __all__ = ["GraphedStep", "capture_now", "why_invalid"]
 
@@ -167,7 +168,7 @@ class GraphedStep:
         torch, t = self.torch, self.train
         prev = torch.cuda.current_stream()
         try:
-            with t.capturing(), _capturable(t.opt), torch.cuda.graph(g, pool=pool):
+            with own_workspaces(torch), t.capturing(), _capturable(t.opt), torch.cuda.graph(g, pool=pool):
                 with t.step():
                     loss = self.fn(*self._static)
                     loss.backward()
@@ -283,8 +284,8 @@ def _free_cache(torch: Any) -> None:
 #     3.5 GB GPT (tests/test_gpu_stepgraph.py at d35d421). So the capture takes a pool handle of
 #     its own, and a capture that did not end gives that pool back with the private call
 #     torch's ``use_mem_pool`` gives its pools back with. cuBLAS keeps a workspace per stream,
-#     and the capture's stream took its workspace from the pool: those are let go too (torch
-#     does the same when it resets a graph whose capture ended).
+#     and the capture's stream took its workspace from the pool: those are let go too (NOTE
+#     [capture's cuBLAS workspace] in _workspaces.py).
 def _release(torch: Any, g: Any, failed_pool: Any = None) -> None:
     """A dropped or failed capture's graph gives its pool back to torch's allocator, and the
     allocator its cached memory to the device (the eager steps' cache takes its place).
@@ -300,9 +301,7 @@ def _release(torch: Any, g: Any, failed_pool: Any = None) -> None:
         if release is not None:
             release(torch.cuda.current_device(), failed_pool)
     if failed_pool is not None:
-        clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
-        if clear is not None:
-            clear()
+        let_go(torch)
     _free_cache(torch)
 
 

@@ -14,8 +14,7 @@ MiB = 1 << 20
 # bench/train_budget.py part 4's GPT: 0.88 GB of parameters, 3.5 GB of training state with AdamW,
 # at 1/2.5 of it (bench/probes/probe_step_graph.py: captured, 1.22 GB reserved against 1.40).
 BIG = dict(vocab=8192, seq=512, d=1024, layers=16, heads=16)
-# The GPT of CFG (251 MB of state) at 352 MiB: its eager steps fit, the graph's pool beside
-# what stays reserved does not (the capture ran out of memory there twice on the H200).
+# The GPT of CFG (251 MB of state) at 352 MiB: its eager steps fit with little room to spare.
 TIGHT = 352 * MiB
 
 
@@ -216,7 +215,10 @@ def test_evaluation_and_a_reload_between_replays():
         if step.graph is not None and "at" not in saved:    # the first step after the capture
             saved["at"] = i
             with torch.no_grad():
-                evals["tiered"] = model(probe[:, :-1]).float().cpu()
+                # one row: the graph's pool stays reserved between replays, so an evaluation
+                # has the budget less the pool (docs/training.md); 4x512 tokens beside a 486 MiB
+                # pool ran out of memory on the H200 at ee27da0
+                evals["tiered"] = model(probe[:1, :-1]).float().cpu()
             saved["opt"] = {k: v for k, v in opt.state_dict().items()}
             opt.load_state_dict(saved["opt"])
 
@@ -236,14 +238,14 @@ def test_evaluation_and_a_reload_between_replays():
         want.append(float(v))
         if i == saved["at"]:
             with torch.no_grad():
-                assert torch.equal(model(probe[:, :-1]).float().cpu(), evals["tiered"])
+                assert torch.equal(model(probe[:1, :-1]).float().cpu(), evals["tiered"])
     assert got == want
 
 
 @pytest.mark.parametrize("why", ["sync", "memory"])
 def test_a_step_that_cannot_be_captured_stays_eager_and_loses_nothing(why):
-    """A host sync inside the step (``.item()``), or a budget too tight for the graph's pool,
-    fails the capture: the graphs go off with the reason, the failed capture's pool is given
+    """A host sync inside the step (``.item()``), or a capture that needs more memory than the
+    budget leaves, fails the capture: the graphs go off with the reason, the failed capture's pool is given
     back, and that step and the later ones run eagerly with the resident run's losses."""
     torch = _setup()
     big = why == "sync"
@@ -254,6 +256,11 @@ def test_a_step_that_cannot_be_captured_stays_eager_and_loses_nothing(why):
         v = _loss(model, ids)
         if why == "sync":
             seen.append(v.item())           # not capturable
+        elif torch.cuda.is_current_stream_capturing():
+            # More than the budget, asked for in the capture only: how big the graph's pool is
+            # beside the step depends on the plan the measured times chose (at TIGHT it ran out
+            # on the H100 and H200, then fit once the cuBLAS workspaces went back, ee27da0).
+            torch.empty(TIGHT, dtype=torch.uint8, device="cuda")
         return v
 
     want, _ = _plain(batches, big=big)

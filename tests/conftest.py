@@ -9,6 +9,7 @@ import functools
 import gc
 import os
 import sys
+import warnings
 
 import pytest
 
@@ -102,10 +103,14 @@ def _private_pool_report(torch) -> list[str]:
         lo, hi = int(s["address"]), int(s["address"]) + int(s["total_size"])
         for obj in gc.get_objects():
             try:
-                if not (torch.is_tensor(obj) and obj.is_cuda and lo <= obj.data_ptr() < hi):
-                    continue
+                with warnings.catch_warnings():      # a deprecated torch object warns when asked its type
+                    warnings.simplefilter("ignore")
+                    if not (torch.is_tensor(obj) and obj.is_cuda and lo <= obj.data_ptr() < hi):
+                        continue
             except Exception:  # noqa: BLE001 - a half-built object
                 continue
+            # gc.get_objects()'s list and this frame refer to every tensor; an empty set means only
+            # what gc cannot see holds it (autograd's saved tensors, say)
             held = sorted({_holder(r, obj) for r in gc.get_referrers(obj)} - {"list", "frame"})
             out.append(f"  tensor {tuple(obj.shape)} {obj.dtype} at +{obj.data_ptr() - lo}, held by {held}")
     return out

@@ -45,7 +45,7 @@ def _unwrap_what_a_test_left():
         try:
             step.close()
             if train.active:
-                train.unwrap()
+                train.unwrap("cpu")     # the failed test's frames keep the model: keep it off the device
                 tier.close()
         except Exception:  # noqa: BLE001 - best effort after a failure
             pass
@@ -272,11 +272,10 @@ def test_a_step_that_cannot_be_captured_stays_eager_and_loses_nothing(why):
         assert "OutOfMemoryError" in step.off
     # NOTE [failed capture's pool]: torch keeps the pool of a capture that did not end; tiermem
     # gives it back (at d35d421 the sync case left 3.6 GB there, and the next test was refused).
-    # A capture that ran out of memory did end: its pool goes back with the graph, but small
-    # tensors the capture made and the model still holds keep their segments until they are
-    # freed (on the H100 at 7e3ce2c, three 2 MiB segments, blocks of 1-16 KiB and one of 2 MiB).
-    left = _private_pool_segments(torch)
-    assert sum(n for n, _ in left) <= (0 if why == "sync" else 8 * MiB), left
+    # A capture that ran out of memory did end and its pool goes back with the graph; the
+    # activations its forward made there go with the exception's frames, which tiermem clears
+    # (at 2bbf434 on the H200, 23 MiB of them were still there after the eager steps).
+    assert _private_pool_segments(torch) == []
     assert got == want
     # the steps after the failed capture ran within the budget: its pool was given back
     assert train.resident_peak() <= budget, (train.resident_peak(), budget)

@@ -318,3 +318,31 @@ def test_a_capture_lets_cublas_workspaces_go_before_and_after_it_even_when_it_fa
     assert calls == ["clear", "capture", "clear"]
     with own_workspaces(types.SimpleNamespace(_C=types.SimpleNamespace())):   # a torch without the call
         pass
+
+
+def test_a_failed_captures_exception_lets_go_of_its_frames_and_their_tensors():
+    """NOTE [kept exceptions]: the failed capture's exception is tiermem's own; its frames (the
+    failed forward's activations) are cleared, down the chain of exceptions it came with."""
+    import weakref
+    from tiermem._stepgraph import _clear_frames
+
+    class Big:
+        pass
+
+    def forward():
+        act = Big()
+        refs.append(weakref.ref(act))
+        raise MemoryError("out of memory in the capture")
+
+    refs = []
+    try:
+        try:
+            forward()
+        except MemoryError:
+            raise RuntimeError("the capture's end failed too")
+    except RuntimeError as e:
+        kept = e                                   # as a caller that keeps the exception would
+    assert refs[0]() is not None
+    _clear_frames(kept)
+    assert refs[0]() is None                       # gone without a collection
+    assert kept.__context__ is not None            # the exceptions themselves stay readable

@@ -245,8 +245,9 @@ def test_evaluation_and_a_reload_between_replays():
 @pytest.mark.parametrize("why", ["sync", "memory"])
 def test_a_step_that_cannot_be_captured_stays_eager_and_loses_nothing(why):
     """A host sync inside the step (``.item()``), or a capture that needs more memory than the
-    budget leaves, fails the capture: the graphs go off with the reason, the failed capture's pool is given
-    back, and that step and the later ones run eagerly with the resident run's losses."""
+    budget leaves, fails the capture: the graphs go off with the reason, the failed capture's
+    pool is given back, and that step and the later ones run eagerly with the resident run's
+    losses."""
     torch = _setup()
     big = why == "sync"
     batches = _data(CAPTURED_BY + 3, big=big)

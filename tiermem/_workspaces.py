@@ -13,8 +13,10 @@ NOTE [capture's cuBLAS workspace]
     So, as torch's inductor does around its own captures, the workspaces are let go before a
     capture (the capture makes its own, in its own pool) and after it (the block is then a
     temporary of the capture, free in its pool: the graph's replays still use those bytes as
-    scratch, nothing else is placed there, and the pool goes back whole with the graph). The
-    eager streams make theirs again at their next matmul.
+    scratch, a later capture into a shared pool may place its own temporaries there as it may
+    over any freed block (graphs that share a pool run one after another, as torch requires),
+    and the pool goes back whole with its graphs). The eager streams make theirs again at their
+    next matmul.
 """
 from __future__ import annotations
 

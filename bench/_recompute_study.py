@@ -21,6 +21,9 @@ RATIOS = (1.5, 2.5, 4.0)
 # and a changed plan's first; a kept plan checked again later times from its last change
 # (Result.settled in train_budget.py)
 SETTLE = 1 + PROBE_STEPS + VERIFY_STEPS + 1
+# steps the whole-step graph's run takes beyond the others' (the batches again): a plan its
+# replays change (NOTE [graph choice]) settles, is captured again and replays in them
+GRAPH_EXTRA = 14
 
 # NOTE: DETERMINISM
 # Losses are compared bitwise with the resident run, which needs the same kernels to give the
@@ -210,8 +213,10 @@ def study(kit, torch, tiermem, name, build, blocks_of, loss_fn, batches, a, rate
             _graph_row(a, name, r, info, budget, want, resident_ms, runs, raw, m)
         # NOTE [whole-step graphs]: the same budget, the whole step captured once and replayed
         graph_loss = hf_graph_loss(causal_mask(torch, batches[0], torch.float32)) if name == "hf" else loss_fn
-        r, info = tiermem_run(torch, tiermem, build, loss_fn, batches, budget, f"{name} 1/2.5 auto, whole-step graph",
-                              block_bytes=a.block4_mib * MiB, recompute="auto", link_GBps=rate, graphed=graph_loss)
+        # NOTE [graph choice]: a plan the replays change is captured again; its replays need steps too
+        r, info = tiermem_run(torch, tiermem, build, loss_fn, batches + batches[:GRAPH_EXTRA], budget,
+                              f"{name} 1/2.5 auto, whole-step graph", block_bytes=a.block4_mib * MiB,
+                              recompute="auto", link_GBps=rate, graphed=graph_loss)
         _step_graph_row(name, r, info, budget, want, resident_ms, peers, runs, raw, m, out["checks"])
     main = runs[(2.5, "auto")]
     m.update({
@@ -276,24 +281,35 @@ def _graph_row(a, name, r, info, budget, want, resident_ms, runs, raw, m):
 def _step_graph_row(name, r, info, budget, want, resident_ms, peers, runs, raw, m, checks):
     """The 1/2.5 run with the whole step replayed as one graph (NOTE [whole-step graphs]): timed
     over its replays (the steps before the capture are the eager plan's), its row and metrics."""
+    from tiermem._stepgraph import PLAN_CHANGED
     g = info["graphed"]
-    first = len(r.times) - g["replays"]
-    meas = r.median_ms(skip=first + 1) if g["replays"] > 1 else float("nan")
+    first = len(r.times) - g["last_replays"]            # the last capture's replays (NOTE [graph choice])
+    meas = r.median_ms(skip=first + 1) if g["last_replays"] > 1 else float("nan")
     mv = r.moved[-1]
+    got = info["measured"]
     runs[(2.5, "graphed")] = {"step_ms": meas, "moved_bytes": mv["h2d"] + mv["d2h"],
                               "peak": info["resident_peak_bytes"], "budget": budget,
                               "recomputed": info["recomputed"], "kind": info["kind"],
-                              "losses_equal": r.loss_values() == want, "timed_from_step": first + 2}
+                              "losses_equal": r.loss_values()[: len(want)] == want, "timed_from_step": first + 2,
+                              "graph_choice": got.get("chosen_by") == "graph" and "tried, kept"
+                              or "tried_replay_ms" in got and "tried, back" or "kept"}
+    # the graphed step's plan error: the fitted model's prediction of the plan the replays tried
+    tried = (got.get("graph_predicted_ms"), got.get("replay_ms")) if got.get("chosen_by") == "graph" else \
+        (got.get("tried_predicted_ms"), got.get("tried_replay_ms"))
+    if tried[0] and tried[1]:
+        m[f"{name}_graphed_plan_error"] = round(abs(tried[0] - tried[1]) / tried[1], 3)
     raw[f"{name}_2.5_graphed"] = dict(runs[(2.5, "graphed")], plan=info["plan"], graphed=g)
-    progress(f"  {name} 1/2.5 auto, whole-step graph: {meas:.1f} ms over {g['replays']} replays "
-             f"({meas / resident_ms:.2f}x resident), captures {g['captures']}"
+    progress(f"  {name} 1/2.5 auto, whole-step graph: {meas:.1f} ms over {g['last_replays']} replays "
+             f"({meas / resident_ms:.2f}x resident), captures {g['captures']}, plan by replays: "
+             f"{runs[(2.5, 'graphed')]['graph_choice']} ({ {k: v for k, v in got.items() if 'replay' in k or 'tried' in k} })"
              + (f", off: {g['off'][:160]}" if g["off"] else ""))
     m[f"{name}_graphed_2.5_ms"] = round(meas, 2)
     m[f"{name}_graphed_over_resident"] = round(meas / resident_ms, 3)
     m[f"{name}_fsdp_offload_over_graphed"] = round(peers["fsdp_offload"] / meas, 3)
     checks[f"{name}_graphed_losses_equal_resident"] = runs[(2.5, "graphed")]["losses_equal"]
     checks[f"{name}_graphed_within_budget"] = runs[(2.5, "graphed")]["peak"] <= budget
-    checks[f"{name}_graphed_replayed"] = g["captures"] >= 1 and g["replays"] > 1 and not g["drops"]
+    checks[f"{name}_graphed_replayed"] = g["captures"] >= 1 and g["last_replays"] > 1 and \
+        all(d == PLAN_CHANGED for d in g["drops"])
 
 
 def arena_study(kit, torch, name, build, loss_fn, batches, out):

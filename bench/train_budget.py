@@ -219,7 +219,8 @@ def tiermem_run(torch, tiermem, build, loss_fn, batches, budget, label, **kw):
             "measured": {k: v for k, v in plan.measured.items()} if plan else {}}
     if st.graphed is not None:
         g = st.graphed
-        info["graphed"] = {"captures": g.captures, "replays": g.replays, "off": g.off, "drops": list(g.drops),
+        info["graphed"] = {"captures": g.captures, "replays": g.replays, "last_replays": g.last_replays,
+                           "off": g.off, "drops": list(g.drops),
                            "reserved_after_bytes": torch.cuda.memory_reserved()}
         g.close()
     res = Result(st, plans)

@@ -32,6 +32,24 @@ def _captured_by():
 CAPTURED_BY = _captured_by()
 
 
+def _choice_steps():
+    """Steps the replays' choice of plan may add (NOTE [graph choice]): the first plan's timed
+    replays, the plan tried settling eagerly and captured, its timed replays, and the first
+    plan's coming back the same way."""
+    from tiermem._graphchoice import REPLAYS_TIMED
+    from tiermem._stepgraph import SETTLED_STEPS
+    return 2 * (REPLAYS_TIMED + 2 + SETTLED_STEPS + 1)
+
+
+CHOICE_STEPS = _choice_steps()
+
+
+def _only_plan_changes(step):
+    """The graph was captured once, and again only where its replays changed the plan."""
+    from tiermem._stepgraph import PLAN_CHANGED
+    return all(d == PLAN_CHANGED for d in step.drops) and step.captures == 1 + len(step.drops)
+
+
 _HELD: list = []
 
 
@@ -110,12 +128,13 @@ def _graphed(batches, loss=_loss, schedule=None, lr=1e-3, big=True, between=None
 
 def test_a_graphed_step_replays_and_gives_the_resident_losses_bitwise_within_the_budget():
     torch = _setup()
-    batches = _data(CAPTURED_BY + 8)
+    batches = _data(CAPTURED_BY + CHOICE_STEPS + 8)
     want, want_params = _plain(batches)
     _cleanup()
     got, params, step, reserved, (tier, train, budget) = _graphed(batches)
     print(step, train.plan.table())
-    assert step.captures == 1 and step.replays >= 8 and not step.off and not step.drops, step
+    assert _only_plan_changes(step) and step.last_replays >= 8 and not step.off, (step, step.drops)
+    assert "replay_ms" in train.plan.measured or "tried_replay_ms" in train.plan.measured, train.plan.measured
     assert train.plan.streamed_blocks and train.plan.recompute       # the step streams and recomputes
     assert got == want
     for p, q in zip(params, want_params):
@@ -179,8 +198,8 @@ def test_a_learning_rate_as_a_device_tensor_follows_its_schedule_through_the_rep
     one changes what the capture baked in, so the graph is dropped and captured again (the same
     losses either way)."""
     torch = _setup()
-    batches = _data(CAPTURED_BY + 8)
-    cut = CAPTURED_BY + 2             # the schedule decays after the capture
+    batches = _data(CAPTURED_BY + CHOICE_STEPS + 8)
+    cut = CAPTURED_BY + CHOICE_STEPS + 2       # the schedule decays after the last capture
 
     def schedule(opt):
         return torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0 if i < cut else 0.5 ** (i - cut + 1))
@@ -190,7 +209,7 @@ def test_a_learning_rate_as_a_device_tensor_follows_its_schedule_through_the_rep
     _cleanup()
     got, _, step, _, (tier, train, *_) = _graphed(batches, schedule=schedule, lr=lr.clone())
     print(step, step.drops)
-    assert step.captures == 1 and not step.drops and step.replays >= 8, step
+    assert _only_plan_changes(step) and step.last_replays >= 8, (step, step.drops)
     assert got == want
     _cleanup(tier, train)
     want, _ = _plain(batches, schedule=schedule)
@@ -301,7 +320,8 @@ def test_a_transformers_model_with_its_mask_built_once_is_captured():
                                    max_position_embeddings=512, tie_word_embeddings=False,
                                    attn_implementation="eager")
     g = torch.Generator(device="cuda").manual_seed(3)
-    batches = [torch.randint(0, 8192, (4, 513), device="cuda", generator=g) for _ in range(CAPTURED_BY + 6)]
+    batches = [torch.randint(0, 8192, (4, 513), device="cuda", generator=g)
+               for _ in range(CAPTURED_BY + CHOICE_STEPS + 6)]
     n = 512
     allowed = torch.ones(n, n, dtype=torch.bool, device="cuda").tril()
     mask = torch.full((n, n), torch.finfo(torch.float32).min, device="cuda").masked_fill(allowed, 0.0)
@@ -335,7 +355,7 @@ def test_a_transformers_model_with_its_mask_built_once_is_captured():
     _HELD.append((tier, train, step))
     got = [float(step(ids)) for ids in batches]
     print(step, train.plan.table())
-    assert step.captures == 1 and step.replays >= 6, step       # captured by CAPTURED_BY
+    assert _only_plan_changes(step) and step.last_replays >= 6, (step, step.drops)
     assert got == want
     step.close()
     _cleanup(tier, train)

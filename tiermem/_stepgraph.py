@@ -51,13 +51,15 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from ._errors import ConfigError, TierMemError
+from ._graphchoice import REPLAYS_TIMED
 from ._workspaces import let_go, own_workspaces
 
-__all__ = ["GraphedStep", "capture_now", "why_invalid"]
+__all__ = ["GraphedStep", "PLAN_CHANGED", "capture_now", "why_invalid"]
 
 log = logging.getLogger("tiermem")
 
 SETTLED_STEPS = 1        # eager steps under the settled plan before the capture
+PLAN_CHANGED = "the plan changed for the graph's replays (NOTE [graph choice])"
 
 
 class GraphedStep:
@@ -75,6 +77,9 @@ class GraphedStep:
         self.captures = 0
         self.replays = 0
         self.drops: list[str] = []              # why captured graphs were dropped, in order
+        self.last_replays = 0                   # replays of the graph captured last
+        self._timed: list[tuple[Any, Any]] = []   # NOTE [graph choice]: timed replays' events
+        self._judged = False
         self._static: list[Any] = []
         self._loss: Any = None
         self._layout: Any = None
@@ -106,6 +111,8 @@ class GraphedStep:
         if not self.train.active:
             self._drop("the training was unwrapped")
             raise TierMemError("this graphed step's training was unwrapped: train the model plainly, or wrap it again")
+        if self.graph is not None:
+            self._judge()
         if self.graph is not None:
             why = self._invalid(inputs)
             if why:
@@ -156,6 +163,8 @@ class GraphedStep:
                         "eager: %s", self.off)
             return None
         self.captures += 1
+        self.last_replays = 0
+        self._timed, self._judged = [], False
         self.graph = g
         self._counts = _count_delta(before, t.tier.accounting.snapshot())
         t.tier.accounting.count_many({k: -n for k, n in self._counts.items()})   # nothing ran yet
@@ -192,12 +201,38 @@ class GraphedStep:
             for s, x in zip(self._static, inputs):
                 s.copy_(x)
         t.before_replay()
+        be = t.tier.backend
+        stream = be.current_stream()
+        # NOTE [graph choice]: the replays after the first are timed until they judge the plan
+        timed = not first and not self._judged and len(self._timed) < REPLAYS_TIMED and t.graph_choice_open
+        if timed:
+            ev = (be.new_event(timing=True), be.new_event(timing=True))
+            be.record(ev[0], stream)
         self.graph.replay()
-        t.tier.backend.replayed(t.tier.backend.current_stream())
+        if timed:
+            be.record(ev[1], stream)
+            self._timed.append(ev)
+        be.replayed(stream)
         t.replayed(self._moved)
         t.tier.accounting.count_many(self._counts)
         self.replays += 1
+        self.last_replays += 1
         return self._loss.clone()
+
+    def _judge(self) -> None:
+        """NOTE [graph choice]: once the timed replays have finished on the GPU (read without a
+        wait; a GPU behind is read at a later step), their median judges the plan."""
+        if self._judged or len(self._timed) < REPLAYS_TIMED:
+            return
+        be = self.train.tier.backend
+        if not be.query(self._timed[-1][1]):
+            return
+        ms = sorted(be.elapsed_ms(a, b) for a, b in self._timed)
+        self._timed, self._judged = [], True
+        plan = self.train.graph_timed(ms[len(ms) // 2])
+        if plan is not None:
+            self._drop(PLAN_CHANGED)        # first: its pool and the plan's slots may not both fit
+            self.train.follow(plan)
 
     def _drop(self, why: str) -> None:
         if self.graph is None:

@@ -438,6 +438,7 @@ class TieredTraining:
         self.step_ms: list[float] = []         # measured step times since the last plan (the last 64)
         self._late_probe_ms = 0.0              # the probe's time a kept plan is checked against again
         self._late_ms: list[float] | None = None   # that plan's timed steps since it was kept
+        self._graph_try: Any = None            # NOTE [graph choice]: None, (first plan, its replay ms), "done"
         containers = {id(b.module) for b in self.blocks for o in self.blocks
                       if o is not b and any(m is o.module for m in b.module.modules())}
         # A block can be recomputed when no other block runs inside it (its forward is its own
@@ -946,6 +947,53 @@ class TieredTraining:
         The returned :class:`GraphedStep` says in ``off`` why its steps stay eager, if they do."""
         from ._stepgraph import GraphedStep
         return GraphedStep(self, fn)
+
+    @property
+    def graph_choice_open(self) -> bool:
+        """A graph's replays still decide the plan (NOTE [graph choice] in _graphchoice.py): the
+        measured choice's plan was auto, moves something, and has not been judged by replays."""
+        return (self._graph_try != "done" and self.recompute_mode == "auto" and not self._no_recompute
+                and self.plan is not None and not self.plan.in_capacity)
+
+    def graph_timed(self, replay_ms: float) -> TrainPlan | None:
+        """The median of a captured plan's timed replays (NOTE [graph choice]): the plan to
+        follow instead, or None. The caller drops its graph first (its pool and the new plan's
+        slots would not both fit), then :meth:`follow` s it; the steps run eagerly until it
+        settles."""
+        from ._graphchoice import graph_alternative, keep_tried
+        if not self.graph_choice_open or not replay_ms > 0:
+            return None
+        trying, self._graph_try = self._graph_try, "done"
+        p = self.plan
+        p.measured["replay_ms"] = round(replay_ms, 3)
+        resident = frozenset(b.index for b in self.blocks if b.resident)
+        if trying is None:
+            t = dataclasses.replace(self.trace, resident_blocks=resident)
+            here, alt = graph_alternative(t, p, replay_ms, self._plan_for, MIN_GAIN)
+            if alt is None:
+                return None
+            alt.measured.update(graph_predicted_ms=round(alt.predicted_seconds() * 1e3, 3),
+                                first_replay_ms=round(replay_ms, 3), chosen_by="graph")
+            log.info("tiermem: the graph replayed its plan in %.1f ms; the model fitted to its replays "
+                     "predicts %.1f ms for %s: trying it (NOTE [graph choice])", replay_ms,
+                     alt.predicted_seconds() * 1e3, alt.kind)
+            self._graph_try = (p, replay_ms)
+            return alt
+        first, first_ms = trying
+        if keep_tried(replay_ms, first_ms, VERIFY_SLACK) or not resident <= frozenset(first.resident_blocks):
+            return None
+        log.info("tiermem: the plan tried replayed in %.1f ms, the first in %.1f ms: back to the first "
+                 "(NOTE [graph choice])", replay_ms, first_ms)
+        first.measured.update(tried_replay_ms=round(replay_ms, 3),
+                              tried_predicted_ms=p.measured.get("graph_predicted_ms"))
+        return first
+
+    def follow(self, plan: TrainPlan) -> None:
+        """Make ``plan`` the one the next steps follow (one :meth:`graph_timed` gave)."""
+        if self._in_step:
+            raise TierMemError("a plan is changed between steps, not inside one")
+        self._take(plan)
+        self._restart_timing()
 
     @property
     def settled(self) -> bool:

@@ -1,0 +1,61 @@
+"""Which plan a graphed training step replays (NOTE [graph choice]). Pure: plans and times in,
+a plan out; tiermem._train takes it, tiermem._stepgraph times the replays.
+
+NOTE [graph choice]
+    The measured choice (NOTE [measured choice] in _train.py) decides between the model's plan
+    and recomputing everywhere on eager steps, and an eager step is host-bound: its time hides
+    what the link costs under what the host costs. A replay has no host time; it costs the
+    GPU's compute and the link's bytes. On the H100 at 8c93331 the Qwen2 of
+    bench/train_budget.py at 1/2.5 of its state kept a mixed plan on its eager steps (6 of 22
+    blocks recomputed, 13.3 GB moved a step, against 6.8 GB recomputing everywhere), and the
+    graph replayed it at 281.5 ms, 2.22x resident, where recomputing everywhere had replayed at
+    139.5 and 142.7 ms in two earlier runs (docs/training.md, "Whole-step graphs").
+    So a graph's first REPLAYS_TIMED replays after the first are timed, the model's compute is
+    fitted to their median (as NOTE [calibrated compute] fits it to eager steps; the link's
+    terms stay at the measured rate), and the model predicts from the fitted times the other
+    candidates: recomputing everywhere, and the model's own best plan. One predicted at least
+    ``min_gain`` faster is taken: the graph drops, the steps run eagerly until the plan has
+    settled, and the new plan is captured and its replays timed. If they are more than
+    ``slack`` slower than the first plan's, the first plan comes back, where the blocks made
+    resident since allow it. Once a run. The prediction of the plan tried, beside its measured
+    replays (``graph_predicted_ms`` and ``replay_ms`` in ``train.plan.measured``), is the graphed
+    step's plan error.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from ._trainplan import StepTrace, TrainPlan, evaluate, fit_compute, scaled
+
+__all__ = ["REPLAYS_TIMED", "graph_alternative", "keep_tried"]
+
+REPLAYS_TIMED = 5     # replays whose median a graph's plan is judged by, after its first
+
+
+def _choices(plan: TrainPlan) -> tuple[frozenset[int], frozenset[int], frozenset[int]]:
+    return frozenset(plan.resident_blocks), frozenset(plan.recompute), frozenset(plan.keep)
+
+
+def graph_alternative(trace: StepTrace, plan: TrainPlan, replay_ms: float,
+                      plan_for: Callable[[StepTrace, str | None], TrainPlan],
+                      min_gain: float) -> tuple[TrainPlan, TrainPlan | None]:
+    """``plan`` as the model fitted to its replays (``replay_ms``) predicts it, and the candidate
+    to try instead (None: none predicted ``min_gain`` faster). ``plan_for(trace, mode)`` makes a
+    plan for ``trace``: mode "always" recomputes everywhere, None chooses."""
+    fitted = scaled(trace, fit_compute(evaluate(trace, plan), replay_ms))
+    here = evaluate(fitted, plan)
+    mine = _choices(plan)
+    others = {}
+    for mode in ("always", None):
+        c = plan_for(fitted, mode)
+        if _choices(c) != mine:
+            others.setdefault(_choices(c), c)
+    best = min(others.values(), key=lambda c: c.predicted_seconds(), default=None)
+    if best is None or best.predicted_seconds() > here.predicted_seconds() * (1 - min_gain):
+        return here, None
+    return here, best
+
+
+def keep_tried(tried_ms: float, first_ms: float, slack: float) -> bool:
+    """Whether the plan tried stays: its replays no more than ``slack`` slower than the first's."""
+    return tried_ms <= first_ms * (1 + slack)

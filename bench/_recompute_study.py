@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from _common import progress
 
+from tiermem._graphchoice import REPLAYS_TIMED
+from tiermem._stepgraph import SETTLED_STEPS
 from tiermem._train import PROBE_STEPS, VERIFY_STEPS
 
 GiB, MiB = 1 << 30, 1 << 20
@@ -22,8 +24,9 @@ RATIOS = (1.5, 2.5, 4.0)
 # (Result.settled in train_budget.py)
 SETTLE = 1 + PROBE_STEPS + VERIFY_STEPS + 1
 # steps the whole-step graph's run takes beyond the others' (the batches again): a plan its
-# replays change (NOTE [graph choice]) settles, is captured again and replays in them
-GRAPH_EXTRA = 14
+# replays change (NOTE [graph choice]) settles, is captured again and replays in them, twice
+# where the plan tried gives way to the first, and the last capture replays a few more
+GRAPH_EXTRA = 2 * (REPLAYS_TIMED + 2 + SETTLED_STEPS + 1) + 4
 
 # NOTE: DETERMINISM
 # Losses are compared bitwise with the resident run, which needs the same kernels to give the

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from test_gpu_train import CFG, _batches, _cleanup, _loss, _private_pool_segments, _resident_losses, _setup, _train_losses
+from test_gpu_train import CFG, _batches, _cleanup, _loss, _pool_report, _private_pool_segments, _resident_losses, _setup, _train_losses
 
 pytestmark = pytest.mark.gpu
 
@@ -61,7 +61,7 @@ def test_thirty_steps_recomputing_and_swapping_give_the_resident_losses_bitwise(
         assert rep["replayed_backwards"] == 0
     _cleanup(tier, train)
     # NOTE [capture's cuBLAS workspace]: the graphs' pool goes back whole, workspaces included
-    assert _private_pool_segments(torch) == []
+    assert _private_pool_segments(torch) == [], _pool_report(torch)
 
 
 def test_dropout_in_recomputed_blocks_gives_the_resident_losses_bitwise():

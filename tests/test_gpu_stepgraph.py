@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from test_gpu_train import CFG, _batches, _cleanup, _gpt, _loss, _private_pool_segments, _resident_losses, _setup
+from test_gpu_train import CFG, _batches, _cleanup, _gpt, _loss, _pool_report, _private_pool_segments, _resident_losses, _setup
 
 pytestmark = pytest.mark.gpu
 
@@ -145,7 +145,7 @@ def test_a_graphed_step_replays_and_gives_the_resident_losses_bitwise_within_the
     step.close()
     _cleanup(tier, train)
     # NOTE [capture's cuBLAS workspace]: the graph's pool goes back whole, workspaces included
-    assert _private_pool_segments(torch) == []
+    assert _private_pool_segments(torch) == [], _pool_report(torch)
 
 
 def test_dropout_in_recomputed_blocks_draws_the_same_masks_in_replays():
@@ -295,7 +295,7 @@ def test_a_step_that_cannot_be_captured_stays_eager_and_loses_nothing(why):
     # A capture that ran out of memory did end and its pool goes back with the graph; the
     # activations its forward made there go with the exception's frames, which tiermem clears
     # (at 2bbf434 on the H200, 23 MiB of them were still there after the eager steps).
-    assert _private_pool_segments(torch) == []
+    assert _private_pool_segments(torch) == [], _pool_report(torch)
     assert got == want
     # the steps after the failed capture ran within the budget: its pool was given back
     assert train.resident_peak() <= budget, (train.resident_peak(), budget)

@@ -111,6 +111,14 @@ def _private_pool_segments(torch):
             for seg in torch.cuda.memory_snapshot() if tuple(seg.get("segment_pool_id", (0, 0))) != (0, 0)]
 
 
+def _pool_report(torch) -> str:
+    """What holds a private pool's blocks, for an assertion's message (tests/conftest.py)."""
+    import gc
+    from conftest import _private_pool_report
+    gc.collect()
+    return "\n".join(_private_pool_report(torch))
+
+
 def test_thirty_steps_under_a_tight_budget_give_the_resident_losses_bitwise():
     torch = _setup()
     from tiermem.models import GPTConfig

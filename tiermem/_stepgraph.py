@@ -220,13 +220,15 @@ class GraphedStep:
         return self._loss.clone()
 
     def _judge(self) -> None:
-        """NOTE [graph choice]: once the timed replays have finished on the GPU (read without a
-        wait; a GPU behind is read at a later step), their median judges the plan."""
+        """NOTE [graph choice]: once the timed replays are queued, their median judges the plan.
+        The host waits for the last of them, once a plan: read without a wait, the judgement
+        came as many replays late as the host ran ahead of the GPU (on the H100 at 42cd2fa a
+        learning-rate test's steps ran out before the plan that came back was captured again),
+        and every replay under a plan about to change is a step of the slower one."""
         if self._judged or len(self._timed) < REPLAYS_TIMED:
             return
         be = self.train.tier.backend
-        if not be.query(self._timed[-1][1]):
-            return
+        be.synchronize(self._timed[-1][1])
         ms = sorted(be.elapsed_ms(a, b) for a, b in self._timed)
         self._timed, self._judged = [], True
         plan = self.train.graph_timed(ms[len(ms) // 2])

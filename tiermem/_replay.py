@@ -20,6 +20,7 @@ from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Any
 
+from ._savedhooks import as_saved
 from ._workspaces import own_workspaces
 
 __all__ = ["Replays", "MAX_GRAPHS_PER_BLOCK"]
@@ -448,7 +449,7 @@ def _recompute_backward(torch: Any, call: Callable, tensors: list[Any], gouts: l
     xs = [t.detach().requires_grad_(t.requires_grad) for t in tensors]
     # Saved tensors stay on the device here, whatever hooks the step has installed: the innermost
     # hooks are the ones autograd uses.
-    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_same, _same), _autocast(torch, autocast):
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(as_saved, _same), _autocast(torch, autocast):
         out = call(xs)
     outs = [o for o in tree_flatten(out)[0] if torch.is_tensor(o)]
     pairs = [(o, g) for o, g in zip(outs, gouts) if g is not None and o.requires_grad]

@@ -33,6 +33,7 @@ import collections
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
+from ._savedhooks import as_saved
 from ._stream import Lane, PinnedArena, now
 from .roles import Role
 
@@ -135,8 +136,9 @@ class ActivationSwap:
 
     # -- hooks -------------------------------------------------------------------------------------
     def pack(self, t: Any) -> Any:
+        # what stays on the device goes to autograd as an alias (NOTE [saved tensor cycle])
         if t.device != self.device or t.numel() == 0:
-            return t
+            return as_saved(t)
         st = t.untyped_storage()
         ptr = st.data_ptr()
         p = self.params.get(ptr)
@@ -145,10 +147,10 @@ class ActivationSwap:
         if ptr in self.fixed:
             # A resident block's parameter: it stays on the device, and saving it as an
             # activation would swap a weight and give the step keys the trace never saw.
-            return t
+            return as_saved(t)
         n = st.nbytes()
         if n < self.min_swap:
-            return t
+            return as_saved(t)
         s = self.by_ptr.get(ptr)
         if s is not None and s.storage is None and (s.ref is None or s.ref.expired() or s.ref.cdata != st._cdata):
             s = None                     # the address was handed out again: a new storage, a new save
@@ -178,7 +180,7 @@ class ActivationSwap:
         s.segs.add(seg)
         s.refs += 1
         if s.keep:
-            return t
+            return as_saved(t)
         return _Ref(s, t)
 
     def unpack(self, ref: Any) -> Any:

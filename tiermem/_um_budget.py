@@ -45,6 +45,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 from ._errors import ConfigError, ConfigTypeError
+from ._savedhooks import as_saved
 
 __all__ = ["UMBudget", "UMBudgetStats"]
 
@@ -208,7 +209,7 @@ class UMBudget:
         def unpack(t: Any) -> Any:
             self.use([t])
             return t
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, unpack):
+        with torch.autograd.graph.saved_tensors_hooks(as_saved, unpack):   # NOTE [saved tensor cycle]
             yield self
 
 

@@ -359,3 +359,66 @@ def test_a_transformers_model_with_its_mask_built_once_is_captured():
     assert got == want
     step.close()
     _cleanup(tier, train)
+
+
+def test_a_transformers_model_with_its_defaults_is_graphed_on_a_really_small_gpu():
+    """A transformers GPT-NeoX as users run it (SDPA attention, the masks transformers makes
+    itself, requires_grad=True, the loss from ``labels=``), its parameters alone bigger than
+    the free memory of a GPU made really small, trained from the host as one graph. Its
+    losses follow the plain run's (SDPA's backward is not bitwise repeatable: within 2e-3)
+    and torch stays within the budget."""
+    from test_gpu_module import _take_device
+    torch = _setup()
+    import tiermem
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPTNeoXConfig(hidden_size=1024, intermediate_size=4096, num_hidden_layers=12,
+                                     num_attention_heads=16, vocab_size=4096, max_position_embeddings=256)
+    torch.manual_seed(0)
+    model = transformers.GPTNeoXForCausalLM(cfg).train()          # on the host
+    init = {k: v.clone() for k, v in model.state_dict().items()}
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    g = torch.Generator(device="cuda").manual_seed(1)
+    batches = [torch.randint(0, cfg.vocab_size, (2, 128), device="cuda", generator=g)
+               for _ in range(CAPTURED_BY + CHOICE_STEPS + 6)]
+    model.cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    want = []
+    for ids in batches:
+        v = model(input_ids=ids, labels=ids).loss
+        v.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        want.append(float(v.detach()))
+    model.cpu()
+    model.load_state_dict(init)
+    del opt
+    _cleanup()
+    blob = _take_device(params * 7 // 8)          # less free device memory than the parameters alone
+    try:
+        free, _ = torch.cuda.mem_get_info()
+        assert free < params
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+        tier = tiermem.Tier(0)                      # the default cap: the memory free now
+        budget = free * 2 // 3
+        train = tier.wrap_training(model, opt, budget, block_bytes=8 * MiB)
+        step = train.graphed(lambda ids: model(input_ids=ids, labels=ids).loss)
+        _HELD.append((tier, train, step))
+        base = torch.cuda.memory_reserved()         # the reservation that makes the GPU small
+        got, peaks, reserved = [], [], [0]
+        for ids in batches:
+            got.append(float(step(ids)))
+            peaks.append(train.resident_peak())
+            if step.graph is not None:
+                reserved.append(torch.cuda.memory_reserved() - base)
+        print(step, step.drops, train.plan.table(), train.plan.measured)
+        assert all(abs(a - b) <= 2e-3 * abs(b) for a, b in zip(got, want)), (got, want)
+        assert max(peaks) <= budget and max(reserved) <= budget, (max(peaks), max(reserved), budget)
+        assert train.plan.streamed_blocks
+        assert step.captures >= 1 and _only_plan_changes(step) and step.last_replays >= 4, (step, step.off)
+        step.close()
+        train.unwrap()
+        _HELD.clear()
+        _cleanup(tier)
+    finally:
+        del blob
+        torch.cuda.empty_cache()

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from test_gpu_train import CFG, _batches, _cleanup, _loss, _pool_report, _private_pool_segments, _resident_losses, _setup, _train_losses
+from test_gpu_train import (CFG, _batches, _cleanup, _loss, _pool_report, _private_pool_segments, _resident_losses,
+                            _setup, _train_losses)
 
 pytestmark = pytest.mark.gpu
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from test_gpu_train import CFG, _batches, _cleanup, _gpt, _loss, _pool_report, _private_pool_segments, _resident_losses, _setup
+from test_gpu_train import (CFG, _batches, _cleanup, _gpt, _labels_losses, _loss, _neox_on_host, _pool_report,
+                            _private_pool_segments, _resident_losses, _setup)
 
 pytestmark = pytest.mark.gpu
 
@@ -370,25 +371,10 @@ def test_a_transformers_model_with_its_defaults_is_graphed_on_a_really_small_gpu
     from test_gpu_module import _take_device
     torch = _setup()
     import tiermem
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.GPTNeoXConfig(hidden_size=1024, intermediate_size=4096, num_hidden_layers=12,
-                                     num_attention_heads=16, vocab_size=4096, max_position_embeddings=256)
-    torch.manual_seed(0)
-    model = transformers.GPTNeoXForCausalLM(cfg).train()          # on the host
-    init = {k: v.clone() for k, v in model.state_dict().items()}
-    params = sum(p.numel() * p.element_size() for p in model.parameters())
-    g = torch.Generator(device="cuda").manual_seed(1)
-    batches = [torch.randint(0, cfg.vocab_size, (2, 128), device="cuda", generator=g)
-               for _ in range(CAPTURED_BY + CHOICE_STEPS + 6)]
+    model, init, params, batches = _neox_on_host(torch, CAPTURED_BY + CHOICE_STEPS + 6)
     model.cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    want = []
-    for ids in batches:
-        v = model(input_ids=ids, labels=ids).loss
-        v.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        want.append(float(v.detach()))
+    want = _labels_losses(model, opt, batches)
     model.cpu()
     model.load_state_dict(init)
     del opt

@@ -746,6 +746,34 @@ def test_bf16_moments_stay_close_to_the_resident_losses_and_move_half_the_state_
     _cleanup(tier)
 
 
+def _labels_losses(model, opt, batches):
+    """The plain loop's losses, transformers computing each from ``labels=``."""
+    out = []
+    for ids in batches:
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        out.append(float(loss.detach()))
+    return out
+
+
+def _neox_on_host(torch, steps):
+    """A transformers GPT-NeoX (an architecture no bench is tuned on) with its default flags
+    (SDPA attention, requires_grad=True), built on the host: the model, its initial state, its
+    parameters' bytes, and ``steps`` batches of token ids on the device."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPTNeoXConfig(hidden_size=1024, intermediate_size=4096, num_hidden_layers=12,
+                                     num_attention_heads=16, vocab_size=4096, max_position_embeddings=256)
+    torch.manual_seed(0)
+    model = transformers.GPTNeoXForCausalLM(cfg).train()
+    init = {k: v.clone() for k, v in model.state_dict().items()}
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    g = torch.Generator(device="cuda").manual_seed(1)
+    batches = [torch.randint(0, cfg.vocab_size, (2, 128), device="cuda", generator=g) for _ in range(steps)]
+    return model, init, params, batches
+
+
 def test_a_transformers_model_bigger_than_the_really_small_gpu_trains_from_the_host():
     """NOTE [host models] in tiermem/_train.py: a transformers GPT-NeoX (an architecture no bench
     is tuned on) with its default flags (SDPA attention, requires_grad=True), whose parameters
@@ -756,15 +784,7 @@ def test_a_transformers_model_bigger_than_the_really_small_gpu_trains_from_the_h
     from test_gpu_module import _take_device
     torch = _setup()
     import tiermem
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.GPTNeoXConfig(hidden_size=1024, intermediate_size=4096, num_hidden_layers=12,
-                                     num_attention_heads=16, vocab_size=4096, max_position_embeddings=256)
-    torch.manual_seed(0)
-    model = transformers.GPTNeoXForCausalLM(cfg).train()          # on the host
-    init = {k: v.clone() for k, v in model.state_dict().items()}
-    params = sum(p.numel() * p.element_size() for p in model.parameters())
-    g = torch.Generator(device="cuda").manual_seed(1)
-    batches = [torch.randint(0, cfg.vocab_size, (2, 128), device="cuda", generator=g) for _ in range(6)]
+    model, init, params, batches = _neox_on_host(torch, 6)
 
     def run(step):
         out = []
@@ -938,14 +958,7 @@ def test_llama_and_a_mixture_of_experts_train_on_a_really_small_gpu_with_the_res
 
     def resident():
         m, opt = build()
-        out = []
-        for ids in batches:
-            loss = m(input_ids=ids, labels=ids).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            out.append(float(loss.detach()))
-        return out, [p.detach().cpu() for p in m.parameters()]
+        return _labels_losses(m, opt, batches), [p.detach().cpu() for p in m.parameters()]
 
     want, want_params = resident()
     again, _ = resident()

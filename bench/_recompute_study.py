@@ -295,7 +295,9 @@ def _step_graph_row(name, r, info, budget, want, resident_ms, peers, runs, raw, 
                               "recomputed": info["recomputed"], "kind": info["kind"],
                               "losses_equal": r.loss_values()[: len(want)] == want, "timed_from_step": first + 2,
                               "graph_choice": got.get("chosen_by") == "graph" and "tried, kept"
-                              or "tried_replay_ms" in got and "tried, back" or "kept"}
+                              or "tried_replay_ms" in got and "tried, back"
+                              or "graph_refuted_ms" in got and "kept, the eager steps refuting the other"
+                              or "kept"}
     # the graphed step's plan error: the fitted model's prediction of the plan the replays tried
     tried = (got.get("graph_predicted_ms"), got.get("replay_ms")) if got.get("chosen_by") == "graph" else \
         (got.get("tried_predicted_ms"), got.get("tried_replay_ms"))
@@ -304,7 +306,8 @@ def _step_graph_row(name, r, info, budget, want, resident_ms, peers, runs, raw, 
     raw[f"{name}_2.5_graphed"] = dict(runs[(2.5, "graphed")], plan=info["plan"], graphed=g)
     progress(f"  {name} 1/2.5 auto, whole-step graph: {meas:.1f} ms over {g['last_replays']} replays "
              f"({meas / resident_ms:.2f}x resident), captures {g['captures']}, plan by replays: "
-             f"{runs[(2.5, 'graphed')]['graph_choice']} ({ {k: v for k, v in got.items() if 'replay' in k or 'tried' in k} })"
+             f"{runs[(2.5, 'graphed')]['graph_choice']} "
+             f"({ {k: v for k, v in got.items() if any(w in k for w in ('replay', 'tried', 'refuted'))} })"
              + (f", off: {g['off'][:160]}" if g["off"] else ""))
     m[f"{name}_graphed_2.5_ms"] = round(meas, 2)
     m[f"{name}_graphed_over_resident"] = round(meas / resident_ms, 3)

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from test_stepgraph import _tiered
 from test_train import batches, loss_of
 from test_trainplan import seg_trace
-from tiermem._graphchoice import graph_alternative, keep_tried
+from tiermem._graphchoice import eager_refutes, graph_alternative, keep_tried
 from tiermem.errors import TierMemError
 from tiermem._trainplan import evaluate
 from tiermem.planning import plan_training
@@ -76,6 +76,36 @@ def test_the_plan_tried_stays_unless_its_replays_are_slower_than_the_slack():
     assert keep_tried(100.0, 100.0, 0.02)
     assert keep_tried(101.9, 100.0, 0.02)
     assert not keep_tried(102.1, 100.0, 0.02)
+
+
+@pytest.mark.parametrize("chosen_by,fewer,refuted", [
+    ("measured", True, True), ("late", True, True),        # the eager steps found fewer recomputed slower
+    ("measured", False, False),                              # recomputing no fewer: not theirs to say
+    (None, True, False), ("graph", True, False),             # no eager verdict against it
+])
+def test_an_alternative_recomputing_fewer_blocks_than_the_eager_steps_found_slower_is_not_tried(
+        chosen_by, fewer, refuted):
+    t = seg_trace(act=256 * MiB, fwd_ms=1.0, compute=(4.0, 8.0))
+    budget = 100 * MiB + 300 * MiB
+    everywhere = plan_training(t, budget, margin=0, recompute="always")
+    assert len(everywhere.recompute) == 4
+    if chosen_by:
+        everywhere.measured.update(checked_ms=174.3, probe_ms=130.1, chosen_by=chosen_by)
+    other = plan_training(t, budget, margin=0, recompute="never") if fewer else everywhere
+    assert eager_refutes(everywhere, other) is refuted
+
+
+def test_the_plan_table_says_what_the_replays_measured_and_decided():
+    t = seg_trace(act=256 * MiB, fwd_ms=1.0, compute=(4.0, 8.0))
+    p = plan_training(t, 400 * MiB, margin=0, recompute="always")
+    assert "replayed" not in p.table()
+    p.measured.update(replay_ms=117.2, graph_refuted_ms=107.7)
+    assert "117.2 ms a step as one CUDA graph" in p.table() and "107.7 ms" in p.table()
+    p.measured.update(tried_replay_ms=154.8, tried_predicted_ms=107.7)
+    assert "replayed 154.8 ms: this plan came back" in p.table()
+    q = plan_training(t, 400 * MiB, margin=0, recompute="never")
+    q.measured.update(replay_ms=90.0, chosen_by="graph", graph_predicted_ms=88.0, first_replay_ms=117.2)
+    assert "predicted 88.0 ms from the first plan's replays (117.2 ms)" in q.table()
 
 
 def _settled(**kw):
@@ -154,3 +184,16 @@ def test_follow_refuses_inside_a_step():
     with pytest.raises(TierMemError, match="between steps"), train.step():
         loss_of(model, batches(1)[0]).backward()
         train.follow(train.plan)
+
+
+def test_an_alternative_the_eager_steps_refute_is_not_tried_and_the_choice_closes(monkeypatch):
+    import tiermem._graphchoice as gc_mod
+    _, train = _settled()
+    _offering(monkeypatch, train)
+    seen = []
+    monkeypatch.setattr(gc_mod, "eager_refutes", lambda plan, alt: seen.append((plan, alt)) or True)
+    first = train.plan
+    assert train.graph_timed(100.0) is None and train.plan is first
+    assert len(seen) == 1 and seen[0][0] is first and seen[0][1] is not first
+    assert first.measured["replay_ms"] == 100.0 and first.measured["graph_refuted_ms"] > 0
+    assert not train.graph_choice_open and "not tried" in first.table()

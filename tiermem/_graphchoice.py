@@ -20,6 +20,18 @@ NOTE [graph choice]
     resident since allow it. Once a run. The prediction of the plan tried, beside its measured
     replays (``graph_predicted_ms`` and ``replay_ms`` in ``train.plan.measured``), is the graphed
     step's plan error.
+
+    Eager steps hide link and GPU time under host time, and recomputing adds host time (each
+    recomputed block's forward runs again from Python); a plan that recomputes fewer blocks
+    adds none. So where the measured choice timed the model's plan, which recomputes fewer
+    blocks than recomputing everywhere, slower on eager steps and went back to recomputing
+    everywhere, the eager steps' verdict stands for an alternative that recomputes fewer blocks
+    still: it is not tried (``eager_refutes``). On the H100 at c8e3ad4 the GPT's eager steps
+    had timed the model's plan at 174.3 ms against 130.1 recomputing everywhere; the model
+    fitted to the replays (117.2 ms) predicted a plan recomputing fewer blocks at 107.7 ms; it
+    replayed at 154.8 ms and gave way, after ten slower steps. Recomputing everywhere, the
+    other way, is still tried: the eager steps' host time is what may have hidden its gain
+    (the Qwen2 above).
 """
 from __future__ import annotations
 
@@ -27,7 +39,7 @@ from collections.abc import Callable
 
 from ._trainplan import StepTrace, TrainPlan, evaluate, fit_compute, scaled
 
-__all__ = ["REPLAYS_TIMED", "graph_alternative", "keep_tried"]
+__all__ = ["REPLAYS_TIMED", "eager_refutes", "graph_alternative", "keep_tried"]
 
 REPLAYS_TIMED = 5     # replays whose median a graph's plan is judged by, after its first
 
@@ -59,3 +71,11 @@ def graph_alternative(trace: StepTrace, plan: TrainPlan, replay_ms: float,
 def keep_tried(tried_ms: float, first_ms: float, slack: float) -> bool:
     """Whether the plan tried stays: its replays no more than ``slack`` slower than the first's."""
     return tried_ms <= first_ms * (1 + slack)
+
+
+def eager_refutes(plan: TrainPlan, alt: TrainPlan) -> bool:
+    """Whether the eager steps already found ``alt`` slower (NOTE [graph choice]): ``plan`` is
+    recomputing everywhere, taken back because the model's plan ran slower on eager steps
+    (``chosen_by`` "measured" or "late"), and ``alt`` recomputes fewer blocks than it."""
+    return (plan.measured.get("chosen_by") in ("measured", "late")
+            and frozenset(alt.recompute) < frozenset(plan.recompute))

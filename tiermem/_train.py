@@ -960,7 +960,7 @@ class TieredTraining:
         follow instead, or None. The caller drops its graph first (its pool and the new plan's
         slots would not both fit), then :meth:`follow` s it; the steps run eagerly until it
         settles."""
-        from ._graphchoice import graph_alternative, keep_tried
+        from ._graphchoice import eager_refutes, graph_alternative, keep_tried
         if not self.graph_choice_open or not replay_ms > 0:
             return None
         trying, self._graph_try = self._graph_try, "done"
@@ -971,6 +971,12 @@ class TieredTraining:
             t = dataclasses.replace(self.trace, resident_blocks=resident)
             here, alt = graph_alternative(t, p, replay_ms, self._plan_for, MIN_GAIN)
             if alt is None:
+                return None
+            if eager_refutes(p, alt):
+                p.measured["graph_refuted_ms"] = round(alt.predicted_seconds() * 1e3, 3)
+                log.info("tiermem: the model fitted to the graph's replays (%.1f ms) predicts %.1f ms for a plan "
+                         "recomputing fewer blocks, which the eager steps found slower: not tried (NOTE [graph "
+                         "choice])", replay_ms, alt.predicted_seconds() * 1e3)
                 return None
             alt.measured.update(graph_predicted_ms=round(alt.predicted_seconds() * 1e3, 3),
                                 first_replay_ms=round(replay_ms, 3), chosen_by="graph")

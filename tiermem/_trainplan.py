@@ -257,12 +257,31 @@ class TrainPlan:
                 lines.append(f"  checked again    the model's plan took {self.measured['late_ms']:.1f} ms a step "
                              "(median of its next steps): "
                              + ("recomputing everywhere" if by == "late" else "the model's plan kept"))
+        lines += self._graph_lines()
         if self.segment_modes and self.block_names:
             lines.append("  per block        params / activations")
             for i, (name, mode) in enumerate(zip(self.block_names, self.segment_modes)):
                 where = "resident" if i in self.resident_blocks else "streamed"
                 lines.append(f"    {name:<30} {where:<9} {mode}")
         return "\n".join(lines)
+
+    def _graph_lines(self) -> list[str]:
+        """NOTE [graph choice] in _graphchoice.py: what the whole-step graph's replays measured
+        and decided."""
+        m = self.measured
+        if not m.get("replay_ms"):
+            return []
+        line = f"  replayed         {m['replay_ms']:.1f} ms a step as one CUDA graph"
+        if m.get("tried_replay_ms"):
+            line += (f"; a plan tried on its replays' times, predicted {m['tried_predicted_ms']:.1f} ms, replayed "
+                     f"{m['tried_replay_ms']:.1f} ms: this plan came back")
+        elif m.get("graph_refuted_ms"):
+            line += (f"; the model fitted to it predicts {m['graph_refuted_ms']:.1f} ms for a plan recomputing "
+                     "fewer blocks, which the eager steps found slower: not tried")
+        elif m.get("chosen_by") == "graph":
+            line += (f", predicted {m['graph_predicted_ms']:.1f} ms from the first plan's replays "
+                     f"({m['first_replay_ms']:.1f} ms)")
+        return [line]
 
     def __str__(self) -> str:
         return self.table()

@@ -969,7 +969,7 @@ class TieredTraining:
         resident = frozenset(b.index for b in self.blocks if b.resident)
         if trying is None:
             t = dataclasses.replace(self.trace, resident_blocks=resident)
-            here, alt = graph_alternative(t, p, replay_ms, self._plan_for, MIN_GAIN)
+            _, alt = graph_alternative(t, p, replay_ms, self._plan_for, MIN_GAIN)
             if alt is None:
                 return None
             if eager_refutes(p, alt):

@@ -101,6 +101,25 @@ def _plain(batches, loss=_loss, schedule=None, lr=1e-3, big=True):
     return losses, [p.cpu() for p in params]
 
 
+def _plain_evaluated(batches, at, probe):
+    """The plain loop's losses (fused AdamW, as the graphed runs use), and the model's logits on
+    ``probe`` after step ``at``, on the host."""
+    import torch
+    model = _big()
+    opt = _fused(model)
+    want, evaluated = [], None
+    for i, ids in enumerate(batches):
+        v = _loss(model, ids)
+        v.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        want.append(float(v.detach()))
+        if i == at:
+            with torch.no_grad():
+                evaluated = model(probe[:, :-1]).float().cpu()
+    return want, evaluated
+
+
 def _graphed(batches, loss=_loss, schedule=None, lr=1e-3, big=True, between=None):
     import torch
     import tiermem
@@ -247,18 +266,37 @@ def test_evaluation_and_a_reload_between_replays():
     assert "at" in saved and saved["at"] < len(batches) - 2, saved.get("at")
     assert step.captures >= 1 and step.drops[:1] == ["the model's or the optimizer's state was loaded"], step
     _cleanup(tier, train)
-    model = _big()
-    opt = _fused(model)
-    want = []
-    for i, ids in enumerate(batches):
-        v = _loss(model, ids)
-        v.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        want.append(float(v))
-        if i == saved["at"]:
+    want, evaluated = _plain_evaluated(batches, saved["at"], probe[:1])
+    assert torch.equal(evaluated, evals["tiered"])
+    assert got == want
+
+
+def test_a_released_graph_gives_its_pool_back_for_a_whole_batch_evaluation_and_is_captured_again():
+    """GraphedStep.release: once the replays have judged the plan, the graph is dropped and its
+    pool given back; an evaluation of a whole batch (which ran out of memory beside the pool on
+    the H200 at ee27da0) then runs, the steps after are captured again, and losses and the
+    evaluation are the plain run's, bitwise."""
+    from tiermem._stepgraph import RELEASED
+    torch = _setup()
+    batches = _data(CAPTURED_BY + CHOICE_STEPS + 10)
+    probe = batches[0]
+    seen = {}
+
+    def between(i, model, opt, step):
+        if step.graph is not None and "at" not in seen and not step.train.graph_choice_open:
+            before = torch.cuda.memory_reserved()
+            step.release()
+            seen.update(at=i, freed=before - torch.cuda.memory_reserved())
             with torch.no_grad():
-                assert torch.equal(model(probe[:1, :-1]).float().cpu(), evals["tiered"])
+                seen["eval"] = model(probe[:, :-1]).float().cpu()
+
+    got, _, step, _, (tier, train, _) = _graphed(batches, between=between)
+    print(step, step.drops, seen.get("at"), seen.get("freed"))
+    assert "at" in seen and seen["freed"] > 0, seen.get("at")
+    assert RELEASED in step.drops and step.graph is not None and step.last_replays >= 2, (step, step.drops)
+    _cleanup(tier, train)
+    want, evaluated = _plain_evaluated(batches, seen["at"], probe)
+    assert torch.equal(evaluated, seen["eval"])
     assert got == want
 
 

@@ -346,3 +346,15 @@ def test_a_failed_captures_exception_lets_go_of_its_frames_and_their_tensors():
     _clear_frames(kept)
     assert refs[0]() is None                       # gone without a collection
     assert kept.__context__ is not None            # the exceptions themselves stay readable
+
+
+def test_releasing_a_step_that_holds_no_graph_changes_nothing():
+    bs = batches(3)
+    want, _ = plain_run(bs)
+    model, _, train = _tiered()
+    step = train.graphed(lambda ids: loss_of(model, ids))
+    got = []
+    for ids in bs:
+        step.release()
+        got.append(float(step(ids)))
+    assert step.drops == [] and step.graph is None and got == want

@@ -54,12 +54,13 @@ from ._errors import ConfigError, TierMemError
 from ._graphchoice import REPLAYS_TIMED
 from ._workspaces import let_go, own_workspaces
 
-__all__ = ["GraphedStep", "PLAN_CHANGED", "capture_now", "why_invalid"]
+__all__ = ["GraphedStep", "PLAN_CHANGED", "RELEASED", "capture_now", "why_invalid"]
 
 log = logging.getLogger("tiermem")
 
 SETTLED_STEPS = 1        # eager steps under the settled plan before the capture
 PLAN_CHANGED = "the plan changed for the graph's replays (NOTE [graph choice])"
+RELEASED = "released for work between steps (GraphedStep.release)"
 
 
 class GraphedStep:
@@ -94,6 +95,15 @@ class GraphedStep:
     def __repr__(self) -> str:
         state = "captured" if self.graph is not None else f"eager ({self.off})" if self.off else "eager"
         return f"GraphedStep({state}, captures={self.captures}, replays={self.replays})"
+
+    def release(self) -> None:
+        """Drop the graph and give its pool back to the budget: work between steps (an
+        evaluation of a whole batch, say) then has what the pool held. Between replays the
+        pool stays reserved, and an evaluation beside it has the budget less the pool (4x512
+        tokens of the bench's GPT beside a 486 MiB pool ran out of memory on the H200 at
+        ee27da0). The steps after run eagerly until the plan has settled, then are captured
+        again: a release costs SETTLED_STEPS + 1 eager steps and a capture."""
+        self._drop(RELEASED)
 
     def close(self) -> None:
         """Drop the graph and the hooks; the handle trains eagerly as before."""

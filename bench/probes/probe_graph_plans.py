@@ -61,7 +61,12 @@ def one(name, ratio, mode, a, tier, rate):
     model = build()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     budget = int(16 * sum(p.numel() for p in model.parameters()) / ratio)
-    train = tier.wrap_training(model, opt, budget, block_bytes=64 << 20, recompute=mode, link_GBps=rate)
+    if a.warm:      # a matmul and its backward first: cuBLAS's workspaces exist before the wrap
+        x = torch.randn(64, 64, device="cuda", requires_grad=True)
+        (x @ x).sum().backward()
+        torch.cuda.synchronize()
+    kw = {} if a.lookahead is None else {"lookahead": a.lookahead}
+    train = tier.wrap_training(model, opt, budget, block_bytes=64 << 20, recompute=mode, link_GBps=rate, **kw)
     fn = hf_graph_loss(causal_mask(torch, ids, torch.float32)) if name == "hf" else loss_fn
     step = train.graphed(lambda x: fn(model, x))
     plans, steps, traces = [], [], []
@@ -100,7 +105,7 @@ def one(name, ratio, mode, a, tier, rate):
         print(f"  {name} 1/{ratio:g} {mode}: plan {k} ({plans[k].kind}, {len(plans[k].recompute)} recomputed) "
               f"predicted {plans[k].predicted_seconds() * 1e3:.1f} ms, replayed {statistics.median(tail):.1f} ms "
               f"over {len(tail)}", flush=True)
-    out = {"model": name, "ratio": ratio, "mode": mode, "budget": budget, "off": off, "drops": drops,
+    out = {"model": name, "ratio": ratio, "mode": mode, "budget": budget, "lookahead": a.lookahead, "warm": a.warm, "off": off, "drops": drops,
            "plans": [plan_record(p) for p in plans], "traces": [plain(t) for t in traces], "steps": steps,
            "replay_median_ms": {str(k): round(statistics.median(v[1:] or v), 3) for k, v in by_plan.items()}}
     del step, train, model, opt
@@ -117,6 +122,9 @@ def main():
     ap.add_argument("--modes", default="never,always,auto")
     ap.add_argument("--steps", type=int, default=26)
     ap.add_argument("--auto-extra", type=int, default=20, help="more steps for auto: its replays may try a plan")
+    ap.add_argument("--lookahead", type=int, default=None, help="wrap_training's lookahead (default: its own)")
+    ap.add_argument("--warm", action="store_true", help="a matmul before each wrap (cuBLAS's workspaces made outside it)")
+    ap.add_argument("--tag", default="", help="added to the JSON's name")
     ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "..", "results"))
     a = ap.parse_args()
     torch.use_deterministic_algorithms(True, warn_only=True)
@@ -126,7 +134,7 @@ def main():
     tier = tiermem.Tier(0, cap="12GiB")
     result = {"device": torch.cuda.get_device_name(), "commit": os.environ.get("TIERMEM_COMMIT", ""),
               "date": time.strftime("%Y-%m-%d"), "link": {"h2d": h2d, "d2h": d2h, "duplex": duplex}, "runs": []}
-    path = os.path.join(a.out, f"probe_graph_plans-{a.models.replace(',', '-')}.json")
+    path = os.path.join(a.out, f"probe_graph_plans-{a.models.replace(',', '-')}{a.tag}.json")
     for name in a.models.split(","):
         for ratio in (float(x) for x in a.ratios.split(",")):
             for mode in a.modes.split(","):

@@ -44,7 +44,7 @@ def test_a_peak_the_slots_do_not_fit_lowers_the_lookahead_and_trains_as_plain(ca
 def test_a_peak_that_fits_keeps_every_slot(caplog):
     bs = batches(3)
     want, _ = plain_run(bs)
-    fake, tier, model, opt, train = tiered(lookahead=3)
+    fake, tier, model, opt, train = tiered(lookahead=3, recompute="never")     # no slot for recompute either
     before = (train.stream.nslots, train.stream.lookahead)
     train.mem = PeakedHostMemory(train.mem, peak_for(train, tier, -0.5))
     with caplog.at_level(logging.WARNING, logger="tiermem"):
@@ -70,3 +70,30 @@ def test_a_peak_two_slots_do_not_fit_is_refused_with_what_it_needs_and_training_
     assert train.plan is not None
     train.unwrap()
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), want_params))
+
+
+def test_a_slot_goes_where_it_lets_recomputing_everywhere_recompute_every_block(caplog):
+    """NOTE [a slot for recompute]: half a slot of room holds no recomputed segment; one slot
+    fewer holds one, so every block is recomputed, and the losses stay the plain run's."""
+    bs = batches(4)
+    want, want_params = plain_run(bs)
+    fake, tier, model, opt, train = tiered(lookahead=3, recompute="always")
+    before = train.stream.nslots
+    train.mem = PeakedHostMemory(train.mem, peak_for(train, tier, -0.5))
+    with caplog.at_level(logging.INFO, logger="tiermem"):
+        assert tiered_losses(train, model, bs) == want
+    assert train.stream.nslots == before - 1 and train.stream.lookahead == 2
+    assert train.plan.recompute == train.trace.recomputable and train.trace.recomputable
+    assert [r for r in caplog.records if "NOTE [a slot for recompute]" in r.getMessage()]
+    assert not [r for r in caplog.records if "NOTE [fewer slots]" in r.getMessage()]
+    train.unwrap()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), want_params))
+
+
+def test_no_slot_goes_for_recompute_where_the_room_already_holds_every_segment():
+    fake, tier, model, opt, train = tiered(lookahead=3, recompute="always")
+    before = train.stream.nslots
+    train.mem = PeakedHostMemory(train.mem, peak_for(train, tier, -1.0))
+    tiered_losses(train, model, batches(2))
+    assert train.stream.nslots == before
+    assert train.plan.recompute == train.trace.recomputable

@@ -1,6 +1,8 @@
 """The training planner (NOTE [training plan]): pure logic, no GPU."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -307,3 +309,22 @@ def test_a_probe_slower_than_the_model_scales_every_plan_and_the_table_says_so()
     assert fit_compute(p, 0.0) == 1.0
     with pytest.raises(ValueError, match="compute scale"):
         scaled(t, 0.0)
+
+
+def test_slots_for_recompute_gives_the_fewest_slots_that_recompute_the_most_blocks():
+    """NOTE [a slot for recompute] in tiermem/_train.py, on a synthetic trace: segments of 64 MiB,
+    slots of 40 MiB, a room of 30 MiB above the floor."""
+    from tiermem._trainplan import slots_for_recompute
+    t = seg_trace(act=64 * MiB, floor=100 * MiB)
+    budget = 130 * MiB
+
+    def everywhere(tr):
+        return plan_training(tr, budget, margin=0, recompute="always")
+    assert not everywhere(t).recompute                      # no segment fits the room
+    assert slots_for_recompute(t, 40 * MiB, 3, everywhere) == 1     # 70 MiB of room: every block
+    assert slots_for_recompute(t, 20 * MiB, 3, everywhere) == 2     # 50 MiB, then 70 MiB
+    assert slots_for_recompute(t, 20 * MiB, 1, everywhere) == 0     # one spare slot is not enough
+    assert slots_for_recompute(t, 40 * MiB, 0, everywhere) == 0
+    roomy = dataclasses.replace(t, floor_peak=50 * MiB)
+    assert len(everywhere(roomy).recompute) == 4
+    assert slots_for_recompute(roomy, 40 * MiB, 3, everywhere) == 0   # nothing more to recompute

@@ -32,6 +32,17 @@ NOTE [graph choice]
     replayed at 154.8 ms and gave way, after ten slower steps. Recomputing everywhere, the
     other way, is still tried: the eager steps' host time is what may have hidden its gain
     (the Qwen2 above).
+
+    And it is tried whatever the model predicts for it, where it recomputes more blocks and
+    swaps fewer bytes than the plan replayed: the model's compute is measured on eager steps,
+    whose host time a recomputed block repeats, so it prices recomputing at what it costs an
+    eager step, not a replay, and one factor fitted to the replays does not undo that. On the
+    H100 at d16ed8c (bench/probes/probe_graph_plans.py, bench/results/probe_graph_plans-h100-20261127-d16ed8c.json)
+    the Qwen2 at 1/1.5 of its state kept, on its eager steps, a plan that recomputes nothing
+    and swaps 4.7 GB a step; its replays took 296 ms, and the model fitted to them predicted
+    400 ms for recomputing everywhere, which had replayed at 136 ms in the run before it, in
+    the same process. A wrong try costs its steps once: its replays are timed and the first plan comes
+    back (``keep_tried``).
 """
 from __future__ import annotations
 
@@ -52,8 +63,10 @@ def graph_alternative(trace: StepTrace, plan: TrainPlan, replay_ms: float,
                       plan_for: Callable[[StepTrace, str | None], TrainPlan],
                       min_gain: float) -> tuple[TrainPlan, TrainPlan | None]:
     """``plan`` as the model fitted to its replays (``replay_ms``) predicts it, and the candidate
-    to try instead (None: none predicted ``min_gain`` faster). ``plan_for(trace, mode)`` makes a
-    plan for ``trace``: mode "always" recomputes everywhere, None chooses."""
+    to try instead: recomputing everywhere where that recomputes more blocks and swaps fewer
+    bytes than ``plan`` (NOTE [graph choice]), else the candidate predicted ``min_gain`` faster
+    (None: none is). ``plan_for(trace, mode)`` makes a plan for ``trace``: mode "always"
+    recomputes everywhere, None chooses."""
     fitted = scaled(trace, fit_compute(evaluate(trace, plan), replay_ms))
     here = evaluate(fitted, plan)
     mine = _choices(plan)
@@ -62,6 +75,10 @@ def graph_alternative(trace: StepTrace, plan: TrainPlan, replay_ms: float,
         c = plan_for(fitted, mode)
         if _choices(c) != mine:
             others.setdefault(_choices(c), c)
+    everywhere = plan_for(fitted, "always")
+    if (_choices(everywhere) != mine and len(everywhere.recompute) > len(plan.recompute)
+            and everywhere.swapped_bytes < plan.swapped_bytes):
+        return here, everywhere        # the model cannot judge it: tried (NOTE [graph choice])
     best = min(others.values(), key=lambda c: c.predicted_seconds(), default=None)
     if best is None or best.predicted_seconds() > here.predicted_seconds() * (1 - min_gain):
         return here, None

@@ -151,7 +151,7 @@ from ._recompute import Recompute
 from ._replay import Replays
 from ._swap import ActivationSwap
 from ._trainplan import (LINK_GBPS, RECOMPUTE_MODES, SavedRecord, StepTrace, TrainPlan, evaluate, fit_compute,
-                         plan_training, scaled)
+                         plan_training, scaled, slots_for_recompute)
 from ._trainslots import Block, BlockSlots, aligned
 from ._trainstates import OptimizerStates
 from .roles import Evict, Location, Prefetch, Role
@@ -981,8 +981,8 @@ class TieredTraining:
             alt.measured.update(graph_predicted_ms=round(alt.predicted_seconds() * 1e3, 3),
                                 first_replay_ms=round(replay_ms, 3), chosen_by="graph")
             log.info("tiermem: the graph replayed its plan in %.1f ms; the model fitted to its replays "
-                     "predicts %.1f ms for %s: trying it (NOTE [graph choice])", replay_ms,
-                     alt.predicted_seconds() * 1e3, alt.kind)
+                     "predicts %.1f ms for %s (%d blocks recomputed, %d before): trying it (NOTE [graph choice])",
+                     replay_ms, alt.predicted_seconds() * 1e3, alt.kind, len(alt.recompute), len(p.recompute))
             self._graph_try = (p, replay_ms)
             return alt
         first, first_ms = trying
@@ -1360,6 +1360,8 @@ class TieredTraining:
             # from one segment to another. Plan without it from now on.
             log.info("tiermem: recomputing changed the step's saves; planning without recompute")
             self._no_recompute = True
+        if self.recompute_mode != "never" and not self._no_recompute and self.trace.recomputable:
+            self._slots_for_recompute(new_slot)
         self._boundary_saves = {b.index: self._boundary.get(b.index, (0, 0))[1] for b in self.blocks}
         # The next step is the probe (NOTE [recompute plan]): every block that can be recomputed
         # is, and its forward is timed without the swap's hooks; the plan after it uses both.
@@ -1402,9 +1404,39 @@ class TieredTraining:
             log.warning("tiermem: a budget of %s bytes holds the step only with %d slots, not %d: lookahead "
                         "lowered to %d (NOTE [fewer slots])", f"{self.budget:,}", st.nslots - 1, st.nslots,
                         st.lookahead - 1)
-            st.nslots -= 1
-            st.lookahead -= 1
-            self.trace = dataclasses.replace(self.trace, floor_peak=max(self.trace.floor_peak - slot, 0))
+            self._give_slot(slot)
+
+    # NOTE [a slot for recompute]
+    #     Recomputing a block holds its whole segment in its backward (NOTE [recompute plan]), so
+    #     the plan recomputes only the blocks whose segment fits the room the floor leaves, and
+    #     swaps the rest at twice their bytes over the link. A slot is a block's parameters,
+    #     gradients and optimizer states (200 MB for a layer of the bench's GPT); giving one up
+    #     costs a block of lookahead. Where it lets recomputing everywhere recompute more blocks,
+    #     the slot goes. On the H100 (bench/probes/probe_graph_plans.py, d16ed8c and 8f48977) the
+    #     GPT of bench/train_budget.py at 1/2.5 of its state, wrapped in a fresh process, traced a
+    #     floor of 1.049 GB: cuBLAS's workspaces and the first step's allocations came inside its
+    #     traced step (0.948 GB where a matmul had run before the wrap). With three slots the
+    #     room held no GPT segment: 2 of 18 blocks recomputed, 3.2 GB swapped each way, graph
+    #     replays of 257.6 ms. With two slots (lookahead=1) all 18 were recomputed and the
+    #     replays took 121.8 ms (113.7 ms with three slots after that matmul).
+    def _slots_for_recompute(self, slot: int) -> None:
+        st = self.stream
+        spare = st.nslots - max(2, self._nesting + 1)
+        give = slots_for_recompute(self.trace, slot, spare, lambda t: self._planned(t, "always"))
+        if give:
+            before = len(self._planned(self.trace, "always").recompute)
+            log.info("tiermem: %d slot(s) fewer let recomputing everywhere recompute more blocks than %d of %d: "
+                     "lookahead lowered to %d (NOTE [a slot for recompute])", give, before,
+                     len(self.trace.recomputable), st.lookahead - give)
+        for _ in range(give):
+            self._give_slot(slot)
+
+    def _give_slot(self, slot: int) -> None:
+        """One slot, and a block of lookahead, fewer; the floor the trace measured, one slot less."""
+        st = self.stream
+        st.nslots -= 1
+        st.lookahead -= 1
+        self.trace = dataclasses.replace(self.trace, floor_peak=max(self.trace.floor_peak - slot, 0))
 
     def _last_step_ms(self) -> float:
         """The step just finished, on the compute stream (waits for it). 0 when not timed."""
@@ -1523,11 +1555,18 @@ class TieredTraining:
         else:
             self.plan = plan
 
+    def _planned(self, trace: StepTrace, mode: str | None = None) -> TrainPlan:
+        """The plan for ``trace`` (mode as plan_training's ``recompute``; None: the handle's own),
+        with the graphs' pool held; no side effect (see _plan_for)."""
+        margin = self.budget // 8 if self.margin is None else self.margin
+        mode = mode or ("never" if self._no_recompute else self.recompute_mode)
+        return plan_training(trace, self.budget, margin=margin, recompute=mode, link_GBps=self.link_GBps,
+                             clip=self.max_grad_norm is not None, graph_pool=self.replays.reserve)
+
     def _plan_for(self, trace: StepTrace, mode: str | None = None) -> TrainPlan:
         margin = self.budget // 8 if self.margin is None else self.margin
         mode = mode or ("never" if self._no_recompute else self.recompute_mode)
-        plan = plan_training(trace, self.budget, margin=margin, recompute=mode, link_GBps=self.link_GBps,
-                             clip=self.max_grad_norm is not None, graph_pool=self.replays.reserve)
+        plan = self._planned(trace, mode)
         if plan.graph_pool and plan.predicted_peak > self.budget - margin:
             # NOTE [replayed recompute]: the floor and the pool together pass the budget
             self.replays.give_up("the budget leaves no room for the graphs' pool beside the step's floor")

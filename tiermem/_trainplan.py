@@ -78,13 +78,13 @@ NOTE [calibrated compute]
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ._errors import ConfigError
 
 __all__ = ["SavedRecord", "StepTrace", "TrainPlan", "plan_training", "RECOMPUTE_MODES", "evaluate", "fit_compute",
-           "scaled"]
+           "scaled", "slots_for_recompute"]
 
 LINK_GBPS = 55.0   # pinned copies each way on the H100 machine (docs/facts.md)
 RECOMPUTE_MODES = ("auto", "never", "always")
@@ -279,8 +279,8 @@ class TrainPlan:
             line += (f"; the model fitted to it predicts {m['graph_refuted_ms']:.1f} ms for a plan recomputing "
                      "fewer blocks, which the eager steps found slower: not tried")
         elif m.get("chosen_by") == "graph":
-            line += (f", predicted {m['graph_predicted_ms']:.1f} ms from the first plan's replays "
-                     f"({m['first_replay_ms']:.1f} ms)")
+            line += (f", tried after the first plan's replays ({m['first_replay_ms']:.1f} ms), predicted "
+                     f"{m['graph_predicted_ms']:.1f} ms")
         return [line]
 
     def __str__(self) -> str:
@@ -534,6 +534,23 @@ def _make(pl: _Planner, c: _Choice, kind: str) -> TrainPlan:
                      fwd_ms=fwd, bwd_ms=bwd, recompute_ms=rec,
                      link_GBps=pl.rate / 1e9, kind=kind, segment_modes=tuple(modes), clip=pl.clip,
                      block_names=tuple(t.block_names), compute_scale=t.compute_scale)
+
+
+def slots_for_recompute(trace: StepTrace, slot_bytes: int, spare: int,
+                        plan_everywhere: Callable[[StepTrace], TrainPlan]) -> int:
+    """How many of ``spare`` slots (each ``slot_bytes`` of the floor) to give up so that recomputing
+    everywhere (``plan_everywhere``) recomputes the most blocks it can: the fewest slots that
+    reach that most, 0 where giving up slots recomputes no more (NOTE [a slot for recompute] in
+    _train.py)."""
+    best, give = len(plan_everywhere(trace).recompute), 0
+    for k in range(1, max(int(spare), 0) + 1):
+        got = len(plan_everywhere(dataclasses.replace(trace, floor_peak=max(trace.floor_peak - k * slot_bytes, 0)))
+                  .recompute)
+        if got > best:
+            best, give = got, k
+        if best >= len(trace.recomputable):
+            break
+    return give
 
 
 def scaled(trace: StepTrace, factor: float) -> StepTrace:

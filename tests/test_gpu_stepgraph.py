@@ -300,6 +300,43 @@ def test_a_released_graph_gives_its_pool_back_for_a_whole_batch_evaluation_and_i
     assert got == want
 
 
+def test_replays_try_recomputing_everywhere_after_a_swapping_plan_and_keep_it_where_faster():
+    """NOTE [graph choice]: the eager steps price recomputing at what it costs an eager step, so
+    after a plan that swaps (here followed by hand once the eager choice is done, as the Qwen2
+    at 1/1.5 kept on its eager steps at d16ed8c), the replays try recomputing everywhere
+    whatever the model predicts, and keep it where it replays faster. The losses stay the
+    plain run's, bitwise, through both plans' captures."""
+    import dataclasses
+    from tiermem._stepgraph import PLAN_CHANGED
+    from tiermem.planning import plan_training
+    torch = _setup()
+    batches = _data(CAPTURED_BY + CHOICE_STEPS + 12)
+    want, _ = _plain(batches)
+    _cleanup()
+    forced = {}
+
+    def between(i, model, opt, step):
+        train = step.train
+        if "at" not in forced and train.settled and step.graph is None:
+            p = train.plan
+            t = dataclasses.replace(train.trace, resident_blocks=p.resident_blocks)
+            swapping = plan_training(t, p.budget, margin=p.margin, recompute="never", link_GBps=p.link_GBps)
+            forced.update(at=i, plan=swapping)
+            train.follow(swapping)
+
+    got, _, step, _, (tier, train, budget) = _graphed(batches, between=between)
+    print(step, step.drops, train.plan.table())
+    swapping = forced["plan"]
+    assert swapping.swapped_bytes > 0 and not swapping.recompute
+    p = train.plan
+    assert p.recompute and p.swapped_bytes < swapping.swapped_bytes, p.table()
+    assert p.measured.get("chosen_by") == "graph", p.measured
+    assert p.measured["replay_ms"] < p.measured["first_replay_ms"], p.measured   # faster, measured
+    assert step.drops == [PLAN_CHANGED] and step.last_replays >= 4, (step, step.drops)
+    assert got == want
+    _cleanup(tier, train)
+
+
 @pytest.mark.parametrize("why", ["sync", "memory"])
 def test_a_step_that_cannot_be_captured_stays_eager_and_loses_nothing(why):
     """A host sync inside the step (``.item()``), or a capture that needs more memory than the

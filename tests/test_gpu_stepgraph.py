@@ -320,7 +320,11 @@ def test_replays_try_recomputing_everywhere_after_a_swapping_plan_and_keep_it_wh
         if "at" not in forced and train.settled and step.graph is None:
             p = train.plan
             t = dataclasses.replace(train.trace, resident_blocks=p.resident_blocks)
-            swapping = plan_training(t, p.budget, margin=p.margin, recompute="never", link_GBps=p.link_GBps)
+            # no block made resident beyond the plan's: a resident block stays so (as in that run,
+            # where both plans kept the same 8 blocks resident)
+            same = [i in p.resident_blocks for i in range(len(p.block_param_bytes))]
+            swapping = plan_training(t, p.budget, margin=p.margin, recompute="never", link_GBps=p.link_GBps,
+                                     can_reside=same)
             forced.update(at=i, plan=swapping)
             train.follow(swapping)
 

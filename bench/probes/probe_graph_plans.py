@@ -66,6 +66,8 @@ def one(name, ratio, mode, a, tier, rate):
         (x @ x).sum().backward()
         torch.cuda.synchronize()
     kw = {} if a.lookahead is None else {"lookahead": a.lookahead}
+    if a.window_mib:
+        kw["window"] = a.window_mib << 20
     train = tier.wrap_training(model, opt, budget, block_bytes=64 << 20, recompute=mode, link_GBps=rate, **kw)
     fn = hf_graph_loss(causal_mask(torch, ids, torch.float32)) if name == "hf" else loss_fn
     step = train.graphed(lambda x: fn(model, x))
@@ -105,7 +107,7 @@ def one(name, ratio, mode, a, tier, rate):
         print(f"  {name} 1/{ratio:g} {mode}: plan {k} ({plans[k].kind}, {len(plans[k].recompute)} recomputed) "
               f"predicted {plans[k].predicted_seconds() * 1e3:.1f} ms, replayed {statistics.median(tail):.1f} ms "
               f"over {len(tail)}", flush=True)
-    out = {"model": name, "ratio": ratio, "mode": mode, "budget": budget, "lookahead": a.lookahead, "warm": a.warm, "off": off, "drops": drops,
+    out = {"model": name, "ratio": ratio, "mode": mode, "budget": budget, "lookahead": a.lookahead, "warm": a.warm, "window_mib": a.window_mib, "off": off, "drops": drops,
            "plans": [plan_record(p) for p in plans], "traces": [plain(t) for t in traces], "steps": steps,
            "replay_median_ms": {str(k): round(statistics.median(v[1:] or v), 3) for k, v in by_plan.items()}}
     del step, train, model, opt
@@ -124,6 +126,7 @@ def main():
     ap.add_argument("--auto-extra", type=int, default=20, help="more steps for auto: its replays may try a plan")
     ap.add_argument("--lookahead", type=int, default=None, help="wrap_training's lookahead (default: its own)")
     ap.add_argument("--warm", action="store_true", help="a matmul before each wrap (cuBLAS's workspaces made outside it)")
+    ap.add_argument("--window-mib", type=int, default=0, help="the swap's window (default: its own, budget/32)")
     ap.add_argument("--tag", default="", help="added to the JSON's name")
     ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "..", "results"))
     a = ap.parse_args()

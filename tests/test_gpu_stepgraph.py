@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from test_gpu_train import (CFG, _batches, _cleanup, _gpt, _labels_losses, _loss, _neox_on_host, _pool_report,
+from test_gpu_train import (CFG, _batches, _cleanup, _gpt, _hf_on_host, _labels_losses, _loss, _pool_report,
                             _private_pool_segments, _resident_losses, _setup)
 
 pytestmark = pytest.mark.gpu
@@ -441,16 +441,17 @@ def test_a_transformers_model_with_its_mask_built_once_is_captured():
     _cleanup(tier, train)
 
 
-def test_a_transformers_model_with_its_defaults_is_graphed_on_a_really_small_gpu():
-    """A transformers GPT-NeoX as users run it (SDPA attention, the masks transformers makes
-    itself, requires_grad=True, the loss from ``labels=``), its parameters alone bigger than
-    the free memory of a GPU made really small, trained from the host as one graph. Its
-    losses follow the plain run's (SDPA's backward is not bitwise repeatable: within 2e-3)
-    and torch stays within the budget."""
+@pytest.mark.parametrize("arch", ["neox", "llama"])
+def test_a_transformers_model_with_its_defaults_is_graphed_on_a_really_small_gpu(arch):
+    """A transformers GPT-NeoX or Llama as users run it (SDPA attention, the masks and rotary
+    tables transformers makes itself, requires_grad=True, the loss from ``labels=``), its
+    parameters alone bigger than the free memory of a GPU made really small, trained from the
+    host as one graph. Its losses follow the plain run's (SDPA's backward is not bitwise
+    repeatable: within 2e-3) and torch stays within the budget."""
     from test_gpu_module import _take_device
     torch = _setup()
     import tiermem
-    model, init, params, batches = _neox_on_host(torch, CAPTURED_BY + CHOICE_STEPS + 6)
+    model, init, params, batches = _hf_on_host(torch, CAPTURED_BY + CHOICE_STEPS + 6, arch)
     model.cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     want = _labels_losses(model, opt, batches)

@@ -758,15 +758,23 @@ def _labels_losses(model, opt, batches):
     return out
 
 
-def _neox_on_host(torch, steps):
-    """A transformers GPT-NeoX (an architecture no bench is tuned on) with its default flags
-    (SDPA attention, requires_grad=True), built on the host: the model, its initial state, its
-    parameters' bytes, and ``steps`` batches of token ids on the device."""
+def _hf_on_host(torch, steps, arch="neox"):
+    """A transformers model of an architecture no bench is tuned on, with its default flags (SDPA
+    attention, requires_grad=True), built on the host: "neox" (GPT-NeoX) or "llama" (Llama:
+    RoPE, grouped-query attention, SwiGLU). The model, its initial state, its parameters' bytes,
+    and ``steps`` batches of token ids on the device."""
     transformers = pytest.importorskip("transformers")
-    cfg = transformers.GPTNeoXConfig(hidden_size=1024, intermediate_size=4096, num_hidden_layers=12,
-                                     num_attention_heads=16, vocab_size=4096, max_position_embeddings=256)
+    if arch == "llama":
+        cfg = transformers.LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=12,
+                                       num_attention_heads=16, num_key_value_heads=4, vocab_size=4096,
+                                       max_position_embeddings=256)
+        build = transformers.LlamaForCausalLM
+    else:
+        cfg = transformers.GPTNeoXConfig(hidden_size=1024, intermediate_size=4096, num_hidden_layers=12,
+                                         num_attention_heads=16, vocab_size=4096, max_position_embeddings=256)
+        build = transformers.GPTNeoXForCausalLM
     torch.manual_seed(0)
-    model = transformers.GPTNeoXForCausalLM(cfg).train()
+    model = build(cfg).train()
     init = {k: v.clone() for k, v in model.state_dict().items()}
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     g = torch.Generator(device="cuda").manual_seed(1)
@@ -784,7 +792,7 @@ def test_a_transformers_model_bigger_than_the_really_small_gpu_trains_from_the_h
     from test_gpu_module import _take_device
     torch = _setup()
     import tiermem
-    model, init, params, batches = _neox_on_host(torch, 6)
+    model, init, params, batches = _hf_on_host(torch, 6)
 
     def run(step):
         out = []

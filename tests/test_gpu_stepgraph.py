@@ -441,20 +441,33 @@ def test_a_transformers_model_with_its_mask_built_once_is_captured():
     _cleanup(tier, train)
 
 
-@pytest.mark.parametrize("arch", ["neox", "llama"])
-def test_a_transformers_model_with_its_defaults_is_graphed_on_a_really_small_gpu(arch):
+def _causal_mask(torch, ids):
+    """A 4-D additive causal mask for ``ids``, built once: transformers uses a 4-D mask as it is,
+    eagerly and while a graph captures."""
+    n = ids.shape[1]
+    allowed = torch.ones(n, n, dtype=torch.bool, device=ids.device).tril()
+    m = torch.full((n, n), torch.finfo(torch.float32).min, device=ids.device).masked_fill(allowed, 0.0)
+    return m.expand(ids.shape[0], 1, n, n)
+
+
+@pytest.mark.parametrize("arch,mask", [("neox", False), ("llama", False), ("llama", True)])
+def test_a_transformers_model_with_its_defaults_is_graphed_on_a_really_small_gpu(arch, mask):
     """A transformers GPT-NeoX or Llama as users run it (SDPA attention, the masks and rotary
     tables transformers makes itself, requires_grad=True, the loss from ``labels=``), its
     parameters alone bigger than the free memory of a GPU made really small, trained from the
     host as one graph. Its losses follow the plain run's (SDPA's backward is not bitwise
-    repeatable: within 2e-3) and torch stays within the budget."""
+    repeatable: within 2e-3) and torch stays within the budget. The Llama with no mask takes
+    another attention path while captured (NOTE [another path under capture] in
+    tiermem/_train.py): its graphs go off with that reason, and its steps train eagerly, nothing
+    lost; with a 4-D mask built once it is graphed."""
     from test_gpu_module import _take_device
     torch = _setup()
     import tiermem
     model, init, params, batches = _hf_on_host(torch, CAPTURED_BY + CHOICE_STEPS + 6, arch)
+    kw = {"attention_mask": _causal_mask(torch, batches[0])} if mask else {}
     model.cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    want = _labels_losses(model, opt, batches)
+    want = _labels_losses(model, opt, batches, **kw)
     model.cpu()
     model.load_state_dict(init)
     del opt
@@ -467,7 +480,7 @@ def test_a_transformers_model_with_its_defaults_is_graphed_on_a_really_small_gpu
         tier = tiermem.Tier(0)                      # the default cap: the memory free now
         budget = free * 2 // 3
         train = tier.wrap_training(model, opt, budget, block_bytes=8 * MiB)
-        step = train.graphed(lambda ids: model(input_ids=ids, labels=ids).loss)
+        step = train.graphed(lambda ids: model(input_ids=ids, labels=ids, **kw).loss)
         _HELD.append((tier, train, step))
         base = torch.cuda.memory_reserved()         # the reservation that makes the GPU small
         got, peaks, reserved = [], [], [0]
@@ -476,11 +489,15 @@ def test_a_transformers_model_with_its_defaults_is_graphed_on_a_really_small_gpu
             peaks.append(train.resident_peak())
             if step.graph is not None:
                 reserved.append(torch.cuda.memory_reserved() - base)
-        print(step, step.drops, train.plan.table(), train.plan.measured)
+        print(step, step.drops, step.off, train.plan.table(), train.plan.measured)
         assert all(abs(a - b) <= 2e-3 * abs(b) for a, b in zip(got, want)), (got, want)
         assert max(peaks) <= budget and max(reserved) <= budget, (max(peaks), max(reserved), budget)
         assert train.plan.streamed_blocks
-        assert step.captures >= 1 and _only_plan_changes(step) and step.last_replays >= 4, (step, step.off)
+        if arch == "llama" and not mask:
+            assert "another path under a CUDA graph capture" in step.off, (step, step.off)
+            assert step.graph is None and step.replays == 0 and train.steps == len(batches), (step, train.steps)
+        else:
+            assert step.captures >= 1 and _only_plan_changes(step) and step.last_replays >= 4, (step, step.off)
         step.close()
         train.unwrap()
         _HELD.clear()

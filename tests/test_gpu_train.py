@@ -746,11 +746,12 @@ def test_bf16_moments_stay_close_to_the_resident_losses_and_move_half_the_state_
     _cleanup(tier)
 
 
-def _labels_losses(model, opt, batches):
-    """The plain loop's losses, transformers computing each from ``labels=``."""
+def _labels_losses(model, opt, batches, **kw):
+    """The plain loop's losses, transformers computing each from ``labels=`` (``kw``: more of the
+    model's arguments)."""
     out = []
     for ids in batches:
-        loss = model(input_ids=ids, labels=ids).loss
+        loss = model(input_ids=ids, labels=ids, **kw).loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)

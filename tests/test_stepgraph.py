@@ -358,3 +358,29 @@ def test_releasing_a_step_that_holds_no_graph_changes_nothing():
         step.release()
         got.append(float(step(ids)))
     assert step.drops == [] and step.graph is None and got == want
+
+
+def test_a_captured_step_that_saves_other_tensors_than_its_trace_fails_as_a_refused_capture(monkeypatch):
+    """NOTE [another path under capture] in tiermem/_train.py: a step whose saves, while
+    captured, differ from the trace (a transformers Llama's attention under a capture) raises
+    with the reason, as a capture CUDA refuses does; the training goes on eagerly from a new
+    trace. The CPU cannot capture: here the step runs inside the training's capture books, with
+    the backend's capture a no-op, and is given other shapes."""
+    import contextlib
+    from test_train import CFG
+    model, _, train = _tiered(recompute="never")
+    monkeypatch.setattr(train.tier.backend, "capturing", contextlib.nullcontext, raising=False)
+    for ids in batches(10):
+        with train.step():
+            loss_of(model, ids).backward()
+    assert train.settled
+    shorter = batches(1)[0][:, : CFG["seq"] // 2 + 1]
+    with pytest.raises(tiermem.TierMemError, match="another path under a CUDA graph capture"):
+        with train.capturing():
+            with train.step():
+                loss_of(model, shorter).backward()
+    assert not train.settled                  # the next step traces again
+    for ids in batches(6, seed=2):
+        with train.step():
+            loss_of(model, ids).backward()
+    assert train.plan is not None and train.settled

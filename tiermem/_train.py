@@ -1038,15 +1038,35 @@ class TieredTraining:
         return ""
 
     @contextlib.contextmanager
+    # NOTE [another path under capture]
+    #     A model may run other kernels while a CUDA graph captures than it runs eagerly, and then
+    #     saves other tensors for backward: the captured step diverges from the trace the plan was
+    #     made from (NOTE [activation swap]), swaps everything, and the step after it traces again
+    #     and plans anew, which drops the graph; settled again, the next capture diverges again.
+    #     On the H100 at 63119d0 a transformers Llama (5.17.0, SDPA, grouped-query attention, no
+    #     mask passed) did so: transformers builds no mask eagerly, so torch's SDPA took its math
+    #     path with the key/value heads as they are (saving 2 MiB attention weights), and builds
+    #     one while capturing, where it repeats the key/value heads and takes the memory-efficient
+    #     kernel; its graphed steps were captured twice and replayed twice in 32 steps. So a
+    #     capture whose step diverged fails like any capture CUDA refuses: graphs are off for the
+    #     run with the reason, the step runs eagerly (and traces), and nothing is lost.
     def capturing(self) -> Iterator[None]:
         """The step inside is captured, not run (NOTE [whole-step graphs]): the backend resolves
         events for the capture (NOTE [events across a capture]), and the step's timing events,
         which no time can be read from, are dropped. If the capture fails, the step counts as not
         taken, and the next one starts as after a failed step."""
         steps, updates = self.steps, self.updates
+        tracing = self._tracing
         try:
             with self.tier.backend.capturing():
                 yield
+            if self._tracing and not tracing and self.swap is not None and self.swap.diverged:
+                # NOTE [another path under capture]
+                raise TierMemError(
+                    "the step saved other tensors while captured than in its eager steps: the model takes "
+                    "another path under a CUDA graph capture (transformers' SDPA attention builds its mask "
+                    "only while capturing, and with grouped-query attention that changes its kernels): "
+                    "pass the attention mask as a 4-D tensor built once, or train with train.step()")
         except BaseException:
             self._failed = True
             raise

@@ -70,12 +70,11 @@ def graph_alternative(trace: StepTrace, plan: TrainPlan, replay_ms: float,
     fitted = scaled(trace, fit_compute(evaluate(trace, plan), replay_ms))
     here = evaluate(fitted, plan)
     mine = _choices(plan)
+    everywhere = plan_for(fitted, "always")
     others = {}
-    for mode in ("always", None):
-        c = plan_for(fitted, mode)
+    for c in (everywhere, plan_for(fitted, None)):
         if _choices(c) != mine:
             others.setdefault(_choices(c), c)
-    everywhere = plan_for(fitted, "always")
     if (_choices(everywhere) != mine and len(everywhere.recompute) > len(plan.recompute)
             and everywhere.swapped_bytes < plan.swapped_bytes):
         return here, everywhere        # the model cannot judge it: tried (NOTE [graph choice])

@@ -1037,7 +1037,6 @@ class TieredTraining:
             return "the backend cannot capture CUDA graphs (no GPU)"
         return ""
 
-    @contextlib.contextmanager
     # NOTE [another path under capture]
     #     A model may run other kernels while a CUDA graph captures than it runs eagerly, and then
     #     saves other tensors for backward: the captured step diverges from the trace the plan was
@@ -1050,6 +1049,7 @@ class TieredTraining:
     #     kernel; its graphed steps were captured twice and replayed twice in 32 steps. So a
     #     capture whose step diverged fails like any capture CUDA refuses: graphs are off for the
     #     run with the reason, the step runs eagerly (and traces), and nothing is lost.
+    @contextlib.contextmanager
     def capturing(self) -> Iterator[None]:
         """The step inside is captured, not run (NOTE [whole-step graphs]): the backend resolves
         events for the capture (NOTE [events across a capture]), and the step's timing events,
@@ -1578,13 +1578,16 @@ class TieredTraining:
     def _planned(self, trace: StepTrace, mode: str | None = None) -> TrainPlan:
         """The plan for ``trace`` (mode as plan_training's ``recompute``; None: the handle's own),
         with the graphs' pool held; no side effect (see _plan_for)."""
-        margin = self.budget // 8 if self.margin is None else self.margin
         mode = mode or ("never" if self._no_recompute else self.recompute_mode)
-        return plan_training(trace, self.budget, margin=margin, recompute=mode, link_GBps=self.link_GBps,
+        return plan_training(trace, self.budget, margin=self._margin, recompute=mode, link_GBps=self.link_GBps,
                              clip=self.max_grad_norm is not None, graph_pool=self.replays.reserve)
 
+    @property
+    def _margin(self) -> int:
+        return self.budget // 8 if self.margin is None else self.margin
+
     def _plan_for(self, trace: StepTrace, mode: str | None = None) -> TrainPlan:
-        margin = self.budget // 8 if self.margin is None else self.margin
+        margin = self._margin
         mode = mode or ("never" if self._no_recompute else self.recompute_mode)
         plan = self._planned(trace, mode)
         if plan.graph_pool and plan.predicted_peak > self.budget - margin:

@@ -136,17 +136,18 @@ def test_a_failed_adoption_from_weights_puts_the_meta_tensors_back(tier, fake, t
             return real(*a, **k)
         setattr(fake, method, fail)
         try:
-            with pytest.raises(tiermem.CUDAError):
+            try:
                 h = build(m)
-                # An adoption's advise calls vary with where its groups land (adjacent buffers of
-                # one allocation share a call): 20 or 28 for this model, run to run. One that
-                # made fewer than the counted one never reached the last pick.
-                if method == "advise" and n == picks[-1] and n > 0 and len(calls) <= n:
-                    h.unwrap()
-                    raise tiermem.CUDAError("cudaX", 2, "not reached: fewer advise calls this time")
+            except tiermem.CUDAError:
+                h = None
         finally:
             setattr(fake, method, real)
-        if len(calls) <= n:
+        if h is not None:
+            # An adoption's advise calls vary with where its groups land (adjacent buffers of one
+            # allocation share a call): 20 or 28 for this model, run to run. Only an adoption that
+            # made fewer than the counted one, and so never reached the last pick, may build.
+            assert method == "advise" and n == picks[-1] and n > 0 and len(calls) <= n, f"{method}#{n} did not fail"
+            h.unwrap()
             assert _live(fake) == 0 and tier.budget is None and tier.resident_bytes == 0, f"{method}#{n}"
             continue
         assert [(k, p) for k, p in m.named_parameters()] == before and all(p.is_meta for _, p in before)

@@ -15,7 +15,7 @@ from _common import progress
 
 from tiermem._graphchoice import REPLAYS_TIMED
 from tiermem._stepgraph import SETTLED_STEPS
-from tiermem._train import PROBE_STEPS, VERIFY_STEPS
+from tiermem._trainchoice import PROBE_STEPS, VERIFY_STEPS
 
 GiB, MiB = 1 << 30, 1 << 20
 RATIOS = (1.5, 2.5, 4.0)

@@ -17,7 +17,7 @@ from tiermem.planning import parse_bytes
 from tiermem import _cuda, _torch_alloc
 from tiermem._limits import ENV_BUDGET, ENV_CAP, check_bytes, resolve_budget, resolve_cap
 from tiermem._staging import Staging, StagingRing, ring_slot
-from tiermem._train import check_options
+from tiermem._trainoptions import check_options
 from tiermem._um_budget import UMBudget
 from tiermem.roles import PolicyTable
 

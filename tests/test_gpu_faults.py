@@ -250,7 +250,7 @@ def test_ctrl_c_at_a_backend_call_inside_a_training_step_leaves_no_leak_and_trai
     torch = _train_setup()
     from test_gpu_train import BUDGET, _batches, _cleanup, _loss, _tiered
     tier, model, opt, train, c = _tiered(BUDGET)
-    from tiermem._train import PROBE_STEPS, VERIFY_STEPS
+    from tiermem._trainchoice import PROBE_STEPS, VERIFY_STEPS
     # The plan settles after the trace, the probe and its check (NOTE [measured choice]); the
     # step after that may still set things up (slots, events) when the check changed the plan.
     warm = 1 + PROBE_STEPS + VERIFY_STEPS + 1

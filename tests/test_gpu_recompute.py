@@ -200,7 +200,7 @@ def test_a_kept_plan_that_runs_slower_later_gives_way_on_the_steps_own_cuda_even
     two timed steps run slower (so the first check keeps the model's plan), and the model's plan
     runs much slower after its check (so the second check must give it up)."""
     torch = _setup()
-    from tiermem._train import LATE_SLACK, LATE_STEPS, PROBE_STEPS, VERIFY_STEPS
+    from tiermem._trainchoice import LATE_SLACK, LATE_STEPS, PROBE_STEPS, VERIFY_STEPS
     from tiermem.models import GPTConfig
     checked = 1 + PROBE_STEPS + VERIFY_STEPS              # the trace, the probe, the model's plan
     n = checked + LATE_STEPS + 12                          # room for the host to run ahead of the GPU

@@ -26,7 +26,7 @@ def _captured_by():
     which of these a run takes differs from run to run (on the H100 at d477e04, some runs
     captured after 6 steps and some after 17)."""
     from tiermem._stepgraph import SETTLED_STEPS
-    from tiermem._train import LATE_STEPS, PROBE_STEPS, VERIFY_STEPS
+    from tiermem._trainchoice import LATE_STEPS, PROBE_STEPS, VERIFY_STEPS
     return 1 + PROBE_STEPS + VERIFY_STEPS + LATE_STEPS + 1 + SETTLED_STEPS + 1
 
 
@@ -283,7 +283,7 @@ def test_a_released_graph_gives_its_pool_back_for_a_whole_batch_evaluation_and_i
     seen = {}
 
     def between(i, model, opt, step):
-        if step.graph is not None and "at" not in seen and not step.train.graph_choice_open:
+        if step.graph is not None and "at" not in seen and not step.train.choice.graph_choice_open:
             before = torch.cuda.memory_reserved()
             step.release()
             seen.update(at=i, freed=before - torch.cuda.memory_reserved())

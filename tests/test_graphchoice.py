@@ -142,7 +142,7 @@ def _settled(**kw):
     for ids in batches(20):
         with train.step():
             loss_of(model, ids).backward()
-    assert train.settled and train.graph_choice_open
+    assert train.settled and train.choice.graph_choice_open
     return model, train
 
 
@@ -164,7 +164,7 @@ def test_replays_judge_the_plan_once_and_a_slower_plan_tried_gives_way_to_the_fi
     model, train = _settled()
     offered = _offering(monkeypatch, train)
     first = train.plan
-    tried = train.graph_timed(100.0)
+    tried = train.choice.graph_timed(100.0)
     assert offered == [(first, 100.0)] and first.measured["replay_ms"] == 100.0
     assert tried is not None and tried is not first
     assert tried.measured["chosen_by"] == "graph" and tried.measured["first_replay_ms"] == 100.0
@@ -175,29 +175,29 @@ def test_replays_judge_the_plan_once_and_a_slower_plan_tried_gives_way_to_the_fi
     for ids in batches(3):                                       # eager steps under it: no loss of a step
         with train.step():
             loss_of(model, ids).backward()
-    back = train.graph_timed(150.0)                              # its replays: 50% slower
+    back = train.choice.graph_timed(150.0)                              # its replays: 50% slower
     assert back is first and first.measured["tried_replay_ms"] == 150.0
     train.follow(back)
     assert train.plan is first
-    assert not train.graph_choice_open and train.graph_timed(1.0) is None and len(offered) == 1
+    assert not train.choice.graph_choice_open and train.choice.graph_timed(1.0) is None and len(offered) == 1
 
 
 def test_a_plan_tried_that_replays_no_slower_stays_and_the_choice_closes(monkeypatch):
     _, train = _settled()
     _offering(monkeypatch, train)
-    tried = train.graph_timed(100.0)
+    tried = train.choice.graph_timed(100.0)
     train.follow(tried)
-    assert train.graph_timed(101.0) is None                      # within VERIFY_SLACK of the first
+    assert train.choice.graph_timed(101.0) is None                      # within VERIFY_SLACK of the first
     assert train.plan is tried and tried.measured["replay_ms"] == 101.0
-    assert not train.graph_choice_open
+    assert not train.choice.graph_choice_open
 
 
 def test_no_alternative_closes_the_choice_after_one_look():
     _, train = _settled()
     first = train.plan
-    assert train.graph_timed(100.0) is None                      # no compute to fit: nothing better
+    assert train.choice.graph_timed(100.0) is None                      # no compute to fit: nothing better
     assert train.plan is first and first.measured["replay_ms"] == 100.0
-    assert not train.graph_choice_open
+    assert not train.choice.graph_choice_open
 
 
 def test_a_plan_the_user_fixed_is_not_judged_by_replays():
@@ -205,7 +205,7 @@ def test_a_plan_the_user_fixed_is_not_judged_by_replays():
     for ids in batches(12):
         with train.step():
             loss_of(model, ids).backward()
-    assert not train.graph_choice_open and train.graph_timed(1e6) is None
+    assert not train.choice.graph_choice_open and train.choice.graph_timed(1e6) is None
 
 
 def test_follow_refuses_inside_a_step():
@@ -222,7 +222,7 @@ def test_an_alternative_the_eager_steps_refute_is_not_tried_and_the_choice_close
     seen = []
     monkeypatch.setattr(gc_mod, "eager_refutes", lambda plan, alt: seen.append((plan, alt)) or True)
     first = train.plan
-    assert train.graph_timed(100.0) is None and train.plan is first
+    assert train.choice.graph_timed(100.0) is None and train.plan is first
     assert len(seen) == 1 and seen[0][0] is first and seen[0][1] is not first
     assert first.measured["replay_ms"] == 100.0 and first.measured["graph_refuted_ms"] > 0
-    assert not train.graph_choice_open and "not tried" in first.table()
+    assert not train.choice.graph_choice_open and "not tried" in first.table()

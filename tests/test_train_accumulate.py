@@ -236,7 +236,7 @@ def test_step_times_wait_for_their_events_and_come_from_updating_steps_only():
     bs = batches(25)
     fake, tier, model, opt, train = tiered(accumulate=2)
     _tiered(train, model, bs[:20])               # ends on an update; the plan is settled by then
-    assert not train._refine and not train._verify and not train._tracing
+    assert not train.choice.refine and not train.choice.verify and not train._tracing
     n0 = len(train.step_ms)
     fake.events_pending = True                   # a GPU behind the host
     _tiered(train, model, bs[20:24])             # two windows: two updating steps

@@ -12,7 +12,7 @@ import torch
 import tiermem
 from fakes import FakeBackend
 from test_train import batches, gpt, loss_of, state_bytes, tiered, tiered_losses
-from tiermem._train import check_options
+from tiermem._trainoptions import check_options
 from tiermem._trainstates import ROUNDING_KEY, round_stochastic
 from tiermem.planning import StepTrace, plan_training
 

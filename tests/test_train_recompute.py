@@ -177,7 +177,7 @@ def test_a_plan_slower_than_the_probe_gives_way_to_recomputing_everywhere(plan_s
         if kind == "recompute":
             return 3.0 if calls.count(kind) == 1 else 1.0
         return 5.0 if plan_slower else (9.0 if calls.count(kind) == 1 else 1.0)
-    train._last_step_ms = last_step_ms
+    train.choice.last_step_ms = last_step_ms
     got, kinds = _losses_and_kinds(train, model, bs)
     assert got == want
     for p, q in zip(model.parameters(), want_params):
@@ -206,13 +206,13 @@ def test_a_plan_predicted_barely_faster_than_the_probe_is_not_tried(monkeypatch,
     at least MIN_GAIN faster than the probe's plan, from the same fitted times; else the steps stay
     on recomputing everywhere, unchecked, and the table says what was not tried. The fake's model
     sees a near-free link, so its plan predicts a large gain; MIN_GAIN is raised past it here."""
-    import tiermem._train as trainmod
+    import tiermem._trainchoice as trainmod
     if gain == "too_small":
         monkeypatch.setattr(trainmod, "MIN_GAIN", 0.99)
     bs = batches(9)
     want, want_params = plain_run(bs)
     fake, tier, model, opt, train = tiered_gpt("auto")
-    train._last_step_ms = lambda: 1.0
+    train.choice.last_step_ms = lambda: 1.0
     got, kinds = _losses_and_kinds(train, model, bs)
     assert got == want
     for p, q in zip(model.parameters(), want_params):
@@ -237,7 +237,7 @@ def test_the_plan_after_the_probe_is_predicted_from_times_fitted_to_the_probes_s
     its two unmetered steps (30 and 50 ms here) through the probe's own plan, and every plan
     after carries the factor. The fitting's arithmetic is tests/test_trainplan.py's; the fake's
     clock gives no compute to fit, so the factor is stood in for here."""
-    import tiermem._train as trainmod
+    import tiermem._trainchoice as trainmod
     seen = []
 
     def fit(plan, ms):
@@ -248,7 +248,7 @@ def test_the_plan_after_the_probe_is_predicted_from_times_fitted_to_the_probes_s
     want, _ = plain_run(bs)
     fake, tier, model, opt, train = tiered_gpt("auto")
     times = iter([30.0, 50.0])
-    train._last_step_ms = lambda: next(times, 1.0)
+    train.choice.last_step_ms = lambda: next(times, 1.0)
     got, kinds = _losses_and_kinds(train, model, bs)
     assert got == want
     assert len(seen) == 1, seen
@@ -268,7 +268,7 @@ def test_a_plan_with_no_choice_to_check_is_still_predicted_from_its_own_steps(mo
     """NOTE [calibrated compute]: "never" and "always" have no probe to choose by, but their plan
     is metered and timed the same way, and its prediction fitted to its own steps; its choices
     stay, and nothing after it is checked or switched."""
-    import tiermem._train as trainmod
+    import tiermem._trainchoice as trainmod
     seen = []
 
     def fit(plan, ms):
@@ -279,7 +279,7 @@ def test_a_plan_with_no_choice_to_check_is_still_predicted_from_its_own_steps(mo
     want, _ = plain_run(bs)
     fake, tier, model, opt, train = tiered_gpt(recompute)
     times = iter([30.0, 50.0])
-    train._last_step_ms = lambda: next(times, 1.0)
+    train.choice.last_step_ms = lambda: next(times, 1.0)
     got = tiered_losses(train, model, bs[:1])
     first = train.plan
     for ids in bs[1:]:
@@ -303,7 +303,7 @@ def test_a_plan_in_capacity_is_kept_however_slow_its_steps_were_timed():
     bs = batches(8)
     want, _ = plain_run(bs)
     fake, tier, model, opt, train = tiered_gpt("auto", budget_times=64)
-    train._last_step_ms = lambda: 5.0 if train.plan.kind != "recompute" else 1.0
+    train.choice.last_step_ms = lambda: 5.0 if train.plan.kind != "recompute" else 1.0
     got = []
     for ids in bs:
         got += tiered_losses(train, model, [ids])
@@ -324,7 +324,7 @@ def test_a_kept_plan_whose_later_steps_run_slower_than_the_probe_gives_way_once(
     median of its next LATE_STEPS steps, read from the steps' own events, is checked against the
     probe once more, and a plan more than LATE_SLACK slower goes back to recomputing everywhere,
     once. Losses stay the plain run's bitwise through both switches."""
-    from tiermem._train import LATE_SLACK, LATE_STEPS, PROBE_STEPS, VERIFY_STEPS
+    from tiermem._trainchoice import LATE_SLACK, LATE_STEPS, PROBE_STEPS, VERIFY_STEPS
     checked = 1 + PROBE_STEPS + VERIFY_STEPS           # the trace, the probe, the model's plan
     n = checked + LATE_STEPS + 4
     bs = batches(n)
@@ -332,7 +332,7 @@ def test_a_kept_plan_whose_later_steps_run_slower_than_the_probe_gives_way_once(
     fake, tier, model, opt, train = tiered_gpt("auto")
     # The check sees the model's plan as fast as the probe (1 ms each); the steps' own events say
     # the model's plan then takes 1.5 ms a step (or 1.05, within the slack), recomputing 1 ms.
-    train._last_step_ms = lambda: 1.0
+    train.choice.last_step_ms = lambda: 1.0
     slow = 1.5 if later == "slower" else 1 + LATE_SLACK / 2
     fake.elapsed_ms = lambda a, b: 1.0 if train.plan is None or train.plan.kind == "recompute" else slow
     got, kinds = _losses_and_kinds(train, model, bs)
@@ -491,7 +491,7 @@ def test_graphs_are_captured_between_steps_only_where_the_plan_holds_their_pool(
     train._capture_graphs()
     assert len(calls) == 1 and not r.pending and r.capture
     ask()
-    train._take(train.plan)
+    train.choice.take(train.plan)
     assert not r.pending
     r.capture, r.need = False, 0
     tiered_losses(train, model, batches(2))

@@ -76,7 +76,7 @@ def wrap_training(model: Any, optimizer: Any, budget: int | str, **kwargs: Any) 
     (step inside backward as if the clip will not bite, kept when it did not: NOTE [speculative
     clipping]), ``tier``.
     The handle steps the optimizer itself: a caller's ``optimizer.step()`` is refused."""
-    from ._train import check_options
+    from ._trainoptions import check_options
     tier = kwargs.pop("tier", None)
     check_options(budget, **kwargs)
     return (tier or default_tier()).wrap_training(model, optimizer, budget, **kwargs)

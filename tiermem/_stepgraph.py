@@ -214,7 +214,7 @@ class GraphedStep:
         be = t.tier.backend
         stream = be.current_stream()
         # NOTE [graph choice]: the replays after the first are timed until they judge the plan
-        timed = not first and not self._judged and len(self._timed) < REPLAYS_TIMED and t.graph_choice_open
+        timed = not first and not self._judged and len(self._timed) < REPLAYS_TIMED and t.choice.graph_choice_open
         if timed:
             ev = (be.new_event(timing=True), be.new_event(timing=True))
             be.record(ev[0], stream)
@@ -241,7 +241,7 @@ class GraphedStep:
         be.synchronize(self._timed[-1][1])
         ms = sorted(be.elapsed_ms(a, b) for a, b in self._timed)
         self._timed, self._judged = [], True
-        plan = self.train.graph_timed(ms[len(ms) // 2])
+        plan = self.train.choice.graph_timed(ms[len(ms) // 2])
         if plan is not None:
             self._drop(PLAN_CHANGED)        # first: its pool and the plan's slots may not both fit
             self.train.follow(plan)

@@ -90,44 +90,8 @@ NOTE [accumulation]
     would keep part of the failed one's), and ``unwrap()`` inside a window gives them back in
     ``p.grad``.
 
-NOTE [measured choice]
-    The plan's model of a step (NOTE [recompute plan]) adds up measured compute and bytes over
-    the link, but what it cannot see, the host's work in the swap's hooks and how the copies
-    share the link with the fills, made it wrong by 20-40%: on the H100 at 70cd840 it chose a
-    mixed plan for the GPT model at 1/2.5 of its state (predicted 269 ms, measured 226 ms) where
-    recomputing every block ran in 141 ms. So the model proposes, and a measurement decides, as
-    cuDNN's benchmark mode does for kernels. After the trace, the probe's plan (recompute every
-    block that can be) runs PROBE_STEPS steps: the first pays for its allocations, the second is
-    metered (the plan's model reads its blocks' compute), and the fastest of the last two is the
-    probe's time (their mean is what the model's compute is fitted to before the plan after it
-    is made: NOTE [calibrated compute] in _trainplan.py). The plan made after it runs
-    VERIFY_STEPS steps and the fastest after the first
-    is timed too (one slow step of a host-bound run, 129 ms against the probe's 74, once
-    overturned an in-capacity plan on the H100 at acba90b). A plan in capacity, which moves and
-    recomputes nothing, is kept without the check: it does less than the probe. If the plan was
-    more than VERIFY_SLACK slower than the probe, the steps go back to recomputing everywhere
-    (planned again from the blocks now resident, if that still fits). A plan the check kept is
-    checked once more, on the median of its next LATE_STEPS timed steps (read from the steps'
-    own events as they complete, no wait): more than LATE_SLACK slower than the probe, and the
-    steps go back to recomputing everywhere. The model's plan is not even tried unless it predicts
-    a step at least MIN_GAIN faster than the probe's plan does (from the same fitted times): the
-    model is optimistic about plans unlike the probe's (over ten bench runs, 2026-11-25 to 27,
-    its mixed plans ran a median 1.15x their prediction, where its prediction of the probe's own
-    plan is fitted to that plan's steps), and twice on the H100 (at 2b571d6 and 53e4cbd) a mixed
-    Qwen2 plan predicted 1.5-1.7% faster than recomputing everywhere passed the check and then
-    ran 12-14% slower than recomputing everywhere did in the next row of the same run
-    (bench/results/train_budget-h100-20261127-53e4cbd.json: 287.8 against 258.1 ms). A gain
-    smaller than the steps' own spread is not one the check can see. Two timed steps a side decide on a host whose
-    tiermem steps wander by 20-30% within one run (an H200 machine, 2026-11-26: one Qwen2 run's
-    steps under one plan took 225-327 ms), and there a run kept a mixed plan that took 290 ms
-    a step where recomputing everywhere took 208 ms in the same process
-    (bench/results/probe_train_overhead-hf-fused-h200-20261126-la1.json). ``train.plan.measured``
-    keeps the times (``checked_ms``, ``probe_ms``, ``late_ms``). The probe was once timed on its metered
-    step, but the meter's events cost the host's time: on the H100 at 11a9edf the GPT's metered
-    probe step took 206.5 ms where the same plan then ran in 145 ms, and at ac69f8f a mixed
-    plan that ran 161 ms was kept where recomputing everywhere ran 130 ms
-    (bench/probes/probe_train_overhead.py --model gpt --adamw fused).
-
+NOTE [measured choice], NOTE [fewer slots] and NOTE [a slot for recompute] are in _trainchoice.py, with
+the choice of plan; NOTE [clipping] and NOTE [speculative clipping] in _trainclip.py.
 NOTE [bf16 moments] and NOTE [loaded states] are in _trainstates.py, with the optimizer's states.
 """
 from __future__ import annotations
@@ -140,86 +104,33 @@ import weakref
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from ._clip import NormParts
 from ._devmem import device_memory
 from ._errors import ConfigError, ConfigTypeError, DeviceFullError, OutOfBudgetError, TierMemError, WrapError
 from ._held import CopyGuard, InstancePatch
-from ._limits import check_bytes, parse_bytes
+from ._kvcache import kv_cache_configs, kv_cache_off
+from ._limits import parse_bytes
 from ._meter import StallMeter
 from ._module import module_groups
 from ._recompute import Recompute
 from ._replay import Replays
 from ._swap import ActivationSwap
-from ._trainplan import (LINK_GBPS, RECOMPUTE_MODES, SavedRecord, StepTrace, TrainPlan, evaluate, fit_compute,
-                         plan_training, scaled, slots_for_recompute)
+from ._trainchoice import PlanChoice
+from ._trainclip import Clipping, leaves_grads
+from ._trainoptions import averaging_group, check_options, states_dtype
+from ._trainplan import LINK_GBPS, SavedRecord, StepTrace, TrainPlan, evaluate
+from ._trainresident import make_resident
 from ._trainslots import Block, BlockSlots, aligned
 from ._trainstates import OptimizerStates
-from .roles import Evict, Location, Prefetch, Role
 
 if TYPE_CHECKING:
     from ._engine import Engine as Tier   # what an adapter uses is the engine's interface
 
-__all__ = ["TieredTraining", "wrap_training", "check_options"]
+__all__ = ["TieredTraining", "wrap_training"]
 
 log = logging.getLogger("tiermem")
 
 BLOCK_BYTES = 64 << 20    # parameter bytes per block: a slot holds ~4x that (params, grads, Adam's two moments)
 RESIDENT_STEP_BYTES = 64 << 20   # parameter bytes per optimizer call for resident blocks
-PROBE_STEPS = 4     # steps under the probe's plan: the second is metered, the last two timed (NOTE [measured choice])
-RECAPTURE_STEPS = 4  # steps a probe or check may repeat because graphs changed in them (NOTE [replayed recompute])
-VERIFY_STEPS = 3    # steps under the plan made after it; the fastest after the first is timed against the probe
-VERIFY_SLACK = 0.02
-MIN_GAIN = 0.05     # the model's plan is tried only if predicted this much faster than the probe's (NOTE [measured choice])
-LATE_STEPS = 8      # timed steps of a kept plan whose median is checked against the probe once more
-LATE_SLACK = 0.10
-
-
-def check_options(budget: int | str, *, lookahead: int = 2, recompute: str = "auto",
-                  link_GBps: float | None = None, state_dtype: Any = None, accumulate: int = 1,
-                  max_grad_norm: float | None = None, norm_type: float = 2.0, speculate: bool = False,
-                  graphs: bool = False, **_: Any) -> None:
-    """Raise :class:`ConfigError` for a bad budget, lookahead, recompute, link rate, state dtype,
-    accumulate, max_grad_norm, norm_type or speculate of :func:`wrap_training`. Needs no GPU, so
-    tiermem.wrap_training checks them before it looks for one; it takes all of wrap_training's
-    options, and the others are checked where they are used."""
-    check_bytes(budget, what="training budget", max_percent=100, positive=True)
-    if isinstance(lookahead, bool) or not isinstance(lookahead, int):
-        raise ConfigTypeError(f"lookahead must be an int, got {lookahead!r}")
-    if lookahead < 1:
-        raise ConfigError(f"lookahead must be at least 1, got {lookahead}")
-    if isinstance(accumulate, bool) or not isinstance(accumulate, int):
-        raise ConfigTypeError(f"accumulate must be an int (micro-batches per optimizer step), got {accumulate!r}")
-    if accumulate < 1:
-        raise ConfigError(f"accumulate must be at least 1 (micro-batches per optimizer step), got {accumulate}")
-    if not isinstance(speculate, bool):
-        raise ConfigTypeError(f"speculate must be True or False, got {speculate!r}")
-    if not isinstance(graphs, bool):
-        raise ConfigTypeError(f"graphs must be True or False, got {graphs!r}")
-    if speculate and max_grad_norm is None:
-        raise ConfigError("speculate=True speculates that clipping leaves the gradients alone: it needs max_grad_norm")
-    for name, v in (("max_grad_norm", max_grad_norm), ("norm_type", norm_type)):
-        if v is None and name == "max_grad_norm":
-            continue
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise ConfigTypeError(f"{name} must be a number, got {v!r}")
-        if not v > 0:
-            raise ConfigError(f"{name} must be positive, got {v!r}")
-    if recompute not in RECOMPUTE_MODES:
-        raise ConfigError(f"recompute must be one of {', '.join(map(repr, RECOMPUTE_MODES))}, got {recompute!r}")
-    if link_GBps is not None and (isinstance(link_GBps, bool) or not isinstance(link_GBps, (int, float))
-                                  or not link_GBps > 0):
-        raise ConfigError(f"link_GBps must be a positive number of GB/s, got {link_GBps!r}")
-    _state_dtype(state_dtype)
-
-
-def _state_dtype(state_dtype: Any) -> Any:
-    """The torch dtype ``state_dtype`` names (None: states keep their own); ConfigError if bad."""
-    if state_dtype is None:
-        return None
-    import torch
-    if state_dtype is torch.bfloat16 or (isinstance(state_dtype, str) and state_dtype == "bfloat16"):
-        return torch.bfloat16
-    raise ConfigError(f"state_dtype must be None, torch.bfloat16 or \"bfloat16\", got {state_dtype!r}")
 
 
 class TieredTraining:
@@ -258,42 +169,32 @@ class TieredTraining:
         check_options(budget, lookahead=lookahead, recompute=recompute, link_GBps=link_GBps, state_dtype=state_dtype,
                       accumulate=accumulate, max_grad_norm=max_grad_norm, norm_type=norm_type, speculate=speculate,
                       graphs=graphs)
-        if speculate and type(optimizer) not in _leaves_grads():
+        if speculate and type(optimizer) not in leaves_grads():
             raise ConfigError(f"speculate=True needs an optimizer whose step leaves the gradients alone "
-                              f"({', '.join(sorted(t.__name__ for t in _leaves_grads()))}), got "
+                              f"({', '.join(sorted(t.__name__ for t in leaves_grads()))}), got "
                               f"{type(optimizer).__name__} (NOTE [speculative clipping])")
-        self.speculate = speculate
-        self._spec_ok = True                  # the last optimizer step did not clip: speculate on the next
-        self._speculating = False
-        self._spec_saved: dict[int, dict[str, Any]] = {}
-        self._spec_rng: Any = None
-        self.speculation = {"committed": 0, "redone": 0}
-        self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
-        self._norms = NormParts(torch, norm_type)       # NOTE [clipping]
-        self.grad_norm: Any = None            # the last optimizer step's total gradient norm
         self.accumulate = accumulate
         self.accumulated = 0                  # micro-batches in the open window (NOTE [accumulation])
         self.updates = 0                      # optimizer steps taken
         self._updating = True
         self._window: set[int] = set()        # parameters with a gradient in the open window
-        self.state_dtype = _state_dtype(state_dtype)
+        self.state_dtype = states_dtype(state_dtype)
         self.recompute_mode = recompute if swap else "never"
         self.link_GBps = float(link_GBps) if link_GBps is not None else LINK_GBPS
         if getattr(model, "_tiermem_handle", None) is not None:
             raise WrapError("this model is already adopted by tiermem; unwrap it first")
         self.tier, self.model, self.opt = tier, model, optimizer
-        if _kv_cache_configs(model):            # NOTE [no KV cache in a step]
+        if kv_cache_configs(model):            # NOTE [no KV cache in a step]
             log.warning("tiermem: %s's config has use_cache=True; inside train.step() it is False (a training "
                         "forward has no use for a KV cache, which would hold every layer's keys and values)",
                         type(model).__name__)
-        self.group = _group(process_group)      # NOTE [data parallel]
+        self.group = averaging_group(process_group)      # NOTE [data parallel]
         be = tier.backend
         total = be.capabilities().total_memory
         self.budget = parse_bytes(budget, total=total, what="training budget", max_percent=100)
         self.total = total
         self.mem = device_memory(torch, be, tier.device)     # NOTE [device memory]
         self.dev = self.mem.device
-        self.margin = margin
         in_opt = {id(p) for g in optimizer.param_groups for p in g["params"]}
         self.blocks: list[Block] = []
         seen: set[int] = set()
@@ -333,6 +234,12 @@ class TieredTraining:
         self.states = OptimizerStates(tier, optimizer, self.stream, self.mem, self.state_dtype, self.meter,
                                       lambda: self._in_step)
         self.rounding = self.states.rounding      # NOTE [bf16 moments]
+        self.clipping = (None if max_grad_norm is None else     # NOTE [clipping]
+                         Clipping(torch, optimizer, self.stream, self.states, max_grad_norm, norm_type, speculate))
+        self.choice = PlanChoice(backend=be, blocks=self.blocks, stream=self.stream, replays=self.replays,
+                                 budget=self.budget, margin=margin, mode=self.recompute_mode,
+                                 link_GBps=self.link_GBps, clip=max_grad_norm is not None, take=self._take,
+                                 timings=self._timings, resident_bytes=lambda: tier.resident_bytes)
         self._lease = tier.lease(self.budget, owner=f"wrap_training({type(model).__name__})")
         originals = [(p, p.data) for b in self.blocks for p in b.params]
         # NOTE [host models]: where each parameter came from, for unwrap's default
@@ -421,32 +328,15 @@ class TieredTraining:
         self._keep_keys: frozenset[tuple[int, int]] = frozenset()
         self._boundary_saves: dict[int, int] = {}
         self._expect: dict[int, tuple[int, ...]] | None = None
-        self._refine = 0                       # steps left under the probe's plan (NOTE [measured choice])
-        self._calibrating = False              # ... measured only for its times (NOTE [calibrated compute])
-        self._refined: StepTrace | None = None   # the trace with the metered probe step's compute
-        self._probe_ms: list[float] = []       # the probe's timed steps, unmetered
         self._nesting = 1                      # streamed blocks the traced step used at once
-        self._verify = 0                       # steps left before the plan is checked against the probe
-        self._verify_ms: list[float] = []      # its timed steps
         self._general_peak: int | None = None   # the last step's peak outside the graphs' pool
-        self._recaptures = 0                   # probe or check steps repeated since graphs changed in them
         self._changes_at_begin = 0
-        self._probe: tuple[TrainPlan, float] | None = None   # the probe's plan and its measured step (ms)
-        self._no_recompute = False             # recompute moved other segments' saves: plan without it
-        self._step_events: Any = None
-        self._timing: list[tuple[Any, Any]] = []   # finished updating steps' events, not read yet
-        self.step_ms: list[float] = []         # measured step times since the last plan (the last 64)
-        self._late_probe_ms = 0.0              # the probe's time a kept plan is checked against again
-        self._late_ms: list[float] | None = None   # that plan's timed steps since it was kept
-        self._graph_try: Any = None            # NOTE [graph choice]: None, (first plan, its replay ms), "done"
         containers = {id(b.module) for b in self.blocks for o in self.blocks
                       if o is not b and any(m is o.module for m in b.module.modules())}
         # A block can be recomputed when no other block runs inside it (its forward is its own
         # ops) and the user did not ask transformers to checkpoint it already.
         self._leaf = {b.index for b in self.blocks
                       if id(b.module) not in containers and not getattr(b.module, "gradient_checkpointing", False)}
-        self.plan: TrainPlan | None = None
-        self.trace: StepTrace | None = None
         self._order: list[int] = []            # blocks in forward order, from the traced step
         self._need: list[tuple[int, int]] = []   # swapped keys in backward-read order
         self._tracing = True
@@ -694,18 +584,15 @@ class TieredTraining:
         updates, else send its gradients home for the next micro-batch (NOTE [accumulation]);
         when clipping, take their norms and send them home for the step's end (NOTE [clipping])."""
         if self._updating:
-            got = [p for p in b.trainable if id(p) in self._got or id(p) in self._window]
+            got = [p for p in b.trainable if self._came(p)]
             self._average(got)
-            if self.max_grad_norm is None:
+            if self.clipping is None:
                 self._step_block(b)
                 return
             for p in b.trainable:
-                if id(p) not in self._got and id(p) not in self._window:
+                if not self._came(p):
                     p.grad = None
-            self._norms.add(got)
-            self.stream.write_grads(b)
-            if self._speculating and b.states and b.slot.has_states:
-                self._speculate(b, got)
+            self.clipping.block_done(b, got)
             b.stepped = True
             for p in b.trainable:
                 p.grad = None
@@ -714,6 +601,10 @@ class TieredTraining:
             b.stepped = True
             for p in b.trainable:
                 p.grad = None
+
+    def _came(self, p: Any) -> bool:
+        """``p`` got a gradient in this step or earlier in the open window (NOTE [accumulation])."""
+        return id(p) in self._got or id(p) in self._window
 
     # -- optimizer ---------------------------------------------------------------------------------
     def _average(self, params: list[Any]) -> None:
@@ -730,7 +621,7 @@ class TieredTraining:
     def _step_block(self, b: Block) -> None:
         """Step a streamed block whose gradients are complete, and write it back home."""
         for p in b.trainable:
-            if id(p) not in self._got and id(p) not in self._window:
+            if not self._came(p):
                 p.grad = None     # no gradient reached it: the optimizer skips it, as it would resident
         self.states.step_block(b, b.slot)
         b.stepped = True
@@ -740,108 +631,6 @@ class TieredTraining:
         self.stream.write_back(b)
         for p in b.trainable:
             p.grad = None
-
-    # NOTE [clipping]
-    #     Clipping to a global norm (HF Trainer clips to 1.0 by default) needs every gradient before
-    #     any parameter moves, where tiermem steps each streamed block inside backward as soon as
-    #     its gradients are complete (NOTE [training transport]). With ``max_grad_norm`` the
-    #     updating step does what a micro-batch of an accumulation window does (NOTE
-    #     [accumulation]): each streamed block's gradients, complete, have their norms taken in the
-    #     slot and go home. At the step's end the total norm is torch's (NOTE [clip arithmetic] in
-    #     _clip.py), resident gradients are clipped in place, and the streamed blocks pass through
-    #     the slots once more in forward order, parameters, states and gradients in, each clipped
-    #     and stepped there and written back, the next blocks' fills running under each block's
-    #     step. That pass is link-bound (a block's parameters and gradients cross once more than
-    #     in a step that does not clip) and overlaps no compute; the plan counts it (``clip`` in
-    #     _trainplan.py), so its candidates are compared with it. The losses are clip_grad_norm_'s
-    #     bitwise (tests/test_train_clip.py, the GPU test). ``train.grad_norm`` is the total norm,
-    #     a device tensor, as clip_grad_norm_ returns it. Calling clip_grad_norm_ inside
-    #     train.step() instead would see the resident blocks' gradients only, so it is not the
-    #     way: tiermem cannot tell.
-    # NOTE [speculative clipping]
-    #     The pass of NOTE [clipping] costs a streamed block's parameters, states and gradients
-    #     once more over the link, outside compute, and it is needed only when the clip bites:
-    #     torch multiplies the gradients by min(max_norm / (total + 1e-6), 1), and by exactly 1.0
-    #     the gradients keep their bits. With ``speculate=True`` a step that follows one whose
-    #     clip did not bite steps each streamed block inside backward as a step without clipping
-    #     does, its gradients' norms taken and the gradients sent home first, but writes the
-    #     stepped parameters and states to a second pinned home, the home keeping the values
-    #     before the step. At the step's end (the host waits for the total norm) a coefficient of
-    #     1.0 keeps the speculation: each block's second home becomes its home, bitwise the
-    #     clipped step. Anything else undoes it: the optimizer's small states the step advanced
-    #     (AdamW's ``step``) and the bf16 rounding's generator are put back, and the pass runs
-    #     from the homes as without speculation; the next step then does not speculate, until
-    #     one's clip does not bite. The optimizer must leave the gradients alone, as the
-    #     gradients' copy home runs beside its step: Adam, AdamW and SGD do. It doubles the
-    #     streamed blocks' pinned bytes (parameters and states).
-    def _speculate(self, b: Block, got: list[Any]) -> None:
-        """Step ``b`` in its slot into its second home (NOTE [speculative clipping])."""
-        torch = self.torch
-        if self._spec_rng is None and self.rounding is not None:
-            self._spec_rng = self.rounding.get_state()
-        homed = {(id(p), key) for p, key, _ in b.states}
-        for p in b.trainable:
-            self._spec_saved[id(p)] = {k: (v.clone() if torch.is_tensor(v) else v)
-                                       for k, v in self.opt.state.get(p, {}).items() if (id(p), k) not in homed}
-        ids = {id(p) for p in got}
-        for p, g in zip(b.trainable, self.stream.slot_views(b.slot, b)[1]):
-            p.grad = g if id(p) in ids else None
-        self.states.step_block(b, b.slot)
-        self.stream.write_back_alt(b)
-
-    def _undo_speculation(self) -> None:
-        """The speculative steps do not stand: the homes still hold the values before them, the
-        slots' stepped copies are forgotten, the small states and the rounding put back."""
-        for b in self.blocks:
-            if not b.speculated:
-                continue
-            b.speculated = False
-            if b.slot is not None and b.slot.occupant is b:
-                self.stream.unbind(b.slot)
-            for p in b.trainable:
-                self.opt.state[p].update(self._spec_saved.get(id(p), {}))
-        if self._spec_rng is not None:
-            self.rounding.set_state(self._spec_rng)
-        self._spec_saved, self._spec_rng = {}, None
-
-    def _clip_and_step(self, res: list[Any]) -> None:
-        """Clip every gradient of the step to the global norm and step the streamed blocks
-        (NOTE [clipping]); the resident ones step after, as in any step."""
-        torch = self.torch
-        self._norms.add(res)
-        total = self._norms.total(list(self.model.parameters()))
-        self._norms.clear()
-        self.grad_norm = total
-        torch.nn.utils.clip_grads_with_norm_(res, self.max_grad_norm, total)
-        if self.speculate:
-            # torch's coefficient (clip_grads_with_norm_), read on the host: NOTE [speculative clipping]
-            coef = torch.clamp(self.max_grad_norm / (total + 1e-6), max=1.0)
-            whole = float(coef) == 1.0
-            self._spec_ok = whole
-            spec = [b for b in self.blocks if b.speculated]
-            if spec and whole:
-                for b in spec:
-                    self.stream.commit(b)
-                    b.grads_home = False
-                self.speculation["committed"] += 1
-            elif spec:
-                self._undo_speculation()
-                self.speculation["redone"] += 1
-        todo = [self.blocks[i] for i in self._order if self.blocks[i].grads_home]
-        todo += [b for b in self.blocks if b.grads_home and b not in todo]     # not in the traced order
-        self.stream.in_backward = True          # fills bring the states
-        for k, b in enumerate(todo):
-            upcoming = [x.index for x in todo[k + 1:]]
-            s = self.stream.ensure(b, states=True, upcoming=upcoming)
-            got = []
-            for p, g in zip(b.trainable, self.stream.slot_views(s, b)[1]):
-                if id(p) in self._got or id(p) in self._window:
-                    p.grad = g
-                    got.append(p)
-            if upcoming:
-                self.stream.ahead(upcoming)
-            torch.nn.utils.clip_grads_with_norm_(got, self.max_grad_norm, total)
-            self._step_block(b)
 
     # NOTE [zero_grad]
     #     Plain loops call optimizer.zero_grad(), and transformers' Trainer calls model.zero_grad()
@@ -922,7 +711,7 @@ class TieredTraining:
                 self._begin_step()
                 hooks = (torch.autograd.graph.saved_tensors_hooks(self.swap.pack, self.swap.unpack)
                          if self.swap is not None and self._swapping() else contextlib.nullcontext())
-                with hooks, _kv_cache_off(self.model):
+                with hooks, kv_cache_off(self.model):
                     yield self
                 ok = True
             finally:
@@ -948,65 +737,19 @@ class TieredTraining:
         from ._stepgraph import GraphedStep
         return GraphedStep(self, fn)
 
-    @property
-    def graph_choice_open(self) -> bool:
-        """A graph's replays still decide the plan (NOTE [graph choice] in _graphchoice.py): the
-        measured choice's plan was auto, moves something, and has not been judged by replays."""
-        return (self._graph_try != "done" and self.recompute_mode == "auto" and not self._no_recompute
-                and self.plan is not None and not self.plan.in_capacity)
-
-    def graph_timed(self, replay_ms: float) -> TrainPlan | None:
-        """The median of a captured plan's timed replays (NOTE [graph choice]): the plan to
-        follow instead, or None. The caller drops its graph first (its pool and the new plan's
-        slots would not both fit), then :meth:`follow` s it; the steps run eagerly until it
-        settles."""
-        from ._graphchoice import eager_refutes, graph_alternative, keep_tried
-        if not self.graph_choice_open or not replay_ms > 0:
-            return None
-        trying, self._graph_try = self._graph_try, "done"
-        p = self.plan
-        p.measured["replay_ms"] = round(replay_ms, 3)
-        resident = frozenset(b.index for b in self.blocks if b.resident)
-        if trying is None:
-            t = dataclasses.replace(self.trace, resident_blocks=resident)
-            _, alt = graph_alternative(t, p, replay_ms, self._plan_for, MIN_GAIN)
-            if alt is None:
-                return None
-            if eager_refutes(p, alt):
-                p.measured["graph_refuted_ms"] = round(alt.predicted_seconds() * 1e3, 3)
-                log.info("tiermem: the model fitted to the graph's replays (%.1f ms) predicts %.1f ms for a plan "
-                         "recomputing fewer blocks, which the eager steps found slower: not tried (NOTE [graph "
-                         "choice])", replay_ms, alt.predicted_seconds() * 1e3)
-                return None
-            alt.measured.update(graph_predicted_ms=round(alt.predicted_seconds() * 1e3, 3),
-                                first_replay_ms=round(replay_ms, 3), chosen_by="graph")
-            log.info("tiermem: the graph replayed its plan in %.1f ms; the model fitted to its replays "
-                     "predicts %.1f ms for %s (%d blocks recomputed, %d before): trying it (NOTE [graph choice])",
-                     replay_ms, alt.predicted_seconds() * 1e3, alt.kind, len(alt.recompute), len(p.recompute))
-            self._graph_try = (p, replay_ms)
-            return alt
-        first, first_ms = trying
-        if keep_tried(replay_ms, first_ms, VERIFY_SLACK) or not resident <= frozenset(first.resident_blocks):
-            return None
-        log.info("tiermem: the plan tried replayed in %.1f ms, the first in %.1f ms: back to the first "
-                 "(NOTE [graph choice])", replay_ms, first_ms)
-        first.measured.update(tried_replay_ms=round(replay_ms, 3),
-                              tried_predicted_ms=p.measured.get("graph_predicted_ms"))
-        return first
-
     def follow(self, plan: TrainPlan) -> None:
-        """Make ``plan`` the one the next steps follow (one :meth:`graph_timed` gave)."""
+        """Make ``plan`` the one the next steps follow (one ``choice.graph_timed`` gave)."""
         if self._in_step:
             raise TierMemError("a plan is changed between steps, not inside one")
-        self._take(plan)
-        self._restart_timing()
+        self.choice.take(plan)
+        self.choice.restart_timing()
 
     @property
     def settled(self) -> bool:
         """The plan will not change by itself: the measured choice and its checks are done, and
         the last step neither failed nor traced."""
-        return (self.plan is not None and not self._tracing and not self._failed and not self._refine
-                and not self._verify and self._late_ms is None and self._probe is None and not self._in_step
+        return (self.plan is not None and not self._tracing and not self._failed and self.choice.settled
+                and not self._in_step
                 and self.accumulated == 0 and not self.replays.pending)
 
     @property
@@ -1027,7 +770,7 @@ class TieredTraining:
         """Why this training's steps cannot be captured as a graph ("" when they can)."""
         if self.accumulate > 1:
             return "accumulate > 1: the micro-batches of a window differ in what they move"
-        if self.max_grad_norm is not None:
+        if self.clipping is not None:
             return "gradient clipping reads the total norm on the host before the blocks step"
         if self.group is not None:
             return "data parallel: the process group's collectives are not captured"
@@ -1073,7 +816,7 @@ class TieredTraining:
         finally:
             # nothing ran: the step is counted by its replay (``replayed``), or not at all
             self.steps, self.updates = steps, updates
-            self._step_events, self._timing = None, []
+            self.choice.drop_step_events(pending=True)
 
     def join_streams(self) -> None:
         """End of a captured step: the side streams' captured copies join the compute stream."""
@@ -1120,7 +863,7 @@ class TieredTraining:
             if self.stream.too_small():
                 self.stream.alloc()
             self._set_cap()
-        self._read_step_time()
+        self.choice.read_times()
         self._got: set[int] = set()
         self._resident_got, self._averaged = {}, set()     # NOTE [data parallel]
         self._grads_at_begin = self._resident_grads()       # NOTE [zero_grad]
@@ -1140,49 +883,15 @@ class TieredTraining:
                 self.swap.begin(None, frozenset(), [])
             else:
                 self.swap.begin(self._expect, self._keep_keys, list(self._need), self.plan.recompute)
-        if self._tracing or (self._refine == PROBE_STEPS - 1 and self._updating):
+        if self._tracing or (self.choice.metering_next and self._updating):
             self.meter.start()
         self.meter.mark(("fwd", "start"))
-        be = self.tier.backend
-        start, end = be.new_event(timing=True), be.new_event(timing=True)
-        be.record(start, be.current_stream())
-        self._step_events = (start, end, False)
-        self.stream.begin(start)        # fills wait for it: the caller's writes home come before
+        self.stream.begin(self.choice.step_begun())   # fills wait for it: the caller's writes home come before
         self.stream.updating = self._updating
-        self._speculating = (self.speculate and self._updating and not self._tracing and self._spec_ok)
-        self._spec_saved, self._spec_rng = {}, None
+        if self.clipping is not None:
+            self.clipping.begin(self._updating, self._tracing)
         if not self._tracing:
             self.stream.ahead(self._order)    # NOTE [training transport]: the first blocks, from their homes
-
-    def _read_step_time(self) -> None:
-        """Finished steps' times on the compute stream, read once their end events have completed.
-        The host runs ahead of the GPU, so the last step's has often not: it waits for a later
-        step. (Read only when already complete, the times came from the steps the host had waited
-        for, and the plan's table showed 201 ms measured where CUDA events around the same steps
-        gave 132 ms: H100, 1132513, bench/probes/probe_accumulate.py.) Micro-batches that do not
-        update are not what the plan predicts (NOTE [accumulation]): left out."""
-        ev, self._step_events = self._step_events, None
-        if ev is not None and ev[2]:
-            self._timing.append((ev[0], ev[1]))
-        be = self.tier.backend
-        while self._timing and be.query(self._timing[0][1]):
-            start, end = self._timing.pop(0)
-            ms = be.elapsed_ms(start, end)
-            self.step_ms.append(ms)
-            if self._late_ms is not None:
-                self._late_ms.append(ms)
-        del self._timing[:-16]          # a GPU that far behind: its oldest are not waited for
-        del self.step_ms[:-64]
-        if self.step_ms and self.plan is not None:
-            ms = sorted(self.step_ms[-10:])
-            self.plan.measured["step_ms"] = ms[len(ms) // 2]
-
-    def _restart_timing(self) -> None:
-        """A new plan: the steps timed so far, the one just finished too, were another plan's."""
-        self.step_ms, self._timing = [], []
-        self._late_ms = None
-        if self._step_events is not None:
-            self._step_events = (*self._step_events[:2], False)
 
     def _swapping(self) -> bool:
         return self._tracing or self.plan is None or self.plan.swapped_bytes > 0
@@ -1226,42 +935,15 @@ class TieredTraining:
         elif diverged:
             log.info("tiermem: the step's saved tensors changed (another shape?); tracing the next step")
             self._tracing = True
-            self._restart_timing()
+            self.choice.restart_timing()
         elif not self._updating:
             pass          # the plan's choice is timed on steps that update
         elif self.stream.too_small():
             log.info("tiermem: optimizer states appeared after the plan; tracing the next step")
             self._tracing = True
-            self._restart_timing()
-        elif (self._refine or self._verify) and self.replays.changes != self._changes_at_begin \
-                and self._recaptures < RECAPTURE_STEPS:
-            # NOTE [replayed recompute]: a step that captured, measured or gave up graphs paid
-            # for it; the phase's timed step runs again
-            self._recaptures += 1
-        elif (not self._refine and self.plan is not None
-              and abs(self.replays.reserve - self.plan.graph_pool) > self.budget // 32):
-            self._reserve_pool()
-        elif self._refine:
-            self._recaptures = 0
-            self._refine -= 1
-            if self._refine == PROBE_STEPS - 2:
-                if metered:
-                    self._measure_probe()
-                else:
-                    self._refine = 0          # nothing measured: the probe's plan stays
-            elif self._refine < PROBE_STEPS - 2:
-                self._probe_ms.append(self._last_step_ms())
-                if not self._refine:
-                    self._replan_measured()
-        elif self._verify:
-            self._recaptures = 0
-            self._verify -= 1
-            if self._verify < VERIFY_STEPS - 1:
-                self._verify_ms.append(self._last_step_ms())
-            if not self._verify:
-                self._check_against_probe()
-        elif self._late_ms is not None and len(self._late_ms) >= LATE_STEPS:
-            self._check_late()
+            self.choice.restart_timing()
+        else:
+            self.choice.after_step(metered, self.replays.changes != self._changes_at_begin)
         self._capture_graphs()
 
     def _capture_graphs(self) -> None:
@@ -1294,9 +976,10 @@ class TieredTraining:
             if ok and self._updating and b.resident and self.group is not None:
                 self._average_resident(b)          # NOTE [data parallel]: in block order, with the streamed
         res = [p for b in self.blocks if b.resident for p in b.trainable if p.grad is not None]
-        if ok and self._updating:
-            if self.max_grad_norm is not None:
-                self._clip_and_step(res)
+        if ok and self._updating and self.clipping is not None:
+            ordered = [self.blocks[i] for i in self._order]
+            ordered += [b for b in self.blocks if b.index not in self._order]     # not in the traced order
+            self.clipping.clip_and_step(res, list(self.model.parameters()), ordered, self._came, self._step_block)
         self.stream.end()           # this step's write-backs; every parameter its home's again
         if ok and res and self._updating:
             # A foreach step makes temporaries as large as the parameters it updates, which the
@@ -1307,11 +990,8 @@ class TieredTraining:
             for p in res:
                 p.grad = None
         self.meter.mark(("bwd", "end"))
-        if ok and self._step_events is not None:
-            be = self.tier.backend
-            start, end, _ = self._step_events
-            be.record(end, be.current_stream())
-            self._step_events = (start, end, self._updating)    # only updating steps are timed
+        if ok:
+            self.choice.step_ended(self._updating)
         self.moved = dict(self.stream.moved)
         if self.swap is not None:
             self.swap.end()
@@ -1326,7 +1006,7 @@ class TieredTraining:
         self.replays.drop_pending()
         self.stream.in_backward = False
         self._seg = []
-        self._step_events = None
+        self.choice.drop_step_events()
         self.stream.idle()
         for b in self.blocks:
             for p in b.trainable:
@@ -1335,11 +1015,12 @@ class TieredTraining:
             log.warning("tiermem: a step failed inside an accumulation window; the window's gradients "
                         "(%d micro-batches before it) are dropped and the next step opens a new one",
                         self.accumulated)
-        self._undo_speculation()        # blocks stepped into their second homes did not step
+        if self.clipping is not None:
+            self.clipping.undo(self.blocks)     # blocks stepped into their second homes did not step
+            self.clipping.norms.clear()
         self.stream.drop_grads()
         self.accumulated = 0
         self._window = set()
-        self._norms.clear()
         if self.swap is not None:
             self.swap.end()
 
@@ -1366,247 +1047,25 @@ class TieredTraining:
         self.floor = floor
         new_slot = aligned(self.stream.needed_slot_bytes())
         floor += self.stream.nslots * max(new_slot - self.stream.slot_bytes, 0)     # the slots grow to hold states
-        old = self.trace
-        self.trace = StepTrace(saved, tuple(b.p_bytes for b in self.blocks),
-                               tuple(b.s_full for b in self.blocks), floor,
-                               frozenset(b.index for b in self.blocks if b.resident),
-                               block_fwd_ms=tuple(max(x, 0.0) for x in per), recomputable=recomputable,
-                               boundary_bytes=tuple(self._boundary.get(b.index, (0, 0))[0] for b in self.blocks),
-                               fwd_ms=fwd, bwd_ms=bwd, block_names=tuple(b.name for b in self.blocks),
-                               block_state_moved_bytes=tuple(b.s_bytes for b in self.blocks))
-        self._fit_slots(new_slot)
-        if old is not None and old.key == self.trace.key and self.plan is not None and self.plan.recompute:
-            # The same shapes diverged under a plan that recomputed: recomputing moved saves
-            # from one segment to another. Plan without it from now on.
-            log.info("tiermem: recomputing changed the step's saves; planning without recompute")
-            self._no_recompute = True
-        if self.recompute_mode != "never" and not self._no_recompute and self.trace.recomputable:
-            self._slots_for_recompute(new_slot)
+        trace = StepTrace(saved, tuple(b.p_bytes for b in self.blocks),
+                           tuple(b.s_full for b in self.blocks), floor,
+                           frozenset(b.index for b in self.blocks if b.resident),
+                           block_fwd_ms=tuple(max(x, 0.0) for x in per), recomputable=recomputable,
+                           boundary_bytes=tuple(self._boundary.get(b.index, (0, 0))[0] for b in self.blocks),
+                           fwd_ms=fwd, bwd_ms=bwd, block_names=tuple(b.name for b in self.blocks),
+                           block_state_moved_bytes=tuple(b.s_bytes for b in self.blocks))
         self._boundary_saves = {b.index: self._boundary.get(b.index, (0, 0))[1] for b in self.blocks}
-        # The next step is the probe (NOTE [recompute plan]): every block that can be recomputed
-        # is, and its forward is timed without the swap's hooks; the plan after it uses both.
-        probe = bool(self.trace.recomputable) and self.recompute_mode == "auto" and not self._no_recompute
-        plan = self._plan_for(self.trace, "always" if probe else None)
-        # NOTE [calibrated compute]: a plan with no choice to check is measured the same way,
-        # for the times its prediction is made of, where it moves or recomputes anything
-        self._calibrating = not probe and not plan.in_capacity
-        self._refine = PROBE_STEPS if probe or self._calibrating else 0
-        self._refined, self._probe_ms = None, []
-        self._verify = 0
-        self._take(plan)
+        self.choice.replan(trace, self.floor, self._nesting)
         self._tracing = False
-        self._restart_timing()
 
-    # NOTE [fewer slots]
-    #     The traced step holds its floor within the budget, but the steps after it hold more:
-    #     the slots grow to bring each block's optimizer states in (the trace's first step made
-    #     them). Where the traced step's peak with the grown slots, plus tiermem's resident
-    #     bytes, would pass the budget, the ring gives up slots, one at a time, down to two
-    #     (one in use, one filling) or to the streamed blocks the traced step used at once plus
-    #     one: each slot fewer is one block's parameters, gradients and states fewer, and one
-    #     block fewer brought in ahead of use. If that is not enough, the step is refused with
-    #     what it needs, rather than torch's allocator running out in the next step. On the H100
-    #     the GPT of bench/train_budget.py at 1/4 of its state (0.875 GB) needed 0.925 GB with
-    #     three slots (bench/probes/probe_floor.py at e2aaa74).
-    def _fit_slots(self, slot: int) -> None:
-        st = self.stream
-        while True:
-            need = self.trace.floor_peak + self.tier.resident_bytes     # measured, nothing kept
-            if need <= self.budget:
-                return
-            least = max(2, self._nesting + 1)
-            if st.nslots <= least:
-                raise OutOfBudgetError(need, 0, self.budget, hint=(
-                    f"the traced step held {self.floor:,} bytes with every block streamed and every "
-                    f"activation moved, and its {st.nslots} slots must grow to {slot:,} bytes each to bring "
-                    f"the optimizer states in; raise the budget to at least {need:,} bytes, or wrap with a "
-                    "smaller block_bytes (NOTE [fewer slots])"))
-            log.warning("tiermem: a budget of %s bytes holds the step only with %d slots, not %d: lookahead "
-                        "lowered to %d (NOTE [fewer slots])", f"{self.budget:,}", st.nslots - 1, st.nslots,
-                        st.lookahead - 1)
-            self._give_slot(slot)
-
-    # NOTE [a slot for recompute]
-    #     Recomputing a block holds its whole segment in its backward (NOTE [recompute plan]), so
-    #     the plan recomputes only the blocks whose segment fits the room the floor leaves, and
-    #     swaps the rest at twice their bytes over the link. A slot is a block's parameters,
-    #     gradients and optimizer states (200 MB for a layer of the bench's GPT); giving one up
-    #     costs a block of lookahead. Where it lets recomputing everywhere recompute more blocks,
-    #     the slot goes. On the H100 (bench/probes/probe_graph_plans.py, d16ed8c and 8f48977) the
-    #     GPT of bench/train_budget.py at 1/2.5 of its state, wrapped in a fresh process, traced a
-    #     floor of 1.049 GB: cuBLAS's workspaces and the first step's allocations came inside its
-    #     traced step (0.948 GB where a matmul had run before the wrap). With three slots the
-    #     room held no GPT segment: 2 of 18 blocks recomputed, 3.2 GB swapped each way, graph
-    #     replays of 257.6 ms. With two slots (lookahead=1) all 18 were recomputed and the
-    #     replays took 121.8 ms (113.7 ms with three slots after that matmul).
-    def _slots_for_recompute(self, slot: int) -> None:
-        st = self.stream
-        spare = st.nslots - max(2, self._nesting + 1)
-        give = slots_for_recompute(self.trace, slot, spare, lambda t: self._planned(t, "always"))
-        if give:
-            before = len(self._planned(self.trace, "always").recompute)
-            log.info("tiermem: %d slot(s) fewer let recomputing everywhere recompute more blocks than %d of %d: "
-                     "lookahead lowered to %d (NOTE [a slot for recompute])", give, before,
-                     len(self.trace.recomputable), st.lookahead - give)
-        for _ in range(give):
-            self._give_slot(slot)
-
-    def _give_slot(self, slot: int) -> None:
-        """One slot, and a block of lookahead, fewer; the floor the trace measured, one slot less."""
-        st = self.stream
-        st.nslots -= 1
-        st.lookahead -= 1
-        self.trace = dataclasses.replace(self.trace, floor_peak=max(self.trace.floor_peak - slot, 0))
-
-    def _last_step_ms(self) -> float:
-        """The step just finished, on the compute stream (waits for it). 0 when not timed."""
-        ev = self._step_events
-        if ev is None or not ev[2]:
-            return 0.0
-        be = self.tier.backend
-        be.synchronize(ev[1])
-        return float(be.elapsed_ms(ev[0], ev[1]))
-
-    def _check_against_probe(self) -> None:
-        """NOTE [measured choice]: keep the model's plan only if it ran no slower than the probe's
-        plan (recompute everywhere) did; else go back to recomputing everywhere."""
-        probe, probe_ms = self._probe or (None, 0.0)
-        self._probe = None
-        timed, self._verify_ms = [x for x in self._verify_ms if x], []
-        ms = min(timed, default=0.0)
-        if probe is None or not ms or not probe_ms:
-            return
-        self.plan.measured.update(checked_ms=ms, probe_ms=probe_ms)
-        p = self.plan
-        if p.in_capacity:
-            return                    # in capacity: it does less than the probe
-        if ms > probe_ms * (1 + VERIFY_SLACK) and self._back_to_probe(ms, probe_ms):
-            return
-        # Kept: its next timed steps are checked once more (NOTE [measured choice]). This step's
-        # time was read above; the ones after it count.
-        self._read_step_time()
-        self._late_probe_ms, self._late_ms = probe_ms, []
-
-    def _check_late(self) -> None:
-        """NOTE [measured choice]: the median of a kept plan's first LATE_STEPS timed steps after
-        the check, against the probe's time; more than LATE_SLACK slower goes back to
-        recomputing everywhere. Once: the plan is not checked again."""
-        got, self._late_ms = sorted((self._late_ms or [])[:LATE_STEPS]), None
-        ms = got[len(got) // 2]
-        self.plan.measured["late_ms"] = ms
-        if ms > self._late_probe_ms * (1 + LATE_SLACK):
-            self._back_to_probe(ms, self._late_probe_ms, late=True)
-
-    def _back_to_probe(self, ms: float, probe_ms: float, late: bool = False) -> bool:
-        """Take the recompute-everywhere plan, made from the blocks now resident, where it still
-        fits; ``ms`` is what the model's plan took, ``probe_ms`` what the probe's did."""
-        t = dataclasses.replace(self.trace, resident_blocks=frozenset(b.index for b in self.blocks if b.resident))
-        back = self._plan_for(t, "always")
-        if back.predicted_peak > self.budget - back.margin:
-            return False              # blocks the model made resident leave no room for it
-        log.info("tiermem: the plan's step took %.1f ms%s, the probe's (recompute everywhere) %.1f ms: "
-                 "recomputing everywhere", ms, " over its later steps" if late else "", probe_ms)
-        if late:
-            back.measured.update(checked_ms=self.plan.measured["checked_ms"], late_ms=ms, probe_ms=probe_ms,
-                                 chosen_by="late")
-        else:
-            back.measured.update(checked_ms=ms, probe_ms=probe_ms, chosen_by="measured")
-        self._take(back)
-        self._restart_timing()
-        return True
-
-    def _reserve_pool(self) -> None:
-        """NOTE [replayed recompute]: the graphs' pool is not what the plan left room for (the
-        first measured backward came under a plan made before it, or the graphs were given up):
-        plan again, and time the check's steps again under the new plan."""
-        log.info("tiermem: the graphs' pool needs %.0f MB, the plan left %.0f MB; planning again",
-                 self.replays.reserve / 1e6, self.plan.graph_pool / 1e6)
-        plan = self._plan_for(self.trace)
-        if self._verify:
-            self._verify, self._verify_ms = VERIFY_STEPS, []
-        self._take(plan)
-        self._restart_timing()
-
-    def _measure_probe(self) -> None:
-        """After the probe's metered step (NOTE [recompute plan]): its recomputed blocks' forwards
-        are their compute alone; the trace's are the same forwards with the swap's hooks."""
-        per, fwd, bwd = self._timings()
+    def _take(self, old: TrainPlan | None, plan: TrainPlan) -> None:
+        """Apply ``plan``, which the choice now follows, to the steps (``old``: the plan before)."""
         t = self.trace
-        probe = self.plan.recompute
-        clean = tuple(per[i] if i in probe and per[i] >= 0 else old for i, old in enumerate(t.block_fwd_ms))
-        self._refined = dataclasses.replace(t, block_fwd_ms=clean, block_swap_ms=t.block_fwd_ms, fwd_ms=fwd,
-                                            bwd_ms=bwd, measured_recompute=probe)
-        self._probe_ms = []
-
-    def _replan_measured(self) -> None:
-        """Plan again from the probe's metered step, once its unmetered steps are timed (NOTE
-        [measured choice]); the plan is checked against the fastest of them."""
-        timed, self._probe_ms = [x for x in self._probe_ms if x], []
-        probe_ms = min(timed, default=0.0)
-        refined, self._refined = self._refined, None
-        calibrating, self._calibrating = self._calibrating, False
-        if refined is None:
-            return
-        self.trace = dataclasses.replace(refined, resident_blocks=frozenset(b.index for b in self.blocks
-                                                                            if b.resident))
-        if timed:
-            # NOTE [calibrated compute]: the model's times, fitted to the probe's own steps
-            factor = fit_compute(evaluate(self.trace, self.plan), sum(timed) / len(timed))
-            self.trace = scaled(self.trace, factor)
-        if calibrating:
-            # the same choices ("never", "always", nothing to recompute), predicted anew
-            plan = evaluate(self.trace, self.plan)
-            plan.measured.update(self.plan.measured)
-            self.plan = plan
-            return
-        plan = self._plan_for(self.trace)
-        if (plan.resident_blocks, plan.recompute, plan.keep) != (self.plan.resident_blocks, self.plan.recompute,
-                                                                  self.plan.keep):
-            probe = evaluate(self.trace, self.plan)
-            if not plan.in_capacity and plan.predicted_seconds() > probe.predicted_seconds() * (1 - MIN_GAIN):
-                # NOTE [measured choice]: a gain this small is not worth trying
-                probe.measured.update(self.plan.measured, model_ms=plan.predicted_seconds() * 1e3)
-                self.plan = probe
-                return
-            self._probe = (self.plan, probe_ms)
-            self._verify, self._verify_ms = VERIFY_STEPS, []
-            self._take(plan)
-            self._restart_timing()
-        else:
-            self.plan = plan
-
-    def _planned(self, trace: StepTrace, mode: str | None = None) -> TrainPlan:
-        """The plan for ``trace`` (mode as plan_training's ``recompute``; None: the handle's own),
-        with the graphs' pool held; no side effect (see _plan_for)."""
-        mode = mode or ("never" if self._no_recompute else self.recompute_mode)
-        return plan_training(trace, self.budget, margin=self._margin, recompute=mode, link_GBps=self.link_GBps,
-                             clip=self.max_grad_norm is not None, graph_pool=self.replays.reserve)
-
-    @property
-    def _margin(self) -> int:
-        return self.budget // 8 if self.margin is None else self.margin
-
-    def _plan_for(self, trace: StepTrace, mode: str | None = None) -> TrainPlan:
-        margin = self._margin
-        mode = mode or ("never" if self._no_recompute else self.recompute_mode)
-        plan = self._planned(trace, mode)
-        if plan.graph_pool and plan.predicted_peak > self.budget - margin:
-            # NOTE [replayed recompute]: the floor and the pool together pass the budget
-            self.replays.give_up("the budget leaves no room for the graphs' pool beside the step's floor")
-            plan = plan_training(trace, self.budget, margin=margin, recompute=mode, link_GBps=self.link_GBps,
-                                 clip=self.max_grad_norm is not None)
-        return plan
-
-    def _take(self, plan: TrainPlan) -> None:
-        """Make ``plan`` the one the next steps follow."""
-        t = self.trace
-        old = self.plan
         self.replays.drop_pending()         # asked for at the old plan's slots
         if (self.replays.graphs and old is not None and self._general_peak is not None
                 and self.replays.reserve > self._graph_room() - max(0, _general(plan) - _general(old))):
             # NOTE [replayed recompute]: the new plan keeps more on the device than the pool leaves room for
             self.replays.give_up("the new plan leaves no room for the graphs' pool")
-        self.plan = plan
         key: dict[int, tuple[int, int]] = {}
         count: dict[int, int] = {}
         for r in t.saved:                        # the swap's keys (NOTE [activation swap])
@@ -1646,59 +1105,39 @@ class TieredTraining:
         log.info("tiermem: %s", plan.table())
 
     def _make_resident(self, b: Block) -> None:
-        """Move a block into managed memory kept on the device (NOTE [training transport]). All or
-        nothing: the states' new memory is filled first, the parameters are wrapped (itself all
-        or nothing), and only then does anything point at the new memory."""
-        from ._torch import wrap_group
-        torch = self.torch
-        tier = self.tier
-        if b.slot is not None and b.slot.occupant is b:
-            self.stream.unbind(b.slot)
-        self.mem.synchronize()
-        views: list[Any] = []
-        tts: list[Any] = []
-        if b.states:
-            # Filled below by a device copy; prefetch NEVER leaves the group unplaced until then
-            # (the plan counts these bytes itself, NOTE [training plan]), whatever the role's
-            # default prefetch is.
-            spol = tier.policies[Role.OPTIMIZER_STATE].replace(preferred_location=Location.DEVICE,
-                                                               accessed_by_device=False, evict=Evict.NEVER,
-                                                               prefetch=Prefetch.NEVER)
-            # at the optimizer's dtypes: what does not move is not narrowed (NOTE [bf16 moments])
-            specs = [(tuple(p.shape), dt) for (p, _, _), (dt, _) in zip(b.states, b.s_dtypes)]
-            tts = tier.empty_group([(sh, str(dt).replace("torch.", "")) for sh, dt in specs],
-                                   role=Role.OPTIMIZER_STATE, policy=spol)
-            with torch.no_grad():
-                for (p, key, _), (dt, _), tt, hv in zip(b.states, b.s_dtypes, tts, b.home_state_views):
-                    v = tt.torch().view(dt).view(p.shape)
-                    v.copy_(hv)
-                    views.append(v)
-        grads = [g.to(self.dev, copy=True) for g in self.stream.home_grads(b)] if b.grads_home else []
-        olds = [p.data.untyped_storage().data_ptr() for p in b.params]
-        pol = tier.policies[Role.WEIGHT].replace(evict=Evict.NEVER)
-        b.tiered = wrap_group(tier, b.params, Role.WEIGHT, names=[f"{b.name}.{i}" for i in range(len(b.params))],
-                              policy=pol)
-        b.resident = True
-        for p, old in zip(b.params, olds):
-            self.stream.forget(p, old)
-            if self.swap is not None:
-                self.swap.fixed.add(p.data.untyped_storage().data_ptr())
-        for (p, key, _), v in zip(b.states, views):
-            self.opt.state[p][key] = v
-        for p, g in zip(b.trainable, grads):      # the open window's, as a resident block keeps them
-            p.grad = g
-        self.stream.release_grads(b)
-        self.stream.release_alt(b)
-        b.resident_state_views = views
-        b.tiered += tts
-        self.mem.synchronize()
-        b.home_views, b.home_state_views = [], []
-        for h in (b.home_p, b.home_s):
-            if h is not None:
-                h.release()
-        b.home_p = b.home_s = None
+        """Move ``b`` into managed memory kept on the device (NOTE [training transport])."""
+        fixed = make_resident(self.tier, self.stream, self.opt, self.mem, b)
+        if self.swap is not None:
+            self.swap.fixed.update(fixed)
 
     # -- reporting and lifecycle ---------------------------------------------------------------------
+    @property
+    def plan(self) -> TrainPlan | None:
+        """The plan the steps follow (None until the first step is traced): what stays on the
+        device, what moves, what is recomputed, and the predicted against the measured step."""
+        return self.choice.plan
+
+    @property
+    def trace(self) -> StepTrace | None:
+        """What the traced step measured, which the plan is made from."""
+        return self.choice.trace
+
+    @property
+    def step_ms(self) -> list[float]:
+        """Measured times of the steps since the last plan (ms, the last 64)."""
+        return self.choice.step_ms
+
+    @property
+    def grad_norm(self) -> Any:
+        """The last optimizer step's total gradient norm, a device tensor (NOTE [clipping]); None
+        without ``max_grad_norm``."""
+        return None if self.clipping is None else self.clipping.grad_norm
+
+    @property
+    def speculation(self) -> dict[str, int]:
+        """Speculative steps committed and redone (NOTE [speculative clipping])."""
+        return {"committed": 0, "redone": 0} if self.clipping is None else self.clipping.speculation
+
     def resident_peak(self) -> int:
         """Device bytes the last step kept at its peak: tiermem's resident managed bytes plus
         torch's peak reserved bytes, less what torch held before wrap_training. At most the budget."""
@@ -1824,12 +1263,6 @@ class TieredTraining:
         return f"<TieredTraining {type(self.model).__name__}, {len(self.blocks)} blocks: {plan}>"
 
 
-def _leaves_grads() -> tuple[type, ...]:
-    """The optimizers NOTE [speculative clipping] allows: their steps leave the gradients alone."""
-    import torch
-    return (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
-
-
 def _zero_grad_hook(obj: Any, before: Any) -> InstancePatch:
     """``obj``'s zero_grad (an optimizer's or a module's) wrapped on the instance so that
     ``before`` runs first (NOTE [zero_grad]); remove() puts it back."""
@@ -1864,18 +1297,6 @@ def _model_loading(handle: TieredTraining) -> Any:
     return hook
 
 
-def _group(process_group: Any) -> Any:
-    """The process group a ``process_group`` argument names: None (no averaging), True (the
-    default group), or a group; one rank alone needs no averaging."""
-    if process_group is None or process_group is False:
-        return None
-    import torch.distributed as dist
-    if not dist.is_available() or not dist.is_initialized():
-        raise ConfigError("process_group needs torch.distributed initialised first (init_process_group)")
-    group = dist.group.WORLD if process_group is True else process_group
-    return group if dist.get_world_size(group) > 1 else None
-
-
 def _chunks(params: list[Any], limit: int | None) -> list[list[Any]]:
     if limit is None:
         return [params]
@@ -1889,47 +1310,6 @@ def _chunks(params: list[Any], limit: int | None) -> list[list[Any]]:
         out[-1].append(p)
         n += size
     return out
-
-
-# NOTE [no KV cache in a step]
-#     transformers' configs default to use_cache=True, and a model forward then builds a KV
-#     cache (a DynamicCache) and hands it to every layer, training or not. Inside a step the
-#     cache does harm: it references every layer's keys and values until the step ends, so the
-#     swap moves them to the host and the device keeps them all the same, and a recomputed
-#     layer's second forward appends its keys and values to the cache again. transformers
-#     itself turns the cache off in a layer that gradient checkpointing runs
-#     (GradientCheckpointingLayer in transformers/modeling_layers.py); tiermem turns off the
-#     config's default for the step's length, so a call that passes use_cache=True itself still
-#     gets its cache, and between steps (evaluation, generate()) the config is the user's.
-def _kv_cache_configs(model: Any) -> list[Any]:
-    """The model's configs (its own and its text model's) whose use_cache default is True."""
-    cfg = getattr(model, "config", None)
-    if cfg is None:
-        return []
-    found = [cfg]
-    text = getattr(cfg, "get_text_config", None)
-    if callable(text):
-        try:
-            t = text()
-        except Exception:      # noqa: BLE001 - a config without a text part
-            t = None
-        if t is not None and t is not cfg:
-            found.append(t)
-    return [c for c in found if getattr(c, "use_cache", None) is True]
-
-
-@contextlib.contextmanager
-def _kv_cache_off(model: Any) -> Iterator[None]:
-    """NOTE [no KV cache in a step]: ``use_cache`` False inside in the model's configs where it is
-    True at entry, True again after (a config the user turned off between steps stays off)."""
-    configs = _kv_cache_configs(model)
-    for c in configs:
-        c.use_cache = False
-    try:
-        yield
-    finally:
-        for c in configs:
-            c.use_cache = True
 
 
 def _first_grad_tensor(out: Any) -> Any:

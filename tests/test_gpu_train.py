@@ -570,7 +570,7 @@ def test_accumulated_micro_batches_give_the_resident_losses_parameters_and_gradi
 
 @pytest.mark.parametrize("accumulate", [1, 2])
 def test_clipping_gives_clip_grad_norm_then_step_bitwise(accumulate):
-    """NOTE [clipping] in tiermem/_train.py: max_grad_norm=0.5 under the tight budget gives the
+    """NOTE [clipping] in tiermem/_trainclip.py: max_grad_norm=0.5 under the tight budget gives the
     resident loop's clip_grad_norm_ (foreach norms on the GPU, NOTE [clip arithmetic]) and step,
     bitwise: losses, total norms and parameters, within the budget; the clip bites."""
     torch = _setup()
@@ -784,7 +784,7 @@ def _hf_on_host(torch, steps, arch="neox"):
 
 
 def test_a_transformers_model_bigger_than_the_really_small_gpu_trains_from_the_host():
-    """NOTE [host models] in tiermem/_train.py: a transformers GPT-NeoX (an architecture no bench
+    """NOTE [host models] in tiermem/_trainmemory.py: a transformers GPT-NeoX (an architecture no bench
     is tuned on) with its default flags (SDPA attention, requires_grad=True), whose parameters
     alone are bigger than the free memory of a GPU made really small, trains from the host within
     its budget. Its losses follow the resident run's (SDPA's backward is not bitwise repeatable,

@@ -16,7 +16,7 @@ LAYERS = [
     ("base", {"_errors", "_dtypes", "_limits", "roles", "_default", "_hostpages", "_held"}),
     ("cuda", {"_cuda", "_capture", "_backend", "_staging"}),
     ("core", {"_stats", "_lease", "_transfer", "_stream", "_tensor", "_report", "_engine"}),
-    ("adapters", {"_devmem", "_torch", "_swap", "_trainplan", "_arena", "_meter", "_recompute", "_savedhooks", "_workspaces", "_replay", "_graphchoice", "_module", "_clip", "_trainslots", "_trainstates", "_trainoptions", "_trainclip", "_trainresident", "_trainchoice", "_kvcache", "_stepgraph", "_train", "_load", "_kvikio", "_disk", "_torch_alloc",
+    ("adapters", {"_devmem", "_torch", "_swap", "_trainplan", "_arena", "_meter", "_recompute", "_savedhooks", "_workspaces", "_replay", "_graphchoice", "_module", "_clip", "_trainslots", "_trainstates", "_trainoptions", "_trainclip", "_trainresident", "_trainchoice", "_trainmemory", "_kvcache", "_stepgraph", "_train", "_load", "_kvikio", "_disk", "_torch_alloc",
                   "_um_budget", "_cupy", "_scoped", "models"}),
     ("face", {"_tier"}),
     ("api", {"_api", "__init__", "_plan", "_demo", "_cli", "__main__", "errors", "planning", "handles", "arrays",

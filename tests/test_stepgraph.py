@@ -103,7 +103,7 @@ def test_the_plan_is_settled_once_the_measured_choice_is_done():
             loss_of(model, ids).backward()
         seen.append(train.settled)
     # the traced step plans; the probe's steps, the check's and a kept plan's later steps follow
-    # (NOTE [measured choice] in tiermem/_train.py); then nothing changes the plan by itself
+    # (NOTE [measured choice] in tiermem/_trainchoice.py); then nothing changes the plan by itself
     assert not any(seen[:8])
     assert seen[-1] and train.plan is not None
     layout = train.layout

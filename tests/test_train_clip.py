@@ -1,4 +1,4 @@
-"""Global-norm gradient clipping under wrap_training (NOTE [clipping] in tiermem/_train.py,
+"""Global-norm gradient clipping under wrap_training (NOTE [clipping] in tiermem/_trainclip.py,
 NOTE [clip arithmetic] in tiermem/_clip.py), on the CPU over the fake backend: ``max_grad_norm``
 gives a plain loop's ``clip_grad_norm_`` then ``optimizer.step()``, bitwise, the norm included,
 with blocks streamed, with accumulation, and whether the clip bites or not. A caller's own

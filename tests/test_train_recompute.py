@@ -381,7 +381,7 @@ def _plain_hf_losses(model, opt, bs):
 def test_a_transformers_model_with_its_default_kv_cache_recomputes_its_layers():
     """transformers' configs default to ``use_cache=True``, so a training forward builds a KV cache
     that holds every layer's keys and values and makes the layers look unrecomputable (NOTE [no
-    KV cache in a step] in tiermem/_train.py). Inside a step the cache is off, as transformers
+    KV cache in a step] in tiermem/_kvcache.py). Inside a step the cache is off, as transformers
     turns it off under gradient checkpointing; between steps the config is the user's again."""
     bs = batches(6)
     model, opt = _qwen2()

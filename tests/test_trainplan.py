@@ -312,7 +312,7 @@ def test_a_probe_slower_than_the_model_scales_every_plan_and_the_table_says_so()
 
 
 def test_slots_for_recompute_gives_the_fewest_slots_that_recompute_the_most_blocks():
-    """NOTE [a slot for recompute] in tiermem/_train.py, on a synthetic trace: segments of 64 MiB,
+    """NOTE [a slot for recompute] in tiermem/_trainchoice.py, on a synthetic trace: segments of 64 MiB,
     slots of 40 MiB, a room of 30 MiB above the floor."""
     from tiermem._trainplan import slots_for_recompute
     t = seg_trace(act=64 * MiB, floor=100 * MiB)

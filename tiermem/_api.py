@@ -64,7 +64,7 @@ def wrap_training(model: Any, optimizer: Any, budget: int | str, **kwargs: Any) 
     or "25%" of the device): parameters, optimizer states and saved activations are tiered, each
     block steps inside backward, and the plan comes from the first step. Use ``with
     handle.step(): ...forward and backward...``. The model may be on the device or, bigger than
-    it, on the host (NOTE [host models] in _train.py). Returns a :class:`TieredTraining`. Keyword
+    it, on the host (NOTE [host models] in _trainmemory.py). Returns a :class:`TieredTraining`. Keyword
     arguments: ``lookahead``, ``min_swap``, ``window``, ``swap``, ``block_bytes``, ``margin``,
     ``recompute``, ``link_GBps``, ``process_group`` (True or a torch.distributed group:
     data-parallel replicas, each block's gradients averaged before its step, NOTE [data parallel]

@@ -1,5 +1,5 @@
 """Global-norm gradient clipping for a training step whose gradients never all sit on the device
-at once (NOTE [clipping] in _train.py): the norm of each parameter's gradient is taken while it
+at once (NOTE [clipping] in _trainclip.py): the norm of each parameter's gradient is taken while it
 is on the device, and the total and the clipping are torch's own arithmetic, so the result is
 ``torch.nn.utils.clip_grad_norm_``'s, bitwise.
 

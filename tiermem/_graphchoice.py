@@ -2,7 +2,7 @@
 a plan out; tiermem._train takes it, tiermem._stepgraph times the replays.
 
 NOTE [graph choice]
-    The measured choice (NOTE [measured choice] in _train.py) decides between the model's plan
+    The measured choice (NOTE [measured choice] in _trainchoice.py) decides between the model's plan
     and recomputing everywhere on eager steps, and an eager step is host-bound: its time hides
     what the link costs under what the host costs. A replay has no host time; it costs the
     GPU's compute and the link's bytes. On the H100 at 8c93331 the Qwen2 of

@@ -105,7 +105,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from ._devmem import device_memory
-from ._errors import ConfigError, ConfigTypeError, DeviceFullError, OutOfBudgetError, TierMemError, WrapError
+from ._errors import ConfigError, ConfigTypeError, OutOfBudgetError, TierMemError, WrapError
 from ._held import CopyGuard, InstancePatch
 from ._kvcache import kv_cache_configs, kv_cache_off
 from ._limits import parse_bytes
@@ -116,6 +116,7 @@ from ._replay import Replays
 from ._swap import ActivationSwap
 from ._trainchoice import PlanChoice
 from ._trainclip import Clipping, leaves_grads
+from ._trainmemory import HostBuffers, check_room, free_adopted, plain_copies
 from ._trainoptions import averaging_group, check_options, states_dtype
 from ._trainplan import LINK_GBPS, SavedRecord, StepTrace, TrainPlan, evaluate
 from ._trainresident import make_resident
@@ -244,9 +245,9 @@ class TieredTraining:
         originals = [(p, p.data) for b in self.blocks for p in b.params]
         # NOTE [host models]: where each parameter came from, for unwrap's default
         self._origin = {id(p): p.device for b in self.blocks for p in b.params}
-        self._host_buffers: list[tuple[Any, str, Any]] = []      # (module, name, host tensor) moved in
+        self.host_buffers = HostBuffers(self.dev)     # NOTE [host models]
         try:
-            self._buffers_in(model)
+            self.host_buffers.move_in(model)
             self._adopt(tier, model, min_swap, window, swap,
                         {d.untyped_storage().data_ptr() for _, d in originals if d.device == self.dev})
         except BaseException:
@@ -254,31 +255,6 @@ class TieredTraining:
             raise
         del originals
         self.mem.empty_cache()      # NOTE [outside memory]: the parameters' old memory goes back
-
-    # NOTE [host models]
-    #     A model bigger than the device cannot be moved there first, so wrap_training also takes
-    #     one whose parameters are on the host: each is copied into its pinned home (or, for a
-    #     resident block, into managed memory) as a device parameter's is, and the module's host
-    #     buffers (rotary tables, masks: small) move to the device, so the forward runs there.
-    #     unwrap() gives each parameter, its optimizer states and those buffers back where they
-    #     came from unless told otherwise, so a model that came from the host, and would not fit
-    #     the device plain, goes back to the host. A failed adoption puts the buffers back too.
-    #     tests/test_gpu_train.py trains a transformers GPT-NeoX whose parameters alone are
-    #     bigger than a really small GPU's free memory.
-    def _buffers_in(self, model: Any) -> None:
-        for m in model.modules():
-            for name, t in list(m._buffers.items()):
-                if t is not None and t.device.type == "cpu" and t.device != self.dev:
-                    self._host_buffers.append((m, name, t))
-                    m._buffers[name] = t.to(self.dev)
-
-    def _buffers_out(self, device: Any) -> None:
-        """The buffers moved in by the adoption go to ``device``, values and all."""
-        for m, name, _ in self._host_buffers:
-            t = m._buffers.get(name)
-            if t is not None:
-                m._buffers[name] = t.to(device)
-        self._host_buffers = []
 
     # NOTE [outside memory]
     #     What torch holds on the device when tiermem takes the model over (the caller's other
@@ -378,12 +354,10 @@ class TieredTraining:
         self.mem.synchronize()
         for p, data in originals:
             p.data = data
-        for m, name, t in self._host_buffers:
-            m._buffers[name] = t
-        self._host_buffers = []
+        self.host_buffers.put_back()
         if self._old_fraction is not None:
             self.mem.set_fraction(self._old_fraction)
-        self._give_back()
+        free_adopted(self.blocks, self.stream, self.replays, self.swap)
         self._lease.release()
         self.mem.empty_cache()
 
@@ -1166,7 +1140,6 @@ class TieredTraining:
         parameter came from, NOTE [host models]) is where the plain copies go, "cpu" or the
         device. All or nothing: the copies are made first, and a failure there leaves the model
         trained by tiermem as it was (tests/test_train_faults.py)."""
-        from ._torch import rebind_plain
         torch = self.torch
         if device is not None:
             device = torch.device(device)
@@ -1175,88 +1148,29 @@ class TieredTraining:
             if device != self.dev and device.type != "cpu":
                 raise ConfigError(f"unwrap(device={str(device)!r}): the plain copies go to {self.dev} or the host")
         where = {i: (device or d) for i, d in self._origin.items()}
-        self._check_room(where)
+        check_room(torch, self.tier.backend, self.blocks, self.opt, where, self.dev)
         cap = self.mem.fraction()
         self.mem.set_fraction(self._old_fraction)    # the plain copies are outside the budget
         try:
             self.stream.unbind_all()     # none after a step that finished; one that failed finishing
             self.mem.synchronize()
-            with torch.no_grad():
-                plains = [(p, torch.empty(p.shape, dtype=p.dtype, device=where[id(p)]).copy_(p.data))
-                          for b in self.blocks for p in b.params]
-                states = [(p, key, self.opt.state[p][key].to(where[id(p)], dt, copy=True))     # NOTE [bf16 moments]
-                          for b in self.blocks for (p, key, _), (dt, _) in zip(b.states, b.s_dtypes)]
-                states += [(p, key, v.to(where[id(p)]))      # resident blocks' states, where they were made
-                           for b in self.blocks if b.resident and not b.states for p in b.trainable
-                           for key, v in self.opt.state.get(p, {}).items()
-                           if torch.is_tensor(v) and v.device != where[id(p)] and key != "step"]
-                # An open accumulation window's gradients, as plain torch would hold them
-                # (NOTE [accumulation]): streamed blocks' from home, resident ones' from p.grad.
-                grads = [(p, g.to(where[id(p)], copy=True)) for b in self.blocks if b.grads_home
-                         for p, g in zip(b.trainable, self.stream.home_grads(b)) if id(p) in self._window]
-                grads += [(p, p.grad.to(where[id(p)])) for b in self.blocks for p in b.trainable
-                          if p.grad is not None and id(p) not in {id(q) for q, _ in grads}]
+            copies = plain_copies(torch, self.blocks, self.opt, self.stream, where, self._window)
             self.mem.synchronize()
         except BaseException:
-            self.mem.set_fraction(cap)      # _check_room refused what would not fit; this is anything else
+            self.mem.set_fraction(cap)      # check_room refused what would not fit; this is anything else
             raise
         # Nothing below calls the backend before the memory is given back.
         for h in self._hooks + self._state_hooks:
             h.remove()
         self._hooks, self._state_hooks = [], []
         self.recomputing.set({})
-        for p, key, v in states:
-            self.opt.state[p][key] = v
-        for p, _ in grads:
-            p.grad = None                 # torch refuses a .data of another device under a grad
-        for p, plain in plains:
-            self.stream.forget(p)
-            rebind_plain(p, plain)
-        for p, g in grads:
-            p.grad = g
-        buffers_to = device if device is not None else torch.device("cpu")
-        self._buffers_out(buffers_to)
+        copies.bind(self.opt, self.stream)
+        self.host_buffers.move_out(device if device is not None else torch.device("cpu"))
         self.model._tiermem_handle = None
-        self._give_back()
+        free_adopted(self.blocks, self.stream, self.replays, self.swap)
         self.tier.synchronize()      # finished moves let go of the buffers they held
         self._lease.release()
         return self.model
-
-    def _check_room(self, where: dict[int, Any]) -> None:
-        """Refuse, changing nothing, an unwrap whose plain copies do not fit the device: checked
-        first, since torch's allocator may be tiermem's own over managed memory, which would
-        take them past the device's size (NOTE [host models])."""
-        if self.tier.backend.kind != "cuda":
-            return
-        need = sum(p.numel() * p.element_size() + sum(v.numel() * v.element_size()
-                                                      for v in self.opt.state.get(p, {}).values()
-                                                      if self.torch.is_tensor(v) and v.dim() > 0)
-                   for b in self.blocks for p in b.params if where[id(p)].type == "cuda")
-        cuda = self.torch.cuda
-        free = self.tier.backend.mem_info()[0] + cuda.memory_reserved(self.dev) - cuda.memory_allocated(self.dev)
-        if need > free:
-            raise DeviceFullError(need, 0, free, hint="unwrap needs that much free device memory for the plain "
-                                  "parameters and optimizer states; call unwrap(device='cpu') to restore onto "
-                                  "the host, or free device memory first")
-
-    def _give_back(self) -> None:
-        """Free the memory the adoption took, once no parameter points at it: resident blocks'
-        managed memory, the pinned homes, the slots and the swap's arena."""
-        for b in self.blocks:
-            for tt in b.tiered:
-                if not tt.freed:
-                    tt.free()
-            for h in (b.home_p, b.home_s):
-                if h is not None:
-                    h.release()
-            b.tiered, b.home_p, b.home_s = [], None, None
-            self.stream.release_grads(b)
-            self.stream.release_alt(b)
-            b.resident_state_views = []     # views of the memory just freed
-        self.stream.release()
-        self.replays.close()               # the graphs' pool and buffers go back to torch's allocator
-        if self.swap is not None:
-            self.swap.arena.release()
 
     def __repr__(self) -> str:
         plan = self.plan.table() if self.plan is not None else "not planned yet (the first step is traced)"

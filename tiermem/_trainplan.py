@@ -41,7 +41,7 @@ NOTE [recompute plan]
     took 1.6 ms resident and 3-15 ms in the traced step, though no wait was left in it. So the
     next steps are a probe: every block that can be recomputed is, and its forward, now the
     forward alone, is timed again. The steps after follow the plan made from both (and a timed
-    check of it, NOTE [measured choice] in _train.py): a block's
+    check of it, NOTE [measured choice] in _trainchoice.py): a block's
     recompute costs its probe time, and swapping it costs what its hooks added (taken twice,
     for pack in forward and unpack in backward). The predicted step is two phases, each as
     slow as its slowest resource:
@@ -248,7 +248,7 @@ class TrainPlan:
             lines.append(f"  not tried        the model's own plan, {self.measured['model_ms']:.1f} ms predicted: "
                          "not enough faster to try (NOTE [measured choice])")
         if self.measured.get("probe_ms"):
-            # NOTE [measured choice] in _train.py
+            # NOTE [measured choice] in _trainchoice.py
             by = self.measured.get("chosen_by")
             lines.append(f"  checked          the model's plan took {self.measured['checked_ms']:.1f} ms a step, "
                          f"recomputing everywhere {self.measured['probe_ms']:.1f} ms: "
@@ -295,7 +295,7 @@ def _phases(fwd_ms: float, bwd_ms: float, params_in: int, out: int, swapped: int
         # backward: parameters again, states and swapped activations in; parameters and states out
         bwd = max(bwd_ms / 1e3, (params_in + states_in + swapped) / rate, out / rate)
         return fwd + bwd
-    # NOTE [clipping] in _train.py: backward brings the parameters in and sends the gradients (as
+    # NOTE [clipping] in _trainclip.py: backward brings the parameters in and sends the gradients (as
     # many bytes) home; the pass after it brings parameters, states and gradients in, overlapping
     # no compute, while fewer bytes (parameters and states) go out.
     bwd = max(bwd_ms / 1e3, (params_in + swapped) / rate, params_in / rate)
@@ -473,7 +473,7 @@ def plan_training(trace: StepTrace, budget: int, *, margin: int | None = None,
     see (allocator rounding, a larger temporary on another step). ``recompute``: "auto" chooses
     per block segment, "never" swaps or keeps only, "always" recomputes every recomputable
     segment that fits. ``link_GBps``: the link's rate each way. ``clip``: the streamed blocks
-    step in a pass after backward (NOTE [clipping] in _train.py), which streaming a block costs.
+    step in a pass after backward (NOTE [clipping] in _trainclip.py), which streaming a block costs.
     ``graph_pool``: bytes the recomputed blocks' graphs hold between steps (NOTE [replayed
     recompute] in _replay.py); the plan counts them in place of the largest recomputed segment.
     """

@@ -45,7 +45,7 @@ class Block:
     home_s: Any = None
     home_g: Any = None            # pinned gradients of an open accumulation window (NOTE [accumulation])
     grads_home: bool = False      # home_g holds this window's gradients so far
-    # NOTE [speculative clipping] in _train.py: a second home the speculative step writes, the
+    # NOTE [speculative clipping] in _trainclip.py: a second home the speculative step writes, the
     # home keeping the values before the step until commit() swaps the two
     alt_p: Any = None
     alt_s: Any = None

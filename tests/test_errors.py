@@ -61,7 +61,7 @@ def _other_tiers_tensor(fake):
 
 
 # (what is called, the error class, a part of its message). Every site that raises for a bad
-# value or type, outside tiermem/_module.py.
+# value or type, outside module adoption (tiermem/_module*.py).
 BAD_VALUES = [
     (lambda f: parse_bytes("lots"), ConfigError, "is not a size"),
     (lambda f: parse_bytes(-1), ConfigError, "must not be negative"),

@@ -177,8 +177,8 @@ def saved(tmp_path_factory):
 
 @pytest.mark.parametrize("which", ["one", "shards"])
 def test_load_pretrained_gives_the_models_logits_and_tokens(tier, fake, saved, which, monkeypatch):
-    import tiermem._module
-    monkeypatch.setattr(tiermem._module, "FILL_CHUNK", 1000)   # resident tensors read in many pieces, two buffers in turn
+    import tiermem._modulesources
+    monkeypatch.setattr(tiermem._modulesources, "FILL_CHUNK", 1000)   # resident tensors read in many pieces, two buffers in turn
     ref, one, shards = saved
     ids = torch.randint(0, 512, (1, 12), generator=torch.Generator().manual_seed(1))
     model, h = load_pretrained(one if which == "one" else shards, budget=checkpoint_share(one if which == "one" else shards, 30), tier=tier, max_group_bytes=300_000)
@@ -527,12 +527,12 @@ def _pinned_peak(fake, monkeypatch) -> list[int]:
 @pytest.mark.parametrize("host", [None, 3_000_000])
 def test_the_home_is_made_beside_the_resident_groups_within_the_host_budget(tier, fake, ckpt, host, monkeypatch):
     import threading
-    from tiermem import _module
+    from tiermem import _module, _modulesources, _moduletransport
     ref, ck = ckpt
     monkeypatch.setattr(_module, "MIN_FILL_ROOM", 64 << 10)     # the test's host budget is small
     peak = _pinned_peak(fake, monkeypatch)
     where, during = [], []
-    real_run, real_flush = _module._PinnedTransport._run_host_side, _module._Filler._flush
+    real_run, real_flush = _moduletransport.PinnedTransport._run_host_side, _modulesources._Filler._flush
 
     first_read = threading.Event()
 
@@ -543,11 +543,11 @@ def test_the_home_is_made_beside_the_resident_groups_within_the_host_budget(tier
 
     def flush(self):
         if not during:      # the first read of the resident groups, their buffers made before the thread
-            during.append((len(self.bufs) == _module.FILL_BUFFERS, any(t.name == "tiermem-home" for t in threading.enumerate())))
+            during.append((len(self.bufs) == _modulesources.FILL_BUFFERS, any(t.name == "tiermem-home" for t in threading.enumerate())))
             first_read.set()
         return real_flush(self)
-    monkeypatch.setattr(_module._PinnedTransport, "_run_host_side", run)
-    monkeypatch.setattr(_module._Filler, "_flush", flush)
+    monkeypatch.setattr(_moduletransport.PinnedTransport, "_run_host_side", run)
+    monkeypatch.setattr(_modulesources._Filler, "_flush", flush)
     m = _meta(_mlp)
     h = tier.wrap_module(m, budget=share(m, 30), max_group_bytes=1 * MiB, weights=ck, host_budget=host)
     assert h.plan.pinned and len(h.plan.pinned) < len(h.plan.sizes) and bool(h.plan.on_disk) == (host is not None)
@@ -565,12 +565,12 @@ def test_the_home_is_made_beside_the_resident_groups_within_the_host_budget(tier
 
 def test_with_no_room_beside_the_home_the_resident_groups_fill_first(tier, fake, ckpt, monkeypatch):
     import threading
-    from tiermem import _module
+    from tiermem import _module, _moduletransport
     ref, ck = ckpt
     peak = _pinned_peak(fake, monkeypatch)
     where = []
-    real_run = _module._PinnedTransport._run_host_side
-    monkeypatch.setattr(_module._PinnedTransport, "_run_host_side",
+    real_run = _moduletransport.PinnedTransport._run_host_side
+    monkeypatch.setattr(_moduletransport.PinnedTransport, "_run_host_side",
                         lambda self: (where.append(threading.current_thread().name), real_run(self))[1])
     m = _meta(_mlp)
     host = 3_000_000                                            # leaves less than MIN_FILL_ROOM beside the home
@@ -590,9 +590,9 @@ def test_a_failure_on_either_side_of_a_load_leaves_nothing_allocated(tier, fake,
     the home is being made: the adoption raises that error, waits for the other side, and gives
     everything back."""
     import threading
-    from tiermem import _module
+    from tiermem import _modulesources
     _, ck = ckpt
-    real_read, real_flush = _module.Reader.read, _module._Filler._flush
+    real_read, real_flush = _modulesources.Reader.read, _modulesources._Filler._flush
 
     def read(self, jobs):
         if side == "home" and threading.current_thread().name == "tiermem-home":
@@ -603,8 +603,8 @@ def test_a_failure_on_either_side_of_a_load_leaves_nothing_allocated(tier, fake,
         if side == "resident":
             raise CheckpointError("a resident read failed", ck.files[0])
         return real_flush(self, *a, **k)
-    monkeypatch.setattr(_module.Reader, "read", read)
-    monkeypatch.setattr(_module._Filler, "_flush", flush)
+    monkeypatch.setattr(_modulesources.Reader, "read", read)
+    monkeypatch.setattr(_modulesources._Filler, "_flush", flush)
     m = _meta(_mlp)
     stats = tier.stats()
     with pytest.raises(CheckpointError, match=f"{'the home' if side == 'home' else 'a resident'}"):

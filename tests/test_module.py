@@ -10,7 +10,7 @@ import torch.nn as nn
 
 import tiermem
 from tiermem.planning import plan_residency
-from tiermem._module import module_groups
+from tiermem._modulegroups import module_groups
 from helpers import share
 
 MiB = 1 << 20

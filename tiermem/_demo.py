@@ -12,7 +12,7 @@ import sys
 from typing import Any
 
 from ._limits import parse_bytes
-from ._module import LINK_GBPS, LOOKAHEAD, plan_residency
+from ._moduleplan import LINK_GBPS, LOOKAHEAD, plan_residency
 
 __all__ = ["llama_shape", "build_llama", "llama_groups", "demo"]
 
@@ -34,7 +34,7 @@ def llama_shape(weights_gb: float) -> dict[str, int]:
 def llama_groups(shape: dict[str, int], max_group_bytes: int | None = None) -> list[tuple[str, int]]:
     """(group, fp16 bytes) in execution order for LlamaForCausalLM, as tiermem.wrap_module would
     group it (one group per decoder layer up to ``max_group_bytes``), without building the model."""
-    from ._module import MAX_GROUP, span_bytes
+    from ._modulegroups import MAX_GROUP, span_bytes
     cap = MAX_GROUP if max_group_bytes is None else max_group_bytes
     h, i, v, layers = shape["hidden_size"], shape["intermediate_size"], shape["vocab_size"], shape["num_hidden_layers"]
     kv = h * shape["num_key_value_heads"] // shape["num_attention_heads"]

@@ -19,8 +19,8 @@ import os
 from typing import Any
 
 from ._limits import parse_bytes
-from ._module import (LINK_GBPS, LOOKAHEAD, MAX_GROUP, Plan, gathered_groups, home_layout, span_of, is_stacked, module_groups,
-                      plan_host, plan_residency, stay_home)
+from ._modulegroups import MAX_GROUP, gathered_groups, home_layout, is_stacked, module_groups, span_of
+from ._moduleplan import LINK_GBPS, LOOKAHEAD, Plan, plan_host, plan_residency, stay_home
 
 __all__ = ["ModelPlan", "plan_model", "load_config"]
 

@@ -1,6 +1,6 @@
 """The streaming primitive: ordered copies with events, a ring of device slots, a pinned arena.
 
-Module offload (_module.py), training (_train.py), activation swap (_swap.py) and the engine's
+Module offload (_moduletransport.py), training (_train.py), activation swap (_swap.py) and the engine's
 moves of managed memory all move bytes through these three pieces, so the ordering rules below are
 written once.
 

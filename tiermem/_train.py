@@ -110,7 +110,7 @@ from ._held import CopyGuard, InstancePatch
 from ._kvcache import kv_cache_configs, kv_cache_off
 from ._limits import parse_bytes
 from ._meter import StallMeter
-from ._module import module_groups
+from ._modulegroups import module_groups
 from ._recompute import Recompute
 from ._replay import Replays
 from ._swap import ActivationSwap

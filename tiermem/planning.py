@@ -6,7 +6,8 @@ NOTE [sizes] in _limits.py); :func:`weight_bytes`, to size a share of a module's
 :func:`plan_arena`, where a step's temporaries would sit in one lifetime-planned arena."""
 from ._arena import ArenaPlan, Temp, live_peak, plan_arena, temps_from_trace
 from ._limits import parse_bytes
-from ._module import Plan, plan_host, plan_residency, weight_bytes
+from ._modulegroups import weight_bytes
+from ._moduleplan import Plan, plan_host, plan_residency
 from ._trainplan import StepTrace, TrainPlan, plan_training
 
 __all__ = ["Plan", "plan_residency", "plan_host", "StepTrace", "TrainPlan", "plan_training", "parse_bytes",

@@ -924,8 +924,7 @@ class TieredTraining:
         """NOTE [replayed recompute]: the graphs this step's eager backwards asked for, captured
         between steps, when the step's tensors are gone, if the plan with the pool still holds
         the budget less its margin; else the choice plans again with room for the pool (its
-        ``after_step``) or
-        gives the graphs up, and later steps ask again."""
+        ``after_step``) or gives the graphs up, and later steps ask again."""
         r = self.replays
         if not r.pending:
             return

@@ -1,4 +1,4 @@
-"""Part 4 of bench/train_budget.py: keep, swap or recompute (NOTE [recompute plan] in tiermem/_trainplan.py).
+"""Part 4 of bench/train_budget.py: keep, swap or recompute (NOTE [recompute plan] in tiermem/training/plan.py).
 
 For the GPT-style model and a transformers Qwen2-style model (its default flags, but eager
 attention: see DETERMINISM), side by side in one process:
@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from _common import progress
 
-from tiermem._graphchoice import REPLAYS_TIMED
-from tiermem._stepgraph import SETTLED_STEPS
-from tiermem._trainchoice import PROBE_STEPS, VERIFY_STEPS
+from tiermem.training.choice import PROBE_STEPS, VERIFY_STEPS
+from tiermem.training.graphchoice import REPLAYS_TIMED
+from tiermem.training.stepgraph import SETTLED_STEPS
 
 GiB, MiB = 1 << 30, 1 << 20
 RATIOS = (1.5, 2.5, 4.0)
@@ -81,7 +81,7 @@ def probe_model(torch, name):
         a = argparse.Namespace(hf_vocab=8192, hf_d=1024, hf_ff=2816, hf_layers=20, hf_heads=16, hf_kv=4, seq=512)
         build, loss_fn, layers, vocab = (lambda: qwen2(torch, a)), hf_loss, (lambda m: list(m.model.layers)), a.hf_vocab
     else:
-        from tiermem.models import GPT, GPTConfig
+        from tiermem.testing import GPT, GPTConfig
         cfg = GPTConfig(vocab=8192, seq=512, d=1024, layers=16, heads=16)
 
         def build():
@@ -284,7 +284,7 @@ def _graph_row(a, name, r, info, budget, want, resident_ms, runs, raw, m):
 def _step_graph_row(name, r, info, budget, want, resident_ms, peers, runs, raw, m, checks):
     """The 1/2.5 run with the whole step replayed as one graph (NOTE [whole-step graphs]): timed
     over its replays (the steps before the capture are the eager plan's), its row and metrics."""
-    from tiermem._stepgraph import PLAN_CHANGED
+    from tiermem.training.stepgraph import PLAN_CHANGED
     g = info["graphed"]
     first = len(r.times) - g["last_replays"]            # the last capture's replays (NOTE [graph choice])
     meas = r.median_ms(skip=first + 1) if g["last_replays"] > 1 else float("nan")
@@ -359,7 +359,7 @@ def arena_study(kit, torch, name, build, loss_fn, batches, out):
 
 
 def part4(kit, torch, tiermem, a, rates, out):
-    from tiermem.models import GPTConfig
+    from tiermem.testing import GPTConfig
     build_gpt, gpt_batches, gpt_loss = kit.build_gpt, kit.gpt_batches, kit.gpt_loss
     cfg = GPTConfig(vocab=a.vocab, seq=a.seq, d=a.d, layers=a.layers, heads=a.heads)
     gb = gpt_batches(torch, cfg, a.steps, a.batch)

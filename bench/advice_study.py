@@ -29,8 +29,8 @@ data, in capacity and under an emulated budget, side by side:
   tiermem      tiermem.wrap_training (default policy with its traced prefetch plan); the model
                is plain torch memory, the trainer tiers it within the budget
 
-The budget (NOTE [UM residency estimate] in tiermem/_um_budget.py): the managed rows run under
-tiermem._um_budget.UMBudget, which evicts least-recently-used segments to the host by prefetch
+The budget (NOTE [UM residency estimate] in bench/um_budget.py): the managed rows run under
+um_budget.UMBudget, which evicts least-recently-used segments to the host by prefetch
 when the estimated device bytes pass it. The budget is --ratio of the footprint the um row
 reached in capacity (the enforcer's estimate with no limit). Each model runs in its own process,
 because torch_allocations' pools live for the process: that keeps the managed memory of one
@@ -92,7 +92,7 @@ class Spec:
     def __init__(self, torch, name, a):
         import torch.nn.functional as F
 
-        from tiermem.models import GPT, GPTConfig, resnet50
+        from tiermem.testing import GPT, GPTConfig, resnet50
         self.name = name
         if name == "resnet50":
             self.desc = f"ResNet-50, batch {a.rbatch}, {a.img}x{a.img}, SGD"
@@ -167,8 +167,9 @@ def steps_for(row, cond, a):
 
 
 def run_managed(torch, tiermem, spec, row, a, budget, best=None):
+    from um_budget import UMBudget
+
     from tiermem import Role
-    from tiermem._um_budget import UMBudget
     pol = policies(row, best)
     steps, warmup = steps_for(row, "cap" if budget is None else "budget", a)
     ta = tiermem.torch_memory.torch_allocations

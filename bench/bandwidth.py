@@ -10,12 +10,12 @@ In one run, side by side, on 1 GiB (default) of data:
                from the pinned shadow, zero-copy reads, prefetch-in and eviction at once, and
                an exchange under a tight budget (one group in, another out)
   direct       the shadow copies without the staging ring (NOTE [staging ring] in
-               tiermem/_staging.py), straight between pinned and managed memory: the stream-in,
+               tiermem/cuda/staging.py), straight between pinned and managed memory: the stream-in,
                the dirty eviction and the shadow refill, in rounds alternating with the ring's
 and whether evicted device memory really goes back to other allocators.
 
 The tier runs under a budget (3 GiB, the size of its managed cap), so shadow evictions park their
-device pages for the next refill (NOTE [parked pages] in tiermem/_engine.py). Each eviction and
+device pages for the next refill (NOTE [parked pages] in tiermem/core/engine.py). Each eviction and
 refill through the shadow is also timed with ``release=True``, the path that gives the pages back
 to the driver at once, which is what every eviction did before parking.
 
@@ -98,9 +98,11 @@ def main() -> None:
     args = ap.parse_args()
 
     import torch
+
     import tiermem
-    from tiermem import Location, _cuda
-    from tiermem._backend import _ArrayInterface
+    from tiermem import Location
+    from tiermem.cuda import runtime as _cuda
+    from tiermem.cuda.backend import _ArrayInterface
 
     N = int(args.size_gib * GiB)
     reps = args.reps

@@ -11,7 +11,7 @@ read their data more than once, as a blocked product does). Modes:
   unhinted   tiermem's allocator (role "activation"), no hints: what tiermem does on its own
   scoped     tiermem with Tier.use as a user who knows the pattern writes it: for update and
              read, which touch each array once a pass, ``once=True`` (arrays in place stay there
-             and what fits the budget is held: NOTE [touched once] in tiermem/_scoped.py); for
+             and what fits the budget is held: NOTE [touched once] in tiermem/cupy/scoped.py); for
              reuse, pipelined moves (the next array comes in while this one computes, what fits
              beside the two in flight is held, read_only=True)
   scoped_in  every op pipelined as reuse is (read_only=True for read and reuse): what moving
@@ -30,7 +30,7 @@ stats (the driver hands evicted pages on but did not take them back on the H100,
 must lie between resident_bytes.all.current and .peak), and values checked against a
 recomputation.
 
-A probe answers the open question of NOTE [allocator arrays in place] (tiermem/_scoped.py): does
+A probe answers the open question of NOTE [allocator arrays in place] (tiermem/cupy/scoped.py): does
 a kernel that reads (or writes) a range advised preferred-location host + accessed-by device
 migrate it after repeated accesses (the driver's access counters)? And does the driver hand the
 pages of an evicted range on to the next range it places, so that its figure is a high-water
@@ -72,7 +72,8 @@ class Run:
 
     def __init__(self, args: argparse.Namespace):
         import cupy
-        from tiermem import _cuda
+
+        from tiermem.cuda import runtime as _cuda
         self.cupy, self._cuda = cupy, _cuda
         self.args = args
         self.n, self.size = args.arrays, args.array_mib * MiB
@@ -375,7 +376,9 @@ def child(args: argparse.Namespace) -> None:
 
 def probe(args: argparse.Namespace) -> None:
     import cupy as cp
-    from tiermem import Location, _cuda
+
+    from tiermem import Location
+    from tiermem.cuda import runtime as _cuda
     size, reps = args.array_mib * MiB, args.probe_reads
     elems = size // 4
     fill = cp.ElementwiseKernel(*FILL)
@@ -464,7 +467,7 @@ def spawn(argv: list[str]) -> dict | None:
 
 def goal_notes(op: str, t: dict, bound: float, modes: dict) -> list[str]:
     """Lines that say which goal an op missed and why, with this run's figures (NOTE [touched
-    once] and NOTE [read-only scopes] in tiermem/_scoped.py)."""
+    once] and NOTE [read-only scopes] in tiermem/cupy/scoped.py)."""
     out = []
     if "scoped" in t and t["scoped"] / bound > 1.15:
         why = {"update": "arrays written once a pass stay in place, and the GPU's reads and writes over the "
@@ -541,7 +544,7 @@ def main() -> None:
         for mode, m in modes.items():
             err = None
             if "rows" in m:
-                # NOTE [retained pages] in tiermem/_scoped.py: the driver's used memory is
+                # NOTE [retained pages] in tiermem/cupy/scoped.py: the driver's used memory is
                 # tiermem's live data (resident + staging) plus the pages it keeps for allocator
                 # arrays whose data left the device (retained).
                 timed = m["rows"][1:] or m["rows"]

@@ -134,7 +134,7 @@ def drop_cache(paths: list[str]) -> None:
 def read_files(reader, paths: list[str], buf) -> tuple[float, int]:
     """(GB/s, bytes) of reading every file whole through ``reader`` into ``buf`` (a CPU uint8
     tensor), reused."""
-    from tiermem._load import FileTensor, host_bytes
+    from tiermem.inference.load import FileTensor, host_bytes
     total, t0 = 0, time.perf_counter()
     for p in paths:
         size = os.path.getsize(p)
@@ -148,7 +148,8 @@ def read_files(reader, paths: list[str], buf) -> tuple[float, int]:
 def read_rate(paths: list[str], threads: int, drop: bool) -> tuple[float, int]:
     """(GB/s, bytes) of reading every file whole through tiermem's Reader into one reused buffer."""
     import torch
-    from tiermem._load import Reader
+
+    from tiermem.inference.load import Reader
     r = Reader(threads=threads, drop_cache=drop)
     try:
         return read_files(r, paths, torch.empty(256 << 20, dtype=torch.uint8))
@@ -162,7 +163,8 @@ def kvikio_read_rate(paths: list[str], threads: int, device: bool) -> dict:
     straight into device memory (GPUDirect Storage where the system has it, else kvikio's POSIX
     path and a copy). The page cache is dropped before each."""
     import torch
-    from tiermem._kvikio import KvikioReader
+
+    from tiermem.inference.kvikio import KvikioReader
     r = KvikioReader(threads=threads, drop_cache=True)
     out = {"compat_mode": r.compat_mode, "direct_io_read": r.direct}
     drop_cache(paths)
@@ -257,8 +259,9 @@ def main() -> None:
 
     import torch
     import transformers as tf
+
     import tiermem
-    from tiermem._plan import plan_model
+    from tiermem.cli.plan import plan_model
 
     metrics: dict = {}
     checks: dict = {}
@@ -311,7 +314,7 @@ def main() -> None:
     cold, n = read_rate(files, 8, drop=True)
     drop_cache(files)
     cold1, _ = read_rate(files, 1, drop=True)
-    from tiermem._kvikio import available as kvikio_available
+    from tiermem.inference.kvikio import available as kvikio_available
     kv = kvikio_read_rate(files, 8, device=True) if kvikio_available() else "not installed"
     read_rate(files, 8, drop=False)                   # fills the page cache: the load reads it warm
     warm8, _ = read_rate(files, 8, drop=False)
@@ -330,7 +333,7 @@ def main() -> None:
     tier = tiermem.Tier(0)
     counts = pinned_counts_in_rss(tier)
     raw["pinned_counts_in_rss"] = counts
-    from tiermem._load import Reader
+    from tiermem.inference.load import Reader
     loads, peaks = [], []
     for i in range(args.load_reps):       # the median of a few loads: one varied from 0.58 to 0.87 s
         if i:
@@ -464,7 +467,7 @@ def main() -> None:
         metrics["posix_disk_reader_GBps"] = rd["posix"]["disk_reader_GBps"]
         checks["kvikio_logits_equal_resident"] = rd["kvikio"]["last_logits_equal_resident"]
         # the default reader (the first of READERS) must be the one that ran faster here, within 3%
-        from tiermem._disk import READERS
+        from tiermem.inference.disk import READERS
         other = "kvikio" if READERS[0] == "posix" else "posix"
         checks["default_disk_reader_not_slower"] = rd[READERS[0]]["prefill_ms"] <= 1.03 * rd[other]["prefill_ms"]
     checks["tokens_equal_resident"] = t["tokens_equal_resident"]
@@ -496,9 +499,9 @@ def main() -> None:
 def run_accelerate(args, ckpt_dir, offload_dir, files, ids, budget, host_budget, watch) -> dict:
     """transformers + accelerate with the same budgets: device_map="auto", max_memory and an
     offload folder for what fits neither."""
+    import accelerate
     import torch
     import transformers as tf
-    import accelerate
     progress("accelerate: from_pretrained(device_map='auto', max_memory, offload_folder)")
     drop_cache(files)
     rss0 = watch.reset()

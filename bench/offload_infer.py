@@ -201,6 +201,7 @@ def adoption_atomic(model, tier_cls, budget: int) -> bool:
     """A wrap_module made to fail midway (after its resident groups took managed memory) leaves
     the model's tensors, the tier's stats and the driver's free memory as they were."""
     import torch
+
     import tiermem
     t = tier_cls(0)
     before = [(p, p.data_ptr()) for p in model.parameters()]
@@ -291,6 +292,7 @@ def main() -> None:
 
 def run_arch(arch, args, link, watch, raw, atomic):
     import torch
+
     import tiermem
     if True:
         r: dict = {}

@@ -1,6 +1,6 @@
 """Soak on a really small GPU: random operations on tensors of every role, a wrap_training loop and
 a wrap_module inference loop between them, and failures injected at random through the CUDA
-backend's hook (NOTE [failure injection] in tiermem/_backend.py), recovering from each.
+backend's hook (NOTE [failure injection] in tiermem/cuda/backend.py), recovering from each.
 
 First it takes all but ``--keep-gb`` of the card with one plain allocation, so the driver really
 has little free (docs/facts.md, "A really small GPU"); tiermem's default managed cap is the free
@@ -259,7 +259,7 @@ class Soak:
                 x.prefetch(non_blocking=self.non_blocking(p))
             elif op == "bounce":
                 # Out without waiting and straight back in (the pattern behind NOTE [discard
-                # fence] in _backend.py).
+                # fence] in cuda/backend.py).
                 x.evict(non_blocking=p is None)
                 self.read(e)
             elif op == "read":
@@ -330,7 +330,7 @@ class Soak:
 
     # -- training and inference -------------------------------------------------------------------
     def gpt(self, cfg: dict, seed: int) -> tuple[Any, Any]:
-        from tiermem.models import GPT, GPTConfig
+        from tiermem.testing import GPT, GPTConfig
         c = GPTConfig(**cfg)
         self.torch.manual_seed(seed)
         return GPT(c).cuda(), c
@@ -340,6 +340,7 @@ class Soak:
         models run (CUDA loads modules lazily, into device memory) and cuBLAS's handle. Without
         this the first seed's leak check would count them (310 MB on the H100)."""
         import torch.nn.functional as F
+
         import tiermem
         torch = self.torch
         for cfg in (dict(vocab=2048, seq=64, d=256, layers=4, heads=4), dict(vocab=2048, seq=128, d=384, layers=8, heads=4)):
@@ -529,9 +530,10 @@ class Soak:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from _common import progress, write_results
     import torch
-    from tiermem._backend import FaultInjector, inject_faults
+    from _common import progress, write_results
+
+    from tiermem.cuda.backend import FaultInjector, inject_faults
     if not torch.cuda.is_available():
         print("bench/soak.py needs a CUDA GPU", file=sys.stderr)
         return 2

@@ -130,7 +130,7 @@ class Stepper:
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         gc0 = _GC["ms"]
         a.record()
-        if self.graphed is not None:          # NOTE [whole-step graphs] in tiermem/_stepgraph.py
+        if self.graphed is not None:          # NOTE [whole-step graphs] in tiermem/training/stepgraph.py
             loss = self.graphed(batch)
             self.moved.append(dict(self.train.moved))
         elif self.train is not None:
@@ -174,7 +174,7 @@ class _null:
 
 
 def build_gpt(torch, cfg, seed=0):
-    from tiermem.models import GPT
+    from tiermem.testing import GPT
     torch.manual_seed(seed)
     return GPT(cfg).cuda()
 
@@ -236,7 +236,7 @@ _TIER = []
 def shared_tier(tiermem):
     """One Tier for the whole run: its pinned pool keeps the small pinned blocks of earlier runs,
     so a run does not pay cudaHostAlloc again (large homes are registered afresh, NOTE [pinned by
-    registration] in tiermem/_cuda.py)."""
+    registration] in tiermem/cuda/runtime.py)."""
     if not _TIER:
         _TIER.append(tiermem.Tier(0, cap="12GiB"))
     return _TIER[0]
@@ -274,7 +274,7 @@ class Result:
 
 
 def part1(torch, tiermem, a, rates, out):
-    from tiermem.models import GPTConfig, gpt_param_count
+    from tiermem.testing import GPTConfig, gpt_param_count
     cfg = GPTConfig(vocab=a.vocab, seq=a.seq, d=a.d, layers=a.layers, heads=a.heads)
     n = gpt_param_count(cfg)
     footprint = 16 * n            # fp32 parameters, gradients, AdamW's two moments
@@ -460,7 +460,7 @@ def study(torch, tiermem, name, build, make_batch, loss_fn, budget, a, rates, us
 
 
 def part3(torch, tiermem, a, rates, out):
-    from tiermem.models import GPTConfig, resnet50
+    from tiermem.testing import GPTConfig, resnet50
     budget = int(a.study_gib * GiB)
 
     def build_resnet():

@@ -14,6 +14,8 @@ import warnings
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
+# bench/um_budget.py, the advice study's enforcer, is bench code with CPU tests of its own.
+sys.path.append(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
 # Deterministic cuBLAS, for the bitwise checks in the GPU tests; must be set before CUDA starts.
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
@@ -22,7 +24,7 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 def gpu_reason() -> str | None:
     """None when a GPU test can run here, else why not."""
     try:
-        from tiermem import _cuda
+        from tiermem.cuda import runtime as _cuda
         ok, why = _cuda.available()
     except Exception as e:  # cuda-bindings missing or broken
         return f"no CUDA: {e}"
@@ -49,8 +51,8 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 @pytest.fixture(autouse=True)
 def _reset_global_state():
     """Each test starts with no default Tier and no role scope, and leaves none behind."""
-    import tiermem._default as default
-    import tiermem._cupy as cp
+    import tiermem.base.default as default
+    import tiermem.cupy.allocator as cp
     default.replace(None)
     cp._scope.role = None
     yield

@@ -13,9 +13,9 @@ Failure injection (what tests/test_faults.py sweeps; any other test may use it):
     len(seen), seen[0]             # how many, and the first one's name ("new_event", ...)
     fake.fired                     # the (n, call name, kind) of the last failure that fired
 
-The faultable calls are the backend methods in ``tiermem._backend.FAULTABLE`` (every one that a
-real CUDA call stands behind), counted by a ``tiermem._backend.FaultInjector`` (``fake.faults``;
-the real backend takes the same injector, NOTE [failure injection] in _backend.py). A failure is
+The faultable calls are the backend methods in ``tiermem.cuda.backend.FAULTABLE`` (every one that a
+real CUDA call stands behind), counted by a ``tiermem.cuda.backend.FaultInjector`` (``fake.faults``;
+the real backend takes the same injector, NOTE [failure injection] in cuda/backend.py). A failure is
 raised when the call starts, before it has any effect. Its kind is one of ``FAULT_KINDS``:
 
     "cuda"       CUDAError("<call>", 719, "cudaErrorLaunchFailure"): a sticky device error;
@@ -36,10 +36,10 @@ from typing import Any
 
 import numpy as np
 
-from tiermem._backend import FAULTABLE, LARGE, Block, FaultInjector, HostBlock
-from tiermem._cuda import Capabilities, RangeInfo
-from tiermem._errors import CUDAOutOfMemoryError, ViewError
-from tiermem._limits import CapGuard, resolve_cap
+from tiermem.base.limits import CapGuard, resolve_cap
+from tiermem.cuda.backend import FAULTABLE, LARGE, Block, FaultInjector, HostBlock
+from tiermem.cuda.runtime import Capabilities, RangeInfo
+from tiermem.errors import CUDAOutOfMemoryError, ViewError
 from tiermem.roles import Advice, Location
 
 POISON = 0xDB

@@ -7,7 +7,7 @@ import torch
 
 MiB = 1 << 20
 
-# The per-role keys documented in tiermem/_stats.py, with the role part taken out.
+# The per-role keys documented in tiermem/core/stats.py, with the role part taken out.
 ROLE_KEYS = (
     "allocated_bytes.current", "allocated_bytes.peak", "allocated_bytes.total", "allocated_bytes.freed",
     "allocation_count.current", "allocation_count.peak", "allocation_count.total", "allocation_count.freed",
@@ -65,7 +65,8 @@ def fault_params(name: str, seen: list[str], positions: list[int] | None = None)
     1-based position ``n`` of the faultable calls ``seen`` (all, or ``positions``) and each
     failure kind; out-of-memory only for allocations. Ids start with "fault", for ``-k fault``."""
     import pytest
-    from tiermem._backend import FaultInjector
+
+    from tiermem.cuda.backend import FaultInjector
     out = []
     for n in positions or range(1, len(seen) + 1):
         call = seen[n - 1]
@@ -78,14 +79,14 @@ def fault_params(name: str, seen: list[str], positions: list[int] | None = None)
 
 def share(module: Any, percent: int) -> int:
     """``percent`` of ``module``'s weights, in bytes: a percentage budget is a share of the device
-    (NOTE [sizes] in tiermem/_limits.py), so a share of a model is spelled in bytes."""
+    (NOTE [sizes] in tiermem/base/limits.py), so a share of a model is spelled in bytes."""
     from tiermem.planning import weight_bytes
     return weight_bytes(module) * percent // 100
 
 
 def checkpoint_share(path: Any, percent: int) -> int:
     """``percent`` of the weights load_pretrained would read from ``path``, in bytes."""
-    from tiermem._plan import plan_model
+    from tiermem.cli.plan import plan_model
     return plan_model(path, 1 << 50).plan.total * percent // 100
 
 

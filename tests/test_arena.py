@@ -1,4 +1,4 @@
-"""The lifetime-planned arena (tiermem/_arena.py, NOTE [lifetime arena]): no two temporaries
+"""The lifetime-planned arena (tiermem/training/arena.py, NOTE [lifetime arena]): no two temporaries
 alive together share a byte, the peak never falls below the live peak, and a trace of torch's
 allocator history becomes lifetimes."""
 from __future__ import annotations

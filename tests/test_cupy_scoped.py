@@ -12,14 +12,13 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from helpers import calls
 
 import tiermem
 from tiermem import Location, TierMemError
-from tiermem._scoped import residency
-from tiermem._engine import UM_STREAMS
+from tiermem.core.engine import UM_STREAMS
+from tiermem.cupy.scoped import residency
 from tiermem.roles import Advice
-
-from helpers import calls
 
 MiB = 1 << 20
 A = 4 * MiB   # every array here owns whole 2 MiB pages
@@ -324,8 +323,8 @@ def test_values_survive_every_mix_of_scoped_and_unscoped_use(fake):
 
 
 def test_stats_keys_are_documented():
-    from tiermem import _stats
-    from tiermem._stats import EXTRA_KEYS
+    from tiermem.core import stats as _stats
+    from tiermem.core.stats import EXTRA_KEYS
     for key in EXTRA_KEYS:
         head = key.rsplit(".", 1)[0] if key.startswith("residency.faulted_back") else key
         assert head in (_stats.__doc__ or ""), key

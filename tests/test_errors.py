@@ -1,4 +1,4 @@
-"""The exception hierarchy (tiermem/_errors.py), and arguments checked before tiermem looks for a GPU.
+"""The exception hierarchy (tiermem/errors.py), and arguments checked before tiermem looks for a GPU.
 
 Every bad argument raises a TierMemError that is also a ValueError (or a TypeError for a wrong
 type), so code that does not know tiermem can catch it. The public functions check their
@@ -8,18 +8,18 @@ mistake still raises its own error.
 from __future__ import annotations
 
 import pytest
+from um_budget import UMBudget
 
 import tiermem
 from tiermem import ConfigError, Policy, TierMemError
+from tiermem.base.limits import ENV_BUDGET, ENV_CAP, check_bytes, resolve_budget, resolve_cap
+from tiermem.cuda import runtime as _cuda
+from tiermem.cuda.staging import Staging, StagingRing, ring_slot
 from tiermem.errors import ConfigTypeError, CUDAUnavailableError, RoleError, WrapError
-from tiermem.planning import plan_training, StepTrace
-from tiermem.planning import parse_bytes
-from tiermem import _cuda, _torch_alloc
-from tiermem._limits import ENV_BUDGET, ENV_CAP, check_bytes, resolve_budget, resolve_cap
-from tiermem._staging import Staging, StagingRing, ring_slot
-from tiermem._trainoptions import check_options
-from tiermem._um_budget import UMBudget
+from tiermem.planning import StepTrace, parse_bytes, plan_training
+from tiermem.pytorch import allocator as _torch_alloc
 from tiermem.roles import PolicyTable
+from tiermem.training.options import check_options
 
 GiB = 1 << 30
 
@@ -38,7 +38,7 @@ def test_the_hierarchy():
     assert not issubclass(ConfigError, TypeError)
     assert set(tiermem.errors.__all__) >= {"ConfigError", "ConfigTypeError"} and "ConfigError" in tiermem.__all__
     # every error class of the package has its public home
-    assert {c.__name__ for c in vars(tiermem._errors).values()
+    assert {c.__name__ for c in vars(tiermem.errors).values()
             if isinstance(c, type) and issubclass(c, TierMemError)} <= set(tiermem.errors.__all__)
 
 
@@ -184,7 +184,7 @@ def test_arguments_are_checked_before_the_gpu(call, error, message):
         pytest.skip("torch is not installed")
     with pytest.raises(error, match=message):
         call()
-    assert tiermem._default.peek() is None, "the default Tier was made before the arguments were checked"
+    assert tiermem.base.default.peek() is None, "the default Tier was made before the arguments were checked"
 
 
 def test_the_environment_budget_is_checked_before_the_gpu(monkeypatch):

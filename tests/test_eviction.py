@@ -1,5 +1,5 @@
-"""The eviction paths (NOTE [eviction paths] in _engine.py, NOTE [views and the fast paths] in
-_tensor.py): shadow copy, clean discard, read-mostly collapse and Unified Memory write-back.
+"""The eviction paths (NOTE [eviction paths] in core/engine.py, NOTE [views and the fast paths] in
+core/tensor.py): shadow copy, clean discard, read-mostly collapse and Unified Memory write-back.
 
 The fake backend poisons a discarded range with 0xDB, so data that comes back equal after a
 discard can only have come back from the shadow.
@@ -9,14 +9,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from fakes import POISON, FakeBackend
+from helpers import MiB, calls, fill_random, read, role_stats
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from torch import nn
 
 import tiermem
-from fakes import POISON, FakeBackend
-from helpers import MiB, calls, fill_random, read, role_stats
 from tiermem import Location, OutOfBudgetError
 
 

@@ -27,15 +27,15 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from fakes import FakeBackend, _FakeBlock
+from helpers import MiB, fault_params
 from torch import nn
 
 import tiermem
-from fakes import FakeBackend, _FakeBlock
-from helpers import MiB, fault_params
 from tiermem import Location, TierMemError
-from tiermem._staging import StagingRing
-from tiermem._engine import _SharedBlock
-from tiermem._torch import tiered_of
+from tiermem.core.engine import _SharedBlock
+from tiermem.cuda.staging import StagingRing
+from tiermem.pytorch.wrap import tiered_of
 
 RNG = np.random.default_rng(18)
 DATA = np.random.default_rng(0).integers(0, 256, 12 << 20, dtype=np.uint8)   # never written
@@ -174,7 +174,7 @@ def group_scene(fake: FakeBackend, on_host: bool) -> Scene:
     t = tiermem.Tier(backend=fake)
     ps = [param(2 * MiB), param(4096), param(2 * MiB + 4096)]
     sc = Scene(t, lambda: None if tiered_of(ps[0]) is not None else
-               tiermem._torch.wrap_group(t, ps, "weight", on_host=on_host), adopting=ps)
+               tiermem.pytorch.wrap.wrap_group(t, ps, "weight", on_host=on_host), adopting=ps)
     sc.tensors += [(p, t_bytes(p).copy()) for p in ps]
     held_tt(sc, *filled(t, 2 * MiB))
     return sc
@@ -525,7 +525,7 @@ def cupy_scene(fake: FakeBackend, free: bool, **tier_kw: Any) -> Scene:
     """The CuPy allocator's malloc and free as make_allocator routes them, without CuPy: malloc is
     ``residency(tier).new_array`` (a placed buffer, and the token the array's memory owns); free
     is the array's memory letting its token go. Two resident tensors share the tier."""
-    from tiermem._scoped import residency
+    from tiermem.cupy.scoped import residency
     sc = with_resident(fake, lambda t: None, **tier_kw)
     t, arrays = sc.tier, []
     state = residency(t)
@@ -687,8 +687,8 @@ def _reset_global_state():
     """conftest's reset without its gc.collect (a third of a second in this process, for each of
     ~2,000 cases): every case checks that it leaves nothing allocated, and no default Tier or role
     scope is set here."""
-    import tiermem._default as default
-    import tiermem._cupy as cp
+    import tiermem.base.default as default
+    import tiermem.cupy.allocator as cp
     default.replace(None)
     cp._scope.role = None
     yield
@@ -876,7 +876,7 @@ def test_fault_an_interrupt_landing_as_the_discard_returns_keeps_the_eviction():
 def test_fault_injection_in_the_real_backend_is_there_only_while_set():
     """The CUDA backend's hook (NOTE [failure injection]) needs no GPU to check: the injector
     raises before the method's body runs."""
-    from tiermem._backend import FAULTABLE, CudaBackend, FaultInjector, inject_faults
+    from tiermem.cuda.backend import FAULTABLE, CudaBackend, FaultInjector, inject_faults
     plain = {n: CudaBackend.__dict__[n] for n in FAULTABLE}
     inj = FaultInjector()
     inject_faults(inj)

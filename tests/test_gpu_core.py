@@ -61,7 +61,8 @@ def test_last_prefetch_location_follows_moves(gtier):
 def test_views_are_zero_copy_both_ways(gtier):
     import cupy
     import torch
-    from tiermem import _cuda
+
+    from tiermem.cuda import runtime as _cuda
     t = gtier.empty((512, 256), "float32", role="activation")
     tv, cv = t.torch(), t.cupy()
     assert tv.data_ptr() == cv.data.ptr == t.data_ptr
@@ -223,8 +224,9 @@ def test_shadow_clean_eviction_moves_nothing(gtier):
 
 def test_cupy_allocator_arrays_are_managed_and_counted(gtier):
     import cupy
+
     import tiermem
-    from tiermem import _cuda
+    from tiermem.cuda import runtime as _cuda
     before = gtier.stats()
     with cupy.cuda.using_allocator(tiermem.allocator(tier=gtier)):
         with tiermem.arrays.using_role("input"):
@@ -270,6 +272,7 @@ def test_cap_is_enforced_and_pool_caches_give_way():
 
 def test_threads_lose_no_bytes():
     import torch
+
     import tiermem
     t = tiermem.Tier(0, cap="2GiB")
     roles = ["activation", "gradient", "workspace", "input", "weight"]
@@ -310,6 +313,7 @@ def test_threads_lose_no_bytes():
 
 def test_budget_holds_and_data_survives():
     import torch
+
     import tiermem
     t = tiermem.Tier(0, cap="1GiB", budget="64MiB")
     ts = [t.empty(16 * MiB, "uint8", role="activation") for _ in range(8)]
@@ -333,8 +337,9 @@ def test_budget_holds_and_data_survives():
 
 def test_unwrap_restores_plain_device_memory(gtier):
     import torch
+
     import tiermem
-    from tiermem import _cuda
+    from tiermem.cuda import runtime as _cuda
     lin = torch.nn.Linear(1024, 1024).cuda()
     ref = lin.weight.detach().clone()
     gtier.wrap(lin.weight)
@@ -345,7 +350,7 @@ def test_unwrap_restores_plain_device_memory(gtier):
 
 
 def test_info_reports_the_device():
-    from tiermem._cli import info
+    from tiermem.cli.main import info
     out = io.StringIO()
     assert info(out) == 0
     text = out.getvalue()
@@ -358,7 +363,8 @@ def test_a_large_unpooled_host_block_is_registered_pinned_memory_the_gpu_reads_i
     import ctypes
 
     import torch
-    from tiermem import _cuda
+
+    from tiermem.cuda import runtime as _cuda
     be = gtier.backend
     n = 80 * MiB
     b = be.host_alloc(n, pooled=False)

@@ -25,12 +25,12 @@ FILL = ("uint32 seed", "float32 x",
 
 # Run in a fresh process: the driver's figure (cudaMemGetInfo) counts device pages the process
 # ever took, so only a process with no earlier managed memory measures this workload alone
-# (NOTE [retained pages] in tiermem/_scoped.py).
+# (NOTE [retained pages] in tiermem/cupy/scoped.py).
 _DRIVER = r"""
 import json, sys
 import cupy
 import tiermem
-from tiermem import _cuda
+from tiermem.cuda import runtime as _cuda
 MiB = 1 << 20
 BUDGET, N, SIZE = 512 * MiB, 8, 128 * MiB         # 1 GiB of arrays, twice the budget
 fill = cupy.ElementwiseKernel(*json.loads(sys.argv[1]))
@@ -122,6 +122,7 @@ def _fill_kernel():
 def test_cupy_arrays_survive_every_mix_of_scoped_and_unscoped_use():
     import cupy
     import numpy as np
+
     import tiermem
     fill = _fill_kernel()
     tier = tiermem.Tier(0, budget=256 * MiB, cap="1GiB")

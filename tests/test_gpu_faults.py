@@ -1,6 +1,6 @@
 """Interrupted work on the GPU: Ctrl-C at every backend call of an eviction, and training steps
 whose backward raises. Failures come through the CUDA backend's hook (NOTE [failure injection]
-in tiermem/_backend.py). Managed use stays far below 1 GiB.
+in tiermem/cuda/backend.py). Managed use stays far below 1 GiB.
 
 The CPU sweep (tests/test_faults.py) fails every call of every operation on the fake backend;
 these check the same promises against the real driver: nothing lost, nothing leaked, and the next
@@ -27,7 +27,7 @@ def books(tier) -> dict:
 
 @pytest.fixture
 def injector():
-    from tiermem._backend import FaultInjector, inject_faults
+    from tiermem.cuda.backend import FaultInjector, inject_faults
     inj = FaultInjector()
     inject_faults(inj)
     try:
@@ -43,6 +43,7 @@ def test_ctrl_c_at_every_call_of_an_eviction_loses_nothing_and_leaks_nothing(bud
     re-pointed at its shadow, a frozen weight's read-mostly collapse. Ctrl-C lands at its 1st
     call, then its 2nd, ... until one runs to the end."""
     import torch
+
     import tiermem
     torch.manual_seed(0)
     tier = tiermem.Tier(0, cap="1GiB", budget=budget, staging="8MiB")
@@ -66,7 +67,7 @@ def test_ctrl_c_at_every_call_of_an_eviction_loses_nothing_and_leaks_nothing(bud
     torch.cuda.synchronize()
     base = books(tier)
     # The driver's free memory from here: it keeps the device pages of freed managed memory for
-    # the process (NOTE [retained pages] in tiermem/_scoped.py; 112 MiB of them after the first
+    # the process (NOTE [retained pages] in tiermem/cupy/scoped.py; 112 MiB of them after the first
     # round here on the H100), so only what the interrupted rounds take on top is ours to find.
     # CuPy's default pool, like torch's cache, keeps what is freed into it (the staging rings'
     # device memory comes from there): both caches are emptied before each reading.
@@ -176,7 +177,8 @@ def test_a_step_whose_backward_raises_leaves_the_run_bitwise_as_if_it_never_happ
     the parameters of the uninterrupted run, bitwise, and nothing leaks."""
     torch = _train_setup()
     from test_gpu_train import BUDGET, CFG, _batches, _cleanup, _loss, _resident_losses, _tiered
-    from tiermem.models import GPTConfig
+
+    from tiermem.testing import GPTConfig
     batches = _batches(GPTConfig(**CFG), 8)
     want, want_params = _resident_losses(batches)
     _cleanup()
@@ -222,7 +224,7 @@ def test_a_step_whose_backward_raises_half_way_leaves_no_gradient_behind(torch_c
         with train.step():
             _failing_loss(model, batches[2], "middle").backward()
     # pytest keeps the exception, and its frames keep the failed step's graph: drop them as the
-    # contract asks of a caller who keeps one (NOTE [kept exceptions] in _train.py).
+    # contract asks of a caller who keeps one (NOTE [kept exceptions] in training/handle.py).
     traceback.clear_frames(ei.tb)
     del ei
     assert all(p.grad is None for p in model.parameters())
@@ -250,7 +252,7 @@ def test_ctrl_c_at_a_backend_call_inside_a_training_step_leaves_no_leak_and_trai
     torch = _train_setup()
     from test_gpu_train import BUDGET, _batches, _cleanup, _loss, _tiered
     tier, model, opt, train, c = _tiered(BUDGET)
-    from tiermem._trainchoice import PROBE_STEPS, VERIFY_STEPS
+    from tiermem.training.choice import PROBE_STEPS, VERIFY_STEPS
     # The plan settles after the trace, the probe and its check (NOTE [measured choice]); the
     # step after that may still set things up (slots, events) when the check changed the plan.
     warm = 1 + PROBE_STEPS + VERIFY_STEPS + 1
@@ -284,7 +286,7 @@ def test_ctrl_c_at_a_backend_call_inside_a_training_step_leaves_no_leak_and_trai
         assert isinstance(err, KeyboardInterrupt) or "injected at" in str(err), repr(err)
         assert injector.fired is not None
         # A caught exception's frames hold the failed step's activations; a caller that keeps
-        # it keeps them, inside the step's memory cap (NOTE [kept exceptions] in _train.py).
+        # it keeps them, inside the step's memory cap (NOTE [kept exceptions] in training/handle.py).
         traceback.clear_frames(err.__traceback__)
         del err
         assert all(p.grad is None for p in model.parameters())

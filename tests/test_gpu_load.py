@@ -35,6 +35,7 @@ def _ids(cfg, n=48):
                          ids=["pinned_home", "disk_tier", "disk_tier_kvikio"])
 def test_loaded_logits_and_tokens_equal_transformers(saved, host_budget, reader):
     import torch
+
     import tiermem
     if reader == "kvikio":
         pytest.importorskip("kvikio")
@@ -65,7 +66,9 @@ def test_loaded_logits_and_tokens_equal_transformers(saved, host_budget, reader)
 def test_a_bad_checkpoint_leaves_the_device_as_it_was(saved, tmp_path):
     import os
     import shutil
+
     import torch
+
     import tiermem
     path, _, _ = saved
     bad = tmp_path / "bad"
@@ -86,12 +89,14 @@ def test_the_kvikio_reader_reads_what_the_posix_reader_reads(tmp_path):
     """Unaligned ranges, several at once, merged tensors' pieces; a short file is a clear error.
     kvikio's process-wide settings are raised while the reader lives and put back at close."""
     kvikio = pytest.importorskip("kvikio")
-    import kvikio.defaults
     import os
+
+    import kvikio.defaults
     import torch
-    from tiermem._kvikio import KvikioReader
-    from tiermem._load import FileTensor, Reader, host_bytes
+
     from tiermem.errors import CheckpointError
+    from tiermem.inference.kvikio import KvikioReader
+    from tiermem.inference.load import FileTensor, Reader, host_bytes
     data = os.urandom(9 * MiB + 12345)
     f = tmp_path / "blob"
     f.write_bytes(data)

@@ -25,8 +25,9 @@ def _llama(frozen: bool = True):
 @pytest.mark.parametrize("frozen", [True, False], ids=["frozen", "default_flags"])
 def test_transformers_model_streams_within_budget_bitwise_equal(frozen):
     import torch
+
     import tiermem
-    from tiermem import _cuda
+    from tiermem.cuda import runtime as _cuda
     model, cfg = _llama(frozen)
     ref = copy.deepcopy(model)
     role = "frozen_weight" if frozen else "weight"
@@ -53,6 +54,7 @@ def test_transformers_model_streams_within_budget_bitwise_equal(frozen):
 
 def test_decode_streams_and_weights_rest_at_home():
     import torch
+
     import tiermem
     model, cfg = _llama()
     ref = copy.deepcopy(model)
@@ -85,6 +87,7 @@ def test_decode_streams_and_weights_rest_at_home():
 def test_sequential_and_custom_module_and_single_layer():
     import torch
     import torch.nn as nn
+
     import tiermem
 
     class Custom(nn.Module):
@@ -125,8 +128,9 @@ def test_default_flags_no_grad_forward_streams_then_a_training_step_has_right_gr
     forward that records gradients reads in place and gives bitwise the resident gradients
     (NOTE [trainable weights in the pinned home])."""
     import torch
+
     import tiermem
-    from tiermem import _cuda
+    from tiermem.cuda import runtime as _cuda
     model, cfg = _llama(frozen=False)
     model.float()                                  # fp32 so the SGD step below is exact to compare
     ref = copy.deepcopy(model)
@@ -164,6 +168,7 @@ def _take_device(keep: int):
     """All but ``keep`` bytes of the card in one plain cudaMalloc reservation (docs/facts.md: a
     really small GPU)."""
     import gc
+
     import torch
     gc.collect()
     torch.cuda.synchronize()
@@ -181,7 +186,9 @@ def _take_device(keep: int):
 
 def test_a_model_bigger_than_the_really_small_gpu_runs_generate():
     import gc
+
     import torch
+
     import tiermem
     transformers = pytest.importorskip("transformers")
     cfg = transformers.Qwen2Config(hidden_size=1024, intermediate_size=4096, num_hidden_layers=8, num_attention_heads=16,
@@ -224,6 +231,7 @@ def test_a_failed_adoption_leaves_nothing_behind(monkeypatch):
     """A wrap_module that fails midway (after its resident groups took managed memory) leaves the
     model's tensors, the tier's stats and the driver's free memory as they were."""
     import torch
+
     import tiermem
     model, cfg = _llama(frozen=False)
     t = tiermem.Tier(0, cap="1GiB")

@@ -1,12 +1,20 @@
-"""GPU tests of recompute in wrap_training (NOTE [recompute plan] in tiermem/_trainplan.py):
+"""GPU tests of recompute in wrap_training (NOTE [recompute plan] in tiermem/training/plan.py):
 recomputed and swapped activations in one step give the resident run's losses bitwise, dropout
 inside a recomputed block draws the same masks, and the plan's measured times are real ones."""
 from __future__ import annotations
 
 import pytest
-
-from test_gpu_train import (CFG, _batches, _cleanup, _loss, _pool_report, _private_pool_segments, _resident_losses,
-                            _setup, _train_losses)
+from test_gpu_train import (
+    CFG,
+    _batches,
+    _cleanup,
+    _loss,
+    _pool_report,
+    _private_pool_segments,
+    _resident_losses,
+    _setup,
+    _train_losses,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -15,8 +23,9 @@ MiB = 1 << 20
 
 def _tiered(budget, **kw):
     import torch
-    import tiermem
     from test_gpu_train import _gpt
+
+    import tiermem
     model, c = _gpt()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     tier = tiermem.Tier(0, cap="1GiB")
@@ -31,7 +40,7 @@ def test_thirty_steps_recomputing_and_swapping_give_the_resident_losses_bitwise(
     their shared pool fits the budget beside the step's own allocations, the plan made after the
     first captures leaving room for it."""
     torch = _setup()
-    from tiermem.models import GPTConfig
+    from tiermem.testing import GPTConfig
     batches = _batches(GPTConfig(**CFG), 30)
     want, want_params = _resident_losses(batches)
     _cleanup()
@@ -69,6 +78,7 @@ def test_dropout_in_recomputed_blocks_gives_the_resident_losses_bitwise():
     torch = _setup()
     import torch.nn as nn
     import torch.nn.functional as F
+
     import tiermem
 
     def build():
@@ -137,6 +147,7 @@ def test_a_transformers_model_replays_its_recomputed_layers_and_gives_the_reside
     torch = _setup()
     import torch.nn.functional as F
     import transformers
+
     import tiermem
     cfg = transformers.Qwen2Config(hidden_size=512, intermediate_size=1408, num_hidden_layers=6,
                                    num_attention_heads=8, num_key_value_heads=2, vocab_size=4096,
@@ -200,8 +211,8 @@ def test_a_kept_plan_that_runs_slower_later_gives_way_on_the_steps_own_cuda_even
     two timed steps run slower (so the first check keeps the model's plan), and the model's plan
     runs much slower after its check (so the second check must give it up)."""
     torch = _setup()
-    from tiermem._trainchoice import LATE_SLACK, LATE_STEPS, PROBE_STEPS, VERIFY_STEPS
-    from tiermem.models import GPTConfig
+    from tiermem.testing import GPTConfig
+    from tiermem.training.choice import LATE_SLACK, LATE_STEPS, PROBE_STEPS, VERIFY_STEPS
     checked = 1 + PROBE_STEPS + VERIFY_STEPS              # the trace, the probe, the model's plan
     n = checked + LATE_STEPS + 12                          # room for the host to run ahead of the GPU
     batches = _batches(GPTConfig(**CFG), n)
@@ -261,7 +272,7 @@ def test_an_expanded_keyword_tensor_replays_with_checkpoints_gradients_bitwise()
     backward runs eagerly and asks for its graph, captured between the steps; the second and
     third replay it, each giving the gradients of torch's checkpoint bitwise."""
     torch = _setup()
-    from tiermem._replay import Replays
+    from tiermem.training.replay import Replays
 
     class Layer(torch.nn.Module):
         def __init__(self, d):
@@ -311,7 +322,7 @@ def test_a_gpt_split_into_its_linears_loses_no_step_with_graphs(budget_mib):
     the peaks stay within the budget, whether the graphs fit or not."""
     torch = _setup()
     import tiermem
-    from tiermem.models import GPT, GPTConfig
+    from tiermem.testing import GPT, GPTConfig
     c = GPTConfig(vocab=8192, seq=128, d=384, layers=4, heads=4)       # 13.4M parameters: 214 MB of state
     batches = _batches(c, 12)
 

@@ -1,4 +1,4 @@
-"""GPU tests of the staging ring (NOTE [staging ring] in tiermem/_staging.py): data goes through it
+"""GPU tests of the staging ring (NOTE [staging ring] in tiermem/cuda/staging.py): data goes through it
 bit for bit both ways, the caller's stream is ordered after all of it, and trim() gives its memory
 back to the driver. Managed use stays under 1 GiB."""
 from __future__ import annotations
@@ -29,6 +29,7 @@ def _group(t, role="gradient"):
 @pytest.mark.parametrize("non_blocking", [False, True])
 def test_a_group_goes_through_the_ring_both_ways_bit_for_bit(budgeted, non_blocking):
     import torch
+
     import tiermem
     t = tiermem.Tier(0, cap="1GiB", staging="64MiB")
     g1, r1 = _group(t)
@@ -65,6 +66,7 @@ def test_a_group_goes_through_the_ring_both_ways_bit_for_bit(budgeted, non_block
 
 def test_trim_gives_the_ring_back_to_the_driver():
     import torch
+
     import tiermem
     t = tiermem.Tier(0, cap="1GiB", staging="128MiB")
     x = t.empty(64 * MiB, "uint8", role="gradient")
@@ -88,6 +90,7 @@ def test_an_eviction_and_a_refill_share_the_link_both_ways():
     """Each direction on its own stream and ring (NOTE [staging ring]); bench/bandwidth.py
     measures how much they overlap. This checks the streams and the bytes."""
     import torch
+
     import tiermem
     t = tiermem.Tier(0, cap="1GiB", budget="1GiB", staging="64MiB")
     a, ra = _group(t)

@@ -1,13 +1,23 @@
-"""GPU tests of whole-step graphs (NOTE [whole-step graphs] in tiermem/_stepgraph.py): a
+"""GPU tests of whole-step graphs (NOTE [whole-step graphs] in tiermem/training/stepgraph.py): a
 wrap_training step captured once and replayed gives the resident run's losses bitwise, within
 the budget; what changes the step (a learning rate, a load, a plan) drops the graph and nothing
 is lost; what cannot be captured leaves the steps eager."""
 from __future__ import annotations
 
 import pytest
-
-from test_gpu_train import (CFG, _batches, _cleanup, _gpt, _hf_on_host, _labels_losses, _loss, _pool_report,
-                            _private_pool_segments, _resident_losses, _setup)
+from test_gpu_train import (
+    CFG,
+    _batches,
+    _cleanup,
+    _gpt,
+    _hf_on_host,
+    _labels_losses,
+    _loss,
+    _pool_report,
+    _private_pool_segments,
+    _resident_losses,
+    _setup,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -25,8 +35,8 @@ def _captured_by():
     the settled eager step, and the capture's own. The plan's choices rest on measured times, so
     which of these a run takes differs from run to run (on the H100 at d477e04, some runs
     captured after 6 steps and some after 17)."""
-    from tiermem._stepgraph import SETTLED_STEPS
-    from tiermem._trainchoice import LATE_STEPS, PROBE_STEPS, VERIFY_STEPS
+    from tiermem.training.choice import LATE_STEPS, PROBE_STEPS, VERIFY_STEPS
+    from tiermem.training.stepgraph import SETTLED_STEPS
     return 1 + PROBE_STEPS + VERIFY_STEPS + LATE_STEPS + 1 + SETTLED_STEPS + 1
 
 
@@ -37,8 +47,8 @@ def _choice_steps():
     """Steps the replays' choice of plan may add (NOTE [graph choice]): the first plan's timed
     replays, the plan tried settling eagerly and captured, its timed replays, and the first
     plan's coming back the same way."""
-    from tiermem._graphchoice import REPLAYS_TIMED
-    from tiermem._stepgraph import SETTLED_STEPS
+    from tiermem.training.graphchoice import REPLAYS_TIMED
+    from tiermem.training.stepgraph import SETTLED_STEPS
     return 2 * (REPLAYS_TIMED + 2 + SETTLED_STEPS + 1)
 
 
@@ -47,7 +57,7 @@ CHOICE_STEPS = _choice_steps()
 
 def _only_plan_changes(step):
     """The graph was captured once, and again only where its replays changed the plan."""
-    from tiermem._stepgraph import PLAN_CHANGED
+    from tiermem.training.stepgraph import PLAN_CHANGED
     return all(d == PLAN_CHANGED for d in step.drops) and step.captures == 1 + len(step.drops)
 
 
@@ -73,7 +83,8 @@ def _unwrap_what_a_test_left():
 
 def _big():
     import torch
-    from tiermem.models import GPT, GPTConfig
+
+    from tiermem.testing import GPT, GPTConfig
     torch.manual_seed(0)
     return GPT(GPTConfig(**BIG)).cuda()
 
@@ -88,7 +99,7 @@ def _state(model):
 
 
 def _data(n, big=True):
-    from tiermem.models import GPTConfig
+    from tiermem.testing import GPTConfig
     return _batches(GPTConfig(**(BIG if big else CFG)), n, batch=4 if big else 8)
 
 
@@ -122,6 +133,7 @@ def _plain_evaluated(batches, at, probe):
 
 def _graphed(batches, loss=_loss, schedule=None, lr=1e-3, big=True, between=None):
     import torch
+
     import tiermem
     model = _big() if big else _gpt()[0]
     opt = _fused(model, lr)
@@ -174,6 +186,7 @@ def test_dropout_in_recomputed_blocks_draws_the_same_masks_in_replays():
     torch = _setup()
     import torch.nn as nn
     import torch.nn.functional as F
+
     import tiermem
 
     def build():
@@ -276,7 +289,7 @@ def test_a_released_graph_gives_its_pool_back_for_a_whole_batch_evaluation_and_i
     pool given back; an evaluation of a whole batch (which ran out of memory beside the pool on
     the H200 at ee27da0) then runs, the steps after are captured again, and losses and the
     evaluation are the plain run's, bitwise."""
-    from tiermem._stepgraph import RELEASED
+    from tiermem.training.stepgraph import RELEASED
     torch = _setup()
     batches = _data(CAPTURED_BY + CHOICE_STEPS + 10)
     probe = batches[0]
@@ -307,8 +320,9 @@ def test_replays_try_recomputing_everywhere_after_a_swapping_plan_and_keep_it_wh
     whatever the model predicts, and keep it where it replays faster. The losses stay the
     plain run's, bitwise, through both plans' captures."""
     import dataclasses
-    from tiermem._stepgraph import PLAN_CHANGED
+
     from tiermem.planning import plan_training
+    from tiermem.training.stepgraph import PLAN_CHANGED
     torch = _setup()
     batches = _data(CAPTURED_BY + CHOICE_STEPS + 12)
     want, _ = _plain(batches)
@@ -393,6 +407,7 @@ def test_a_transformers_model_with_its_mask_built_once_is_captured():
     torch = _setup()
     import torch.nn.functional as F
     import transformers
+
     import tiermem
     # bench/train_budget.py part 4's Qwen2 (0.97 GB of parameters) at 1/2.5 of its training state
     cfg = transformers.Qwen2Config(hidden_size=1024, intermediate_size=2816, num_hidden_layers=20,
@@ -458,7 +473,7 @@ def test_a_transformers_model_with_its_defaults_is_graphed_on_a_really_small_gpu
     host as one graph. Its losses follow the plain run's (SDPA's backward is not bitwise
     repeatable: within 2e-3) and torch stays within the budget. The Llama with no mask takes
     another attention path while captured (NOTE [another path under capture] in
-    tiermem/_train.py): its graphs go off with that reason, and its steps train eagerly, nothing
+    tiermem/training/handle.py): its graphs go off with that reason, and its steps train eagerly, nothing
     lost; with a 4-D mask built once it is graphed."""
     from test_gpu_module import _take_device
     torch = _setup()

@@ -2,9 +2,9 @@
 with a checksum on every read and the accounting checked all along. Managed use stays < 1 GiB.
 
 Under the budget, shadow evictions park their pages and refills trade ranges (NOTE [parked pages]
-in _engine.py); "trim" and "release" give parked pages back, so every path is taken. The staged
+in core/engine.py); "trim" and "release" give parked pages back, so every path is taken. The staged
 runs send every shadow copy the budget has room for through an 8 MiB staging ring (NOTE [staging
-ring] in _staging.py), whose second stream writes managed pages that later discards drop."""
+ring] in cuda/staging.py), whose second stream writes managed pages that later discards drop."""
 from __future__ import annotations
 
 import collections
@@ -24,6 +24,7 @@ BUDGET = 48 * MiB
 @pytest.mark.parametrize("seed, staging", [(20261122, "off"), (7, "off"), (8, "off"), (9, "8MiB"), (10, "8MiB")])
 def test_ten_thousand_random_operations_under_a_budget(seed, staging):
     import torch
+
     import tiermem
     t = tiermem.Tier(0, cap="1GiB", budget=BUDGET, staging=staging)
     t._staging.min_bytes = 1              # every shadow copy, however small, when the ring is on
@@ -100,7 +101,7 @@ def test_ten_thousand_random_operations_under_a_budget(seed, staging):
                     ops["prefetch_refused"] += 1
             elif op == "bounce":
                 # Out without waiting and straight back in: the pattern that found NOTE [discard
-                # fence] (in _backend.py), ~5 bad reads per 10,000 operations before the fence.
+                # fence] (in cuda/backend.py), ~5 bad reads per 10,000 operations before the fence.
                 x.evict(non_blocking=True)
                 op = "read"
             if op == "read" and e[1] is not None:
@@ -145,7 +146,9 @@ def test_ten_thousand_random_operations_under_a_budget(seed, staging):
 def test_evicting_one_group_member_leaves_its_neighbours_intact():
     """Members of one allocation, evicted and brought back one at a time, in every order."""
     import itertools
+
     import torch
+
     import tiermem
     t = tiermem.Tier(0, cap="256MiB")
     sizes = [2 * MiB, 64 * KiB, 3 * MiB, 4 * KiB, 2 * MiB + 8]

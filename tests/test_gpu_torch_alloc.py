@@ -1,4 +1,4 @@
-"""GPU tests of torch's allocations in managed memory (tiermem._torch_alloc): pointer types,
+"""GPU tests of torch's allocations in managed memory (tiermem.pytorch.allocator): pointer types,
 advice per role, a training step whose backward allocates managed gradients, tensors that
 outlive the block, the cap, nesting and threads, and one CUDA runtime per process.
 
@@ -12,8 +12,8 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import textwrap
+import threading
 
 import pytest
 
@@ -24,19 +24,19 @@ MiB = 1 << 20
 
 @pytest.fixture(scope="module", autouse=True)
 def small_cap():
-    from tiermem import _torch_alloc as ta
+    from tiermem.pytorch import allocator as ta
     ta.set_torch_managed_cap("1GiB")
     yield
     ta.set_torch_managed_cap("1GiB")
 
 
 def _kind(t):
-    from tiermem import _cuda
+    from tiermem.cuda import runtime as _cuda
     return _cuda.pointer_kind(t.data_ptr())
 
 
 def _segment_of(t):
-    from tiermem import _torch_alloc as ta
+    from tiermem.pytorch import allocator as ta
     p = t.data_ptr()
     hits = [s for s in ta.torch_managed_allocations() if s.ptr <= p < s.ptr + s.nbytes]
     assert len(hits) == 1, hits
@@ -45,8 +45,9 @@ def _segment_of(t):
 
 def test_inside_is_managed_and_outside_is_not():
     import torch
+
     from tiermem import Role
-    from tiermem._torch_alloc import is_managed, torch_allocations
+    from tiermem.pytorch.allocator import is_managed, torch_allocations
     before = torch.ones(MiB, device="cuda")
     with torch_allocations("activation") as block:
         x = torch.ones(MiB, device="cuda")
@@ -61,9 +62,11 @@ def test_inside_is_managed_and_outside_is_not():
 @pytest.mark.parametrize("role", ["weight", "frozen_weight", "activation", "gradient", "optimizer_state", "input", "workspace"])
 def test_each_role_advice_reads_back(role):
     import torch
-    from tiermem import _cuda, Location, Role
+
+    from tiermem import Location, Role
+    from tiermem.cuda import runtime as _cuda
+    from tiermem.pytorch.allocator import torch_allocations
     from tiermem.roles import DEFAULT_POLICIES
-    from tiermem._torch_alloc import torch_allocations
     pol = DEFAULT_POLICIES[Role(role)]
     with torch_allocations(role) as block:
         t = torch.empty(4 * MiB, dtype=torch.uint8, device="cuda")
@@ -79,8 +82,10 @@ def test_each_role_advice_reads_back(role):
 
 def test_a_custom_policy_and_no_prefetch():
     import torch
-    from tiermem import Location, Policy, _cuda
-    from tiermem._torch_alloc import torch_allocations
+
+    from tiermem import Location, Policy
+    from tiermem.cuda import runtime as _cuda
+    from tiermem.pytorch.allocator import torch_allocations
     pol = Policy("host", read_mostly=True, accessed_by_device=True, accessed_by_host=True)
     with torch_allocations("input", policy=pol, prefetch=False):
         t = torch.empty(4 * MiB, dtype=torch.uint8, device="cuda")
@@ -92,7 +97,8 @@ def test_a_custom_policy_and_no_prefetch():
 def test_a_training_step_is_managed_backward_included():
     import torch
     import torch.nn.functional as F
-    from tiermem._torch_alloc import is_managed, torch_allocations
+
+    from tiermem.pytorch.allocator import is_managed, torch_allocations
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 10)).cuda()
     ref = copy.deepcopy(model)
@@ -122,7 +128,8 @@ def test_a_training_step_is_managed_backward_included():
 
 def test_tensors_outlive_the_block_and_their_segments_are_reused():
     import torch
-    from tiermem._torch_alloc import is_managed, torch_allocations, torch_allocator_stats
+
+    from tiermem.pytorch.allocator import is_managed, torch_allocations, torch_allocator_stats
     with torch_allocations("workspace"):
         a = torch.arange(MiB, device="cuda", dtype=torch.float32)
     filler = torch.full((4 * MiB,), 7.0, device="cuda")       # outside: must not reuse a's memory
@@ -141,7 +148,8 @@ def test_tensors_outlive_the_block_and_their_segments_are_reused():
 
 def test_the_cap_refuses_and_torch_raises_out_of_memory():
     import torch
-    from tiermem._torch_alloc import is_managed, set_torch_managed_cap, torch_allocations, torch_allocator_stats
+
+    from tiermem.pytorch.allocator import is_managed, set_torch_managed_cap, torch_allocations, torch_allocator_stats
     before = torch_allocator_stats()
     set_torch_managed_cap(before.live_bytes + 32 * MiB)
     try:
@@ -161,8 +169,10 @@ def test_the_cap_refuses_and_torch_raises_out_of_memory():
 
 def test_nesting_restores_the_outer_role_then_nothing():
     import torch
-    from tiermem import Location, Role, _cuda
-    from tiermem._torch_alloc import is_managed, torch_allocations
+
+    from tiermem import Location, Role
+    from tiermem.cuda import runtime as _cuda
+    from tiermem.pytorch.allocator import is_managed, torch_allocations
     with torch_allocations("activation"):
         with torch_allocations("optimizer_state"):
             inner = torch.empty(4 * MiB, dtype=torch.uint8, device="cuda")
@@ -180,7 +190,8 @@ def test_nesting_restores_the_outer_role_then_nothing():
 
 def test_routing_is_process_wide_and_blocks_may_close_out_of_order():
     import torch
-    from tiermem._torch_alloc import is_managed, torch_allocations
+
+    from tiermem.pytorch.allocator import is_managed, torch_allocations
     got = {}
     entered, release = threading.Event(), threading.Event()
 
@@ -205,7 +216,7 @@ def test_routing_is_process_wide_and_blocks_may_close_out_of_order():
 _MAPS = textwrap.dedent("""
     import json, os, torch
     torch.cuda.init()
-    from tiermem._torch_alloc import is_managed, torch_allocations
+    from tiermem.pytorch.allocator import is_managed, torch_allocations
     with torch_allocations("activation"):
         t = torch.ones(16, device="cuda")
     paths = set()
@@ -230,7 +241,8 @@ def test_one_cuda_runtime_in_the_process():
 
 def test_stats_and_registry_agree():
     import torch
-    from tiermem._torch_alloc import torch_allocations, torch_allocator_stats, torch_managed_allocations
+
+    from tiermem.pytorch.allocator import torch_allocations, torch_allocator_stats, torch_managed_allocations
     with torch_allocations("weight"):
         keep = torch.empty(2 * MiB, dtype=torch.uint8, device="cuda")
     s = torch_allocator_stats()

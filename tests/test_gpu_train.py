@@ -27,7 +27,8 @@ BUDGET = 288 * MiB     # within the 0.25 GB state and its 0.23 GB of activations
 
 def _gpt(seed=0):
     import torch
-    from tiermem.models import GPT, GPTConfig
+
+    from tiermem.testing import GPT, GPTConfig
     c = GPTConfig(**CFG)
     torch.manual_seed(seed)
     return GPT(c).cuda(), c
@@ -71,6 +72,7 @@ def _resident_losses(batches, build=None, loss_fn=_loss, schedule=None):
 
 def _tiered(budget, **kw):
     import torch
+
     import tiermem
     model, c = _gpt()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -114,6 +116,7 @@ def _private_pool_segments(torch):
 def _pool_report(torch) -> str:
     """What holds a private pool's blocks, for an assertion's message (tests/conftest.py)."""
     import gc
+
     from conftest import _private_pool_report
     gc.collect()
     return "\n".join(_private_pool_report(torch))
@@ -121,7 +124,7 @@ def _pool_report(torch) -> str:
 
 def test_thirty_steps_under_a_tight_budget_give_the_resident_losses_bitwise():
     torch = _setup()
-    from tiermem.models import GPTConfig
+    from tiermem.testing import GPTConfig
     batches = _batches(GPTConfig(**CFG), 30)
     want, want_params = _resident_losses(batches)
     _cleanup()
@@ -226,7 +229,7 @@ def test_a_new_batch_shape_is_traced_and_planned_again():
 
 def test_in_capacity_everything_stays_resident_and_nothing_moves():
     _setup()
-    from tiermem.models import GPTConfig
+    from tiermem.testing import GPTConfig
     batches = _batches(GPTConfig(**CFG), 6)
     want, _ = _resident_losses(batches)
     _cleanup()
@@ -260,7 +263,7 @@ def test_unwrap_gives_plain_parameters_and_states_back():
 
 @pytest.mark.parametrize("when", ["into-the-handle-that-trained", "before-the-first-step", "host-before-wrapping"])
 def test_a_resumed_run_gives_the_uninterrupted_losses_bitwise(when):
-    """NOTE [loaded states] in tiermem/_trainstates.py: a checkpoint (torch.save of the model's and the
+    """NOTE [loaded states] in tiermem/training/states.py: a checkpoint (torch.save of the model's and the
     optimizer's state dicts) taken after 4 steps and loaded back: into the handle that went on
     training, into a fresh model and optimizer wrapped but not stepped yet (a streamed block's
     states then load onto the host, where its parameters live between steps), or into a model
@@ -269,7 +272,7 @@ def test_a_resumed_run_gives_the_uninterrupted_losses_bitwise(when):
     import io
     torch = _setup()
     import tiermem
-    from tiermem.models import GPTConfig
+    from tiermem.testing import GPTConfig
     at, batches = 4, _batches(GPTConfig(**CFG), 10)
     tier, model, opt, train, c = _tiered(BUDGET)
     want, _ = _train_losses(train, model, batches)
@@ -315,14 +318,14 @@ def test_a_resumed_run_gives_the_uninterrupted_losses_bitwise(when):
 
 
 def test_writes_between_steps_reach_the_next_steps_as_in_a_resident_run():
-    """NOTE [training transport] in tiermem/_train.py: between steps every streamed parameter is
+    """NOTE [training transport] in tiermem/training/handle.py: between steps every streamed parameter is
     its home's. After 3 steps the first block is re-initialised in place, the second's weights
     are written through ``p.data`` from device tensors (kernels on the compute stream writing the
     pinned home, which the next step's fills must wait for), and the third loads a state dict;
     the 5 steps after give the resident run's losses and parameters bitwise, as in
     tests/test_train_writes.py on the CPU."""
     torch = _setup()
-    from tiermem.models import GPTConfig
+    from tiermem.testing import GPTConfig
     at, batches = 3, _batches(GPTConfig(**CFG), 8)
 
     def write(model):
@@ -363,12 +366,12 @@ def test_writes_between_steps_reach_the_next_steps_as_in_a_resident_run():
 
 
 def test_an_evaluation_between_steps_streams_and_gives_the_resident_logits():
-    """NOTE [evaluation between steps] in tiermem/_train.py: after 4 steps under the tight budget,
+    """NOTE [evaluation between steps] in tiermem/training/handle.py: after 4 steps under the tight budget,
     a forward under torch.no_grad() gives the resident run's logits bitwise, brings each streamed
     block's parameters in once over the link (it read them in place before), stays within the
     budget, and training goes on with the resident losses."""
     torch = _setup()
-    from tiermem.models import GPTConfig
+    from tiermem.testing import GPTConfig
     batches = _batches(GPTConfig(**CFG), 6)
     probe = _batches(GPTConfig(**CFG), 1, seed=9)[0][:, :-1]
     model, _ = _gpt()
@@ -410,7 +413,7 @@ def test_bf16_autocast_training_gives_the_resident_losses_bitwise(recompute):
     recomputed in backward, where torch's checkpoint enters autocast again) the losses and
     parameters are the resident run's, bit for bit."""
     torch = _setup()
-    from tiermem.models import GPTConfig
+    from tiermem.testing import GPTConfig
     batches = _batches(GPTConfig(**CFG), 12)
 
     def autocast():
@@ -518,12 +521,12 @@ def test_a_second_backward_in_one_step_is_refused_clearly():
 
 
 def test_accumulated_micro_batches_give_the_resident_losses_parameters_and_gradients_bitwise():
-    """NOTE [accumulation] in tiermem/_train.py: with accumulate=4 under the tight budget, 14
+    """NOTE [accumulation] in tiermem/training/handle.py: with accumulate=4 under the tight budget, 14
     micro-batches (3 optimizer steps and an open window) give the resident loop's losses and
     parameters bitwise, within the budget; the micro-batches that do not update move the
     gradients and no optimizer state, and unwrap() gives the open window's gradients back."""
     torch = _setup()
-    from tiermem.models import GPTConfig
+    from tiermem.testing import GPTConfig
     n, batches = 4, _batches(GPTConfig(**CFG), 14)
     model, _ = _gpt()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -570,11 +573,11 @@ def test_accumulated_micro_batches_give_the_resident_losses_parameters_and_gradi
 
 @pytest.mark.parametrize("accumulate", [1, 2])
 def test_clipping_gives_clip_grad_norm_then_step_bitwise(accumulate):
-    """NOTE [clipping] in tiermem/_trainclip.py: max_grad_norm=0.5 under the tight budget gives the
+    """NOTE [clipping] in tiermem/training/clipping.py: max_grad_norm=0.5 under the tight budget gives the
     resident loop's clip_grad_norm_ (foreach norms on the GPU, NOTE [clip arithmetic]) and step,
     bitwise: losses, total norms and parameters, within the budget; the clip bites."""
     torch = _setup()
-    from tiermem.models import GPTConfig
+    from tiermem.testing import GPTConfig
     batches, clip = _batches(GPTConfig(**CFG), 8), 0.5
     model, _ = _gpt()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -619,7 +622,7 @@ def test_speculative_clipping_gives_clip_grad_norm_bitwise_and_keeps_or_redoes_e
     backward where it did not and redoes them where it did, and the losses, norms and
     parameters are the resident loop's with clip_grad_norm_, bitwise."""
     torch = _setup()
-    from tiermem.models import GPTConfig
+    from tiermem.testing import GPTConfig
     batches = _batches(GPTConfig(**CFG), 10)
 
     def resident(clip):
@@ -664,7 +667,7 @@ def test_a_ported_trainer_loop_with_fused_adamw_gives_the_resident_losses_bitwis
     the tight budget the losses, parameters and learning rates are the resident loop's, bitwise
     (tests/test_train_optimizers.py covers more optimizers on the CPU)."""
     torch = _setup()
-    from tiermem.models import GPTConfig
+    from tiermem.testing import GPTConfig
     batches = _batches(GPTConfig(**CFG), 8)
 
     from helpers import trainer_loop, trainer_optimizer
@@ -707,8 +710,8 @@ def test_bf16_moments_stay_close_to_the_resident_losses_and_move_half_the_state_
     stochastically, stepped in fp32). A CPU emulation of this run (fp32 AdamW, its moments rounded
     to bf16 after every step) stayed within 2e-6 of the fp32 losses over the 30 steps."""
     torch = _setup()
-    from tiermem.models import GPTConfig
     from tiermem.roles import Role
+    from tiermem.testing import GPTConfig
     batches = _batches(GPTConfig(**CFG), 30)
     want, _ = _resident_losses(batches)
     _cleanup()
@@ -784,7 +787,7 @@ def _hf_on_host(torch, steps, arch="neox"):
 
 
 def test_a_transformers_model_bigger_than_the_really_small_gpu_trains_from_the_host():
-    """NOTE [host models] in tiermem/_trainmemory.py: a transformers GPT-NeoX (an architecture no bench
+    """NOTE [host models] in tiermem/training/memory.py: a transformers GPT-NeoX (an architecture no bench
     is tuned on) with its default flags (SDPA attention, requires_grad=True), whose parameters
     alone are bigger than the free memory of a GPU made really small, trains from the host within
     its budget. Its losses follow the resident run's (SDPA's backward is not bitwise repeatable,

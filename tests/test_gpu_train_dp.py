@@ -1,5 +1,5 @@
 """Data-parallel tiered training on two GPUs under NCCL (NOTE [data parallel] in
-tiermem/_train.py): each rank streams its own replica under a budget and averages each block's
+tiermem/training/handle.py): each rank streams its own replica under a budget and averages each block's
 gradients just before the block's step; the replicas stay bitwise equal, and their losses and
 parameters are bitwise those of one process on one GPU that averages the two halves' gradients
 (two fp32 values summed once, as NCCL's all-reduce of two ranks does, then halved)."""
@@ -24,8 +24,9 @@ def _rank(rank: int, world: int, init: str, out: str) -> None:
     faulthandler.dump_traceback_later(WATCHDOG_S, exit=True)
     import torch
     import torch.distributed as dist
-    import tiermem
     from test_gpu_train import BUDGET, _batches, _gpt, _loss, _setup
+
+    import tiermem
     _setup()
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=init, rank=rank, world_size=world)

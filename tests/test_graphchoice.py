@@ -1,4 +1,4 @@
-"""NOTE [graph choice] in tiermem/_graphchoice.py on the CPU: which plan a graphed step's replays
+"""NOTE [graph choice] in tiermem/training/graphchoice.py on the CPU: which plan a graphed step's replays
 lead to, on synthetic traces, and the training's books through the fake backend (capturing and
 replaying need a GPU: tests/test_gpu_stepgraph.py)."""
 from __future__ import annotations
@@ -8,14 +8,14 @@ import dataclasses
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from test_stepgraph import _tiered
 from test_train import batches, loss_of
 from test_trainplan import seg_trace
-from tiermem._graphchoice import eager_refutes, graph_alternative, keep_tried
+
 from tiermem.errors import TierMemError
-from tiermem._trainplan import evaluate
 from tiermem.planning import plan_training
+from tiermem.training.graphchoice import eager_refutes, graph_alternative, keep_tried
+from tiermem.training.plan import evaluate
 
 MiB = 1 << 20
 GAIN = 0.05
@@ -149,7 +149,7 @@ def _settled(**kw):
 def _offering(monkeypatch, train):
     """The fake backend's steps take no compute time, so the model never prefers another plan:
     here it offers the settled plan less its kept activations (swapped instead)."""
-    import tiermem._graphchoice as gc_mod
+    import tiermem.training.graphchoice as gc_mod
     offered = []
 
     def alternative(trace, plan, replay_ms, plan_for, min_gain):
@@ -216,7 +216,7 @@ def test_follow_refuses_inside_a_step():
 
 
 def test_an_alternative_the_eager_steps_refute_is_not_tried_and_the_choice_closes(monkeypatch):
-    import tiermem._graphchoice as gc_mod
+    import tiermem.training.graphchoice as gc_mod
     _, train = _settled()
     _offering(monkeypatch, train)
     seen = []

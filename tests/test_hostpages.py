@@ -1,4 +1,4 @@
-"""Anonymous host pages made resident on several threads (tiermem/_hostpages.py), the memory a
+"""Anonymous host pages made resident on several threads (tiermem/base/hostpages.py), the memory a
 large pinned block is registered from (NOTE [pinned by registration]). OS calls only: no GPU."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from tiermem import _hostpages
+from tiermem.base import hostpages as _hostpages
 
 pytestmark = pytest.mark.skipif(not _hostpages.available(), reason="needs anonymous mappings (Linux)")
 

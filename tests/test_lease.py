@@ -1,4 +1,4 @@
-"""Budget leases (NOTE [budget leases] in tiermem/_lease.py): handles take a share of the tier's
+"""Budget leases (NOTE [budget leases] in tiermem/core/leases.py): handles take a share of the tier's
 budget and give it back; nothing a user configured is overwritten. On the fake backend."""
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import logging
 import pytest
 import torch
 import torch.nn as nn
+from helpers import share
 
 import tiermem
 from tiermem import OutOfBudgetError, TierMemError
-from helpers import share
 
 MiB = 1 << 20
 

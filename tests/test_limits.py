@@ -7,9 +7,9 @@ import threading
 import pytest
 
 from tiermem import OutOfBudgetError, TierMemError
+from tiermem.base.limits import ENV_BUDGET, ENV_CAP, ENV_OVERSUBSCRIBE, CapGuard, resolve_budget, resolve_cap
 from tiermem.errors import CapExceededError
 from tiermem.planning import parse_bytes
-from tiermem._limits import ENV_BUDGET, ENV_CAP, ENV_OVERSUBSCRIBE, CapGuard, resolve_budget, resolve_cap
 
 GiB = 1 << 30
 

@@ -11,15 +11,17 @@ import traceback
 import pytest
 import torch
 import torch.nn as nn
+
 save_file = pytest.importorskip("safetensors.torch").save_file
+
+from helpers import checkpoint_share, share
 
 import tiermem
 from tiermem import load_pretrained
 from tiermem.errors import CheckpointError, HostBudgetError
+from tiermem.inference.load import Checkpoint, empty_weights
 from tiermem.planning import plan_host, plan_residency
-from tiermem._load import Checkpoint, empty_weights
-from tiermem._torch import TIERED_ATTR
-from helpers import checkpoint_share, share
+from tiermem.pytorch.wrap import TIERED_ATTR
 
 MiB = 1 << 20
 
@@ -177,8 +179,8 @@ def saved(tmp_path_factory):
 
 @pytest.mark.parametrize("which", ["one", "shards"])
 def test_load_pretrained_gives_the_models_logits_and_tokens(tier, fake, saved, which, monkeypatch):
-    import tiermem._modulesources
-    monkeypatch.setattr(tiermem._modulesources, "FILL_CHUNK", 1000)   # resident tensors read in many pieces, two buffers in turn
+    import tiermem.inference.sources
+    monkeypatch.setattr(tiermem.inference.sources, "FILL_CHUNK", 1000)   # resident tensors read in many pieces, two buffers in turn
     ref, one, shards = saved
     ids = torch.randint(0, 512, (1, 12), generator=torch.Generator().manual_seed(1))
     model, h = load_pretrained(one if which == "one" else shards, budget=checkpoint_share(one if which == "one" else shards, 30), tier=tier, max_group_bytes=300_000)
@@ -329,7 +331,7 @@ def test_an_unknown_disk_reader_is_refused_with_nothing_allocated(tier, fake, ck
     assert all(p.is_meta for p in m.parameters()) and _live(fake) == 0 and tier.budget is None
 
 
-@pytest.mark.skipif(__import__("tiermem._kvikio", fromlist=["available"]).available(), reason="kvikio is installed")
+@pytest.mark.skipif(__import__("tiermem.inference.kvikio", fromlist=["available"]).available(), reason="kvikio is installed")
 def test_the_kvikio_reader_without_kvikio_is_refused_with_nothing_allocated(tier, fake, ckpt):
     ref, ck = ckpt
     m = _meta(_mlp)
@@ -410,7 +412,7 @@ def test_experts_saved_one_by_one_are_read_stacked_in_place_and_give_the_models_
     """transformers stacks each layer's experts as it loads them; load_pretrained reads every
     expert's bytes straight into its place in the stacked parameter, through the pinned home and
     through the disk tier, and the model gives the reference's logits and tokens."""
-    from tiermem._load import Pieces, model_weights
+    from tiermem.inference.load import Pieces, model_weights
     ref, d = saved_moe
     ck = Checkpoint(d)
     weights = model_weights(ck, _meta(lambda: _moe("mixtral" if "mixtral" in str(d) else "qwen2_moe")))
@@ -441,7 +443,7 @@ def test_experts_saved_one_by_one_are_read_stacked_in_place_and_give_the_models_
 
 
 def test_a_merged_tensor_reads_any_byte_range_across_its_pieces(saved_moe):
-    from tiermem._load import Pieces, Reader, model_weights
+    from tiermem.inference.load import Pieces, Reader, model_weights
     ref, d = saved_moe
     weights = model_weights(Checkpoint(d), _meta(lambda: _moe("mixtral" if "mixtral" in str(d) else "qwen2_moe")))
     name, pc = next((k, v) for k, v in weights.items() if isinstance(v, Pieces) and k.endswith("gate_up_proj"))
@@ -459,6 +461,7 @@ def test_a_merged_tensor_reads_any_byte_range_across_its_pieces(saved_moe):
 
 def test_a_merged_tensor_with_a_missing_expert_is_refused_with_nothing_allocated(tier, fake, saved_moe, tmp_path):
     import shutil
+
     from safetensors.torch import load_file
     _, d = saved_moe
     bad = tmp_path / "bad"
@@ -478,7 +481,7 @@ def test_a_merged_tensor_with_a_missing_expert_is_refused_with_nothing_allocated
 
 
 def test_a_file_gone_since_its_header_was_read_is_a_checkpoint_error(tmp_path):
-    from tiermem._load import FileTensor, Reader, host_bytes
+    from tiermem.inference.load import FileTensor, Reader, host_bytes
     (tmp_path / "a").write_bytes(bytes(range(256)) * 64)
     r = Reader(threads=2, chunk=4096)
     buf = torch.empty(8192, dtype=torch.uint8)
@@ -527,7 +530,10 @@ def _pinned_peak(fake, monkeypatch) -> list[int]:
 @pytest.mark.parametrize("host", [None, 3_000_000])
 def test_the_home_is_made_beside_the_resident_groups_within_the_host_budget(tier, fake, ckpt, host, monkeypatch):
     import threading
-    from tiermem import _module, _modulesources, _moduletransport
+
+    from tiermem.inference import module as _module
+    from tiermem.inference import sources as _modulesources
+    from tiermem.inference import transport as _moduletransport
     ref, ck = ckpt
     monkeypatch.setattr(_module, "MIN_FILL_ROOM", 64 << 10)     # the test's host budget is small
     peak = _pinned_peak(fake, monkeypatch)
@@ -565,7 +571,9 @@ def test_the_home_is_made_beside_the_resident_groups_within_the_host_budget(tier
 
 def test_with_no_room_beside_the_home_the_resident_groups_fill_first(tier, fake, ckpt, monkeypatch):
     import threading
-    from tiermem import _module, _moduletransport
+
+    from tiermem.inference import module as _module
+    from tiermem.inference import transport as _moduletransport
     ref, ck = ckpt
     peak = _pinned_peak(fake, monkeypatch)
     where = []
@@ -590,7 +598,8 @@ def test_a_failure_on_either_side_of_a_load_leaves_nothing_allocated(tier, fake,
     the home is being made: the adoption raises that error, waits for the other side, and gives
     everything back."""
     import threading
-    from tiermem import _modulesources
+
+    from tiermem.inference import sources as _modulesources
     _, ck = ckpt
     real_read, real_flush = _modulesources.Reader.read, _modulesources._Filler._flush
 
@@ -619,7 +628,8 @@ def test_a_failed_read_waits_for_the_reads_under_way_before_it_raises(tmp_path):
     """The caller frees the destination when a read raises: no chunk may still be writing it."""
     import threading
     import time
-    from tiermem._load import Reader, host_bytes
+
+    from tiermem.inference.load import Reader, host_bytes
     (tmp_path / "a").write_bytes(bytes(64 * 4096))
     started, finished = set(), set()
     lock = threading.Lock()

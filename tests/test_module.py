@@ -7,11 +7,11 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
+from helpers import share
 
 import tiermem
+from tiermem.inference.groups import module_groups
 from tiermem.planning import plan_residency
-from tiermem._modulegroups import module_groups
-from helpers import share
 
 MiB = 1 << 20
 

@@ -3,7 +3,7 @@ backend (the sweep of tests/test_faults.py, for inference; adoption is swept in
 tests/test_module_use.py). Scenes: a streamed forward from the pinned home, a forward whose
 groups come from disk (the disk tier), and unwrap to the host and to the model's device. The disk scene is swept twice: over the calls the
 forward makes on its own thread, and over the first calls of the disk tier's reader thread (which
-reads ahead, across forwards; NOTE [disk read errors] in _disk.py).
+reads ahead, across forwards; NOTE [disk read errors] in inference/disk.py).
 
 After each failure: the error is tiermem's and keeps the CUDA error's name, or is the interrupt;
 the next forward gives the same output as the model before adoption; a failed unwrap leaves the
@@ -19,10 +19,10 @@ from typing import Any
 import pytest
 import torch
 import torch.nn as nn
-
-import tiermem
 from fakes import FakeBackend
 from helpers import fault_params, share
+
+import tiermem
 
 save_file = pytest.importorskip("safetensors.torch").save_file
 
@@ -50,7 +50,7 @@ class Scene:
         self.bytes = [p.detach().clone() for p in self.ref.parameters()]
         if name.startswith("module_forward_disk"):
             save_file(self.ref.state_dict(), tmp / "model.safetensors")
-            from tiermem._load import Checkpoint, empty_weights
+            from tiermem.inference.load import Checkpoint, empty_weights
             with empty_weights():
                 self.model = _mlp()
             self.handle = self.tier.wrap_module(self.model, budget=share(self.model, 25), max_group_bytes=MiB // 4,

@@ -10,10 +10,10 @@ import gc
 import pytest
 import torch
 import torch.nn as nn
+from helpers import share
 
 import tiermem
-from tiermem._torch import TIERED_ATTR
-from helpers import share
+from tiermem.pytorch.wrap import TIERED_ATTR
 
 MiB = 1 << 20
 

@@ -1,4 +1,4 @@
-"""Parked pages (NOTE [parked pages] in _engine.py): under a budget, a shadow eviction keeps its
+"""Parked pages (NOTE [parked pages] in core/engine.py): under a budget, a shadow eviction keeps its
 device pages, and a refill copies into kept pages with no discard, its own or another buffer's.
 
 The fake backend poisons a discarded range with 0xDB, so data read back after a refill into
@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from fakes import POISON
+from helpers import MiB, calls, fill_random, read, role_stats
 from torch import nn
 
 import tiermem
-from fakes import POISON
-from helpers import MiB, calls, fill_random, read, role_stats
 from tiermem import Location
 
 

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import checkpoint_share, share
 
 import tiermem
 from tiermem import load_pretrained
-from tiermem._plan import plan_model
-from helpers import checkpoint_share, share
+from tiermem.cli.plan import plan_model
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -1,4 +1,4 @@
-"""The replayed recompute's eager path on the CPU (NOTE [replayed recompute] in tiermem/_replay.py):
+"""The replayed recompute's eager path on the CPU (NOTE [replayed recompute] in tiermem/training/replay.py):
 what a replayed block computes when it cannot be captured, the gradients of torch's checkpoint
 bitwise; random ops get the forward's draws; a keyword tensor that needs its gradient goes
 through torch's checkpoint. The graphs themselves are GPU tests (tests/test_gpu_recompute.py)."""
@@ -8,7 +8,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from tiermem._replay import Replays  # noqa: E402
+from tiermem.training.replay import Replays  # noqa: E402
 
 
 class _Layer(torch.nn.Module):
@@ -95,7 +95,7 @@ def test_the_pools_reserve_is_the_estimate_until_the_pool_is_larger_or_capturing
     backward was measured; then the measured working set with RESERVE_MARGIN of it more and the
     allocator's segments; what the captures really took once that is more; and once capturing
     is off, only what is still held."""
-    import tiermem._replay as replay
+    import tiermem.training.replay as replay
     r = Replays(torch, capture=True, params_of=lambda m: [])
     assert r.reserve == 0
     r.need = 300 << 20

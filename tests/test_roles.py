@@ -5,8 +5,7 @@ import pytest
 
 from tiermem import Location, Policy, Role
 from tiermem.errors import RoleError
-from tiermem.roles import DEFAULT_POLICIES, Evict, PolicyTable, Prefetch
-from tiermem.roles import Advice, advice_plan, as_role
+from tiermem.roles import DEFAULT_POLICIES, Advice, Evict, PolicyTable, Prefetch, advice_plan, as_role
 
 
 def test_every_role_has_a_default_policy():

@@ -1,4 +1,4 @@
-"""NOTE [saved tensor cycle] in tiermem/_savedhooks.py, on the CPU: a forward run under pack
+"""NOTE [saved tensor cycle] in tiermem/pytorch/savedhooks.py, on the CPU: a forward run under pack
 hooks and dropped before its backward is freed when the hooks keep tensors through
 ``as_saved``, and not when they hand autograd the tensor itself (the cycle the NOTE names; the
 test fails if torch ever frees it, and the NOTE's reason is then gone)."""
@@ -10,7 +10,7 @@ import weakref
 import pytest
 import torch
 
-from tiermem._savedhooks import as_saved
+from tiermem.pytorch.savedhooks import as_saved
 
 
 def _dropped_forward_lives(pack) -> bool:

@@ -1,4 +1,4 @@
-"""The staging ring (NOTE [staging ring] in tiermem/_staging.py) on a CPU.
+"""The staging ring (NOTE [staging ring] in tiermem/cuda/staging.py) on a CPU.
 
 Its ordering is checked on a stream simulator: every copy, record and wait is queued on its
 stream, and the queues then run in a random order that respects only what the streams promise
@@ -16,12 +16,12 @@ import random
 import numpy as np
 import pytest
 import torch
-
-import tiermem
 from fakes import FakeBackend
 from helpers import MiB, calls, fill_random, read
+
+import tiermem
 from tiermem import Location, TierMemError
-from tiermem._staging import MIN_STAGED, StagingRing, _Session
+from tiermem.cuda.staging import MIN_STAGED, StagingRing, _Session
 
 
 class StreamSim:

@@ -1,18 +1,27 @@
-"""Whole-step graphs on the CPU (NOTE [whole-step graphs] in tiermem/_stepgraph.py): what keeps
+"""Whole-step graphs on the CPU (NOTE [whole-step graphs] in tiermem/training/stepgraph.py): what keeps
 a step eager, and the books behind a capture: how events resolve across it (NOTE [events across
-a capture] in tiermem/_capture.py), which settings it bakes in, and what it counted. Capturing
+a capture] in tiermem/cuda/capture.py), which settings it bakes in, and what it counted. Capturing
 and replaying need a GPU: tests/test_gpu_stepgraph.py."""
 from __future__ import annotations
 
 import pytest
 import torch
+from test_train import batches, loss_of, plain_run, tiered
 
 import tiermem
-from test_train import batches, loss_of, plain_run, tiered
-from tiermem._capture import CaptureEpochs
-from tiermem._stepgraph import (SETTLED_STEPS, _capturable, _release, _unroute, _count_delta, _first_cause, _hyperparameters,
-                                capture_now, why_invalid)
+from tiermem.cuda.capture import CaptureEpochs
 from tiermem.roles import Role
+from tiermem.training.stepgraph import (
+    SETTLED_STEPS,
+    _capturable,
+    _count_delta,
+    _first_cause,
+    _hyperparameters,
+    _release,
+    _unroute,
+    capture_now,
+    why_invalid,
+)
 
 
 class _Ev:
@@ -103,7 +112,7 @@ def test_the_plan_is_settled_once_the_measured_choice_is_done():
             loss_of(model, ids).backward()
         seen.append(train.settled)
     # the traced step plans; the probe's steps, the check's and a kept plan's later steps follow
-    # (NOTE [measured choice] in tiermem/_trainchoice.py); then nothing changes the plan by itself
+    # (NOTE [measured choice] in tiermem/training/choice.py); then nothing changes the plan by itself
     assert not any(seen[:8])
     assert seen[-1] and train.plan is not None
     layout = train.layout
@@ -140,7 +149,7 @@ def test_only_fused_groups_say_capturable_for_the_capture_and_get_their_setting_
 
 
 def test_the_capture_counts_moves_once_per_replay():
-    from tiermem._stats import Accounting
+    from tiermem.core.stats import Accounting
     acc = Accounting()
     before = acc.snapshot()
     acc.on_move(Role.WEIGHT, "h2d", 100)
@@ -233,7 +242,7 @@ class _Calls:
     """The raw CUDA calls the backend makes, recorded instead of made (no GPU here)."""
 
     def __init__(self, monkeypatch, capturing=()):
-        from tiermem import _cuda
+        from tiermem.cuda import runtime as _cuda
         self.log: list[tuple] = []
         self.capturing = set(capturing)
         for name in ("event_record", "stream_wait_event", "event_query", "event_synchronize", "memcpy_async",
@@ -245,7 +254,7 @@ class _Calls:
 
 
 def _backend():
-    from tiermem._backend import CudaBackend
+    from tiermem.cuda.backend import CudaBackend
     be = object.__new__(CudaBackend)        # its event calls only: no device is opened
     be.epochs = CaptureEpochs()
     be.current_stream = lambda: 7           # the capturing (compute) stream in these tests
@@ -305,7 +314,8 @@ def test_a_capture_lets_cublas_workspaces_go_before_and_after_it_even_when_it_fa
     """NOTE [capture's cuBLAS workspace]: the capture makes its workspaces in its own pool and
     none outlives it there, or the pool keeps its segments after the graph is gone."""
     import types
-    from tiermem._workspaces import own_workspaces
+
+    from tiermem.training.workspaces import own_workspaces
     calls = []
     t = types.SimpleNamespace(_C=types.SimpleNamespace(_cuda_clearCublasWorkspaces=lambda: calls.append("clear")))
     with own_workspaces(t):
@@ -324,7 +334,8 @@ def test_a_failed_captures_exception_lets_go_of_its_frames_and_their_tensors():
     """NOTE [kept exceptions]: the failed capture's exception is tiermem's own; its frames (the
     failed forward's activations) are cleared, down the chain of exceptions it came with."""
     import weakref
-    from tiermem._stepgraph import _clear_frames
+
+    from tiermem.training.stepgraph import _clear_frames
 
     class Big:
         pass
@@ -361,12 +372,13 @@ def test_releasing_a_step_that_holds_no_graph_changes_nothing():
 
 
 def test_a_captured_step_that_saves_other_tensors_than_its_trace_fails_as_a_refused_capture(monkeypatch):
-    """NOTE [another path under capture] in tiermem/_train.py: a step whose saves, while
+    """NOTE [another path under capture] in tiermem/training/handle.py: a step whose saves, while
     captured, differ from the trace (a transformers Llama's attention under a capture) raises
     with the reason, as a capture CUDA refuses does; the training goes on eagerly from a new
     trace. The CPU cannot capture: here the step runs inside the training's capture books, with
     the backend's capture a no-op, and is given other shapes."""
     import contextlib
+
     from test_train import CFG
     model, _, train = _tiered(recompute="never")
     monkeypatch.setattr(train.tier.backend, "capturing", contextlib.nullcontext, raising=False)

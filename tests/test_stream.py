@@ -1,4 +1,4 @@
-"""The streaming primitive (NOTE [ordered copies] in tiermem/_stream.py) on the fake backend: what
+"""The streaming primitive (NOTE [ordered copies] in tiermem/core/stream.py) on the fake backend: what
 a fill, a drain and a release wait for, the ring's choice of slot, and the pinned arena's reuse.
 Module offload, training and activation swap move their bytes through these."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 import tiermem
-from tiermem._stream import Lane, PinnedArena, SlotRing, now
+from tiermem.core.stream import Lane, PinnedArena, SlotRing, now
 from tiermem.planning import parse_bytes, weight_bytes
 
 MiB = 1 << 20

@@ -12,10 +12,9 @@ import textwrap
 import pytest
 
 from tiermem import Policy, Role, TierMemError
-from tiermem.errors import CUDAUnavailableError, RoleError
+from tiermem.errors import BuildError, CUDAUnavailableError, RoleError
+from tiermem.pytorch import allocator as ta
 from tiermem.roles import DEFAULT_POLICIES
-from tiermem._errors import BuildError
-from tiermem import _torch_alloc as ta
 
 
 def _fake_cuda(root, version=13000, lib="lib64", cudart="libcudart.so.13"):

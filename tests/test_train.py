@@ -1,4 +1,4 @@
-"""wrap_training on the CPU, over the fake backend (NOTE [device memory] in tiermem/_devmem.py):
+"""wrap_training on the CPU, over the fake backend (NOTE [device memory] in tiermem/pytorch/devmem.py):
 the blocks' homes, slots and copies, the traced step and its plan, activation swap, steps that
 fail, and unwrap are the real ones; the model trains on the CPU, and torch's CPU allocator has
 no cap or peaks to read, so the plan's floor is zero here. The GPU tests (test_gpu_train.py)
@@ -10,10 +10,10 @@ import gc
 import pytest
 import torch
 import torch.nn.functional as F
+from fakes import FakeBackend
 
 import tiermem
-from fakes import FakeBackend
-from tiermem.models import GPT, GPTConfig
+from tiermem.testing import GPT, GPTConfig
 
 CFG = dict(vocab=256, seq=32, d=64, layers=4, heads=4)       # 0.94 MB of parameters
 

@@ -1,4 +1,4 @@
-"""Gradient accumulation under wrap_training (NOTE [accumulation] in tiermem/_train.py), on the
+"""Gradient accumulation under wrap_training (NOTE [accumulation] in tiermem/training/handle.py), on the
 CPU over the fake backend: ``accumulate=N`` makes each ``train.step()`` one micro-batch and the
 optimizer steps in every N-th, as a plain loop that calls ``backward()`` N times and then
 ``optimizer.step()`` does. Streamed blocks carry the window's gradients home between
@@ -9,10 +9,10 @@ import gc
 
 import pytest
 import torch
-
-import tiermem
 from fakes import FakeBackend
 from test_train import _deterministic, batches, gpt, loss_of, state_bytes, tiered  # noqa: F401  (fixture)
+
+import tiermem
 
 N = 3
 

@@ -1,5 +1,5 @@
 """wrap_training(..., state_dtype=torch.bfloat16) on the CPU, over the fake backend (NOTE [bf16
-moments] in tiermem/_trainstates.py): streamed blocks' fp32 optimizer states held and moved as bf16,
+moments] in tiermem/training/states.py): streamed blocks' fp32 optimizer states held and moved as bf16,
 stepped in fp32, narrowed by stochastic rounding from the handle's own generator."""
 from __future__ import annotations
 
@@ -8,13 +8,13 @@ import io
 
 import pytest
 import torch
-
-import tiermem
 from fakes import FakeBackend
 from test_train import batches, gpt, loss_of, state_bytes, tiered, tiered_losses
-from tiermem._trainoptions import check_options
-from tiermem._trainstates import ROUNDING_KEY, round_stochastic
+
+import tiermem
 from tiermem.planning import StepTrace, plan_training
+from tiermem.training.options import check_options
+from tiermem.training.states import ROUNDING_KEY, round_stochastic
 
 BF16 = torch.bfloat16
 

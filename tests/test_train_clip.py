@@ -1,5 +1,5 @@
-"""Global-norm gradient clipping under wrap_training (NOTE [clipping] in tiermem/_trainclip.py,
-NOTE [clip arithmetic] in tiermem/_clip.py), on the CPU over the fake backend: ``max_grad_norm``
+"""Global-norm gradient clipping under wrap_training (NOTE [clipping] in tiermem/training/clipping.py,
+NOTE [clip arithmetic] in tiermem/training/gradnorm.py), on the CPU over the fake backend: ``max_grad_norm``
 gives a plain loop's ``clip_grad_norm_`` then ``optimizer.step()``, bitwise, the norm included,
 with blocks streamed, with accumulation, and whether the clip bites or not. A caller's own
 ``optimizer.step()`` inside the step is refused, as it would update the parameters twice."""
@@ -9,11 +9,11 @@ import gc
 
 import pytest
 import torch
-
-import tiermem
 from fakes import FakeBackend
 from test_train import _deterministic, batches, gpt, loss_of, state_bytes, tiered  # noqa: F401  (fixture)
-from tiermem._clip import stack_order
+
+import tiermem
+from tiermem.training.gradnorm import stack_order
 
 
 def _plain(bs, max_norm, norm_type=2.0, n=1):
@@ -85,7 +85,7 @@ def test_torchs_stack_order_is_its_grouping_not_first_appearance():
     g = torch.Generator().manual_seed(0)
     for t in ts:
         t.copy_(torch.randn(3, generator=g))
-    from tiermem._clip import NormParts
+    from tiermem.training.gradnorm import NormParts
     parts = NormParts(torch, 2.0)
     ps = [torch.nn.Parameter(t.clone()) for t in ts]
     for p, t in zip(ps, ts):

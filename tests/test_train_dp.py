@@ -1,6 +1,6 @@
 """Data-parallel tiered training on the CPU: two ranks under gloo, each with its own replica on the
 fake backend, against one process training on the whole batch (NOTE [data parallel] in
-tiermem/_train.py). The NCCL run on two GPUs is for the multi-GPU machine."""
+tiermem/training/handle.py). The NCCL run on two GPUs is for the multi-GPU machine."""
 from __future__ import annotations
 
 import os
@@ -22,9 +22,10 @@ def _rank(rank: int, world: int, init: str, out: str, accumulate: int, clip: flo
           wider: int = 0, capacity: bool = False) -> None:
     import sys
     sys.path.insert(0, os.path.dirname(__file__))
-    import tiermem
     from fakes import FakeBackend
     from test_train import batches, gpt, loss_of, state_bytes
+
+    import tiermem
     torch.use_deterministic_algorithms(True)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     reduces = []
@@ -129,9 +130,10 @@ def test_two_ranks_train_as_one_process_averaging_their_gradients(tmp_path, accu
 def test_process_group_needs_torch_distributed_initialised():
     import sys
     sys.path.insert(0, os.path.dirname(__file__))
-    import tiermem
     from fakes import FakeBackend
     from test_train import gpt, state_bytes
+
+    import tiermem
     assert not dist.is_initialized()
     model, opt = gpt()
     tier = tiermem.Tier(backend=FakeBackend(total=1 << 30, foreign_host=True))

@@ -1,6 +1,6 @@
 """wrap_training's adoption, steps (the traced one and a planned one, activation swap out and back
 included) and unwrap, with a backend call failed in turn, on the CPU over the fake backend (the
-sweep of tests/test_faults.py, for training; NOTE [device memory] in tiermem/_devmem.py).
+sweep of tests/test_faults.py, for training; NOTE [device memory] in tiermem/pytorch/devmem.py).
 
 Adoption fails at every call; unwrap makes none (nothing is bound to a slot between steps). A step makes ~800 calls, so its cases are every call
 name at its first, middle and last use, and every 64th call besides. After each failure:
@@ -19,11 +19,11 @@ from typing import Any
 
 import pytest
 import torch
-
-import tiermem
 from fakes import FakeBackend
 from helpers import fault_params
 from test_train import batches, gpt, loss_of, state_bytes
+
+import tiermem
 
 SMALL = dict(layers=2, d=32, seq=16)
 KW = dict(block_bytes=4 << 10, min_swap=1024)

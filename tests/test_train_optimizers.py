@@ -11,11 +11,11 @@ import gc
 
 import pytest
 import torch
-
-import tiermem
 from fakes import FakeBackend
 from helpers import trainer_loop, trainer_optimizer
 from test_train import _deterministic, batches, gpt, loss_of, state_bytes  # noqa: F401  (fixture)
+
+import tiermem
 
 OPTIMIZERS = {
     "adamw-fused": lambda g: torch.optim.AdamW(g, lr=1e-3, fused=True),

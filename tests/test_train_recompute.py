@@ -1,5 +1,5 @@
 """Recompute in wrap_training on the CPU, over the fake backend (NOTE [recompute plan] in
-tiermem/_trainplan.py, tiermem/_recompute.py): recomputed blocks give the plain run's losses and
+tiermem/training/plan.py, tiermem/training/recompute.py): recomputed blocks give the plain run's losses and
 parameters bitwise, dropout included; they move fewer bytes than swapping them; unwrap gives every
 module its own forward back. What the plan chooses from measured times is tested on synthetic
 traces (tests/test_trainplan.py); the fake backend's clock is not a GPU's."""
@@ -11,10 +11,10 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
-import tiermem
 from fakes import FakeBackend
 from test_train import _deterministic, batches, gpt, plain_losses, plain_run, state_bytes, tiered_losses  # noqa: F401 - the fixture, autouse here too
+
+import tiermem
 
 BLOCK = 1 << 20            # each of the GPT's transformer blocks (200 KB of parameters, 64 KiB a tensor as spans count) is one block
 
@@ -206,7 +206,7 @@ def test_a_plan_predicted_barely_faster_than_the_probe_is_not_tried(monkeypatch,
     at least MIN_GAIN faster than the probe's plan, from the same fitted times; else the steps stay
     on recomputing everywhere, unchecked, and the table says what was not tried. The fake's model
     sees a near-free link, so its plan predicts a large gain; MIN_GAIN is raised past it here."""
-    import tiermem._trainchoice as trainmod
+    import tiermem.training.choice as trainmod
     if gain == "too_small":
         monkeypatch.setattr(trainmod, "MIN_GAIN", 0.99)
     bs = batches(9)
@@ -237,7 +237,7 @@ def test_the_plan_after_the_probe_is_predicted_from_times_fitted_to_the_probes_s
     its two unmetered steps (30 and 50 ms here) through the probe's own plan, and every plan
     after carries the factor. The fitting's arithmetic is tests/test_trainplan.py's; the fake's
     clock gives no compute to fit, so the factor is stood in for here."""
-    import tiermem._trainchoice as trainmod
+    import tiermem.training.choice as trainmod
     seen = []
 
     def fit(plan, ms):
@@ -268,7 +268,7 @@ def test_a_plan_with_no_choice_to_check_is_still_predicted_from_its_own_steps(mo
     """NOTE [calibrated compute]: "never" and "always" have no probe to choose by, but their plan
     is metered and timed the same way, and its prediction fitted to its own steps; its choices
     stay, and nothing after it is checked or switched."""
-    import tiermem._trainchoice as trainmod
+    import tiermem.training.choice as trainmod
     seen = []
 
     def fit(plan, ms):
@@ -324,7 +324,7 @@ def test_a_kept_plan_whose_later_steps_run_slower_than_the_probe_gives_way_once(
     median of its next LATE_STEPS steps, read from the steps' own events, is checked against the
     probe once more, and a plan more than LATE_SLACK slower goes back to recomputing everywhere,
     once. Losses stay the plain run's bitwise through both switches."""
-    from tiermem._trainchoice import LATE_SLACK, LATE_STEPS, PROBE_STEPS, VERIFY_STEPS
+    from tiermem.training.choice import LATE_SLACK, LATE_STEPS, PROBE_STEPS, VERIFY_STEPS
     checked = 1 + PROBE_STEPS + VERIFY_STEPS           # the trace, the probe, the model's plan
     n = checked + LATE_STEPS + 4
     bs = batches(n)
@@ -381,7 +381,7 @@ def _plain_hf_losses(model, opt, bs):
 def test_a_transformers_model_with_its_default_kv_cache_recomputes_its_layers():
     """transformers' configs default to ``use_cache=True``, so a training forward builds a KV cache
     that holds every layer's keys and values and makes the layers look unrecomputable (NOTE [no
-    KV cache in a step] in tiermem/_kvcache.py). Inside a step the cache is off, as transformers
+    KV cache in a step] in tiermem/training/kvoff.py). Inside a step the cache is off, as transformers
     turns it off under gradient checkpointing; between steps the config is the user's again."""
     bs = batches(6)
     model, opt = _qwen2()
@@ -468,7 +468,7 @@ def test_graphs_are_captured_between_steps_only_where_the_plan_holds_their_pool(
     capture itself is tests/test_gpu_recompute.py's.)"""
     import types
 
-    import tiermem._replay as replay
+    import tiermem.training.replay as replay
     monkeypatch.setattr(replay, "SEGMENTS", 0)
     monkeypatch.setattr(replay, "RESERVE_MARGIN", 0.0)
     fake, tier, model, opt, train = tiered_gpt("always")

@@ -1,5 +1,5 @@
 """Resuming training under wrap_training from a checkpoint (NOTE [loaded states] in
-tiermem/_trainstates.py), on the CPU over the fake backend: ``model.load_state_dict`` and
+tiermem/training/states.py), on the CPU over the fake backend: ``model.load_state_dict`` and
 ``opt.load_state_dict`` into a handle that has trained, into one that has not stepped yet, and
 into a model and optimizer before they are wrapped. Each resumed run must give the losses and
 parameters of the uninterrupted one bitwise. tests/test_gpu_train.py repeats the host-side cases
@@ -10,10 +10,10 @@ import io
 
 import pytest
 import torch
-
-import tiermem
 from fakes import FakeBackend
 from test_train import _deterministic, batches, gpt, loss_of, state_bytes, tiered, tiered_losses  # noqa: F401
+
+import tiermem
 
 STEPS, AT = 7, 3        # the checkpoint is taken after AT of STEPS steps
 BUDGETS = {"streamed": 1, "in-capacity": 8}     # x the parameters' bytes

@@ -9,10 +9,10 @@ import logging
 
 import pytest
 import torch
-
-import tiermem
 from fakes import PeakedHostMemory
 from test_train import batches, plain_run, tiered, tiered_losses
+
+import tiermem
 
 
 def peak_for(train, tier, slots: float):

@@ -1,5 +1,5 @@
 """Writes to a model's parameters between steps under wrap_training (NOTE [training transport] in
-tiermem/_train.py), on the CPU over the fake backend. Users write between steps: a re-initialised
+tiermem/training/handle.py), on the CPU over the fake backend. Users write between steps: a re-initialised
 layer, a submodule's ``load_state_dict``, EMA weights copied in for an evaluation and copied back
 (diffusers' EMAModel writes through ``p.data``). Each write must reach the next step, whichever
 block's parameters it touches and however it writes, as it does in a plain run: the losses and
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from test_train import _deterministic, batches, gpt, loss_of, tiered, tiered_losses  # noqa: F401
 
 STEPS, AT = 5, 2        # the write comes after AT of STEPS steps

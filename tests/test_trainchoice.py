@@ -1,4 +1,4 @@
-"""The choice of a training's plan (NOTE [measured choice] in tiermem/_trainchoice.py), alone:
+"""The choice of a training's plan (NOTE [measured choice] in tiermem/training/choice.py), alone:
 no model, no torch; a synthetic trace, the fake backend's events, the slots and graphs as small
 stand-ins, and the steps' times given by the test."""
 from __future__ import annotations
@@ -6,11 +6,11 @@ from __future__ import annotations
 import types
 
 import pytest
-
 from fakes import FakeBackend
 from test_trainplan import MiB, seg_trace
-from tiermem._trainchoice import LATE_SLACK, LATE_STEPS, PROBE_STEPS, VERIFY_STEPS, PlanChoice
+
 from tiermem.errors import OutOfBudgetError
+from tiermem.training.choice import LATE_SLACK, LATE_STEPS, PROBE_STEPS, VERIFY_STEPS, PlanChoice
 
 
 class _Slots:

@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tiermem.planning import plan_training, StepTrace, TrainPlan
-from tiermem._trainplan import SavedRecord, evaluate, fit_compute, scaled
+from tiermem.planning import StepTrace, TrainPlan, plan_training
+from tiermem.training.plan import SavedRecord, evaluate, fit_compute, scaled
 
 MiB = 1 << 20
 
@@ -312,9 +312,9 @@ def test_a_probe_slower_than_the_model_scales_every_plan_and_the_table_says_so()
 
 
 def test_slots_for_recompute_gives_the_fewest_slots_that_recompute_the_most_blocks():
-    """NOTE [a slot for recompute] in tiermem/_trainchoice.py, on a synthetic trace: segments of 64 MiB,
+    """NOTE [a slot for recompute] in tiermem/training/choice.py, on a synthetic trace: segments of 64 MiB,
     slots of 40 MiB, a room of 30 MiB above the floor."""
-    from tiermem._trainplan import slots_for_recompute
+    from tiermem.training.plan import slots_for_recompute
     t = seg_trace(act=64 * MiB, floor=100 * MiB)
     budget = 130 * MiB
 

@@ -1,13 +1,13 @@
-"""tiermem._um_budget: the UM budget enforcer's estimate and LRU eviction, on the CPU with fake
+"""bench/um_budget.py (the advice study's UM budget enforcer): its estimate and LRU eviction, on the CPU with fake
 segments; and on the GPU, that a training step under it stays within the budget's estimate."""
 from __future__ import annotations
 
 import dataclasses
 
 import pytest
+from um_budget import UMBudget, UMBudgetStats
 
-from tiermem._errors import TierMemError
-from tiermem._um_budget import UMBudget, UMBudgetStats
+from tiermem.errors import TierMemError
 
 MiB = 1 << 20
 
@@ -103,7 +103,7 @@ def test_gpu_training_step_stays_within_the_estimate():
     import torch
 
     import tiermem
-    from tiermem import _torch_alloc as ta
+    from tiermem.pytorch import allocator as ta
     ta.set_torch_managed_cap("1GiB")
     budget = 8 * MiB
     off = tiermem.Policy()

@@ -8,10 +8,10 @@ import threading
 
 import pytest
 import torch
+from helpers import MiB, fill_random
 from torch import nn
 
 import tiermem
-from helpers import MiB, fill_random
 from tiermem import Location, Role
 from tiermem.errors import RoleError, WrapError
 

@@ -9,14 +9,30 @@ See README.md. A GPU is needed for everything that touches memory; ``python -m t
 says what this machine has.
 """
 from . import arrays, errors, handles, planning, roles, torch_memory
-from ._api import (allocator, configure, default_tier, empty, evict, load_pretrained, memory_summary, policy_override,
-                   prefetch, stats, synchronize, unwrap, use, wrap, wrap_module, wrap_training)
-from ._cupy import using_role
-from ._errors import CUDAError, ConfigError, OutOfBudgetError, TierMemError
-from ._tensor import TieredTensor
+from ._api import (
+    allocator,
+    configure,
+    default_tier,
+    empty,
+    evict,
+    load_pretrained,
+    memory_summary,
+    policy_override,
+    prefetch,
+    stats,
+    synchronize,
+    unwrap,
+    use,
+    wrap,
+    wrap_module,
+    wrap_training,
+)
 from ._tier import Tier
-from ._torch import tiered_of
-from ._torch_alloc import torch_allocations
+from .core.tensor import TieredTensor
+from .cupy.allocator import using_role
+from .errors import ConfigError, CUDAError, OutOfBudgetError, TierMemError
+from .pytorch.allocator import torch_allocations
+from .pytorch.wrap import tiered_of
 from .roles import Location, Policy, Role
 
 __version__ = "0.1.0"

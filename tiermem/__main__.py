@@ -1,6 +1,6 @@
 """python -m tiermem {info,demo}"""
 import sys
 
-from ._cli import main
+from .cli.main import main
 
 sys.exit(main())

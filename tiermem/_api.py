@@ -5,7 +5,7 @@
 
 Each function checks its arguments before it makes the default Tier, which needs a GPU: on a
 machine without one, a wrong role, a tensor tiermem cannot hold or a bad size raises its own
-error (a ValueError or TypeError, see tiermem/_errors.py), not CUDAUnavailableError.
+error (a ValueError or TypeError, see tiermem/errors.py), not CUDAUnavailableError.
 """
 from __future__ import annotations
 
@@ -13,11 +13,11 @@ import contextlib
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from . import _default
-from ._limits import check_bytes
-from ._tensor import TieredTensor
 from ._tier import Tier, check_empty
-from ._transfer import Transfer
+from .base import default as _default
+from .base.limits import check_bytes
+from .core.tensor import TieredTensor
+from .core.transfer import Transfer
 from .roles import Location, Policy, Role, as_role, check_policy
 
 __all__ = ["default_tier", "configure", "empty", "wrap", "wrap_module", "wrap_training", "unwrap", "prefetch", "evict", "allocator",
@@ -54,7 +54,7 @@ def wrap(tensor: Any, role: Role | str = Role.WEIGHT, **kwargs: Any) -> TieredTe
     (:class:`RoleError`), or a sparse, meta or non-contiguous tensor. Keyword arguments: ``name``,
     ``policy`` (replaces the role's policy), and policy fields to change (``read_mostly=True``).
     """
-    from ._torch import check_wrap
+    from .pytorch.wrap import check_wrap
     check_wrap(tensor, role, **kwargs)
     return _tier_of(tensor).wrap(tensor, role, **kwargs)
 
@@ -64,19 +64,19 @@ def wrap_training(model: Any, optimizer: Any, budget: int | str, **kwargs: Any) 
     or "25%" of the device): parameters, optimizer states and saved activations are tiered, each
     block steps inside backward, and the plan comes from the first step. Use ``with
     handle.step(): ...forward and backward...``. The model may be on the device or, bigger than
-    it, on the host (NOTE [host models] in _trainmemory.py). Returns a :class:`TieredTraining`. Keyword
+    it, on the host (NOTE [host models] in training/memory.py). Returns a :class:`TieredTraining`. Keyword
     arguments: ``lookahead``, ``min_swap``, ``window``, ``swap``, ``block_bytes``, ``margin``,
     ``recompute``, ``link_GBps``, ``process_group`` (True or a torch.distributed group:
     data-parallel replicas, each block's gradients averaged before its step, NOTE [data parallel]
-    in _train.py), ``state_dtype`` (None, or torch.bfloat16 to hold and move streamed blocks'
-    fp32 optimizer states as bf16, off by default: NOTE [bf16 moments] in _trainstates.py),
+    in training/handle.py), ``state_dtype`` (None, or torch.bfloat16 to hold and move streamed blocks'
+    fp32 optimizer states as bf16, off by default: NOTE [bf16 moments] in training/states.py),
     ``accumulate`` (micro-batches per optimizer step, one per ``handle.step()``: NOTE
-    [accumulation] in _train.py), ``max_grad_norm`` and ``norm_type`` (clip the gradients to a
+    [accumulation] in training/handle.py), ``max_grad_norm`` and ``norm_type`` (clip the gradients to a
     global norm before each optimizer step, as clip_grad_norm_ does: NOTE [clipping]), ``speculate``
     (step inside backward as if the clip will not bite, kept when it did not: NOTE [speculative
     clipping]), ``tier``.
     The handle steps the optimizer itself: a caller's ``optimizer.step()`` is refused."""
-    from ._trainoptions import check_options
+    from .training.options import check_options
     tier = kwargs.pop("tier", None)
     check_options(budget, **kwargs)
     return (tier or default_tier()).wrap_training(model, optimizer, budget, **kwargs)
@@ -85,7 +85,7 @@ def wrap_training(model: Any, optimizer: Any, budget: int | str, **kwargs: Any) 
 def wrap_module(module: Any, budget: int | str | None = None, **kwargs: Any) -> Any:
     """Adopt every parameter and buffer of ``module`` and run it within ``budget`` (bytes, "8GB",
     or a share of the device like "25%"; ``tiermem.planning.weight_bytes(module) // 4`` is a
-    quarter of its weights: NOTE [sizes] in _limits.py): the largest groups stay resident, the rest stream in ahead
+    quarter of its weights: NOTE [sizes] in base/limits.py): the largest groups stay resident, the rest stream in ahead
     of use and out behind it, or are read in place for single-token forwards. Returns a
     :class:`TieredModule` (its ``plan``; ``unwrap()`` restores the module). Keyword arguments:
     ``mode`` ("auto", "stream", "zero_copy"), ``lookahead`` (groups in flight),
@@ -97,12 +97,12 @@ def wrap_module(module: Any, budget: int | str | None = None, **kwargs: Any) -> 
 
 
 def unwrap(tensor: Any) -> Any:
-    """Restore a wrapped tensor to plain memory on its original device (see tiermem._torch.unwrap)."""
+    """Restore a wrapped tensor to plain memory on its original device (see tiermem.pytorch.wrap.unwrap)."""
     return _tier_of(tensor).unwrap(tensor)
 
 
 def _tier_of(x: Any) -> Tier:
-    from ._torch import tiered_of
+    from .pytorch.wrap import tiered_of
     if isinstance(x, TieredTensor):
         return x.tier
     tt = tiered_of(x)
@@ -131,7 +131,7 @@ def allocator(role: Role | str | None = None, tier: Tier | None = None) -> Any:
 
 
 def stats(tier: Tier | None = None) -> dict[str, Any]:
-    """The flat stats dict (keys documented in tiermem/_stats.py)."""
+    """The flat stats dict (keys documented in tiermem/core/stats.py)."""
     return (tier or default_tier()).stats()
 
 
@@ -164,7 +164,7 @@ def use(*arrays: Any, stream: Any = None, read_only: bool = False, once: bool = 
     ahead of use, making room in the budget; :meth:`Tier.use` says what ``stream``,
     ``read_only`` and ``once`` do, and what the returned :class:`ArrayUse` is. The Tier is
     ``tier``, else the first array's, else the default one."""
-    from ._scoped import tier_of_array
+    from .cupy.scoped import tier_of_array
     if tier is None:
         tier = next((t for t in map(tier_of_array, arrays) if t is not None), None)
     return (tier or default_tier()).use(*arrays, stream=stream, read_only=read_only, once=once)
@@ -173,8 +173,8 @@ def use(*arrays: Any, stream: Any = None, read_only: bool = False, once: bool = 
 def load_pretrained(path: Any, budget: int | str | None = None, host_budget: int | str | None = None,
                     dtype: Any = None, *, tier: Tier | None = None, **kwargs: Any) -> Any:
     """A transformers causal LM from a local checkpoint folder, adopted within ``budget``: see
-    :func:`tiermem._load.load_pretrained`. The files are checked before the default Tier (which
+    :func:`tiermem.inference.load.load_pretrained`. The files are checked before the default Tier (which
     needs a GPU) is made."""
-    from ._load import load_pretrained as load
+    from .inference.load import load_pretrained as load
     return load(path, budget, host_budget, dtype, tier=tier, make_tier=default_tier, **kwargs)
 

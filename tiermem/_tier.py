@@ -1,12 +1,12 @@
-"""The public face: :class:`Tier` is the engine (_engine.py) with the adapters' entry points.
+"""The public face: :class:`Tier` is the engine (core/engine.py) with the adapters' entry points.
 
 The layers, lowest first; a module imports only from its own layer or below, and reaches into
 no other module's private members (tests/test_layers.py holds the code to it):
   - base: errors, dtypes, sizes and limits, roles, the default tier's slot;
-  - CUDA: the raw calls (_cuda.py), the backend protocol (_backend.py) with its books of events
-    across a CUDA graph capture (_capture.py), the staging rings;
-  - core: the engine (_engine.py) with its tensor, transfer, stats, leases and report, and the
-    streaming primitive every mover shares (_stream.py: ordered copies, a ring of device slots,
+  - CUDA: the raw calls (cuda/runtime.py), the backend protocol (cuda/backend.py) with its books of events
+    across a CUDA graph capture (cuda/capture.py), the staging rings;
+  - core: the engine (core/engine.py) with its tensor, transfer, stats, leases and report, and the
+    streaming primitive every mover shares (core/stream.py: ordered copies, a ring of device slots,
     a pinned arena);
   - adapters: torch (wrap, module offload, training and its whole-step graphs, activation swap,
     the torch allocator),
@@ -17,14 +17,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._cupy import make_allocator
-from ._engine import Engine, check_empty
-from ._module import wrap_module
-from ._scoped import residency
-from ._tensor import TieredTensor
-from ._torch import unwrap, wrap
-from ._train import wrap_training
+from .core.engine import Engine, check_empty
+from .core.tensor import TieredTensor
+from .cupy.allocator import make_allocator
+from .cupy.scoped import residency
+from .inference.module import wrap_module
+from .pytorch.wrap import unwrap, wrap
 from .roles import Role
+from .training.handle import wrap_training
 
 __all__ = ["Tier", "check_empty"]
 
@@ -65,5 +65,5 @@ class Tier(Engine):
         without moving a byte. ``once=True`` says the block touches each array's bytes about once
         (a streaming pass): arrays that live in place on the host then stay there and kernels use
         them over the link, which is as fast as moving them and leaves nothing to evict (NOTE
-        [touched once]). NOTE [scoped moves] and NOTE [read-only scopes] in _scoped.py."""
+        [touched once]). NOTE [scoped moves] and NOTE [read-only scopes] in cupy/scoped.py."""
         return residency(self).use(arrays, stream, read_only, once)

@@ -1,7 +1,7 @@
 """CuPy arrays in tiered memory: the role the allocator gives new arrays (:func:`using_role`,
 :func:`current_role`), and the handle :func:`tiermem.use` returns (:class:`ArrayUse`). The
 allocator itself is :func:`tiermem.allocator`."""
-from ._cupy import current_role, using_role
-from ._scoped import ArrayUse
+from .cupy.allocator import current_role, using_role
+from .cupy.scoped import ArrayUse
 
 __all__ = ["using_role", "current_role", "ArrayUse"]

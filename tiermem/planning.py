@@ -2,13 +2,13 @@
 stay resident and which stream (:func:`plan_residency`, :func:`plan_host` for the disk tier), and
 what a training step keeps, swaps or moves (:func:`plan_training` over a :class:`StepTrace`);
 :func:`parse_bytes`, the one reader of the sizes they take ("8GiB", or "25%" of the device:
-NOTE [sizes] in _limits.py); :func:`weight_bytes`, to size a share of a module's weights; and
+NOTE [sizes] in base/limits.py); :func:`weight_bytes`, to size a share of a module's weights; and
 :func:`plan_arena`, where a step's temporaries would sit in one lifetime-planned arena."""
-from ._arena import ArenaPlan, Temp, live_peak, plan_arena, temps_from_trace
-from ._limits import parse_bytes
-from ._modulegroups import weight_bytes
-from ._moduleplan import Plan, plan_host, plan_residency
-from ._trainplan import StepTrace, TrainPlan, plan_training
+from .base.limits import parse_bytes
+from .inference.groups import weight_bytes
+from .inference.plan import Plan, plan_host, plan_residency
+from .training.arena import ArenaPlan, Temp, live_peak, plan_arena, temps_from_trace
+from .training.plan import StepTrace, TrainPlan, plan_training
 
 __all__ = ["Plan", "plan_residency", "plan_host", "StepTrace", "TrainPlan", "plan_training", "parse_bytes",
            "weight_bytes", "Temp", "ArenaPlan", "plan_arena", "live_peak", "temps_from_trace"]

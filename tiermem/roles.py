@@ -56,7 +56,7 @@ from collections.abc import Iterator, Mapping
 from types import MappingProxyType
 from typing import Any
 
-from ._errors import RoleError
+from .errors import RoleError
 
 __all__ = ["Role", "Location", "Prefetch", "Evict", "Policy", "DEFAULT_POLICIES", "PolicyTable", "as_role", "check_policy",
            "advice_plan"]

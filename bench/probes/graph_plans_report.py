@@ -13,8 +13,8 @@ import sys
 
 import _path  # noqa: F401 - the repository root on sys.path
 
-from tiermem._trainplan import SavedRecord, StepTrace, evaluate, fit_compute, scaled
 from tiermem.planning import plan_training
+from tiermem.training.plan import SavedRecord, StepTrace, evaluate, fit_compute, scaled
 
 DEFAULT = os.path.join(os.path.dirname(__file__), "..", "results", "probe_graph_plans-h100-20261127-d16ed8c.json")
 SETS = ("resident_blocks", "measured_recompute", "recomputable")

@@ -1,5 +1,5 @@
 """Gradient accumulation and clipping under wrap_training (NOTE [accumulation], NOTE [clipping] in
-tiermem/_train.py) against the resident loop: the GPT model of bench/train_budget.py (16 layers of 1024, vocab 8192, AdamW
+tiermem/training/handle.py) against the resident loop: the GPT model of bench/train_budget.py (16 layers of 1024, vocab 8192, AdamW
 fp32), micro-batches of 4x512, ``--accumulate`` of them per optimizer step, tiermem at 1/2.5 of
 the training state.
 
@@ -21,7 +21,6 @@ import sys
 import time
 
 import _path  # noqa: F401 - bench/ and the repository root on sys.path
-
 import torch
 from _common import median
 
@@ -38,9 +37,11 @@ def main():
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True, warn_only=True)
     torch.backends.cuda.matmul.allow_tf32 = False
+    from train_budget import build_gpt  # the bench's GPT and its loss
+    from train_budget import gpt_loss as loss_of
+
     import tiermem
-    from tiermem.models import GPTConfig
-    from train_budget import build_gpt, gpt_loss as loss_of     # the bench's GPT and its loss
+    from tiermem.testing import GPTConfig
     cfg = GPTConfig(vocab=8192, seq=512, d=1024, layers=16, heads=16)
     g = torch.Generator(device="cuda").manual_seed(1)
     total = (a.warmup + a.windows) * n

@@ -1,6 +1,6 @@
 """Pinned host <-> device copies by piece size, alone and while the GPU computes.
 
-The training plan (NOTE [recompute plan] in tiermem/_trainplan.py) prices every byte it moves at
+The training plan (NOTE [recompute plan] in tiermem/training/plan.py) prices every byte it moves at
 one link rate, measured with large buffers. A step's swap moves saved activations one storage at
 a time (1-64 MiB each), and its moves run while the GPU computes. A plan that swaps more and
 recomputes less replayed 30% slower than the model predicted (docs/training.md, "Whole-step
@@ -17,9 +17,7 @@ import statistics
 import sys
 
 import _path  # noqa: F401 - bench/ and the repository root on sys.path
-
 import torch
-
 from _common import progress, write_results
 
 MiB = 1 << 20

@@ -29,7 +29,8 @@ class _CAI:
 
 def main() -> None:
     import torch
-    from tiermem import _cuda as C
+
+    from tiermem.cuda import runtime as C
     from tiermem.roles import Location
     per = float(sys.argv[1]) if len(sys.argv) > 1 else 20
     variants = sys.argv[2].split(",") if len(sys.argv) > 2 else [

@@ -20,15 +20,15 @@ import statistics
 import threading
 import time
 
-from _path import RESULTS  # bench/ and the repository on sys.path
 import cupy as cp
 import numpy as np
 import torch
-
 from _common import progress
+from _path import RESULTS  # bench/ and the repository on sys.path
 
-from tiermem import Location, _cuda
-from tiermem._backend import CudaBackend, _ArrayInterface
+from tiermem import Location
+from tiermem.cuda import runtime as _cuda
+from tiermem.cuda.backend import CudaBackend, _ArrayInterface
 
 GiB, MiB = 1 << 30, 1 << 20
 N = GiB

@@ -17,7 +17,6 @@ import sys
 import time
 
 import _path  # noqa: F401 - bench/ and the repository root on sys.path
-
 import torch
 from _common import cuda_times, median
 
@@ -35,9 +34,11 @@ def main():
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True, warn_only=True)
     torch.backends.cuda.matmul.allow_tf32 = False
+    from train_budget import build_gpt  # the bench's GPT and its loss
+    from train_budget import gpt_loss as loss_of
+
     import tiermem
-    from tiermem.models import GPTConfig
-    from train_budget import build_gpt, gpt_loss as loss_of     # the bench's GPT and its loss
+    from tiermem.testing import GPTConfig
     cfg = GPTConfig(vocab=8192, seq=512, d=1024, layers=16, heads=16)
     g = torch.Generator(device="cuda").manual_seed(1)
     batches = [torch.randint(0, cfg.vocab, (4, 513), device="cuda", generator=g) for _ in range(a.steps)]

@@ -5,13 +5,13 @@ from __future__ import annotations
 import json
 import os
 
-from _path import RESULTS  # bench/ and the repository on sys.path
 import torch
-
 from _common import gbps, progress
+from _path import RESULTS  # bench/ and the repository on sys.path
 
-from tiermem import Location, _cuda
-from tiermem._backend import CudaBackend, _ArrayInterface
+from tiermem import Location
+from tiermem.cuda import runtime as _cuda
+from tiermem.cuda.backend import CudaBackend, _ArrayInterface
 
 GiB, MiB = 1 << 30, 1 << 20
 N = GiB

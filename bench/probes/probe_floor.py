@@ -17,7 +17,6 @@ import os
 import sys
 
 import _path  # noqa: F401 - bench/ and the repository root on sys.path
-
 import torch
 
 
@@ -28,10 +27,11 @@ def main():
     a = ap.parse_args()
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True, warn_only=True)
-    import tiermem
     from _common import commit, device_name, device_slug
-    from tiermem.models import GPTConfig
     from train_budget import build_gpt, gpt_loss
+
+    import tiermem
+    from tiermem.testing import GPTConfig
     cfg = GPTConfig(vocab=8192, seq=512, d=1024, layers=16, heads=16)
     g = torch.Generator(device="cuda").manual_seed(1)
     batches = [torch.randint(0, cfg.vocab, (4, 513), device="cuda", generator=g) for _ in range(a.steps)]
@@ -74,8 +74,9 @@ def main():
         gc.collect()
         torch.cuda.empty_cache()
     tier.close()
-    from _path import RESULTS
     import datetime
+
+    from _path import RESULTS
     name = f"probe_floor-{device_slug(out['device'])}-{datetime.date.today():%Y%m%d}.json"
     for d in filter(None, (RESULTS, os.environ.get("OUT"))):
         with open(os.path.join(d, name), "w") as f:

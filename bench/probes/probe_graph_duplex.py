@@ -20,7 +20,6 @@ import statistics
 import time
 
 import _path  # noqa: F401 - bench/ and the repository root on sys.path
-
 import torch
 
 GiB, MiB = 1 << 30, 1 << 20

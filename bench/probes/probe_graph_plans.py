@@ -1,6 +1,6 @@
 """How long a whole-step graph of each kind of plan replays, with what the plan's model was given:
-data to check the model of a step (NOTE [recompute plan] in tiermem/_trainplan.py) where no host
-time hides the link (NOTE [whole-step graphs] in tiermem/_stepgraph.py).
+data to check the model of a step (NOTE [recompute plan] in tiermem/training/plan.py) where no host
+time hides the link (NOTE [whole-step graphs] in tiermem/training/stepgraph.py).
 
 For each model of bench/train_budget.py part 4 (the GPT, the Qwen2-style), each budget 1/x of the
 training state (``--ratios``) and each recompute mode (``--modes``: "never" swaps and keeps only,
@@ -25,12 +25,11 @@ import time
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 import _path  # noqa: F401 - bench/ and the repository root on sys.path
-
 import torch
-
-import tiermem
 from _recompute_study import causal_mask, hf_graph_loss, probe_model
 from train_budget import link_rates
+
+import tiermem
 
 
 def plain(x):

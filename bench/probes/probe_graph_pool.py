@@ -1,6 +1,6 @@
 """Why is the recomputed blocks' graphs' pool 1.4-1.8x the eager working set?
 
-NOTE [replayed recompute] in tiermem/_replay.py sizes the pool from the largest eager backward;
+NOTE [replayed recompute] in tiermem/training/replay.py sizes the pool from the largest eager backward;
 on bench/train_budget.py's models the pool came to 1.4-1.8x it (docs/training.md). This probe
 takes the layers of the same GPT-style and Qwen2-style models, everything resident and no budget,
 runs them under tiermem's Replays for three steps (the first eager and measured, the second
@@ -18,7 +18,6 @@ import os
 import time
 
 import _path  # noqa: F401 - bench/ and the repository root on sys.path
-
 import torch
 
 MB = 1e6
@@ -34,7 +33,7 @@ def pool_state(pool_id):
 
 
 def run(name, layers, x_shape, kw):
-    from tiermem._replay import Replays
+    from tiermem.training.replay import Replays
     r = Replays(torch, capture=True, params_of=lambda m: [p for p in m.parameters() if p.requires_grad])
     for p in layers.parameters():
         p.grad = torch.zeros_like(p)
@@ -81,7 +80,7 @@ def main():
     res = {}
     for name in a.models.split(","):
         if name == "gpt":
-            from tiermem.models import GPT, GPTConfig
+            from tiermem.testing import GPT, GPTConfig
             torch.manual_seed(0)
             model = GPT(GPTConfig(vocab=8192, seq=512, d=1024, layers=a.layers, heads=16)).cuda()
             layers, kw = model.blocks, {}

@@ -22,8 +22,10 @@ GiB = 1 << 30
 def main() -> None:
     reps = int(sys.argv[1]) if len(sys.argv) > 1 else 7
     import torch
-    from tiermem import Location, _cuda
-    from tiermem._backend import _ArrayInterface
+
+    from tiermem import Location
+    from tiermem.cuda import runtime as _cuda
+    from tiermem.cuda.backend import _ArrayInterface
 
     N = GiB
     dev = torch.empty(N, dtype=torch.uint8, device="cuda")

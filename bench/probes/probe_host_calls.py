@@ -21,13 +21,12 @@ import os
 import time
 
 import _path  # noqa: F401 - bench/ and the repository root on sys.path
-from _common import host_us_per_call
-
 import torch
 import torch.nn.functional as F
+from _common import host_us_per_call
 
 import tiermem
-from tiermem import _cuda
+from tiermem.cuda import runtime as _cuda
 
 COUNTED = ("new_event", "record", "wait", "query", "synchronize", "copy", "current_stream", "torch_view")
 
@@ -72,7 +71,7 @@ def count_step(model_name):
     if model_name == "hf":
         model, loss_fn = qwen2(torch, args), hf_loss
     else:
-        from tiermem.models import GPT, GPTConfig
+        from tiermem.testing import GPT, GPTConfig
         model = GPT(GPTConfig(vocab=8192, seq=512, d=1024, layers=16, heads=16)).cuda()
 
         def loss_fn(m, ids):

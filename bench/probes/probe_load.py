@@ -32,9 +32,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import _path  # noqa: F401
-from _probe import R, section
-
 import torch
+from _probe import R, section
 from cuda.bindings import runtime as rt
 
 sys.path.insert(0, os.path.join(_path.BENCH))
@@ -121,6 +120,7 @@ def main():
     ap.add_argument("--load-only", action="store_true", help="skip the pin and read_into sections")
     args = ap.parse_args()
     import transformers as tf
+
     import tiermem
     N = int(args.n_gb * 1e9) // (2 << 20) * (2 << 20)
     R["N"] = N
@@ -206,7 +206,7 @@ def main():
 
     @section("read_into", skip=args.load_only)
     def _():
-        from tiermem._load import FileTensor, Reader, host_bytes
+        from tiermem.inference.load import FileTensor, Reader, host_bytes
         out = {}
         f = files[0]
         n = min(N, os.path.getsize(f)) // 4096 * 4096
@@ -246,8 +246,18 @@ def main():
                 spans.append((key, threading.current_thread().name, round(t - origin[0], 4), round(e - origin[0], 4)))
         setattr(owner, name, wrapped)
 
-    from tiermem import (_backend, _disk, _engine, _hostpages, _load, _module, _modulesources, _moduletransport, _tensor,
-                         _torch)
+    from tiermem import (
+        _backend,
+        _disk,
+        _engine,
+        _hostpages,
+        _load,
+        _module,
+        _modulesources,
+        _moduletransport,
+        _tensor,
+        _torch,
+    )
     timer(tf.AutoModelForCausalLM, "from_config", "from_config")
     timer(_backend.CudaBackend, "host_alloc", "host_alloc")
     timer(_backend.CudaBackend, "device_alloc", "device_alloc")

@@ -1,8 +1,8 @@
 """Probe: with the staging ring, do an eviction and a refill overlap across the two directions?
 
-tiermem runs every move on one stream (UM_STREAM in tiermem/_engine.py), because moves that touch
+tiermem runs every move on one stream (UM_STREAM in tiermem/core/engine.py), because moves that touch
 managed memory never overlapped across directions (probe_paths2). Through the ring (NOTE [staging
-ring] in tiermem/_staging.py) the link copies touch only pinned memory and cudaMalloc slots; only
+ring] in tiermem/cuda/staging.py) the link copies touch only pinned memory and cudaMalloc slots; only
 the device-side copies touch managed pages. This times 1 GiB out of managed pages and 1 GiB into
 other managed pages, with tiermem's real StagingRing and CudaBackend:
 
@@ -29,9 +29,11 @@ GiB = 1 << 30
 def main() -> None:
     reps = int(sys.argv[1]) if len(sys.argv) > 1 else 7
     import torch
-    from tiermem import Location, _cuda
-    from tiermem._backend import CudaBackend, _ArrayInterface
-    from tiermem._staging import StagingRing
+
+    from tiermem import Location
+    from tiermem.cuda import runtime as _cuda
+    from tiermem.cuda.backend import CudaBackend, _ArrayInterface
+    from tiermem.cuda.staging import StagingRing
 
     N = GiB
     be = CudaBackend(0, cap="3GiB")

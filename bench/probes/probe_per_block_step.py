@@ -2,7 +2,7 @@
 tiermem in it: the models of bench/train_budget.py part 4, every tensor resident, fused AdamW.
 
 wrap_training steps each streamed block as soon as its gradients are complete (NOTE [training
-transport] in tiermem/_train.py): one ``optimizer.step()`` a block, restricted to its parameters,
+transport] in tiermem/training/handle.py): one ``optimizer.step()`` a block, restricted to its parameters,
 from a gradient hook. This probe runs that structure alone, so the host time it adds can be told
 apart from the transport's own (the slots, the fills, the rebinding, the swap):
 
@@ -27,7 +27,6 @@ import statistics
 import time
 
 import _path  # noqa: F401 - bench/ and the repository root on sys.path
-
 import torch
 from torch.utils.checkpoint import checkpoint
 

@@ -7,14 +7,14 @@ import gc
 import json
 import os
 
-from _path import RESULTS  # bench/ and the repository on sys.path
 import torch
-
 from _common import cuda_times, gbps, median, progress
+from _path import RESULTS  # bench/ and the repository on sys.path
 
 import tiermem
-from tiermem import Location, _cuda
-from tiermem._engine import coalesce
+from tiermem import Location
+from tiermem.core.engine import coalesce
+from tiermem.cuda import runtime as _cuda
 
 GiB, MiB = 1 << 30, 1 << 20
 N = GiB

@@ -5,13 +5,13 @@ from __future__ import annotations
 import json
 import os
 
-from _path import RESULTS  # bench/ and the repository on sys.path
 import torch
-
 from _common import gbps, progress
+from _path import RESULTS  # bench/ and the repository on sys.path
 
-from tiermem import Location, _cuda
-from tiermem._backend import CudaBackend
+from tiermem import Location
+from tiermem.cuda import runtime as _cuda
+from tiermem.cuda.backend import CudaBackend
 
 GiB, MiB = 1 << 30, 1 << 20
 N, CH = GiB, 64 * MiB
@@ -21,7 +21,7 @@ be = CudaBackend(0, cap="2GiB")
 blk = be.allocate(N, "probe/large")
 M = blk.ptr
 P = be.host_alloc(N)
-view = torch.as_tensor(__import__("tiermem._backend", fromlist=["x"])._ArrayInterface(M, N, None), device="cuda")
+view = torch.as_tensor(__import__("tiermem.cuda.backend", fromlist=["x"])._ArrayInterface(M, N, None), device="cuda")
 ref = torch.randint(0, 256, (N,), dtype=torch.uint8, device="cuda")
 _cuda.prefetch(M, N, Location.DEVICE, 0, s())
 view.copy_(ref)

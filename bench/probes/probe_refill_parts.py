@@ -32,10 +32,12 @@ def main() -> None:
     reps = int(sys.argv[1]) if len(sys.argv) > 1 else 7
     import cupy
     import torch
-    import tiermem
     from bandwidth import piece_sizes
-    from tiermem import Location, _cuda
-    from tiermem._backend import _ArrayInterface
+
+    import tiermem
+    from tiermem import Location
+    from tiermem.cuda import runtime as _cuda
+    from tiermem.cuda.backend import _ArrayInterface
 
     N = GiB
     s = torch.cuda.Stream()

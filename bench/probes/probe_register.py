@@ -2,7 +2,7 @@
 load ran at 0.167 of the warm read rate; registering its 3.86 GB pinned home took 0.26 s of 0.78 s,
 bench/results/probe_load-h100-20261124-68986dc.json)?
 
-Sections, each on fresh huge-page memory written by 16 threads (tiermem._hostpages.map_pages):
+Sections, each on fresh huge-page memory written by 16 threads (tiermem.base.hostpages.map_pages):
   first_small    the process's first registration, of 2 MiB (the first of a process paid more)
   one            one cudaHostRegister of the whole block
   serial_K       K registrations of adjacent chunks, one after another
@@ -28,14 +28,13 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import _path  # noqa: F401
-from _probe import R, section
-from _probe import chk as ok
-
 import numpy as np
 import torch
+from _probe import R, section
+from _probe import chk as ok
 from cuda.bindings import runtime as rt
 
-from tiermem import _hostpages
+from tiermem.base import hostpages as _hostpages
 
 FLAGS = rt.cudaHostRegisterPortable | rt.cudaHostRegisterMapped
 

@@ -14,13 +14,13 @@ import os
 import statistics
 import time
 
-from _path import RESULTS  # bench/ and the repository on sys.path
 import torch
-
 from _common import progress
+from _path import RESULTS  # bench/ and the repository on sys.path
 
-from tiermem import Location, _cuda
-from tiermem._backend import _ArrayInterface
+from tiermem import Location
+from tiermem.cuda import runtime as _cuda
+from tiermem.cuda.backend import _ArrayInterface
 
 GiB, MiB = 1 << 30, 1 << 20
 N = GiB

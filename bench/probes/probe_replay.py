@@ -3,7 +3,7 @@
 Everything resident (no tiermem budget): the GPT-style model and the Qwen2-style transformers model
 of bench/train_budget.py, fp32, fused AdamW, batch 4x512. Runs, from the same initial weights and
 batch: resident; torch's non-reentrant checkpoint on every layer; tiermem's Replays on every
-layer (NOTE [replayed recompute] in tiermem/_replay.py). Step medians (CUDA events, after
+layer (NOTE [replayed recompute] in tiermem/training/replay.py). Step medians (CUDA events, after
 warm-up), torch's peak reserved bytes, and whether each run's losses equal the resident run's
 bitwise.
 
@@ -15,7 +15,6 @@ import os
 import statistics
 
 import _path  # noqa: F401 - bench/ and the repository root on sys.path
-
 import torch
 
 
@@ -27,8 +26,9 @@ def main():
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True, warn_only=True)
     from _recompute_study import hf_loss, qwen2
-    from tiermem._replay import Replays
-    from tiermem.models import GPT, GPTConfig
+
+    from tiermem.testing import GPT, GPTConfig
+    from tiermem.training.replay import Replays
     args = argparse.Namespace(hf_vocab=8192, hf_d=1024, hf_ff=2816, hf_layers=20, hf_heads=16, hf_kv=4, seq=512)
     out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "results": {}}
 

@@ -20,10 +20,9 @@ import os
 import statistics
 
 import _path  # noqa: F401 - bench/ and the repository root on sys.path
-from _common import cuda_times, host_us_per_call
-
 import torch
 import torch.utils.checkpoint as cp
+from _common import cuda_times, host_us_per_call
 
 
 def main():

@@ -1,4 +1,4 @@
-"""A whole wrap_training step as one CUDA graph (NOTE [whole-step graphs] in tiermem/_stepgraph.py),
+"""A whole wrap_training step as one CUDA graph (NOTE [whole-step graphs] in tiermem/training/stepgraph.py),
 against the same steps run eagerly, on the models of bench/train_budget.py part 4 at a budget of
 1/``--ratio`` of the training state (fp32 parameters, gradients, fused AdamW's two moments):
 
@@ -21,11 +21,10 @@ import statistics
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 import _path  # noqa: F401 - bench/ and the repository root on sys.path
-
 import torch
+from _recompute_study import causal_mask, hf_graph_loss, probe_model
 
 import tiermem
-from _recompute_study import causal_mask, hf_graph_loss, probe_model
 
 
 def timed(fn, batches, label, mem=False):

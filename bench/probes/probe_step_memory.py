@@ -10,7 +10,6 @@ import collections
 import os
 
 import _path  # noqa: F401 - bench/ and the repository root on sys.path
-
 import torch
 
 MiB = 1 << 20
@@ -49,9 +48,10 @@ def main():
     ap.add_argument("--budget-mib", type=int, default=128)
     ap.add_argument("--steps", type=int, default=4)
     a = ap.parse_args()
-    import tiermem
     import torch.nn.functional as F
-    from tiermem.models import GPT, GPTConfig
+
+    import tiermem
+    from tiermem.testing import GPT, GPTConfig
     c = GPTConfig(vocab=2048, seq=128, d=384, layers=8, heads=4)
     torch.manual_seed(0)
     model = GPT(c).cuda()

@@ -5,7 +5,7 @@ what they hold now (zeros, an older version of the same tensor, another tensor's
 every logged move that touched the tensor's range since it was last written.
 
 Since 8a4afbe the engine itself drains the stream around every discard (NOTE [discard fence] in
-tiermem/_backend.py), so every variant now runs fenced; the figures without the fence are in
+tiermem/cuda/backend.py), so every variant now runs fenced; the figures without the fence are in
 the closing note of issue 3 and in docs/data-paths.md, "The data-loss bug".
 
 Usage: python bench/probes/probe_stress.py [seconds] [variant]   (variants: see VARIANTS)
@@ -42,6 +42,7 @@ VARIANTS = {
 
 def run_seed(seed: int, variant: dict, log_limit: int = 200_000) -> dict:
     import torch
+
     import tiermem
     t = tiermem.Tier(0, cap="1GiB", budget=BUDGET, staging=variant.get("staging", "auto"))
     if "staging" in variant:
@@ -72,7 +73,7 @@ def run_seed(seed: int, variant: dict, log_limit: int = 200_000) -> dict:
         be.discard_and_prefetch = lambda ranges, loc, stream: (be.prefetch(ranges, loc, stream) if loc is _L.DEVICE
                                                                else orig_dp(ranges, loc, stream))
     for name in variant.get("sync_after", ()):
-        from tiermem import _cuda as C
+        from tiermem.cuda import runtime as C
 
         def after(name):
             orig = getattr(be, name)
@@ -83,7 +84,7 @@ def run_seed(seed: int, variant: dict, log_limit: int = 200_000) -> dict:
             setattr(be, name, f)
         after(name)
     if variant.get("no_split"):
-        from tiermem._backend import Block
+        from tiermem.cuda.backend import Block
         orig_alloc = be.allocate
 
         def alloc(nbytes, key):
@@ -93,7 +94,7 @@ def run_seed(seed: int, variant: dict, log_limit: int = 200_000) -> dict:
             return Block(mp.ptr, nbytes, key, mp)
         be.allocate = alloc
     if variant.get("fence"):
-        from tiermem import _cuda as C
+        from tiermem.cuda import runtime as C
 
         def fenced(name):
             orig = getattr(be, name)

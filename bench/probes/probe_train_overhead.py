@@ -26,7 +26,6 @@ import sys
 import time
 
 import _path  # noqa: F401 - bench/ and the repository root on sys.path
-
 import torch
 from torch.profiler import ProfilerActivity, profile
 
@@ -273,7 +272,7 @@ def main():
                     help="tiermem's runs, ';' between; each a recompute mode, then options after commas: "
                          "'no rng', 'graphs', 'la=N' (lookahead), 'window=MiB' (the swap's copies in flight), "
                          "'bf16' (state_dtype), 'margin=F' (the graphs' "
-                         "pool estimate's margin, tiermem._replay.RESERVE_MARGIN), 'credit' (the graphs' room "
+                         "pool estimate's margin, tiermem.training.replay.RESERVE_MARGIN), 'credit' (the graphs' room "
                          "counts the eager working set the pool replaces: an experiment)")
     ap.add_argument("--adamw", choices=("fused", "foreach"), default="foreach",
                     help="AdamW's implementation (bench/train_budget.py runs fused)")
@@ -296,8 +295,9 @@ def main():
         return
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True, warn_only=True)
-    import tiermem
     from _recompute_study import probe_model
+
+    import tiermem
     build, loss_fn, layers, ids = probe_model(torch, a.model)
     out = {}
 
@@ -366,7 +366,8 @@ def main():
     del model, opt
     torch.cuda.empty_cache()
     import functools
-    import tiermem._replay as replay
+
+    import tiermem.training.replay as replay
     default_margin = replay.RESERVE_MARGIN
     plain_ckpt = torch.utils.checkpoint.checkpoint
     for mode in a.modes.split(";"):

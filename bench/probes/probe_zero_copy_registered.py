@@ -12,13 +12,12 @@ import os
 import statistics
 
 import _path  # noqa: F401
-from _common import cuda_times
-
 import torch
+from _common import cuda_times
 from cuda.bindings import runtime as rt
 
-from tiermem import _hostpages
-from tiermem._backend import CudaBackend
+from tiermem.base import hostpages as _hostpages
+from tiermem.cuda.backend import CudaBackend
 
 N = 1 << 30
 R = {}

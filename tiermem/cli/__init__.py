@@ -1,0 +1,1 @@
+"""``python -m tiermem``: info, demo (:mod:`.demo`) and plan (:mod:`.plan`)."""

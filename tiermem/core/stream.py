@@ -1,0 +1,200 @@
+"""The streaming primitive: ordered copies with events, a ring of device slots, a pinned arena.
+
+Module offload (inference/transport.py), training (training/handle.py), activation swap (training/swap.py) and the engine's
+moves of managed memory all move bytes through these three pieces, so the ordering rules below are
+written once.
+
+NOTE [ordered copies]
+    A copy on a side stream must not start before the work that wrote its source, or last used
+    its destination, is done; and nothing may read its destination before the copy ends. CUDA
+    orders work across streams only through events, so every batch of copies is: the side
+    stream waits for the events it is given (:func:`now` records one on a compute stream at that
+    moment: "after everything queued there so far"), the copies are queued, one end event is
+    recorded. Readers wait for that end event on their own stream, on the device, never on the
+    host. A slot's ``free`` event is the end of its last use (a compute stream's work, or a copy
+    back home); a fill waits for it, so bytes are never overwritten under a reader.
+
+    A batch that fails part-way (a copy refused, Ctrl-C) records no end event, so nothing is
+    ever told that half-copied bytes are ready: owners set a slot's occupant only after
+    :meth:`SlotRing.fill` returns (tests/test_module_faults.py found the bug this prevents).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+__all__ = ["Now", "now", "Lane", "Slot", "SlotRing", "PinnedArena"]
+
+ALIGN = 512              # a piece of the arena starts on this boundary
+CHUNK_MIN = 256 << 20    # the arena grows by whole multiples of this
+
+
+class Now:
+    """"After the work queued on ``stream`` so far" (None: the current stream)."""
+
+    __slots__ = ("stream",)
+
+    def __init__(self, stream: int | None = None):
+        self.stream = stream
+
+
+def now(stream: int | None = None) -> Now:
+    return Now(stream)
+
+
+class Lane:
+    """Ordered copies on one stream (NOTE [ordered copies]). ``stream`` is a handle, or a callable
+    that gives one: a tier makes its side streams again after ``close()``, so a lane asks each time."""
+
+    def __init__(self, backend: Any, stream: int | Callable[[], int]):
+        self.backend = backend
+        self._stream = stream
+
+    @property
+    def stream(self) -> int:
+        return self._stream() if callable(self._stream) else self._stream
+
+    def after(self, events: Iterable[Any], stream: int | None = None) -> None:
+        """Make the lane's stream (or ``stream``) wait for each of ``events``: an event, a
+        :class:`Now`, or None (nothing to wait for)."""
+        be = self.backend
+        side = self.stream if stream is None else stream
+        for ev in events:
+            if ev is None:
+                continue
+            if isinstance(ev, Now):
+                dep = be.new_event()
+                be.record(dep, be.current_stream() if ev.stream is None else ev.stream)
+                ev = dep
+            be.wait(side, ev)
+
+    def mark(self, timing: bool = False) -> Any:
+        """Record a new event on the lane now."""
+        ev = self.backend.new_event(timing=timing)
+        self.backend.record(ev, self.stream)
+        return ev
+
+    def run(self, parts: Iterable[tuple[int, int, int]], *, after: Iterable[Any] = (Now(),),
+            timed: bool = False) -> tuple[Any, Any]:
+        """Queue the copies ``parts`` ((dst, src, nbytes) each) after ``after``; returns the
+        (start, end) events, start None unless ``timed``."""
+        side = self.stream
+        self.after(after, side)
+        start = self.mark(timing=True) if timed else None
+        for dst, src, n in parts:
+            if n:
+                self.backend.copy(dst, src, n, side)
+        return start, self.mark(timing=timed)
+
+
+@dataclasses.dataclass(eq=False)
+class Slot:
+    """One slot of a :class:`SlotRing`. ``held`` is the owner's note of what the slot's bytes
+    are (a group's versions when copied in, which parts of a block)."""
+
+    index: int
+    ptr: int
+    occupant: Any = None
+    ready: Any = None             # event: its last fill is done
+    free: Any = None              # event: its last user (compute or a copy back home) is done
+    busy: bool = False            # in use by the running block: never picked
+    last: int = 0                 # the ring's clock at its last use
+    held: Any = None
+
+
+class SlotRing:
+    """``n`` device slots of ``slot_bytes`` each, back to back from ``base`` (NOTE [ordered copies])."""
+
+    def __init__(self, base: int, slot_bytes: int, n: int, make: Callable[[int, int], Slot] = Slot):
+        self.slot_bytes = int(slot_bytes)
+        self.slots = [make(i, base + i * self.slot_bytes) for i in range(n)]
+        self.clock = 0
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+    def __iter__(self) -> Iterator[Slot]:
+        return iter(self.slots)
+
+    def __getitem__(self, i: int) -> Slot:
+        return self.slots[i]
+
+    def vacate(self, slot: Slot) -> Any:
+        """Forget the slot's occupant (before its bytes change); returns who it was."""
+        old, slot.occupant, slot.held = slot.occupant, None, None
+        return old
+
+    def pick(self, protect: Callable[[Any], bool] = lambda occupant: False) -> Slot | None:
+        """A slot not in use whose occupant is not protected: an empty one first, else the one
+        used longest ago. None when there is none."""
+        free = [s for s in self.slots if not s.busy and (s.occupant is None or not protect(s.occupant))]
+        return min(free, key=lambda s: (s.occupant is not None, s.last), default=None)
+
+    def fill(self, lane: Lane, slot: Slot, parts: Iterable[tuple[int, int, int]], *,
+             after: Iterable[Any] = (), timed: bool = False) -> tuple[Any, Any]:
+        """Copy ``parts`` ((offset in the slot, src, nbytes) each) into ``slot`` on ``lane``, after
+        its last user and after ``after``; the slot's ``ready`` becomes the end event."""
+        first = slot.free if slot.free is not None else Now()
+        start, end = lane.run([(slot.ptr + o, src, n) for o, src, n in parts], after=(first, *after), timed=timed)
+        slot.ready = end
+        return start, end
+
+    def drain(self, lane: Lane, slot: Slot, parts: Iterable[tuple[int, int, int]]) -> Any:
+        """Copy ``parts`` ((dst, offset in the slot, nbytes) each) out of ``slot`` on ``lane`` after
+        the work queued so far; the copy's end becomes the slot's ``free`` event, and is returned."""
+        _, end = lane.run([(dst, slot.ptr + o, n) for dst, o, n in parts])
+        slot.free = end
+        return end
+
+    def use(self, slot: Slot) -> None:
+        """The slot is in use by the running block: it is not picked until :meth:`release`."""
+        self.clock += 1
+        slot.busy, slot.last = True, self.clock
+
+    def release(self, slot: Slot, backend: Any, stream: int | None = None) -> None:
+        """The slot's user is done once ``stream``'s work queued so far is (default: current)."""
+        slot.busy = False
+        ev = backend.new_event()
+        backend.record(ev, backend.current_stream() if stream is None else stream)
+        slot.free = ev
+
+
+class PinnedArena:
+    """Pinned host memory handed out in aligned pieces, bump style, from chunks kept for reuse:
+    ``reset()`` hands the same bytes out again (once per step, say)."""
+
+    def __init__(self, backend: Any, chunk: int = CHUNK_MIN):
+        self.backend = backend
+        self.chunk = int(chunk)
+        self.chunks: list[Any] = []
+        self.at = (0, 0)          # (chunk, offset)
+
+    def reset(self) -> None:
+        self.at = (0, 0)
+
+    def take(self, nbytes: int, wait: Any = None) -> int:
+        """The address of ``nbytes`` of pinned memory. A new chunk is a whole multiple of the
+        chunk size, so a later step or run of another size finds the same sizes cached in the
+        pinned pool (cudaHostAlloc costs ~1 s/GB). ``wait`` is a context manager that brackets the
+        allocation (the training meter counts it as a wait, not as compute)."""
+        n = -(-nbytes // ALIGN) * ALIGN
+        c, off = self.at
+        while c < len(self.chunks) and off + n > self.chunks[c].nbytes:
+            c, off = c + 1, 0
+        if c == len(self.chunks):
+            with wait if wait is not None else contextlib.nullcontext():
+                self.chunks.append(self.backend.host_alloc(-(-n // self.chunk) * self.chunk))
+        self.at = (c, off + n)
+        return self.chunks[c].ptr + off
+
+    @property
+    def nbytes(self) -> int:
+        return sum(ch.nbytes for ch in self.chunks)
+
+    def release(self) -> None:
+        for ch in self.chunks:
+            ch.release()
+        self.chunks = []
+        self.at = (0, 0)

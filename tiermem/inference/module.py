@@ -1,0 +1,462 @@
+"""Module-level adoption: a whole nn.Module in tiered memory, run within a device budget.
+
+    handle = tier.wrap_module(model, budget=weight_bytes(model) // 4)   # a quarter stays resident
+    logits = model(ids)                                # no change inside the model
+    print(handle.plan)
+
+The module is cut into groups (inference/groups.py) and planned (NOTE [streaming plan],
+inference/plan.py): the largest groups stay resident, the others stream from their pinned home
+(inference/transport.py). A module built on the meta device takes its bytes from ``weights=``
+(NOTE [weight source], inference/sources.py); with ``host_budget=`` what the pinned home cannot hold
+is read from disk (NOTE [disk tier], inference/disk.py). This file holds the handle, :class:`TieredModule`:
+the adoption (all or nothing), the hooks that bring groups in around each forward, and unwrap.
+"""
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+from ..base.limits import parse_bytes
+from ..errors import ConfigError, DeviceFullError, TierMemError, WrapError
+from ..pytorch.held import CopyGuard
+from ..roles import Evict, Role
+from .disk import READERS, STAGES
+from .groups import MAX_GROUP, gathered_groups, home_layout, is_stacked, module_groups, span_of
+from .load import FileTensor
+from .plan import LOOKAHEAD, plan_host, plan_residency, stay_home
+from .sources import stand_ins, weight_sources, wrap_from
+from .transport import Group, PinnedTransport
+
+if TYPE_CHECKING:
+    from ..core.engine import Engine as Tier  # what an adapter uses is the engine's interface
+    from ..core.tensor import TieredTensor
+
+__all__ = ["TieredModule", "wrap_module"]
+
+log = logging.getLogger("tiermem")
+
+# Host bytes the fill buffers need beside a home being made (NOTE [home beside the resident groups]
+# in inference/transport.py); with less left of the host budget, the home is made after.
+MIN_FILL_ROOM = 64 << 20
+
+
+class TieredModule:
+    """Handle of a module adopted by :func:`wrap_module`: its plan, its mode, stats() and unwrap().
+
+    Keyword arguments beside the budget: ``mode`` ("auto", "stream", "zero_copy"), ``lookahead``
+    (streamed groups in flight), ``zero_copy_max_tokens`` (forwards of at most this many tokens
+    are decode steps), ``max_group_bytes``; ``weights``, a Mapping from state-dict names to the
+    tensors' bytes (NOTE [weight source] in inference/sources.py: a module built on the meta device
+    can be adopted); and ``host_budget``, the pinned host bytes allowed, beyond which streamed
+    groups are read from their checkpoint files ahead of use (NOTE [disk tier]; needs ``weights``
+    from a Checkpoint), by ``disk_reader``: "posix" (threads of ``os.preadv``) or "kvikio"
+    (NOTE [kvikio reader]).
+    """
+
+    def __init__(self, tier: Tier, module: Any, budget: int | str | None, *, mode: str = "auto",
+                 lookahead: int = LOOKAHEAD, zero_copy_max_tokens: int = 16, max_group_bytes: int = MAX_GROUP,
+                 weights: Mapping[str, Any] | None = None, host_budget: int | str | None = None,
+                 disk_reader: str = READERS[0]):
+        if mode not in ("auto", "stream", "zero_copy"):
+            raise ConfigError(f"mode must be 'auto', 'stream' or 'zero_copy', got {mode!r}")
+        if disk_reader not in READERS:
+            raise ConfigError(f"disk_reader must be one of {', '.join(map(repr, READERS))}, got {disk_reader!r}")
+        self.disk_reader = disk_reader
+        if getattr(module, "_tiermem_handle", None) is not None:
+            raise WrapError("this module is already adopted by tiermem; unwrap it first")
+        self.tier = tier
+        self.module = module
+        self.mode = mode
+        self.zero_copy_max_tokens = zero_copy_max_tokens
+        # A meta tensor cannot be rebound to memory (torch refuses set_data across the two), so
+        # the module gets a memory-less stand-in in its place first (NOTE [weight source]); a
+        # failure puts the meta tensors back.
+        swaps = stand_ins(module) if weights is not None else []
+        try:
+            self._setup(module, budget, lookahead, max_group_bytes, weights, {id(new) for *_, new in swaps}, host_budget)
+        except BaseException:
+            for owner, name, old, _ in reversed(swaps):
+                owner[name] = old
+            raise
+
+    def _setup(self, module: Any, budget: int | str | None, lookahead: int, max_group_bytes: int,
+               weights: Mapping[str, Any] | None, empty: set[int], host_budget: int | str | None) -> None:
+        tier = self.tier
+        found = module_groups(module, max_group_bytes)
+        if not found:
+            raise WrapError("this module has no parameters or buffers to tier")
+        from ..pytorch.wrap import check_tensor
+        self._sources = weight_sources(module, found, weights, empty)     # NOTE [weight source]
+        for _, _, own in found:
+            for _, t in own:
+                if id(t) not in empty:
+                    check_tensor(tier, t)
+        sizes = [(mname, sum(span_of(t) for _, t in own)) for mname, _, own in found]
+        total = sum(n for _, n in sizes)
+        # NOTE [sizes] in base/limits.py: a percentage is a share of the device, as everywhere.
+        asked = total if budget is None else parse_bytes(budget, total=tier.backend.capabilities().total_memory,
+                                                         what="module budget", max_percent=100)
+        self.budget = self._within_device(asked, [t for _, _, own in found for _, t in own])
+        self.plan = plan_residency(sizes, self.budget, lookahead, in_place=gathered_groups(module, found))
+        self.lookahead = max(self.plan.lookahead, 1)
+        self._groups = {mname: Group(mname, [t for _, t in own], n, pinned=mname in self.plan.pinned,
+                                      gathered=mname in self.plan.in_place, stacked=is_stacked([t for _, t in own]))
+                        for (mname, _, own), (_, n) in zip(found, sizes)}
+        self._unit_groups: dict[int, list[Group]] = {id(m): [self._groups[mname]] for mname, m, _ in found}
+        self.host_budget = None if host_budget is None else parse_bytes(host_budget, what="host_budget")
+        if self.host_budget is not None:
+            self.plan = plan_host(self.plan, [(g.name, home_layout(g.tensors)[1]) for g in self._groups.values()],
+                                  self.host_budget, STAGES,
+                                  keep=stay_home([(g.name, g.tensors) for g in self._groups.values()],
+                                                 lambda t: isinstance(self._sources.get(id(t)), FileTensor)))
+            if self.plan.on_disk and self.mode == "zero_copy":
+                raise TierMemError("mode='zero_copy' reads every weight in place, and a disk tier has weights with "
+                                   "no place to read: raise host_budget or use mode='auto'")
+            if self.plan.on_disk and self.disk_reader == "kvikio":
+                from .kvikio import require
+                require()                # refused before anything is allocated, with the reason
+        streamed = [g for g in self._groups.values() if not g.pinned]
+        self._trainable = any(t.requires_grad for g in streamed for t in g.tensors)
+        self.transport = "pinned"
+        self._stream: PinnedTransport | None = None
+        self._hooks: list[Any] = []
+        self._trace: list[int] = []
+        self._recording = True
+        self._pos = -1
+        self._fwd_mode = "stream"
+        self._lease: Any = None       # its share of the tier's budget (NOTE [budget leases])
+        # NOTE [all or nothing]
+        #     Adoption, like unwrap, either completes or leaves the module exactly as it was, with
+        #     every byte it took given back and its budget lease released. The original tensors
+        #     stay referenced until the adoption is done (a failure rebinds them), and the streamed
+        #     tensors are bound to their home only in the last step, which cannot fail. unwrap makes
+        #     every plain copy before it rebinds anything, after checking the device has room.
+        originals = [(t, t.data) for g in self._groups.values() for t in g.tensors]
+        try:
+            self._adopt(found, streamed)
+        except BaseException:
+            self._rollback(originals)
+            raise
+
+    def stats(self) -> dict[str, Any]:
+        """A flat dict of the module's host-side figures (bytes, seconds, counts):
+        ``pinned_bytes.current`` (the home, staging buffers and gradients' home, together) and
+        ``pinned_bytes.home`` / ``.staging``; ``host_budget`` (-1: none); ``disk_bytes.per_forward``
+        (the bytes a forward reads from the files);
+        and the disk tier's totals since adoption: ``disk.read_bytes``, ``disk.read_seconds`` (the
+        reader's time), ``disk.wait_seconds`` (the forward's time waiting on the reader),
+        ``disk.reads``, ``disk.stage_reuse`` (reads into a staging buffer used before),
+        ``disk.resyncs``, ``disk.dropped`` (reads thrown away when a forward changed order) and
+        ``disk.retries`` (failed reads made again; NOTE [disk read errors])."""
+        st = self._stream
+        disk = st.disk if st is not None else None
+        out: dict[str, Any] = {
+            "pinned_bytes.current": st.pinned_bytes if st is not None else 0,
+            "pinned_bytes.home": st.home.nbytes if st is not None and st.home is not None else 0,
+            "pinned_bytes.staging": disk.pinned_bytes if disk is not None else 0,
+            "host_budget": -1 if self.host_budget is None else self.host_budget,
+            "disk_bytes.per_forward": sum(ft.nbytes for fs in disk.files.values() for ft, _ in fs) if disk else 0,
+        }
+        for k in ("read_bytes", "read_seconds", "wait_seconds", "reads", "stage_reuse", "resyncs", "dropped",
+                  "retries"):
+            out[f"disk.{k}"] = disk.stats[k] if disk is not None else 0
+        return out
+
+    def _within_device(self, asked: int, tensors: list[Any]) -> int:
+        """The budget the device can really hold: resident groups live in managed memory, which
+        the cap keeps within the device's real free memory (NOTE [managed cap]); asking for more
+        would be refused there. Weights already on this device count as room: they are freed once
+        adopted. A budget that must shrink says so, and the plan streams the rest."""
+        be = self.tier.backend
+        lease_room = self.tier.lease_room()      # NOTE [budget leases]
+        if lease_room is not None and asked > lease_room:
+            log.warning("tiermem: a module budget of %s bytes does not fit the tier's configured budget (%s bytes "
+                        "left for leases); planning for that, the rest streams from pinned host memory",
+                        f"{asked:,}", f"{lease_room:,}")
+            asked = lease_room
+        room = be.guard.limit - be.guard.reserved
+        on_device = sum(t.numel() * t.element_size() for t in tensors
+                        if t.device.type == "cuda" and t.device.index == self.tier.device)
+        free = be.mem_info()[0] + on_device
+        fit = max(0, min(room, free))
+        if asked > fit:
+            log.warning("tiermem: a module budget of %s bytes does not fit this device (%s bytes of managed room, "
+                        "%s free); planning for %s bytes, the rest streams from pinned host memory",
+                        f"{asked:,}", f"{room:,}", f"{free:,}", f"{fit:,}")
+            return fit
+        return asked
+
+    def _adopt(self, found: list, streamed: list[Group]) -> None:
+        tier, module = self.tier, self.module
+        # before any fill: adoption itself stays within budget
+        self._lease = tier.lease(self.budget, owner=f"wrap_module({type(module).__name__})")
+        pinned = [g for g in self._groups.values() if g.pinned]
+        room, ready = self.plan.host_budget, None
+        if streamed:
+            self._stream = PinnedTransport(tier, self.plan, streamed, self.lookahead,
+                                           Role.WEIGHT if self._trainable else Role.FROZEN_WEIGHT,
+                                           self._sources, self.disk_reader)
+            left = None if room is None else room - self._stream.host_planned
+            if self._stream.reads_files and pinned and (left is None or left >= MIN_FILL_ROOM):
+                # NOTE [home beside the resident groups] in inference/transport.py
+                room, ready = left, self._stream.start
+        if pinned:
+            flat = [t for g in pinned for t in g.tensors]
+            role = Role.WEIGHT if any(t.requires_grad for t in flat) else Role.FROZEN_WEIGHT
+            names = [f"{g.name}.{i}" for g in pinned for i in range(len(g.tensors))]
+            policy = tier.policies[role].replace(evict=Evict.NEVER)
+            if self._sources:
+                tts = wrap_from(tier, flat, [self._sources.get(id(t)) for t in flat], names, policy, room=room,
+                                 ready=ready)
+            else:
+                tts = _wrap_group(tier, flat, names, on_host=False, policy=policy)
+            k = 0
+            for g in pinned:
+                g.tiered = tts[k:k + len(g.tensors)]
+                k += len(g.tensors)
+            del tts    # a traceback keeps this frame: only the groups may hold the buffers
+        if self._stream is not None:
+            self._stream.finish()
+        # A module that uses a tensor of a group outside its own subtree (tied weights) needs that
+        # group too: it gets hooks of its own.
+        owner = {id(t): g for g in self._groups.values() for t in g.tensors}
+        inside: dict[int, Group] = {}
+        for mname, m, _ in found:
+            for sub in m.modules():
+                inside.setdefault(id(sub), self._groups[mname])
+        for m in module.modules():
+            for t in list(m._parameters.values()) + list(m._buffers.values()):
+                g = owner.get(id(t)) if t is not None else None
+                if g is not None and inside.get(id(m)) is not g:
+                    gs = self._unit_groups.setdefault(id(m), [])
+                    if g not in gs:
+                        gs.append(g)
+        pinned_tts = [t for g in pinned for t in g.tiered]
+        if pinned_tts:
+            tier.prefetch(pinned_tts).synchronize()
+        self._units = [m for m in module.modules() if id(m) in self._unit_groups]
+        self._hooks = [module.register_forward_pre_hook(self._root_pre, with_kwargs=True),
+                       module.register_forward_hook(self._root_post)]
+        for i, m in enumerate(self._units):
+            self._hooks.append(m.register_forward_pre_hook(lambda mod, args, i=i: self._pre(i)))
+            self._hooks.append(m.register_forward_hook(lambda mod, args, out, i=i: self._post(i)))
+        if self._stream is not None:
+            for g in streamed:
+                for i, t in enumerate(g.tensors):
+                    if t.requires_grad and hasattr(t, "register_post_accumulate_grad_hook"):
+                        self._hooks.append(t.register_post_accumulate_grad_hook(
+                            lambda p, g=g, i=i: self._stream.offload_grad(g, i, p)))
+            self._stream.bind_home()       # the last step; it cannot fail
+        self._hooks.append(CopyGuard(module))   # NOTE [held modules]
+        module._tiermem_handle = weakref.ref(self)
+
+    def _rollback(self, originals: list[tuple[Any, Any]]) -> None:
+        """Undo a failed adoption: the module's tensors get their original data back, and every
+        byte tiermem took for them is given back. Must not raise over the adoption's error."""
+        from ..pytorch.wrap import TIERED_ATTR
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        for t, data in originals:
+            t.data = data
+            if hasattr(t, TIERED_ATTR):
+                delattr(t, TIERED_ATTR)
+        self._give_back()
+        self.tier.backend.release_cached()   # the freed groups' managed memory back to the driver
+
+    # -- forward hooks ------------------------------------------------------------------------------
+    def _tokens(self, args: tuple, kwargs: dict) -> int | None:
+        # Hugging Face models take their tokens by name; the other integer tensors they get
+        # (attention mask, cache positions) span the whole sequence, not the new tokens.
+        ids = kwargs.get("input_ids")
+        if ids is not None and hasattr(ids, "numel"):
+            return int(ids.numel())
+        emb = kwargs.get("inputs_embeds")
+        if emb is not None and hasattr(emb, "shape") and emb.dim() >= 2:
+            return int(emb.shape[:-1].numel())
+        vals = list(args) + list(kwargs.values())
+        for a in vals:
+            if hasattr(a, "dtype") and hasattr(a, "shape") and not a.dtype.is_floating_point and a.dim() >= 1:
+                return int(a.numel())
+        for a in vals:
+            if hasattr(a, "shape") and a.dim() >= 2:
+                return int(a.shape[:-1].numel())
+        return None
+
+    def _root_pre(self, module: Any, args: tuple, kwargs: dict) -> None:
+        import torch
+        mode = self.mode
+        if self._stream is None or not self._stream.nslots or (self._trainable and torch.is_grad_enabled()):
+            mode = "zero_copy"       # NOTE [trainable weights in the pinned home] in inference/transport.py
+            if self._stream is not None and self._stream.disk is not None:
+                raise TierMemError("this module reads weights from disk (host_budget), so a forward that records "
+                                   "gradients cannot read them in place; run it under torch.no_grad() or "
+                                   "torch.inference_mode() (NOTE [disk tier])")
+        elif mode == "auto":
+            n = self._tokens(args, kwargs)
+            mode = "decode" if n is not None and n <= self.zero_copy_max_tokens else "stream"
+        self._fwd_mode = mode
+        self._pos = -1
+
+    def _root_post(self, module: Any, args: tuple, out: Any) -> None:
+        if self._recording and self._trace:
+            self._recording = False
+            if self._stream is not None and self._stream.disk is not None:
+                self._stream.disk.set_sequence([g for i in self._trace for g in self._unit_groups[id(self._units[i])]
+                                                if g.on_disk])
+        if self._fwd_mode != "zero_copy" and not self._recording and self._stream is not None:
+            self._pos = -1
+            self._stream.ahead(self._upcoming())   # the first streamed groups of the next forward
+
+    def _upcoming(self) -> list[Group]:
+        out: list[Group] = []
+        for j in range(self._pos + 1, len(self._trace)):
+            for g in self._unit_groups[id(self._units[self._trace[j]])]:
+                if not g.pinned and g.slot_in(self._fwd_mode):
+                    out.append(g)
+            if len(out) >= self.lookahead:
+                break
+        return out[: self.lookahead]
+
+    def _pre(self, i: int) -> None:
+        if self._recording:
+            self._trace.append(i)
+        else:
+            self._pos += 1
+            if self._pos >= len(self._trace) or self._trace[self._pos] != i:
+                # Another order than the one learned: learn it again on the next forward.
+                self._recording, self._trace = True, []
+        for g in self._unit_groups[id(self._units[i])]:
+            if g.pinned:
+                if not all(t.is_resident for t in g.tiered):
+                    self.tier.prefetch(g.tiered)
+            elif g.slot_in(self._fwd_mode):
+                self._stream.ensure(g)
+        if self._fwd_mode != "zero_copy" and not self._recording and self._stream is not None:
+            self._stream.ahead(self._upcoming())
+
+    def _post(self, i: int) -> None:
+        if self._fwd_mode == "zero_copy":
+            return
+        for g in self._unit_groups[id(self._units[i])]:
+            if not g.pinned and g.slot_in(self._fwd_mode):
+                self._stream.release(g)
+
+    # -- lifecycle ------------------------------------------------------------------------------------
+    def drain(self) -> None:
+        """Wait until every move this module queued is done."""
+        if self._stream is not None:
+            self._stream.drain()
+        self.tier.synchronize()
+
+    @property
+    def moved_bytes(self) -> int:
+        """Bytes a streaming forward copies over the link: the streamed groups in their pinned
+        home's layout (256-byte aligned), less those read in place."""
+        return sum(g.nbytes for g in self._groups.values() if not g.pinned and not g.gathered)
+
+    @property
+    def groups(self) -> dict[str, list[Any]]:
+        """Group name -> its tensors (TieredTensors where tiermem holds them in managed memory)."""
+        return {g.name: list(g.tiered or g.tensors) for g in self._groups.values()}
+
+    def unwrap(self, device: Any = None) -> Any:
+        """Give every tensor plain memory again and remove the hooks; returns the module.
+
+        ``device`` (e.g. "cpu") restores every tensor there; by default each goes back to the
+        device it came from. The device memory this needs is checked first: if it is not free,
+        :class:`DeviceFullError` (a MemoryError) is raised and nothing changes; ``unwrap("cpu")``
+        then restores onto the host. All or nothing: the plain copies are made before anything is
+        rebound.
+        """
+        import torch
+        if not self._groups:
+            raise WrapError("this module was unwrapped already")
+        if device is not None:
+            device = torch.device(device)
+        origin: dict[int, Any] = {}
+        for g in self._groups.values():
+            for t, tt in zip(g.tensors, g.tiered):
+                origin[id(t)] = getattr(tt, "_origin_device", None)
+        if self._stream is not None:
+            origin.update(self._stream.origin)
+        dev_of = lambda t: device if device is not None else (origin.get(id(t)) or t.device)  # noqa: E731
+        self._check_room(dev_of)
+        if self._stream is not None:
+            self._stream.drain()
+        plain = list(self._stream.restored(dev_of)) if self._stream is not None else []
+        with torch.no_grad():
+            for g in self._groups.values():
+                if g.pinned:
+                    for t in g.tensors:
+                        p = torch.empty(t.shape, dtype=t.dtype, device=dev_of(t))
+                        p.copy_(t.data)
+                        grad = getattr(t, "grad", None)
+                        grad = grad.to(p.device, copy=True) if grad is not None and grad.device != p.device else None
+                        plain.append((t, p, grad))
+        # Everything is copied: from here on nothing can fail.
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        self._rebind_plain(plain)
+        self.module._tiermem_handle = None
+        return self.module
+
+    def _rebind_plain(self, plain: list[tuple[Any, Any, Any]]) -> None:
+        from ..pytorch.wrap import TIERED_ATTR
+        for t, p, grad in plain:
+            t.data = p
+            if grad is not None:
+                t.grad = grad
+            if hasattr(t, TIERED_ATTR):
+                delattr(t, TIERED_ATTR)
+        self.tier.synchronize()
+        self._give_back()
+
+    def _give_back(self) -> None:
+        """Free what the adoption took once the tensors no longer point at it: the resident
+        groups, the streaming window and pinned home, and the budget lease."""
+        for g in self._groups.values():
+            for tt in g.tiered:
+                tt.buffer.bindings = []
+                tt.free()
+            g.tiered = []
+        if self._stream is not None:
+            self._stream.discard()
+            self._stream = None
+        self._groups.clear()
+        if self._lease is not None:
+            self._lease.release()
+
+    def _check_room(self, dev_of: Callable[[Any], Any]) -> None:
+        """Refuse, changing nothing, an unwrap whose plain copies do not fit their device."""
+        import torch
+        need = sum(t.numel() * t.element_size() for g in self._groups.values() for t in g.tensors
+                   if dev_of(t).type == "cuda")
+        if not need or self.tier.backend.kind != "cuda":
+            return
+        free = self.tier.backend.mem_info()[0]
+        if torch.cuda.is_initialized():
+            free += torch.cuda.memory_reserved(self.tier.device) - torch.cuda.memory_allocated(self.tier.device)
+        if need > free:
+            raise DeviceFullError(need, 0, free, hint="unwrap needs that much free device memory for the plain "
+                                   "copies and the device has less; call unwrap(device='cpu') to restore onto "
+                                   "the host, or free device memory first")
+
+    def __repr__(self) -> str:
+        return f"<TieredModule {type(self.module).__name__} ({self.transport}): {self.plan.table(limit=0)}>"
+
+
+def _wrap_group(tier: Tier, tensors: list[Any], names: list[str], on_host: bool, policy: Any) -> list[TieredTensor]:
+    from ..pytorch.wrap import wrap_group
+    return wrap_group(tier, tensors, Role.WEIGHT, names=names, on_host=on_host, policy=policy)
+
+
+def wrap_module(tier: Tier, module: Any, budget: int | str | None = None, **kwargs: Any) -> TieredModule:
+    """Adopt every parameter and buffer of ``module``; see :class:`TieredModule` and NOTE
+    [streaming plan] in inference/plan.py. ``budget`` is bytes, "8GB", or a share of the device like
+    "25%" (NOTE [sizes] in base/limits.py); :func:`weight_bytes` (inference/groups.py) sizes a share of the
+    module's weights."""
+    return TieredModule(tier, module, budget, **kwargs)

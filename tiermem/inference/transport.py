@@ -1,0 +1,412 @@
+"""The pinned transport of an adopted module (:class:`PinnedTransport`): its streamed groups in one
+pinned host buffer, their home, copied ahead of use into a window of device slots on tiermem's H2D
+stream and read in place from the home otherwise (NOTE [streaming plan] in inference/plan.py); and
+:class:`Group`, a group's record, resident or streamed, which the handle and the transport share."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from ..core.stream import Lane, SlotRing, now
+from ..roles import Role
+from .disk import DiskTier
+from .groups import home_layout
+from .load import FileTensor, Reader, host_bytes
+from .plan import Plan
+from .sources import materialize, origin
+
+if TYPE_CHECKING:
+    from ..core.engine import Engine as Tier  # what an adapter uses is the engine's interface
+
+__all__ = ["Group", "PinnedTransport"]
+
+log = logging.getLogger("tiermem")
+
+
+@dataclasses.dataclass(eq=False)
+class Group:
+    """A group of the module's tensors, which move together (NOTE [streaming plan] in inference/plan.py):
+    resident in one managed allocation (``tiered``), or streamed from ``offset`` in the pinned home."""
+
+    name: str
+    tensors: list[Any]            # the module's torch tensors (parameters and buffers)
+    nbytes: int
+    pinned: bool = False
+    tiered: list[Any] = dataclasses.field(default_factory=list)   # TieredTensors of a resident group
+    offset: int = 0               # where a streamed group starts in the pinned home
+    member_offsets: list[int] = dataclasses.field(default_factory=list)
+    in_slot: list[bool] = dataclasses.field(default_factory=list)   # members a slot serves while in use
+    gathered: bool = False        # only embeddings read it: read in place, never given a slot
+    stacked: bool = False         # one slice per expert: a decode reads it in place (routed experts only)
+    on_disk: bool = False         # read from its files ahead of use (NOTE [disk tier]); it has no home
+
+    def slot_in(self, mode: str) -> bool:
+        """Whether a forward in ``mode`` brings this (streamed) group into a slot."""
+        if self.gathered or mode == "zero_copy":
+            return False
+        return mode == "stream" or not self.stacked or self.on_disk
+
+
+def _versions(g: Group) -> tuple[int, ...]:
+    # autograd's version counters: every in-place write through the tensor (an optimizer step,
+    # load_state_dict, a BatchNorm running-stat update) bumps them; rebinding .data does not.
+    return tuple(t._version for t in g.tensors)
+
+
+# NOTE [trainable weights in the pinned home]
+#     transformers builds every parameter with requires_grad=True, also for inference, so the
+#     flag says nothing about the use. The use decides: a forward under torch.no_grad() or
+#     inference_mode() only reads the weights and streams them through the slots; a forward that
+#     records gradients reads the streamed weights in place from their pinned home (zero-copy,
+#     ~51 GB/s), because autograd saves the weights (and views of them, e.g. the transposed
+#     weight a linear layer saves) for backward, and a slot is overwritten by the next group long
+#     before backward reads it: the gradients would be silently wrong. The home stays put, so what
+#     autograd saved is right whenever backward runs. A streamed parameter's gradient is moved to
+#     pinned host memory beside its home as soon as autograd has accumulated it, so backward keeps
+#     no more device memory than the budget allows; optimizers then update weights and read
+#     gradients in place. Writes to a weight bump its version counter; a slot loaded before the
+#     write is loaded again, and a write made in a slot during a forward is copied home. Writes
+#     through ``.data`` bypass the version counter and are not seen. Training within a budget at
+#     speed is wrap_training's job (it plans gradients and optimizer states too); this path is
+#     correct and never refuses.
+
+
+class PinnedTransport:
+    """Streamed groups in one pinned host buffer (their home, in execution order) and
+    ``lookahead`` device slots the size of the largest: the next groups are copied into free slots
+    on tiermem's H2D stream while the current one runs, at the full link rate, with no driver page
+    work (NOTE [streaming plan]). Outside a slot, a group's tensors point at their home, which the
+    GPU reads in place (zero-copy), so decode, unplanned reads and forwards that record gradients
+    need no move at all (NOTE [trainable weights in the pinned home])."""
+
+    def __init__(self, tier: Tier, plan: Plan, groups: list[Group], lookahead: int, role: Role,
+                 sources: dict[int, Any], disk_reader: str):
+        self.tier = tier
+        self.role = role
+        self.sources = sources         # id(tensor) -> its source (NOTE [weight source] in inference/sources.py)
+        be = tier.backend
+        off = 0
+        import torch
+        for g in groups:
+            g.on_disk = g.name in plan.on_disk
+            g.offset = -1 if g.on_disk else off
+            # Buffers stay at home, read in place: a forward may write them (BatchNorm's running
+            # stats) without bumping their version counter, and they are small.
+            g.in_slot = [isinstance(t, torch.nn.Parameter) for t in g.tensors]
+            g.member_offsets, n = home_layout(g.tensors)
+            g.nbytes = n
+            off += 0 if g.on_disk else n
+        self.groups = groups
+        self.size = max(off, 1)
+        self.slot_bytes = max((g.nbytes for g in groups if not g.gathered), default=0)
+        # A plan with no room for the window never streams: everything is read in place.
+        self.nslots = 0 if plan.zero_copy_only or not self.slot_bytes else plan.lookahead
+        self.home: Any = None
+        self.window: Any = None
+        self.grad_home: Any = None
+        self._view_cache: dict[tuple[int, int | None, bool], list[Any]] = {}
+        self._reserved = 0
+        self.origin: dict[int, Any] = {id(t): origin(t) for g in groups for t in g.tensors}
+        self.disk: DiskTier | None = None
+        on_disk = [g for g in groups if g.on_disk]
+        stage = max((g.nbytes for g in on_disk), default=0)
+        hb = plan.host_budget
+        if hb is not None and self.size + (plan.stages * stage if on_disk else 0) > hb:
+            from ..errors import HostBudgetError  # plan_host's sizes are these: a bug if it happens
+            raise HostBudgetError(self.size + plan.stages * stage, 0, hb, hint="the plan's home and staging "
+                                  "do not fit the host budget")
+        # The checkpoint's bytes are read into the home before it is pinned (NOTE [filled before
+        # pinning] in cuda/runtime.py); other sources are copied in after, by the GPU over the link.
+        files = [(sources[id(t)], g.offset + o) for g in groups if not g.on_disk
+                 for t, o in zip(g.tensors, g.member_offsets) if isinstance(sources.get(id(t)), FileTensor)]
+        disk_files = {g: [(sources[id(t)], o) for t, o in zip(g.tensors, g.member_offsets)]
+                      for g in on_disk}
+
+        def fill(base: int) -> None:  # straight from the file (NOTE [reading a checkpoint])
+            jobs = [(src, host_bytes(base + o, src.nbytes)) for src, o in files]
+            if self._host_thread is None:
+                Reader.shared().read(jobs)
+                return
+            # Beside the resident groups, on threads of its own (NOTE [home beside the resident groups]).
+            own = Reader(threads=max(1, Reader.shared().threads // 2))
+            try:
+                own.read(jobs)
+            finally:
+                own.close()
+                Reader.shared().account(own.bytes_read, own.seconds)
+
+        def host_side() -> None:
+            self.home = be.host_alloc(self.size, pooled=False, fill=fill if files else None)
+            if on_disk:
+                self.disk = DiskTier(be, disk_files, stage, plan.stages, reader=disk_reader)
+
+        self._host_fn: Callable[[], None] | None = host_side
+        self._host_error: BaseException | None = None
+        self._host_thread: threading.Thread | None = None
+        self.reads_files = bool(files)
+        self.host_planned = self.size + (plan.stages * stage if on_disk else 0)
+
+    def start(self) -> None:
+        """Make the home (and the disk tier's staging) on a thread of its own from now, beside
+        the adopting thread's work (NOTE [home beside the resident groups]); ``finish`` waits."""
+        if self._host_fn is not None and self._host_thread is None:
+            self._host_thread = threading.Thread(target=self._run_host_side, name="tiermem-home", daemon=True)
+            self._host_thread.start()
+
+    # NOTE [home beside the resident groups]
+    # A checkpoint's load has two host-bound parts: the resident groups (read through pinned
+    # fill buffers and copied to the device) and the pinned home (read, then page-locked). On
+    # the H100 machine, for the 12.5 GB Qwen2 of bench/offload_disk.py, they took 0.23 s and
+    # 0.32 s of a 0.83 s load, one after the other (bench/results/probe_load-h100-20261124-68986dc.json).
+    # So the home is filled and registered, and the disk tier's staging made, on a thread of its
+    # own while the adopting thread loads the resident groups; ``finish`` waits for it. Only host
+    # work runs there: its own memory, a thread-safe Reader, the backend's host_alloc. What
+    # bench/probes/probe_register.py and probe_load.py found on the way:
+    # - The driver serializes a registration with other CUDA calls: 1.4 GB of copies took
+    #   0.025 s alone and 0.097 s beside one. Registering in pieces on several threads is no
+    #   faster (38-48 GB/s either way), and a copy may not span two registrations
+    #   (cudaErrorInvalidValue), so the home stays one block, registered once its reads are done.
+    # - The home therefore reads on a Reader of its own with half the shared reader's threads,
+    #   so that the resident groups' reads and copies run beside its reads instead of queueing
+    #   behind them into the registration. With as many threads again, they starved: loads of
+    #   0.69-0.80 s against 0.58-0.64 s (probe_load-h100-20261125-16threads.json, -7e90d36.json).
+    # - The fill buffers are made before the thread starts: made beside a thread faulting in the
+    #   home's pages, their 140 MB took 0.12 s to map and 0.2 s to register.
+    # - Under a host budget the fill buffers live beside the home, so they get what the home and
+    #   the staging leave of the budget; with less than MIN_FILL_ROOM (inference/module.py) left, the home is made
+    #   after the resident groups, as before.
+    # What stays serial is the driver's: the registration (0.1-0.19 s for the 3.86 GB home) and
+    # the resident groups' advice (0.05-0.09 s).
+    def _run_host_side(self) -> None:
+        fn, self._host_fn = self._host_fn, None
+        if fn is None:
+            return
+        try:
+            fn()
+        except BaseException as e:  # noqa: B036 - the adopting thread raises it in finish
+            self._host_error = e
+
+    def _join_host_side(self) -> None:
+        """Wait for the host side ``start`` began, or run it here: the home and the disk tier's
+        staging (NOTE [home beside the resident groups]); raise what it raised."""
+        if self._host_thread is not None:
+            self._host_thread.join()
+            self._host_thread = None
+        else:
+            self._run_host_side()
+        err, self._host_error = self._host_error, None
+        if err is not None:
+            raise err
+
+    def finish(self) -> None:
+        """The rest of the adoption, after the resident groups: the home (waited for or made
+        now), the window, the copies of sources that are not files."""
+        tier, be = self.tier, self.tier.backend
+        import torch
+        try:
+            self._join_host_side()
+            if self.nslots:
+                tier.reserve(self.slot_bytes * self.nslots, self.role)
+                self._reserved = self.slot_bytes * self.nslots
+                # Straight from the driver, so unwrap (or a failed adoption) gives it back.
+                self.window = be.device_alloc(self._reserved, pooled=False)
+            with torch.no_grad():
+                for g in self.groups:
+                    if g.on_disk:
+                        continue                          # its home is its file
+                    for t, v in zip(g.tensors, self._views(g, None)):
+                        src = self.sources.get(id(t), t)
+                        if not isinstance(src, FileTensor):
+                            v.copy_(materialize(src))    # the GPU writes pinned pages straight over the link
+            if be.kind == "cuda":
+                torch.cuda.synchronize(tier.device)   # the home is whole before the originals may go
+        except BaseException:
+            self.discard()
+            raise
+        # A slot's ``held`` is its group's versions when copied in (NOTE [ordered copies] in core/stream.py).
+        self.ring = SlotRing(self.window.ptr if self.window is not None else 0, self.slot_bytes, self.nslots)
+        self.lane = Lane(be, lambda: tier.side_stream("h2d"))
+        self.slot_of: dict[int, int] = {}
+        self.in_use: dict[int, tuple[int, ...]] = {}    # group -> versions when bound to its slot
+        self.count = 0                 # streamed group uses so far: use c runs in slot c % nslots
+
+    def bind_home(self) -> None:
+        """Point every streamed tensor at its home (the adoption's last step: cannot fail)."""
+        for g in self.groups:
+            for t, v in zip(g.tensors, self._views(g, None)):
+                t.data = v
+
+    def _views(self, g: Group, slot: int | None, base: Any = None) -> list[Any]:
+        # Made once per (group, place): a view costs ~20 us of host time, and a forward binds
+        # every streamed group twice; on a model whose layers sync the host (a mixture of
+        # experts) that time lands on the critical path.
+        key = (id(g), slot, base is not None)
+        got = self._view_cache.get(key)
+        if got is None:
+            got = self._view_cache[key] = self._make_views(g, slot, base)
+        return got
+
+    def _make_views(self, g: Group, slot: int | None, base: Any = None) -> list[Any]:
+        be = self.tier.backend
+        if slot is None and base is None and g.on_disk:
+            slot = 0                 # no home: at rest it points at a slot (NOTE [disk tier])
+        block = base if base is not None else (self.home if slot is None else self.window)
+        start = block.ptr + g.offset if slot is None else block.ptr + slot * self.slot_bytes
+        out = []
+        for t, o in zip(g.tensors, g.member_offsets):
+            n = t.numel() * t.element_size()
+            raw = be.torch_view(start + o, n, block)
+            out.append(raw.view(t.dtype).view(t.shape))
+        return out
+
+    def _load(self, g: Group, slot: int, wait: bool = True) -> bool:
+        """Queue ``g``'s copy into ``slot``; False (nothing queued) when ``g`` is on disk, not read
+        yet, and ``wait`` is off."""
+        from ..core.transfer import Transfer
+        tier = self.tier
+        stage = None
+        if g.on_disk:
+            stage = self.disk.take(g, wait)
+            if stage is None:
+                return False
+        src = self.home.ptr + g.offset if stage is None else self.disk.stages[stage].ptr
+        s = self.ring[slot]
+        # The slot holds nothing from here until the copy is queued and its event recorded: a
+        # failure in between must not leave the old occupant's name on new bytes (a later
+        # forward would compute with them; tests/test_module_faults.py).
+        old = self.ring.vacate(s)
+        if old is not None:
+            self.slot_of.pop(id(old), None)
+        start, end = self.ring.fill(self.lane, s, [(0, src, g.nbytes)], timed=True)
+        if stage is not None:
+            self.disk.give_back(stage, end)
+        tier.track(Transfer(tier, "h2d", self.lane.stream, start, end, [], g.nbytes, {self.role: g.nbytes}))
+        tier.accounting.on_move(self.role, "h2d", g.nbytes)
+        tier.accounting.count(self.role, "prefetch_ops")
+        s.occupant, s.held = g, _versions(g)
+        self.slot_of[id(g)] = slot
+        return True
+
+    def ensure(self, g: Group) -> None:
+        slot = self.count % self.nslots
+        self.count += 1
+        now = _versions(g)
+        # Not brought in ahead, or written at home since (an optimizer step between forwards).
+        if self.slot_of.get(id(g)) != slot or self.ring[slot].held != now:
+            self._load(g, slot)
+        be = self.tier.backend
+        be.wait(be.current_stream(), self.ring[slot].ready)
+        for t, v, s in zip(g.tensors, self._views(g, slot), g.in_slot):
+            if s:
+                t.data = v
+        self.in_use[id(g)] = now
+
+    def ahead(self, upcoming: list[Group]) -> None:
+        for d, g in enumerate(upcoming[: self.nslots - 1], start=0):
+            slot = (self.count + d) % self.nslots
+            s = self.ring[slot]
+            if s.occupant is g and self.slot_of.get(id(g)) == slot and s.held == _versions(g):
+                continue
+            self._load(g, slot, wait=False)     # a group still being read from disk comes in at ensure()
+
+    def release(self, g: Group) -> None:
+        slot = self.slot_of.get(id(g))
+        if slot is None:
+            return
+        be = self.tier.backend
+        home = self._views(g, None)
+        before = self.in_use.pop(id(g), None)
+        if before is not None and before != _versions(g) and g.on_disk:
+            log.warning("tiermem: a forward wrote to %s, which is read from disk; the write is not kept", g.name)
+        elif before is not None and before != _versions(g):
+            # The forward wrote into the slot (a running-stat buffer, say): keep it at home. Later
+            # loads of this group read home on tiermem's stream, which waits for this copy.
+            for t, h, old, new, s in zip(g.tensors, home, before, _versions(g), g.in_slot):
+                if old != new and s:
+                    h.copy_(t.data)
+            self.lane.after([now()])
+        self.ring.release(self.ring[slot], be)
+        for t, v, s in zip(g.tensors, home, g.in_slot):
+            if s:
+                t.data = v                           # back to its home: correct to read, zero-copy
+        self.tier.accounting.count(self.role, "evict_ops")
+        self.tier.accounting.count(self.role, "evict_clean_ops")
+
+    def offload_grad(self, g: Group, i: int, p: Any) -> None:
+        """A streamed parameter's gradient lives in pinned host memory beside its home, so a
+        backward through the module keeps no more device memory than the budget allows
+        (NOTE [trainable weights in the pinned home]). Runs in autograd's post-accumulate hook."""
+        grad = p.grad
+        if grad is None:
+            return
+        if self.grad_home is None:
+            self.grad_home = self.tier.backend.host_alloc(self.size, pooled=False)
+        view = self._views(g, None, base=self.grad_home)[i]
+        if grad.data_ptr() == view.data_ptr():
+            return                                    # accumulated in place, at home already
+        view.copy_(grad)
+        p.grad = view
+
+    def drain(self) -> None:
+        self.tier.synchronize()
+
+    def restored(self, device_of: Callable[[Any], Any]) -> list[tuple[Any, Any, Any]]:
+        """(tensor, plain copy, plain grad or None) for every streamed tensor, on the device
+        ``device_of(tensor)`` names; binds nothing, so a failure here changes nothing."""
+        import torch
+        self.tier.synchronize()
+        out = []
+        with torch.no_grad():
+            for g in self.groups:
+                for t, v in zip(g.tensors, self._views(g, None)):
+                    plain = torch.empty(t.shape, dtype=t.dtype, device=device_of(t))
+                    plain.copy_(materialize(self.sources[id(t)]) if g.on_disk else v)
+                    grad = getattr(t, "grad", None)
+                    if grad is not None and (self._in_grad_home(grad) or grad.device != plain.device):
+                        grad = grad.to(plain.device, copy=True)
+                    else:
+                        grad = None
+                    out.append((t, plain, grad))
+        return out
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Pinned host bytes held: the home, the disk tier's staging buffers, the gradients' home."""
+        return sum(b.nbytes for b in (self.home, self.grad_home) if b is not None) + (
+            self.disk.pinned_bytes if self.disk is not None else 0)
+
+    def _in_grad_home(self, x: Any) -> bool:
+        if self.grad_home is None:
+            return False
+        p = x.data_ptr()
+        return self.grad_home.ptr <= p < self.grad_home.ptr + self.size
+
+    def discard(self) -> None:
+        """Give back the window, the home and the gradients' home. The caller has rebound every
+        tensor away from them first (or never bound any)."""
+        if self._host_thread is not None:
+            self._host_thread.join()           # what it made is given back below; its error is not ours
+            self._host_thread = None
+        self._host_fn = None
+        if self.tier.backend.kind == "cuda":
+            import torch
+            torch.cuda.synchronize(self.tier.device)
+        self._view_cache.clear()       # the views hold the blocks
+        if self.disk is not None:
+            self.disk.close()
+            self.disk = None
+        if self.window is not None:
+            self.window.release()
+            self.window = None
+        if self._reserved:
+            self.tier.unreserve(self._reserved, self.role)
+            self._reserved = 0
+        for name in ("home", "grad_home"):
+            block = getattr(self, name)
+            if block is not None:
+                block.release()
+                setattr(self, name, None)
+        self.tier.backend.release_cached()   # the pinned pool keeps what it is given back

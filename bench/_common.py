@@ -131,6 +131,26 @@ def steady_times(fn: Callable[[], Any], forwards: int = 4, spans: int = 5, warmu
     return [events[s].elapsed_time(events[s + 1]) / 1e3 / forwards for s in range(spans)]
 
 
+def embedding_bytes(model: Any) -> int:
+    """Bytes of ``model``'s embedding tables that only lookups read: each ``nn.Embedding`` weight
+    that no other module holds (a table tied to the output head is read whole by the head, so it
+    does not count). A lookup reads only its tokens' rows, so these need not cross the link
+    (bench/bounds.py's forward bound)."""
+    import torch
+    holders: dict[int, set[bool]] = {}
+    for m in model.modules():
+        for p in m.parameters(recurse=False):
+            holders.setdefault(id(p), set()).add(isinstance(m, torch.nn.Embedding))
+    seen: set[int] = set()
+    total = 0
+    for m in model.modules():
+        if isinstance(m, torch.nn.Embedding) and id(m.weight) not in seen:
+            seen.add(id(m.weight))
+            if holders[id(m.weight)] == {True}:
+                total += m.weight.numel() * m.weight.element_size()
+    return total
+
+
 def host_us_per_call(fn: Callable[[], Any], n: int = 2000, warmup: int = 50) -> float:
     """Microseconds of host time per call of ``fn`` (the GPU's work it queues waited for once,
     after the loop): what a call costs the host, not the device."""

@@ -151,6 +151,20 @@ def embedding_bytes(model: Any) -> int:
     return total
 
 
+class _DeviceBytes:
+    # No "stream" key: the consumer must not synchronize on the bench's behalf (CUDA array interface v3).
+    def __init__(self, ptr: int, nbytes: int):
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False),
+                                         "strides": None, "version": 3}
+
+
+def device_view(ptr: int, nbytes: int) -> Any:
+    """A torch uint8 tensor over ``nbytes`` of device, managed or (UVA) pinned memory at ``ptr``,
+    zero-copy: what the probes copy into and out of."""
+    import torch
+    return torch.as_tensor(_DeviceBytes(ptr, nbytes), device="cuda")
+
+
 def host_us_per_call(fn: Callable[[], Any], n: int = 2000, warmup: int = 50) -> float:
     """Microseconds of host time per call of ``fn`` (the GPU's work it queues waited for once,
     after the loop): what a call costs the host, not the device."""

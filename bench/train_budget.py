@@ -450,7 +450,7 @@ def study(torch, tiermem, name, build, make_batch, loss_fn, budget, a, rates, us
     progress(f"part 3: {name} at a {budget / GiB:.1f} GiB budget")
     rb = max_batch(resident, a.study_start, a.study_limit)
     tb = max_batch(tiered, max(rb, 1), a.study_limit * 8)
-    shared_tier(tiermem).backend._pinned.free_all_blocks()   # give the host its pinned memory back
+    shared_tier(tiermem).backend.release_cached()   # give the host its pinned memory back
     r_ms = timings.get(("resident", rb), (float("nan"), 0, 0))[0]
     t_ms, h2d, d2h = timings.get(("tiermem", tb), (float("nan"), 0, 0))
     r_ps, t_ps = r_ms / max(rb, 1), t_ms / max(tb, 1)

@@ -381,7 +381,7 @@ def main() -> None:
     # What a model bigger than its budget does every layer: frozen weights without read-mostly,
     # so they evict through the shadow (read-only: once copied, it stays valid), and without the
     # host as preferred location, since the shadow is their host copy (with it, copies into the
-    # range ran at 7.5 GB/s, and at 1.9 into fresh pages: bandwidth-h100-20261122-d8400a6.json).
+    # range ran at 7.5 GB/s, and at 1.9 into fresh pages, on the H100 at d8400a6).
     # Under a budget that holds one group, bringing one group in parks the other (nothing moves:
     # it is clean) and copies the incoming group's shadow into its pages. The timed call is the
     # whole prefetch, room-making included.

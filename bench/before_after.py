@@ -1,9 +1,9 @@
 """Compare two runs of the benches, before and after a change, measured one after the other on one
 machine: every metric each bench printed, its ratio, and how many stayed within a tolerance.
 
-    python bench/before_after.py bench/results/before_after-h100-20261123 --tolerance 0.03
+    python bench/before_after.py FOLDER --tolerance 0.03
 
-The folder holds ``<bench>-before.log`` and ``<bench>-after.log`` pairs, as the benches print them
+FOLDER (a scratch folder: its logs are inputs, not results) holds ``<bench>-before.log`` and ``<bench>-after.log`` pairs, as the benches print them
 (the metric table: a name and a number per line). Metrics are split into those that run through
 tiermem and the baselines beside them (resident, accelerate, FSDP2, save_on_cpu, torch's
 checkpointing, plain managed memory): a baseline runs no tiermem code, so how far it moves between

@@ -1,5 +1,5 @@
 """Where load_pretrained's time and host memory go (issue: load at 0.072 of the warm read rate,
-peak host 1.28x the host budget, bench/results/offload_disk-h200-20261123.json).
+peak host 1.28x the host budget, bench/offload_disk.py on the H200 at b8b73ed).
 
 Sections, each timed on its own:
   pin          ways to get N bytes of pinned host memory ready to hold data: cudaHostAlloc; an

@@ -561,7 +561,7 @@ def main():
     a.ratios = tuple(float(x) for x in a.ratios.split(","))
     # peer_steps: the peers' medians are of the steps after the first two. FSDP2's CPU offload steps
     # AdamW on the host, so its time follows the host: over six steps it was 181.9 and 264.1 ms on
-    # two H100 machines (docs/training.md, whole-step graphs); twelve steady it a little.
+    # two H100 machines (docs/history.md, Training); twelve steady it a little.
     big = dict(vocab=8192, seq=512, d=1024, layers=16, heads=16, batch=4, ratio=2.5, steps=30, soc_steps=8,
                block_mib=16, sweep=[0.6, 0.8, 1.0], sweep_steps=8, cap_steps=10, capacity_budget=30 * GiB,
                study_gib=3.0, study_start=8, study_limit=512, study_steps=4, small_d=768, small_layers=8,

@@ -21,7 +21,7 @@ import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import RESULTS, commit, device_slug, table  # noqa: E402
+from _common import RESULTS, device_slug, provenance, table  # noqa: E402
 
 LINE = re.compile(r"^([A-Za-z_][\w.\-/]*)\s+(-?\d+(?:\.\d+)?(?:e-?\d+)?)\s*$")
 # Figures that run no tiermem code: the machine's own spread between the two runs.
@@ -77,7 +77,9 @@ def main() -> None:
     after = [json.load(open(p)) for p in sorted(glob.glob(os.path.join(a.folder, "*-after.json")))]
     device = after[0]["device"] if after else "unknown"
     date = (after[0]["date"][:10] if after else datetime.date.today().isoformat()).replace("-", "")
-    obj = {"bench": "before_after", "device": device, "commit": after[0]["commit"] if after else commit(),
+    # the after runs' commit (their JSONs say which code they measured), else this checkout's
+    prov = {k: after[0][k] for k in ("commit", "commit_note") if k in after[0]} if after else provenance()
+    obj = {"bench": "before_after", "device": device, **prov,
            "date": datetime.datetime.now().isoformat(timespec="seconds"), "metrics": out_metrics,
            "checks": checks, "raw": raw}
     path = os.path.join(RESULTS, f"before_after-{device_slug(device)}-{date}.json")

@@ -151,6 +151,18 @@ def embedding_bytes(model: Any) -> int:
     return total
 
 
+def tier_staging_everything(tiermem: Any, **kw: Any) -> Any:
+    """A ``tiermem.Tier(**kw)`` whose staging rings take every shadow copy, however small
+    (tiermem.cuda.staging.MIN_STAGED, read when a Tier is made, set to 1 for the call): the
+    stress tests' way to run the rings on every move."""
+    from tiermem.cuda import staging
+    old, staging.MIN_STAGED = staging.MIN_STAGED, 1
+    try:
+        return tiermem.Tier(**kw)
+    finally:
+        staging.MIN_STAGED = old
+
+
 class _DeviceBytes:
     # No "stream" key: the consumer must not synchronize on the bench's behalf (CUDA array interface v3).
     def __init__(self, ptr: int, nbytes: int):

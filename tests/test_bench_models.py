@@ -1,6 +1,6 @@
 """What the benches read off a model for their bounds, on the CPU: the embedding bytes a lookup
 reads in place (bench/_common.py embedding_bytes) and the experts a decode step's router picks
-(bench/offload_infer.py Routing). No GPU."""
+(bench/offload_infer.py Routing); and the stress benches' Tier that stages every move. No GPU."""
 from __future__ import annotations
 
 import pytest
@@ -58,3 +58,31 @@ def test_routing_counts_the_experts_a_decode_step_picks():
     for h in hooks:
         h.remove()
     r.remove()
+
+
+def test_a_tier_that_stages_everything_sends_even_a_small_move_through_the_ring():
+    """bench/soak.py and the stress probe run the staging rings on every move through
+    _common.tier_staging_everything, with no reach into the Tier's private members."""
+    from _common import tier_staging_everything
+    from fakes import FakeBackend
+    from helpers import fill_random, read
+
+    import tiermem
+    from tiermem.cuda import staging
+    before = staging.MIN_STAGED
+    small_bytes = staging.MIN_STAGED - 1
+    moved = {}
+    for name, make in (("plain", lambda fake: tiermem.Tier(backend=fake, staging="8MiB")),
+                       ("everything", lambda fake: tier_staging_everything(tiermem, backend=fake, staging="8MiB"))):
+        fake = FakeBackend(total=1 << 30)
+        t = make(fake)
+        assert staging.MIN_STAGED == before           # set only while the Tier was made
+        small = t.empty(small_bytes, "uint8", role="gradient")
+        data = fill_random(small)
+        t.evict(small)
+        t.prefetch(small)
+        assert torch.equal(read(small), data)
+        s = t.stats()
+        moved[name] = (s["staged_bytes.gradient.d2h"], s["staged_bytes.gradient.h2d"])
+        t.close()
+    assert moved == {"plain": (0, 0), "everything": (small_bytes, small_bytes)}

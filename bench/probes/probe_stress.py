@@ -20,7 +20,7 @@ import sys
 import time
 
 from _path import RESULTS  # bench/ and the repository on sys.path
-from _common import provenance  # noqa: E402
+from _common import provenance, tier_staging_everything  # noqa: E402
 
 KiB, MiB = 1 << 10, 1 << 20
 SIZES = [4 * KiB, 64 * KiB, 1 * MiB, 2 * MiB, 3 * MiB + 8, 8 * MiB]
@@ -45,9 +45,8 @@ def run_seed(seed: int, variant: dict, log_limit: int = 200_000) -> dict:
     import torch
 
     import tiermem
-    t = tiermem.Tier(0, cap="1GiB", budget=BUDGET, staging=variant.get("staging", "auto"))
-    if "staging" in variant:
-        t._staging.min_bytes = 1
+    kw = dict(device=0, cap="1GiB", budget=BUDGET, staging=variant.get("staging", "auto"))
+    t = tier_staging_everything(tiermem, **kw) if "staging" in variant else tiermem.Tier(**kw)
     be = t.backend
     calls: list[tuple] = []     # (step, what, ranges, stream)
     step_box = [0]

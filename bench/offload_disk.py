@@ -487,7 +487,7 @@ def main() -> None:
     t = raw["tiermem"]
     notes = [n for n in (bounds.below_bound_note("forward_vs_bound", t["prefill_ms"] / t["bound_ms"]),
                          bounds.below_bound_note("decode_vs_bound", t["decode_ms_per_token"] / t["bound_ms"])) if n]
-    metrics.update({"load_s": t["load_s"], "load_cache": states[0],
+    metrics.update({"load_s": t["load_s"],
                     "load_peak_host_over_budget": round(t["peak_host_GB"] * 1e9 / host_budget, 3),
                     "forward_vs_bound": bounds.ratio(t["prefill_ms"], t["bound_ms"]),
                     "forward_vs_serial_bound": bounds.ratio(t["prefill_ms"], t["serial_bound_ms"]),

@@ -463,7 +463,8 @@ def study(torch, tiermem, name, build, make_batch, loss_fn, budget, a, rates, us
     del model
     free()
     state = bounds.persistent_state_bytes(n, states_per_param=2 if use_adamw else 1)
-    step = bounds.train_step(state, budget, rates["h2d"], rates["d2h"], rates["duplex"], r_ps * max(tb, 1) / 1e3)
+    compute = r_ps * max(tb, 1) / 1e3 if r_ps == r_ps else 0.0       # no resident batch trained: the link alone
+    step = bounds.train_step(state, budget, rates["h2d"], rates["d2h"], rates["duplex"], compute)
     bound_ps = step.seconds * 1e3 / max(tb, 1)
     plan_ps = max(r_ps, h2d / max(tb, 1) / (rates["h2d"] * 1e9) * 1e3, d2h / max(tb, 1) / (rates["d2h"] * 1e9) * 1e3,
                   bytes_ps / (rates["duplex"] * 1e9) * 1e3)

@@ -25,7 +25,8 @@ def test_readme_figures_are_the_jsons():
 def test_each_cell_is_short_and_each_row_links_a_committed_json():
     with open(report.README, encoding="utf-8") as f:
         rows = [r for r in _block(f.read()).strip().splitlines()[2:]]
-    assert len(rows) == len(report.ROWS)
+    required = [r for r in report.ROWS if not r.optional]
+    assert len(required) <= len(rows) <= len(report.ROWS)
     for r in rows:
         cells = [c.strip() for c in r.strip().strip("|").split(" | ")]
         assert len(cells) == 4, r
@@ -89,6 +90,20 @@ def test_a_figure_that_drifts_from_its_json_fails_the_check(tmp_path, monkeypatc
     assert report.main([]) == 0                     # writing the table back makes it agree again
     assert report.main(["--check"]) == 0
     assert readme.read_text() == text
+
+
+def test_an_optional_row_waits_for_a_result_and_a_required_one_does_not(tmp_path, monkeypatch):
+    results = [_result(tmp_path, "1.json", "soak", "NVIDIA H100", "2026-11-20T10:00:00", {"a": 1.0})]
+    shown = report.Row("shown", "soak", "{a:.1f}")
+    later = report.Row("later", "soak", "{b:.1f}", optional=True)
+    monkeypatch.setattr(report, "ROWS", (shown, later))
+    text = report.table(results, str(tmp_path))
+    assert "| shown | 1.0 |" in text and "later" not in text
+    results.append(_result(tmp_path, "2.json", "soak", "NVIDIA H100", "2026-11-21T10:00:00", {"a": 2.0, "b": 3.0}))
+    assert "| later | 3.0 |" in report.table(results, str(tmp_path))
+    monkeypatch.setattr(report, "ROWS", (report.Row("needed", "soak", "{c}"),))
+    with pytest.raises(LookupError):
+        report.table(results, str(tmp_path))
 
 
 def test_a_long_cell_is_refused(tmp_path):

@@ -299,6 +299,12 @@ class FakeBackend:
     def new_event(self, timing: bool = False) -> Any:
         return _Event()
 
+    def torch_stream(self, stream: int) -> Any:
+        """Work is done at once here: every stream is the host's (torch's CPU ops)."""
+        self._stream_ok(stream)
+        self.calls.append(("torch_stream", stream))
+        return contextlib.nullcontext()
+
     def record(self, event: Any, stream: int) -> None:
         self._stream_ok(stream)
         event.stream = stream

@@ -17,6 +17,12 @@ NOTE [ordered copies]
     A batch that fails part-way (a copy refused, Ctrl-C) records no end event, so nothing is
     ever told that half-copied bytes are ready: owners set a slot's occupant only after
     :meth:`SlotRing.fill` returns (tests/test_module_faults.py found the bug this prevents).
+
+    Device work that turns copied bytes into a slot's contents (a dequantization: NOTE
+    [quantized streaming] in inference/quant.py) is ordered the same way: :meth:`Lane.apply`
+    queues it on its lane's stream after the events it is given and records one end event,
+    and :meth:`SlotRing.transform` makes that the slot's ``ready``, after the slot's ``free``
+    and the fills of the slots it reads, whose ``free`` it becomes.
 """
 from __future__ import annotations
 
@@ -88,6 +94,15 @@ class Lane:
                 self.backend.copy(dst, src, n, side)
         return start, self.mark(timing=timed)
 
+    def apply(self, fn: Callable[[], None], *, after: Iterable[Any] = (Now(),)) -> Any:
+        """Queue the device work ``fn`` does (torch ops, run with the lane's stream as torch's
+        current stream) after ``after``; returns its end event (NOTE [ordered copies])."""
+        side = self.stream
+        self.after(after, side)
+        with self.backend.torch_stream(side):
+            fn()
+        return self.mark()
+
 
 @dataclasses.dataclass(eq=False)
 class Slot:
@@ -141,12 +156,31 @@ class SlotRing:
         slot.ready = end
         return start, end
 
+    def transform(self, lane: Lane, slot: Slot, fn: Callable[[], None], *, after: Iterable[Any] = (),
+                  reads: Iterable[Slot] = ()) -> Any:
+        """Write ``slot`` by the device work ``fn`` on ``lane`` (:meth:`Lane.apply`), after its last
+        user, after ``after`` and after the fills of ``reads`` (slots, of any ring, that ``fn``
+        reads). The end event becomes ``slot``'s ``ready`` and each of ``reads``' ``free``, and
+        is returned."""
+        reads = list(reads)
+        first = slot.free if slot.free is not None else Now()
+        end = lane.apply(fn, after=(first, *after, *(r.ready for r in reads)))
+        slot.ready = end
+        for r in reads:
+            r.free = end
+        return end
+
     def drain(self, lane: Lane, slot: Slot, parts: Iterable[tuple[int, int, int]]) -> Any:
         """Copy ``parts`` ((dst, offset in the slot, nbytes) each) out of ``slot`` on ``lane`` after
         the work queued so far; the copy's end becomes the slot's ``free`` event, and is returned."""
         _, end = lane.run([(dst, slot.ptr + o, n) for dst, o, n in parts])
         slot.free = end
         return end
+
+    def touch(self, slot: Slot) -> None:
+        """Count a use of the slot now (it is picked after those used before), without holding it."""
+        self.clock += 1
+        slot.last = self.clock
 
     def use(self, slot: Slot) -> None:
         """The slot is in use by the running block: it is not picked until :meth:`release`."""

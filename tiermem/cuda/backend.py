@@ -127,6 +127,7 @@ class Backend(Protocol):
     def synchronize(self, event: Any) -> None: ...
     def elapsed_ms(self, start: Any, end: Any) -> float: ...
     def torch_view(self, ptr: int, nbytes: int, token: Any) -> Any: ...
+    def torch_stream(self, stream: int) -> Any: ...
     def cupy_view(self, ptr: int, nbytes: int, token: Any) -> Any: ...
     def dlpack_device(self) -> tuple[int, int]: ...
     # A "cuda" backend also captures: ``capturing()``, ``join_capture(into)``, ``replayed(stream)``
@@ -186,6 +187,7 @@ class CudaBackend:
         self._lock = threading.Lock()
         self._pinned = cupy.cuda.PinnedMemoryPool()
         self.epochs = CaptureEpochs()       # NOTE [events across a capture] in cuda/capture.py
+        self._external: dict[int, Any] = {}  # stream handle -> its torch.cuda.ExternalStream
 
     # -- memory ---------------------------------------------------------------------------------
     def capabilities(self) -> Capabilities:
@@ -337,6 +339,7 @@ class CudaBackend:
         return _cuda.stream_create(self.device)
 
     def destroy_stream(self, stream: int) -> None:
+        self._external.pop(stream, None)
         _cuda.stream_destroy(stream)
 
     def new_event(self, timing: bool = False) -> Any:
@@ -418,6 +421,16 @@ class CudaBackend:
         ev = _cuda.event_create(False)
         _cuda.event_record(ev, stream)
         self.epochs.after_replay = ev
+
+    def torch_stream(self, stream: int) -> Any:
+        """A context manager in which ``stream`` (a handle of :meth:`new_stream`) is torch's
+        current stream: torch ops queued inside run there (a dequantization, NOTE [ordered
+        copies] in core/stream.py). Thread-local, as torch's current stream is."""
+        import torch
+        ext = self._external.get(stream)
+        if ext is None:
+            ext = self._external[stream] = torch.cuda.ExternalStream(stream, device=f"cuda:{self.device}")
+        return torch.cuda.stream(ext)
 
     # -- views ------------------------------------------------------------------------------------
     def torch_view(self, ptr: int, nbytes: int, token: Any) -> Any:

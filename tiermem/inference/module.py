@@ -20,14 +20,16 @@ from typing import TYPE_CHECKING, Any
 
 from ..base.limits import parse_bytes
 from ..errors import ConfigError, DeviceFullError, TierMemError, WrapError
-from ..pytorch.held import CopyGuard
+from ..pytorch.held import CopyGuard, InstancePatch
 from ..roles import Evict, Role
 from .disk import READERS, STAGES
+from .experts import ExpertCache, cacheable, cached_forward, top_k_of
 from .groups import MAX_GROUP, gathered_groups, home_layout, is_stacked, module_groups, span_of
 from .load import FileTensor
-from .plan import LOOKAHEAD, plan_host, plan_residency, stay_home
+from .plan import LOOKAHEAD, by_expert, plan_host, plan_residency, stay_home
+from .quant import QSTAGES, check_format, packing
 from .sources import stand_ins, weight_sources, wrap_from
-from .transport import Group, PinnedTransport
+from .transport import Group, PinnedTransport, packed_layout
 
 if TYPE_CHECKING:
     from ..core.engine import Engine as Tier  # what an adapter uses is the engine's interface
@@ -52,17 +54,31 @@ class TieredModule:
     can be adopted); and ``host_budget``, the pinned host bytes allowed, beyond which streamed
     groups are read from their checkpoint files ahead of use (NOTE [disk tier]; needs ``weights``
     from a Checkpoint), by ``disk_reader``: "posix" (threads of ``os.preadv``) or "kvikio"
-    (NOTE [kvikio reader]).
+    (NOTE [kvikio reader]). ``stream_dtype`` ("int8", "fp8" or "int4") keeps the streamed
+    groups' Linear and stacked-expert weights packed at that size in the pinned home and
+    dequantizes them into their slots (NOTE [quantized streaming] in inference/quant.py).
+    ``expert_cache`` (bytes, "1GB", or a share of the device like "5%", taken from the budget)
+    keeps the experts a decode routes to on the device (NOTE [expert cache] in
+    inference/experts.py).
     """
 
     def __init__(self, tier: Tier, module: Any, budget: int | str | None, *, mode: str = "auto",
                  lookahead: int = LOOKAHEAD, zero_copy_max_tokens: int = 16, max_group_bytes: int = MAX_GROUP,
                  weights: Mapping[str, Any] | None = None, host_budget: int | str | None = None,
-                 disk_reader: str = READERS[0]):
+                 disk_reader: str = READERS[0], stream_dtype: str | None = None,
+                 expert_cache: int | str | None = None):
         if mode not in ("auto", "stream", "zero_copy"):
             raise ConfigError(f"mode must be 'auto', 'stream' or 'zero_copy', got {mode!r}")
         if disk_reader not in READERS:
             raise ConfigError(f"disk_reader must be one of {', '.join(map(repr, READERS))}, got {disk_reader!r}")
+        check_format(stream_dtype)
+        if stream_dtype is not None and mode == "zero_copy":
+            raise ConfigError(f"mode='zero_copy' reads every streamed weight in place, and stream_dtype={stream_dtype!r} "
+                              "keeps them packed, with no copy in the model's dtype to read; use mode='auto' or "
+                              "'stream' (NOTE [quantized streaming])")
+        self.stream_dtype = stream_dtype
+        self.expert_cache = expert_cache
+        self._cache: ExpertCache | None = None
         self.disk_reader = disk_reader
         if getattr(module, "_tiermem_handle", None) is not None:
             raise WrapError("this module is already adopted by tiermem; unwrap it first")
@@ -99,25 +115,61 @@ class TieredModule:
         asked = total if budget is None else parse_bytes(budget, total=tier.backend.capabilities().total_memory,
                                                          what="module budget", max_percent=100)
         self.budget = self._within_device(asked, [t for _, _, own in found for _, t in own])
-        self.plan = plan_residency(sizes, self.budget, lookahead, in_place=gathered_groups(module, found))
+        in_place = gathered_groups(module, found)
+        packs = _packings(module, found, self.stream_dtype, in_place)     # NOTE [quantized streaming]
+        packed = {g: packed_layout([t for _, t in own], packs[g])[1] for g, _, own in found if g in packs}
+        # NOTE [expert cache] in inference/experts.py: its bytes come out of the budget, if a
+        # group it could serve streams.
+        expert_cache = self.expert_cache
+        cache_bytes = 0 if expert_cache is None else parse_bytes(
+            expert_cache, total=tier.backend.capabilities().total_memory, what="expert_cache", max_percent=100)
+        for room in ([self.budget - cache_bytes] if 0 < cache_bytes < self.budget else []) + [self.budget]:
+            self.plan = plan_residency(sizes, room, lookahead, in_place=in_place, link=packed, staging=packed,
+                                       stages=QSTAGES + (self.stream_dtype == "int4"))
+            self._groups = {mname: Group(mname, [t for _, t in own], n, pinned=mname in self.plan.pinned,
+                                          gathered=mname in self.plan.in_place, stacked=is_stacked([t for _, t in own]),
+                                          packing=[] if mname in self.plan.pinned else packs.get(mname, []))
+                            for (mname, _, own), (_, n) in zip(found, sizes)}
+            roots = {id(self._groups[mname]): m for mname, m, _ in found}
+            self._cached = cacheable(list(self._groups.values()), roots) if room < self.budget else []
+            if self._cached or not cache_bytes:
+                break
+        if cache_bytes and not self._cached:
+            log.warning("tiermem: expert_cache=%r is not used: no layer of stacked experts (as transformers' experts "
+                        "modules hold them) streams within this budget", expert_cache)
+        self._cache_bytes = cache_bytes if self._cached else 0
+        self._roots = roots
         self.lookahead = max(self.plan.lookahead, 1)
-        self._groups = {mname: Group(mname, [t for _, t in own], n, pinned=mname in self.plan.pinned,
-                                      gathered=mname in self.plan.in_place, stacked=is_stacked([t for _, t in own]))
-                        for (mname, _, own), (_, n) in zip(found, sizes)}
         self._unit_groups: dict[int, list[Group]] = {id(m): [self._groups[mname]] for mname, m, _ in found}
         self.host_budget = None if host_budget is None else parse_bytes(host_budget, what="host_budget")
         if self.host_budget is not None:
-            self.plan = plan_host(self.plan, [(g.name, home_layout(g.tensors)[1]) for g in self._groups.values()],
+            self.plan = plan_host(self.plan, [(g.name, packed.get(g.name) or home_layout(g.tensors)[1])
+                                              for g in self._groups.values()],
                                   self.host_budget, STAGES,
                                   keep=stay_home([(g.name, g.tensors) for g in self._groups.values()],
-                                                 lambda t: isinstance(self._sources.get(id(t)), FileTensor)))
+                                                 lambda t: isinstance(self._sources.get(id(t)), FileTensor)),
+                                  disk_sizes={g.name: home_layout(g.tensors)[1] for g in self._groups.values()})
             if self.plan.on_disk and self.mode == "zero_copy":
                 raise TierMemError("mode='zero_copy' reads every weight in place, and a disk tier has weights with "
                                    "no place to read: raise host_budget or use mode='auto'")
             if self.plan.on_disk and self.disk_reader == "kvikio":
                 from .kvikio import require
                 require()                # refused before anything is allocated, with the reason
+        self._cached = [g for g in self._cached if g.name not in self.plan.on_disk]
+        if self._cached and self._cache_bytes // sum(t.numel() * t.element_size() // t.shape[0]
+                                                     for t in self._cached[0].tensors) < 1:
+            log.warning("tiermem: expert_cache=%r holds no expert (one takes %s bytes); it is not used", expert_cache,
+                        f"{sum(t.numel() * t.element_size() // t.shape[0] for t in self._cached[0].tensors):,}")
+            self._cached = []
+        # NOTE [experts by expert] in inference/plan.py: what a decode step's choice weighs.
+        self._moe = [(k, int(g.tensors[0].shape[0]), g.nbytes // int(g.tensors[0].shape[0]), g in self._cached)
+                     for g in self._groups.values() if g.stacked and not g.pinned
+                     for k in [top_k_of(roots[id(g)])] if k is not None]
         streamed = [g for g in self._groups.values() if not g.pinned]
+        if self.plan.zero_copy_only and any(g.packing for g in streamed):
+            raise TierMemError(f"a budget of {self.budget:,} bytes has no room for one slot, so every streamed weight "
+                               f"would be read in place, and stream_dtype={self.stream_dtype!r} keeps them packed "
+                               "(NOTE [quantized streaming]); raise the budget or leave stream_dtype=None")
         self._trainable = any(t.requires_grad for g in streamed for t in g.tensors)
         self.transport = "pinned"
         self._stream: PinnedTransport | None = None
@@ -149,7 +201,10 @@ class TieredModule:
         reader's time), ``disk.wait_seconds`` (the forward's time waiting on the reader),
         ``disk.reads``, ``disk.stage_reuse`` (reads into a staging buffer used before),
         ``disk.resyncs``, ``disk.dropped`` (reads thrown away when a forward changed order) and
-        ``disk.retries`` (failed reads made again; NOTE [disk read errors])."""
+        ``disk.retries`` (failed reads made again; NOTE [disk read errors]); the expert cache's
+        (NOTE [expert cache], all 0 without one): ``expert_cache.slots``, ``.bytes``, ``.hits``,
+        ``.misses``, ``.hit_rate``, ``.prefetched``, ``.prefetch_hits``, ``.evictions``,
+        ``.rounds``, ``.calls`` and ``.moved_bytes``."""
         st = self._stream
         disk = st.disk if st is not None else None
         out: dict[str, Any] = {
@@ -162,7 +217,12 @@ class TieredModule:
         for k in ("read_bytes", "read_seconds", "wait_seconds", "reads", "stage_reuse", "resyncs", "dropped",
                   "retries"):
             out[f"disk.{k}"] = disk.stats[k] if disk is not None else 0
+        out.update(self._cache.summary() if self._cache is not None else ExpertCache.empty_summary())
         return out
+
+    def _serves(self, g: Group) -> bool:
+        """Whether the expert cache serves ``g`` in the forward running now (a decode step)."""
+        return self._fwd_mode == "decode" and g.cached
 
     def _within_device(self, asked: int, tensors: list[Any]) -> int:
         """The budget the device can really hold: resident groups live in managed memory, which
@@ -219,6 +279,15 @@ class TieredModule:
             del tts    # a traceback keeps this frame: only the groups may hold the buffers
         if self._stream is not None:
             self._stream.finish()
+        if self._cached:
+            self._cache = ExpertCache(self._stream, self._cached, self._cache_bytes)
+            tier.reserve(self._cache.nbytes, self._stream.role)
+            try:
+                self._cache.allocate()
+            except BaseException:
+                tier.unreserve(self._cache.nbytes, self._stream.role)
+                self._cache = None
+                raise
         # A module that uses a tensor of a group outside its own subtree (tied weights) needs that
         # group too: it gets hooks of its own.
         owner = {id(t): g for g in self._groups.values() for t in g.tensors}
@@ -248,6 +317,11 @@ class TieredModule:
                     if t.requires_grad and hasattr(t, "register_post_accumulate_grad_hook"):
                         self._hooks.append(t.register_post_accumulate_grad_hook(
                             lambda p, g=g, i=i: self._stream.offload_grad(g, i, p)))
+            if self._cache is not None:     # NOTE [expert cache] in inference/experts.py
+                for g in self._cached:
+                    g.cached = True
+                    m = self._roots[id(g)]
+                    self._hooks.append(InstancePatch(m, {"forward": cached_forward(m, g, self._serves, self._cache)}))
             self._stream.bind_home()       # the last step; it cannot fail
         self._hooks.append(CopyGuard(module))   # NOTE [held modules]
         module._tiermem_handle = weakref.ref(self)
@@ -294,9 +368,15 @@ class TieredModule:
                 raise TierMemError("this module reads weights from disk (host_budget), so a forward that records "
                                    "gradients cannot read them in place; run it under torch.no_grad() or "
                                    "torch.inference_mode() (NOTE [disk tier])")
+            if self._stream is not None and any(g.packed for g in self._stream.groups):
+                raise TierMemError(f"this module streams its weights packed (stream_dtype={self.stream_dtype!r}), so a "
+                                   "forward that records gradients cannot read them in place; run it under "
+                                   "torch.no_grad() or torch.inference_mode() (NOTE [quantized streaming])")
         elif mode == "auto":
             n = self._tokens(args, kwargs)
-            mode = "decode" if n is not None and n <= self.zero_copy_max_tokens else "stream"
+            # NOTE [experts by expert] in inference/plan.py
+            few = n is not None and n <= self.zero_copy_max_tokens
+            mode = "decode" if few and all(by_expert(n, k, e, per, c) for k, e, per, c in self._moe) else "stream"
         self._fwd_mode = mode
         self._pos = -1
 
@@ -354,8 +434,9 @@ class TieredModule:
     @property
     def moved_bytes(self) -> int:
         """Bytes a streaming forward copies over the link: the streamed groups in their pinned
-        home's layout (256-byte aligned), less those read in place."""
-        return sum(g.nbytes for g in self._groups.values() if not g.pinned and not g.gathered)
+        home's layout (256-byte aligned; packed, NOTE [quantized streaming]), less those read in
+        place."""
+        return sum(g.link_bytes for g in self._groups.values() if not g.pinned and not g.gathered)
 
     @property
     def groups(self) -> dict[str, list[Any]]:
@@ -423,6 +504,13 @@ class TieredModule:
                 tt.buffer.bindings = []
                 tt.free()
             g.tiered = []
+        if self._cache is not None:
+            if self.tier.backend.kind == "cuda":
+                import torch
+                torch.cuda.synchronize(self.tier.device)
+            self._cache.release()
+            self.tier.unreserve(self._cache.nbytes, self._stream.role if self._stream is not None else Role.FROZEN_WEIGHT)
+            self._cache = None
         if self._stream is not None:
             self._stream.discard()
             self._stream = None
@@ -447,6 +535,42 @@ class TieredModule:
 
     def __repr__(self) -> str:
         return f"<TieredModule {type(self.module).__name__} ({self.transport}): {self.plan.table(limit=0)}>"
+
+
+def _packings(module: Any, found: list, fmt: str | None, in_place: set[str]) -> dict[str, list[Any]]:
+    """Group -> per member, how it is packed in ``fmt`` (a quant.Packing) or None, for the groups
+    with a member to pack (NOTE [quantized streaming]): a floating 2-D weight that only plain
+    Linear layers use (transformers' Conv1D too), or a stacked group's 3-D experts."""
+    if fmt is None:
+        return {}
+    import sys
+
+    import torch
+    linear: tuple[type, ...] = (torch.nn.Linear,)
+    conv1d = getattr(sys.modules.get("transformers.pytorch_utils"), "Conv1D", None)
+    if isinstance(conv1d, type):
+        linear += (conv1d,)
+    users: dict[int, list[tuple[Any, str]]] = {}
+    for m in module.modules():
+        for name, t in m._parameters.items():
+            if t is not None:
+                users.setdefault(id(t), []).append((m, name))
+    out = {}
+    for gname, _, own in found:
+        if gname in in_place:
+            continue
+        ts = [t for _, t in own]
+        stacked = is_stacked(ts)
+        packs = []
+        for t in ts:
+            us = users.get(id(t), [])
+            fit = (isinstance(t, torch.nn.Parameter) and bool(us) and
+                   ((t.dim() == 2 and all(isinstance(m, linear) and n == "weight" for m, n in us))
+                    or (stacked and t.dim() == 3)))
+            packs.append(packing(t, fmt) if fit else None)
+        if any(p is not None for p in packs):
+            out[gname] = packs
+    return out
 
 
 def _wrap_group(tier: Tier, tensors: list[Any], names: list[str], on_host: bool, policy: Any) -> list[TieredTensor]:

@@ -28,19 +28,36 @@ NOTE [streaming plan]
 
     The execution order is learned on the first forward (and again whenever a forward runs the
     modules in another order); until then groups come in on demand.
+
+NOTE [experts by expert]
+    A layer of stacked experts can reach its kernels two ways: whole (or in parts of several
+    experts), one copy per stacked tensor through a slot at the link rate, or expert by expert,
+    only the experts the router picked: read in place (IN_PLACE_COST per byte), or copied into
+    the expert cache (NOTE [expert cache] in inference/experts.py), a copy and a dequantization
+    call per expert (EXPERT_CALL_COST each, beside its bytes). Under uniform routing a forward of
+    T tokens, each routed to k of E experts, is expected to pick E(1 - (1 - k/E)^T) of them, so
+    :func:`by_expert` compares that many experts' cost with the whole layer's: a decode step
+    (T = 1) goes expert by expert, a prefill (every expert picked) at the link rate, and the
+    forward of a few tokens between them whichever costs less (read in place: up to 25 tokens
+    for 60 experts and top-4, up to 6 for 8 experts and top-2). In mode "auto" a forward of at most
+    ``zero_copy_max_tokens`` tokens that :func:`by_expert` sends expert by expert is a decode
+    step; a model whose experts' top-k is not known keeps the token count alone.
 """
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from ..errors import ConfigError, TierMemError
 
-__all__ = ["Plan", "plan_residency", "plan_host", "stay_home", "LINK_GBPS", "LOOKAHEAD"]
+__all__ = ["Plan", "plan_residency", "plan_host", "stay_home", "by_expert", "LINK_GBPS", "LOOKAHEAD",
+           "IN_PLACE_COST", "EXPERT_CALL_COST"]
 
 LINK_GBPS = 55.0  # pinned H2D on the H100 machine (docs/facts.md); plans quote time at this rate
 LOOKAHEAD = 3     # groups in flight by default (the window's slots)
+IN_PLACE_COST = 1.2   # a byte read in place, in streamed bytes: GEMV kernels reading host pages (NOTE [streaming plan])
+EXPERT_CALL_COST = 256 << 10   # one expert copied into the cache, beyond its bytes: ~5 us of calls at the link rate
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +77,8 @@ class Plan:
     stage_bytes: int = 0                    # one staging buffer (the largest group on disk)
     stages: int = 0                         # staging buffers
     host_sizes: tuple[tuple[str, int], ...] = ()   # (streamed group, bytes in the pinned home's layout)
+    link_sizes: tuple[tuple[str, int], ...] = ()   # (group, bytes it moves over the link), where not its size
+    staging: int = 0                        # of the window, device bytes packed groups cross into (NOTE [quantized streaming])
 
     @property
     def pinned_bytes(self) -> int:
@@ -72,13 +91,15 @@ class Plan:
 
     @property
     def moved_bytes(self) -> int:
-        """Bytes a forward moves over the link: the streamed groups, less those read in place
-        (an embedding reads only the rows of its tokens)."""
-        return sum(n for g, n in self.sizes if g not in self.pinned and g not in self.in_place)
+        """Bytes a forward moves over the link: the streamed groups (packed, where they are:
+        NOTE [quantized streaming] in inference/quant.py), less those read in place (an
+        embedding reads only the rows of its tokens)."""
+        link = dict(self.link_sizes)
+        return sum(link.get(g, n) for g, n in self.sizes if g not in self.pinned and g not in self.in_place)
 
     @property
     def disk_bytes(self) -> int:
-        """Bytes a forward reads from disk: the groups on disk (NOTE [disk tier])."""
+        """Bytes a forward reads from disk: the groups on disk (NOTE [disk tier]), as their files hold them."""
         return sum(n for g, n in self.sizes if g in self.on_disk)
 
     @property
@@ -135,7 +156,8 @@ class Plan:
 
 
 def plan_residency(sizes: Iterable[tuple[str, int]], budget: int, lookahead: int = 2,
-                   in_place: Iterable[str] = ()) -> Plan:
+                   in_place: Iterable[str] = (), link: Mapping[str, int] | None = None,
+                   staging: Mapping[str, int] | None = None, stages: int = 0) -> Plan:
     """Choose the resident groups for ``budget`` bytes (NOTE [streaming plan]). Pure; no GPU.
 
     The window holds ``lookahead`` slots the size of the largest streamed group. For each k, the
@@ -143,17 +165,23 @@ def plan_residency(sizes: Iterable[tuple[str, int]], budget: int, lookahead: int
     budget is left; the k that pins the most bytes wins. If no window of ``lookahead`` slots fits,
     fewer slots are tried before nothing streams and every group is read in place. Groups named
     in ``in_place`` (gathered from, like an embedding) need no slot: they are pinned last, with
-    the budget left over.
+    the budget left over. A group in ``link`` crosses the link at that many bytes (packed: NOTE
+    [quantized streaming] in inference/quant.py), and one in ``staging`` needs that many device
+    bytes to cross into while it streams; the window holds ``stages`` of the largest beside its
+    slots.
     """
     sizes = tuple((str(g), int(n)) for g, n in sizes)
     gathered = frozenset(in_place)
     if lookahead < 1:
         raise ConfigError(f"lookahead must be at least 1, got {lookahead}")
     total = sum(n for _, n in sizes)
+    links = tuple((str(g), int(n)) for g, n in (link or {}).items())
     if budget >= total:
-        return Plan(budget, total, sizes, frozenset(g for g, _ in sizes), 0, False, 0, gathered)
+        return Plan(budget, total, sizes, frozenset(g for g, _ in sizes), 0, False, 0, gathered, link_sizes=links)
     moving = [x for x in sizes if x[0] not in gathered]
-    plan = _plan_moving(sizes, moving, budget, lookahead, total)
+    plan = _plan_moving(sizes, moving, budget, lookahead, total, {str(g): int(n) for g, n in (staging or {}).items()},
+                        stages)
+    plan = dataclasses.replace(plan, link_sizes=links)
     room = budget - plan.pinned_bytes - plan.window
     extra = []
     for g, n in sorted((x for x in sizes if x[0] in gathered), key=lambda x: -x[1]):
@@ -163,17 +191,23 @@ def plan_residency(sizes: Iterable[tuple[str, int]], budget: int, lookahead: int
     return dataclasses.replace(plan, pinned=plan.pinned | frozenset(extra), in_place=gathered)
 
 
-def _plan_moving(sizes: tuple, moving: list[tuple[str, int]], budget: int, lookahead: int, total: int) -> Plan:
+def _plan_moving(sizes: tuple, moving: list[tuple[str, int]], budget: int, lookahead: int, total: int,
+                 staging: dict[str, int], stages: int) -> Plan:
     if not moving:
         return Plan(budget, total, sizes, frozenset(), 0, False, 0)
     if budget >= sum(n for _, n in moving):
         return Plan(budget, total, sizes, frozenset(g for g, _ in moving), 0, False, 0)
     order = sorted(moving, key=lambda x: -x[1])
+    # The staging the rest may need: the largest of the groups from k on (those pinned into
+    # what is left are counted too, which errs on the safe side).
+    stage = [0] * (len(order) + 1)
+    for k in range(len(order) - 1, -1, -1):
+        stage[k] = max(stage[k + 1], staging.get(order[k][0], 0))
     for la in range(lookahead, 0, -1):
-        best: tuple[int, list[str], int] | None = None
+        best: tuple[int, list[str], int, int] | None = None
         for k in range(len(order)):
             head, rest = order[:k], order[k:]
-            window = la * rest[0][1]
+            window = la * rest[0][1] + stages * stage[k]
             room = budget - window - sum(n for _, n in head)
             if room < 0:
                 continue
@@ -185,22 +219,35 @@ def _plan_moving(sizes: tuple, moving: list[tuple[str, int]], budget: int, looka
                     room -= n
                     got += n
             if best is None or got > best[0]:
-                best = (got, pinned, window)
+                best = (got, pinned, window, stages * stage[k])
         if best is not None:
-            return Plan(budget, total, sizes, frozenset(best[1]), best[2], False, la)
+            return Plan(budget, total, sizes, frozenset(best[1]), best[2], False, la, staging=best[3])
     # Not even one slot fits: nothing streams; every group is read in place.
     return Plan(budget, total, sizes, frozenset(), 0, True, 0)
 
 
+def by_expert(tokens: int, top_k: int, experts: int, expert_bytes: int, cached: bool = False) -> bool:
+    """Whether a forward of ``tokens`` tokens, each routed to ``top_k`` of ``experts`` experts of
+    ``expert_bytes`` each, should bring a layer's experts expert by expert (read in place, or
+    through the expert cache when ``cached``) rather than whole (NOTE [experts by expert]). Pure."""
+    if experts <= 0 or top_k <= 0:
+        return False
+    picked = experts * (1.0 - (1.0 - min(top_k, experts) / experts) ** max(0, tokens))
+    each = expert_bytes + EXPERT_CALL_COST if cached else IN_PLACE_COST * expert_bytes
+    return picked * each < experts * expert_bytes
+
+
 def plan_host(plan: Plan, host_sizes: Iterable[tuple[str, int]], host_budget: int | None, stages: int = 3,
-              keep: Iterable[str] = ()) -> Plan:
+              keep: Iterable[str] = (), disk_sizes: Mapping[str, int] | None = None) -> Plan:
     """Split ``plan``'s streamed groups between the pinned home and the disk within ``host_budget``
     pinned bytes (NOTE [disk tier]). Pure; no GPU. ``host_sizes`` gives each streamed group's bytes
     in the home's layout, in execution order; groups in ``keep`` (and those read in place) must
     stay in the home. The rest are kept in the home spread evenly along the order, so that reads
     from disk alternate with copies from the home, as far as the budget left after ``stages``
-    staging buffers (each the size of the largest group that may go to disk) allows.
-    Raises :class:`OutOfBudgetError` when even that cannot fit."""
+    staging buffers (each the size of the largest group that may go to disk) allows. A group in
+    ``disk_sizes`` takes that many bytes read from its files (a packed home holds it in fewer:
+    NOTE [quantized streaming] in inference/quant.py). Raises :class:`OutOfBudgetError` when
+    even that cannot fit."""
     from ..errors import HostBudgetError
     streamed = [(str(g), int(n)) for g, n in host_sizes if g not in plan.pinned]
     total = sum(n for _, n in streamed)
@@ -210,7 +257,8 @@ def plan_host(plan: Plan, host_sizes: Iterable[tuple[str, int]], host_budget: in
     fixed = set(keep) | set(plan.in_place)
     movable = [(g, n) for g, n in streamed if g not in fixed]
     kept = sum(n for g, n in streamed if g in fixed)
-    stage = max((n for _, n in movable), default=0)
+    raw = dict(disk_sizes or {})
+    stage = max((raw.get(g, n) for g, n in movable), default=0)
     # A pinned block may take up to a page more than asked (the driver pins whole pages).
     room = host_budget - stages * stage - kept - (stages + 1) * 4096
     if plan.zero_copy_only:
@@ -232,8 +280,9 @@ def plan_host(plan: Plan, host_sizes: Iterable[tuple[str, int]], host_budget: in
             home.add(g)
             got += n
     disk = frozenset(g for g, _ in movable if g not in home)
-    stage = max((n for g, n in movable if g in disk), default=0)
-    return dataclasses.replace(plan, on_disk=disk, stage_bytes=stage, stages=stages if disk else 0)
+    stage = max((raw.get(g, n) for g, n in movable if g in disk), default=0)
+    links = tuple((g, n) for g, n in plan.link_sizes if g not in disk)   # a group on disk crosses as its files hold it
+    return dataclasses.replace(plan, on_disk=disk, stage_bytes=stage, stages=stages if disk else 0, link_sizes=links)
 
 
 def stay_home(groups: Iterable[tuple[str, list[Any]]], in_files: Callable[[Any], bool]) -> set[str]:

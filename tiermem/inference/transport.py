@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..core.stream import Lane, SlotRing, now
 from ..roles import Role
+from . import quant
 from .disk import DiskTier
 from .groups import home_layout
 from .load import FileTensor, Reader, host_bytes
@@ -21,7 +22,7 @@ from .sources import materialize, origin
 if TYPE_CHECKING:
     from ..core.engine import Engine as Tier  # what an adapter uses is the engine's interface
 
-__all__ = ["Group", "PinnedTransport"]
+__all__ = ["Group", "PinnedTransport", "packed_layout"]
 
 log = logging.getLogger("tiermem")
 
@@ -42,12 +43,47 @@ class Group:
     gathered: bool = False        # only embeddings read it: read in place, never given a slot
     stacked: bool = False         # one slice per expert: a decode reads it in place (routed experts only)
     on_disk: bool = False         # read from its files ahead of use (NOTE [disk tier]); it has no home
+    # NOTE [quantized streaming] in inference/quant.py: per member, its quant.Packing or None
+    # (kept as it is); empty when nothing of the group is packed. A packed group's home holds
+    # its members back to back from ``packed_offsets``, ``packed_nbytes`` in all.
+    packing: list[Any] = dataclasses.field(default_factory=list)
+    packed_offsets: list[int] = dataclasses.field(default_factory=list)
+    packed_nbytes: int = 0
+    cached: bool = False          # stacked experts the expert cache serves in a decode (NOTE [expert cache])
+
+    @property
+    def packed(self) -> bool:
+        return any(p is not None for p in self.packing)
+
+    @property
+    def home_offsets(self) -> list[int]:
+        """Where each member starts in the group's home."""
+        return self.packed_offsets if self.packed else self.member_offsets
+
+    @property
+    def link_bytes(self) -> int:
+        """Bytes the group moves over the link when it streams."""
+        return self.packed_nbytes if self.packed else self.nbytes
 
     def slot_in(self, mode: str) -> bool:
         """Whether a forward in ``mode`` brings this (streamed) group into a slot."""
         if self.gathered or mode == "zero_copy":
             return False
-        return mode == "stream" or not self.stacked or self.on_disk
+        if mode == "stream" or not self.stacked:
+            return True
+        # A decode: the routed experts are read in place, or come through the expert cache;
+        # with no home in the model's dtype to read (on disk, packed) the group streams whole.
+        return not self.cached and (self.on_disk or self.packed)
+
+
+def packed_layout(tensors: list[Any], packing: list[Any]) -> tuple[list[int], int]:
+    """(offset of each member, bytes) of a packed group's home: members back to back, a packed
+    one as its quant.Packing lays it out, the others as they are, each 256-byte aligned."""
+    offs, n = [], 0
+    for t, p in zip(tensors, packing):
+        offs.append(n)
+        n += p.nbytes if p is not None else -(-max(t.numel() * t.element_size(), 1) // quant.ALIGN) * quant.ALIGN
+    return offs, n
 
 
 def _versions(g: Group) -> tuple[int, ...]:
@@ -92,18 +128,29 @@ class PinnedTransport:
         import torch
         for g in groups:
             g.on_disk = g.name in plan.on_disk
+            if g.on_disk or g.gathered:
+                g.packing = []                    # the disk tier reads the files' bytes as they are
             g.offset = -1 if g.on_disk else off
             # Buffers stay at home, read in place: a forward may write them (BatchNorm's running
             # stats) without bumping their version counter, and they are small.
             g.in_slot = [isinstance(t, torch.nn.Parameter) for t in g.tensors]
             g.member_offsets, n = home_layout(g.tensors)
             g.nbytes = n
-            off += 0 if g.on_disk else n
+            if g.packed:
+                g.packed_offsets, g.packed_nbytes = packed_layout(g.tensors, g.packing)
+            off += 0 if g.on_disk else (g.packed_nbytes if g.packed else n)
         self.groups = groups
         self.size = max(off, 1)
         self.slot_bytes = max((g.nbytes for g in groups if not g.gathered), default=0)
         # A plan with no room for the window never streams: everything is read in place.
         self.nslots = 0 if plan.zero_copy_only or not self.slot_bytes else plan.lookahead
+        # NOTE [quantized streaming]: packed bytes cross into QSTAGES staging buffers of the
+        # window, each the largest packed group, and int4 unpacks through a scratch region.
+        packed = [g for g in groups if g.packed]
+        self.stage_bytes = max((g.packed_nbytes for g in packed), default=0) if self.nslots else 0
+        self.scratch_bytes = max((quant.ALIGN * -(-p.q_bytes // quant.ALIGN) for g in packed for p in g.packing
+                                  if p is not None and p.fmt == "int4"), default=0) if self.nslots else 0
+        self.window_bytes = self.slot_bytes * self.nslots + quant.QSTAGES * self.stage_bytes + self.scratch_bytes
         self.home: Any = None
         self.window: Any = None
         self.grad_home: Any = None
@@ -119,9 +166,11 @@ class PinnedTransport:
             raise HostBudgetError(self.size + plan.stages * stage, 0, hb, hint="the plan's home and staging "
                                   "do not fit the host budget")
         # The checkpoint's bytes are read into the home before it is pinned (NOTE [filled before
-        # pinning] in cuda/runtime.py); other sources are copied in after, by the GPU over the link.
+        # pinning] in cuda/runtime.py); other sources are copied in after, by the GPU over the
+        # link, and packed members are quantized in after, one tensor at a time.
         files = [(sources[id(t)], g.offset + o) for g in groups if not g.on_disk
-                 for t, o in zip(g.tensors, g.member_offsets) if isinstance(sources.get(id(t)), FileTensor)]
+                 for i, (t, o) in enumerate(zip(g.tensors, g.home_offsets))
+                 if isinstance(sources.get(id(t)), FileTensor) and not (g.packing and g.packing[i] is not None)]
         disk_files = {g: [(sources[id(t)], o) for t, o in zip(g.tensors, g.member_offsets)]
                       for g in on_disk}
 
@@ -209,14 +258,17 @@ class PinnedTransport:
         try:
             self._join_host_side()
             if self.nslots:
-                tier.reserve(self.slot_bytes * self.nslots, self.role)
-                self._reserved = self.slot_bytes * self.nslots
+                tier.reserve(self.window_bytes, self.role)
+                self._reserved = self.window_bytes
                 # Straight from the driver, so unwrap (or a failed adoption) gives it back.
                 self.window = be.device_alloc(self._reserved, pooled=False)
             with torch.no_grad():
                 for g in self.groups:
                     if g.on_disk:
                         continue                          # its home is its file
+                    if g.packed:
+                        self._pack_home(g)
+                        continue
                     for t, v in zip(g.tensors, self._views(g, None)):
                         src = self.sources.get(id(t), t)
                         if not isinstance(src, FileTensor):
@@ -229,6 +281,13 @@ class PinnedTransport:
         # A slot's ``held`` is its group's versions when copied in (NOTE [ordered copies] in core/stream.py).
         self.ring = SlotRing(self.window.ptr if self.window is not None else 0, self.slot_bytes, self.nslots)
         self.lane = Lane(be, lambda: tier.side_stream("h2d"))
+        # NOTE [quantized streaming]: the staging buffers after the slots, then the scratch.
+        base = self.ring.slots[0].ptr + self.slot_bytes * self.nslots if self.nslots else 0
+        self.stages = SlotRing(base, self.stage_bytes, quant.QSTAGES if self.stage_bytes else 0)
+        self.scratch_ptr = base + quant.QSTAGES * self.stage_bytes
+        self.dq = Lane(be, lambda: tier.side_stream("dequant"))
+        self._turn = 0                 # the staging buffer the next packed copy takes
+        self._last_dq: Any = None      # the end of the last dequantization queued
         self.slot_of: dict[int, int] = {}
         self.in_use: dict[int, tuple[int, ...]] = {}    # group -> versions when bound to its slot
         self.count = 0                 # streamed group uses so far: use c runs in slot c % nslots
@@ -253,6 +312,13 @@ class PinnedTransport:
         be = self.tier.backend
         if slot is None and base is None and g.on_disk:
             slot = 0                 # no home: at rest it points at a slot (NOTE [disk tier])
+        if slot is None and base is None and g.packed:
+            # A packed member has no home in the model's dtype: at rest it points at slot 0,
+            # as a group on disk does; the members kept as they are, at their home.
+            rest = self._make_views(g, 0)
+            home = self._raw_home(g)
+            return [r if p is not None else h.view(t.dtype).view(t.shape)
+                    for t, p, r, h in zip(g.tensors, g.packing, rest, home)]
         block = base if base is not None else (self.home if slot is None else self.window)
         start = block.ptr + g.offset if slot is None else block.ptr + slot * self.slot_bytes
         out = []
@@ -262,11 +328,61 @@ class PinnedTransport:
             out.append(raw.view(t.dtype).view(t.shape))
         return out
 
+    def _raw_home(self, g: Group, stage: int | None = None) -> list[Any]:
+        """Byte views of each member of ``g`` in its (packed) home, or in staging buffer ``stage``,
+        which holds the group as its home does."""
+        be = self.tier.backend
+        block = self.home if stage is None else self.window
+        start = block.ptr + g.offset if stage is None else self.stages[stage].ptr
+        sizes = [p.nbytes if p is not None else t.numel() * t.element_size()
+                 for t, p in zip(g.tensors, g.packing or [None] * len(g.tensors))]
+        return [be.torch_view(start + o, n, block) for o, n in zip(g.home_offsets, sizes)]
+
+    def _packed_views(self, g: Group, stage: int | None = None) -> list[Any]:
+        """Per member of a packed group, in its home or staging buffer ``stage``: (values, scales)
+        of a packed member, or the member's bytes viewed as it is."""
+        key = ("packed", id(g), stage)
+        got = self._view_cache.get(key)
+        if got is None:
+            got = self._view_cache[key] = [quant.views(p, raw) if p is not None else raw.view(t.dtype).view(t.shape)
+                                           for t, p, raw in zip(g.tensors, g.packing, self._raw_home(g, stage))]
+        return got
+
+    def _pack_home(self, g: Group) -> None:
+        """Fill a packed group's home: each member quantized from its source (a checkpoint
+        tensor read now, one at a time) or copied as it is (NOTE [quantized streaming])."""
+        import torch
+        dev = torch.device("cuda", self.tier.device) if self.tier.backend.kind == "cuda" else torch.device("cpu")
+        for t, p, v in zip(g.tensors, g.packing, self._packed_views(g)):
+            src = self.sources.get(id(t), t)
+            if p is not None:
+                quant.pack_into(materialize(src), p, v[0], v[1], dev)
+            elif not isinstance(src, FileTensor):        # a file's bytes were read in before pinning
+                v.copy_(materialize(src))
+
+    def _dequantize(self, g: Group, stage: int, slot: int) -> None:
+        """The device work that turns a packed group in staging buffer ``stage`` into its slot."""
+        scratch = None
+        if self.scratch_bytes:
+            be = self.tier.backend
+            scratch = be.torch_view(self.scratch_ptr, self.scratch_bytes, self.window)
+        for keep, t, p, src, dst in zip(g.in_slot, g.tensors, g.packing, self._packed_views(g, stage),
+                                        self._views(g, slot)):
+            if not keep:
+                continue                             # a buffer: read at its home
+            if p is None:
+                dst.copy_(src)
+            else:
+                quant.dequantize(src[0], src[1], p, dst, scratch)
+
     def _load(self, g: Group, slot: int, wait: bool = True) -> bool:
         """Queue ``g``'s copy into ``slot``; False (nothing queued) when ``g`` is on disk, not read
         yet, and ``wait`` is off."""
         from ..core.transfer import Transfer
         tier = self.tier
+        if g.packed:
+            self._load_packed(g, slot)
+            return True
         stage = None
         if g.on_disk:
             stage = self.disk.take(g, wait)
@@ -289,6 +405,25 @@ class PinnedTransport:
         s.occupant, s.held = g, _versions(g)
         self.slot_of[id(g)] = slot
         return True
+
+    def _load_packed(self, g: Group, slot: int) -> None:
+        """Queue a packed group's copy into the next staging buffer and its dequantization into
+        ``slot`` (NOTE [quantized streaming] in inference/quant.py)."""
+        from ..core.transfer import Transfer
+        tier = self.tier
+        s = self.ring[slot]
+        old = self.ring.vacate(s)          # as in _load: nothing names the slot's bytes until queued
+        if old is not None:
+            self.slot_of.pop(id(old), None)
+        k, self._turn = self._turn, (self._turn + 1) % len(self.stages)
+        st = self.stages[k]
+        start, end = self.stages.fill(self.lane, st, [(0, self.home.ptr + g.offset, g.packed_nbytes)], timed=True)
+        tier.track(Transfer(tier, "h2d", self.lane.stream, start, end, [], g.packed_nbytes, {self.role: g.packed_nbytes}))
+        tier.accounting.on_move(self.role, "h2d", g.packed_nbytes)
+        tier.accounting.count(self.role, "prefetch_ops")
+        self._last_dq = self.ring.transform(self.dq, s, lambda: self._dequantize(g, k, slot), reads=[st])
+        s.occupant, s.held = g, _versions(g)
+        self.slot_of[id(g)] = slot
 
     def ensure(self, g: Group) -> None:
         slot = self.count % self.nslots
@@ -319,8 +454,9 @@ class PinnedTransport:
         be = self.tier.backend
         home = self._views(g, None)
         before = self.in_use.pop(id(g), None)
-        if before is not None and before != _versions(g) and g.on_disk:
-            log.warning("tiermem: a forward wrote to %s, which is read from disk; the write is not kept", g.name)
+        if before is not None and before != _versions(g) and (g.on_disk or g.packed):
+            log.warning("tiermem: a forward wrote to %s, which is %s; the write is not kept", g.name,
+                        "read from disk" if g.on_disk else "kept packed (NOTE [quantized streaming])")
         elif before is not None and before != _versions(g):
             # The forward wrote into the slot (a running-stat buffer, say): keep it at home. Later
             # loads of this group read home on tiermem's stream, which waits for this copy.
@@ -352,6 +488,8 @@ class PinnedTransport:
 
     def drain(self) -> None:
         self.tier.synchronize()
+        if self._last_dq is not None:
+            self.tier.backend.synchronize(self._last_dq)
 
     def restored(self, device_of: Callable[[Any], Any]) -> list[tuple[Any, Any, Any]]:
         """(tensor, plain copy, plain grad or None) for every streamed tensor, on the device
@@ -361,9 +499,13 @@ class PinnedTransport:
         out = []
         with torch.no_grad():
             for g in self.groups:
-                for t, v in zip(g.tensors, self._views(g, None)):
+                packed = self._packed_views(g) if g.packed else [None] * len(g.tensors)
+                for t, v, p, pv in zip(g.tensors, self._views(g, None), g.packing or packed, packed):
                     plain = torch.empty(t.shape, dtype=t.dtype, device=device_of(t))
-                    plain.copy_(materialize(self.sources[id(t)]) if g.on_disk else v)
+                    if p is not None:
+                        quant.unpack(pv[0], pv[1], p, plain)       # lossy: the weights it streamed
+                    else:
+                        plain.copy_(materialize(self.sources[id(t)]) if g.on_disk else v)
                     grad = getattr(t, "grad", None)
                     if grad is not None and (self._in_grad_home(grad) or grad.device != plain.device):
                         grad = grad.to(plain.device, copy=True)

@@ -1,0 +1,272 @@
+"""Quantized streaming on a CPU (NOTE [quantized streaming] in tiermem/inference/quant.py): the
+packing and its dequantization against the plain formula, bitwise; a module streamed packed over
+the fake backend, whose slots hold exactly that dequantization, whose logits stay close to the
+model's own, and whose forwards move the packed bytes only."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+from helpers import share
+
+import tiermem
+from tiermem.inference import quant
+from tiermem.testing import logits_agreement
+
+DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+
+
+def _packed(w: torch.Tensor, fmt: str) -> tuple[quant.Packing, torch.Tensor, torch.Tensor]:
+    p = quant.packing(w, fmt)
+    raw = torch.zeros(p.nbytes, dtype=torch.uint8)
+    q, s = quant.views(p, raw)
+    quant.pack_into(w, p, q, s, "cpu")
+    return p, q, s
+
+
+@pytest.mark.parametrize("fmt", quant.FORMATS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(96, 256), (3, 40, 96), (7, 130)], ids=["linear", "experts", "short_rows"])
+def test_dequantization_is_the_plain_formula_bitwise(fmt, dtype, shape):
+    torch.manual_seed(0)
+    w = (torch.randn(shape) * 0.05).to(dtype)
+    w.view(-1)[5] = 0.0
+    p, q, s = _packed(w, fmt)
+    out = torch.full_like(w, float("nan"))
+    quant.dequantize(q, s, p, out, torch.empty(p.q_bytes, dtype=torch.uint8))
+    assert torch.equal(out, quant.reference(q, s, p, dtype).view(shape))
+    # ... and close to the weights it came from: per-tensor cosine and the largest error per row
+    cos = torch.nn.functional.cosine_similarity(out.float().flatten(), w.float().flatten(), dim=0)
+    assert cos >= {"int8": 0.9999, "fp8": 0.999, "int4": 0.99}[fmt]
+    assert p.nbytes == quant.Packing(fmt, p.rows, p.cols, p.group).nbytes
+    back = torch.empty_like(w)
+    quant.unpack(q, s, p, back)
+    assert torch.equal(back, out)
+
+
+def test_int4_packs_two_values_a_byte_with_a_scale_per_group():
+    w = torch.zeros(2, 256)
+    w[0, :128] = torch.arange(128) % 15 - 7          # -7..7: exact multiples of the group's absmax / 7
+    w[0, 128:] = 0.5
+    w[1] = -1.0
+    p, q, s = _packed(w, "int4")
+    assert (p.group, p.groups, p.row_q, p.row_s) == (128, 2, 128, 8)
+    assert torch.equal(quant.reference(q, s, p, torch.float32), w)
+    assert int(q[0, 0]) == ((int(w[0, 0]) & 15) | ((int(w[0, 1]) & 15) << 4))
+    assert s.tolist()[0][0] == pytest.approx(1.0)
+    # a row shorter than a group, or not a multiple of one, has one scale; an odd one is not packed
+    assert quant.packing(torch.zeros(3, 130), "int4").group == 130
+    assert quant.packing(torch.zeros(3, 131), "int4") is None
+    assert quant.packing(torch.zeros(10), "int8") is None
+    assert quant.packing(torch.zeros(4, 4, dtype=torch.int32), "int8") is None
+
+
+@pytest.mark.parametrize("fmt", quant.FORMATS)
+def test_a_run_of_rows_is_its_own_packing(fmt):
+    """An expert's rows, copied on their own, dequantize to what the whole tensor gives them (the
+    expert cache copies an expert so)."""
+    torch.manual_seed(1)
+    w = torch.randn(4, 32, 256).half()
+    p, q, s = _packed(w, fmt)
+    whole = quant.reference(q, s, p, torch.float16).view_as(w)
+    raw = torch.zeros(p.nbytes, dtype=torch.uint8)
+    raw_all = torch.cat([q.view(torch.uint8).flatten(), torch.zeros(p.s_offset - p.q_bytes, dtype=torch.uint8),
+                         s.view(torch.uint8).flatten()])
+    raw[: raw_all.numel()] = raw_all
+    (qo, qn), (so, sn) = p.row_ranges(64, 96)                 # expert 2
+    one = torch.zeros(p.rows_nbytes(32), dtype=torch.uint8)
+    one[:qn] = raw[qo:qo + qn]
+    at = p.rows_nbytes(32) - -(-sn // 256) * 256
+    one[at:at + sn] = raw[so:so + sn]
+    q2, s2 = quant.views(p, one, 32)
+    out = torch.empty(32, 256, dtype=torch.float16)
+    quant.dequantize(q2, s2, p, out, torch.empty(p.q_bytes, dtype=torch.uint8))
+    assert torch.equal(out, whole[2])
+
+
+def test_bad_formats_and_modes_are_refused(tier):
+    m = _mlp()
+    with pytest.raises(tiermem.ConfigError, match="stream_dtype"):
+        tier.wrap_module(m, budget=share(m, 30), stream_dtype="int3")
+    with pytest.raises(tiermem.ConfigError, match="zero_copy"):
+        tier.wrap_module(m, budget=share(m, 30), stream_dtype="int8", mode="zero_copy")
+    with pytest.raises(tiermem.TierMemError, match="no room for one slot"):
+        tier.wrap_module(m, budget=1000, stream_dtype="int8")
+    assert tiermem.tiered_of(m[0][0].weight) is None and tier.resident_bytes == 0      # nothing adopted
+
+
+def _mlp(dtype=torch.float16) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 256), nn.LayerNorm(256))
+                           for _ in range(6)]).to(dtype).requires_grad_(False)
+
+
+@pytest.mark.parametrize("fmt", quant.FORMATS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_a_slot_holds_the_reference_dequantization_of_its_home(tier, fake, fmt, dtype):
+    m = _mlp(dtype)
+    h = tier.wrap_module(m, budget=share(m, 35), max_group_bytes=300_000, stream_dtype=fmt, mode="stream")
+    packed = [g for g in h._groups.values() if g.packed]
+    assert packed and all(not g.pinned for g in packed)
+    assert not any(g.packing for g in h._groups.values() if g.pinned)          # resident groups stay as they are
+    seen: dict[int, torch.Tensor] = {}
+    linears = [x for x in m.modules() if isinstance(x, nn.Linear)]
+    hooks = [x.register_forward_pre_hook(lambda mod, a: seen.__setitem__(id(mod), mod.weight.clone())) for x in linears]
+    x = torch.randn(4, 256).to(dtype)
+    m(x)
+    m(x)
+    for hk in hooks:
+        hk.remove()
+    st = h._stream
+    checked = 0
+    for g in packed:
+        for t, p, v in zip(g.tensors, g.packing, st._packed_views(g)):
+            if p is None:
+                continue
+            q, s = v
+            owner = next(x for x in linears if x.weight is t)
+            assert torch.equal(seen[id(owner)], quant.reference(q, s, p, dtype).view(t.shape))
+            checked += 1
+        # biases and norms are kept as they are, in the model's dtype, at their home
+        assert all(fake.pointer_kind(t.data_ptr()) == "host" for t, p in zip(g.tensors, g.packing) if p is None)
+    assert checked == sum(1 for g in packed for p in g.packing if p is not None) > 0
+    h.unwrap()
+    for g_t in (x.weight for x in linears):
+        assert g_t.dtype == dtype
+
+
+def _llama(dtype=torch.float32):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=1024, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg).to(dtype).eval(), cfg
+
+
+# Logits against the model's own on a tiny random Llama (fp32 on the CPU). Random weights compound
+# the weights' error through the layers more than trained ones do (docs/inference.md, "What it
+# costs in accuracy"); these floors are the measured values less a margin.
+FLOORS = {"int8": 0.999, "fp8": 0.99, "int4": 0.90}
+GROUP = 512 << 10        # max_group_bytes: the tiny Llama's sublayers are groups of their own
+
+
+@pytest.mark.parametrize("fmt", quant.FORMATS)
+def test_tiny_llama_logits_stay_close_and_forwards_move_the_packed_bytes(tier, fmt):
+    model, cfg = _llama()
+    ref = copy.deepcopy(model)
+    plain = copy.deepcopy(model)
+    ids = torch.randint(0, cfg.vocab_size, (2, 24))
+    with torch.no_grad():
+        want = ref(ids).logits
+    budget = share(model, 40)
+    t0 = tiermem.Tier(backend=type(tier.backend)(total=1 << 30))
+    h0 = t0.wrap_module(plain, budget=budget, mode="stream", max_group_bytes=GROUP)
+    h = tier.wrap_module(model, budget=budget, stream_dtype=fmt, mode="stream", max_group_bytes=GROUP)
+    with torch.no_grad():
+        for tt, hh, mm in ((t0, h0, plain), (tier, h, model)):
+            mm(ids)                                          # learns the order
+            hh.drain()
+            before = tt.stats()["moved_bytes.all.h2d"]
+            got = mm(ids).logits
+            hh.drain()
+            hh.moved = tt.stats()["moved_bytes.all.h2d"] - before
+        again = model(ids).logits
+    agree = logits_agreement(want, got)
+    assert agree["cosine_min"] >= FLOORS[fmt], agree
+    assert torch.equal(again, got)                               # the same dequantized slots every time
+    # The forward moved what the plan says, and the quantized weights at their packed size: 4x
+    # (int8, fp8) or ~7.5x (int4) fewer bytes than fp32, plus the scales and what stays fp32.
+    assert h.moved == h.moved_bytes == sum(g.link_bytes for g in h._groups.values() if not g.pinned and not g.gathered)
+    assert h0.moved == h0.moved_bytes
+    packed = [g for g in h._groups.values() if g.packed]
+    quantized = sum(t.numel() * 4 for g in packed for t, p in zip(g.tensors, g.packing) if p is not None)
+    kept = h.moved - sum(p.nbytes for g in packed for p in g.packing if p is not None)
+    assert kept < 0.05 * h.moved + 4096 * len(packed)            # norms and biases: a few KiB
+    ratio = sum(p.nbytes for g in packed for p in g.packing if p is not None) / quantized
+    assert ratio < {"int8": 0.26, "fp8": 0.26, "int4": 0.14}[fmt]
+    assert h.moved < {"int8": 0.3, "fp8": 0.3, "int4": 0.17}[fmt] * h0.moved
+    assert tier.stats()["resident_bytes.all.peak"] <= h.budget
+    h.unwrap()
+    h0.unwrap()
+    t0.close()
+
+
+def test_streamed_windows_fit_the_budget_with_their_staging(tier, fake):
+    model, cfg = _llama(torch.float16)
+    h = tier.wrap_module(model, budget=share(model, 40), stream_dtype="int4", max_group_bytes=GROUP)
+    st = h._stream
+    assert st.stage_bytes == max(g.packed_nbytes for g in h._groups.values() if g.packed)
+    assert st.window_bytes <= h.plan.window and h.plan.staging >= quant.QSTAGES * st.stage_bytes
+    assert h.plan.pinned_bytes + h.plan.window <= h.budget
+    assert fake.live()["device"] == st.window_bytes
+    with torch.no_grad():
+        model(torch.randint(0, cfg.vocab_size, (1, 8)))
+    h.unwrap()
+    assert fake.live()["device"] == 0
+
+
+def test_a_forward_that_records_gradients_is_refused_and_unwrap_restores_the_dequantized_weights(tier):
+    model, cfg = _llama()
+    model.requires_grad_(True)
+    ids = torch.randint(0, cfg.vocab_size, (1, 8))
+    h = tier.wrap_module(model, budget=share(model, 40), stream_dtype="int8", max_group_bytes=GROUP)
+    with pytest.raises(tiermem.TierMemError, match="records gradients"):
+        model(ids)
+    with torch.no_grad():
+        got = model(ids).logits
+    st = h._stream
+    want = {id(t): quant.reference(v[0], v[1], p, t.dtype).view(t.shape)
+            for g in h._groups.values() if g.packed
+            for t, p, v in zip(g.tensors, g.packing, st._packed_views(g)) if p is not None}
+    h.unwrap()
+    params = {id(p): p for p in model.parameters()}
+    assert want and all(torch.equal(params[k].data, v) for k, v in want.items())
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, got)        # the dequantized weights, now plain
+
+
+def test_few_token_forwards_stream_packed_experts_whole(tier, fake):
+    """Stacked experts kept packed have no home in the model's dtype to read in place: a decode
+    streams them whole (NOTE [quantized streaming])."""
+    from test_module import _MoE
+    torch.manual_seed(0)
+    m = _MoE().requires_grad_(False)
+    ref = copy.deepcopy(m)
+    h = tier.wrap_module(m, budget=share(m, 45), max_group_bytes=64 << 10, zero_copy_max_tokens=2, stream_dtype="int8")
+    experts = [g for g in h._groups.values() if g.stacked and not g.pinned]
+    assert experts and all(g.packed for g in experts)
+    x, idx = torch.randn(1, 64), torch.tensor([1, 5])
+    m(x, idx)
+    h.drain()
+    before = tier.stats()["moved_bytes.all.h2d"]
+    got = m(x, idx)
+    assert h._fwd_mode == "decode"
+    assert tier.stats()["moved_bytes.all.h2d"] - before >= sum(g.packed_nbytes for g in experts)
+    assert torch.nn.functional.cosine_similarity(got.flatten(), ref(x, idx).flatten(), dim=0) > 0.999
+    h.unwrap()
+
+
+def test_load_pretrained_quantizes_the_checkpoint_as_it_reads_it(tier, fake, tmp_path):
+    model, cfg = _llama(torch.float16)
+    model.save_pretrained(tmp_path)
+    ids = torch.randint(0, cfg.vocab_size, (1, 12))
+    t0 = tiermem.Tier(backend=type(fake)(total=1 << 30))
+    wrapped = copy.deepcopy(model)
+    h0 = t0.wrap_module(wrapped, budget=share(model, 40), stream_dtype="int8", max_group_bytes=GROUP)
+    got_model, h = tiermem.load_pretrained(tmp_path, budget=share(model, 40), tier=tier, stream_dtype="int8",
+                                           max_group_bytes=GROUP)
+    plain, hp = tiermem.load_pretrained(tmp_path, budget=share(model, 40), tier=t0, max_group_bytes=GROUP)
+    packed = {g.name: g for g in h._groups.values() if g.packed}
+    assert packed and set(packed) == {g.name for g in h0._groups.values() if g.packed}
+    for g0 in h0._groups.values():
+        if g0.packed:                  # the file's bytes packed as the module's own: byte for byte
+            for a, b in zip(h0._stream._packed_views(g0), h._stream._packed_views(packed[g0.name])):
+                assert all(torch.equal(x, y) for x, y in zip(a, b)) if isinstance(a, tuple) else torch.equal(a, b)
+    with torch.no_grad():
+        agree = logits_agreement(plain(ids).logits, got_model(ids).logits)
+    assert agree["cosine_min"] >= FLOORS["int8"], agree
+    for x in (h, h0, hp):
+        x.unwrap()
+    t0.close()

@@ -151,8 +151,7 @@ class ExpertCache:
         else:
             # NOTE [quantized streaming]: the expert's rows of each member cross packed into a
             # staging buffer, laid out as its own packing, and are dequantized into the slot.
-            st_i, t._turn = t._turn, (t._turn + 1) % len(t.stages)
-            st = t.stages[st_i]
+            st = t.take_stage()
             parts, at, layout = [], 0, []
             for k, (off, p) in enumerate(zip(g.home_offsets, g.packing)):
                 if p is None:
@@ -167,7 +166,7 @@ class ExpertCache:
                 at += p.rows_nbytes(rows)
             start, end = t.stages.fill(t.lane, st, parts, timed=True)
             moved = sum(n for _, _, n in parts)
-            t._last_dq = self.ring.transform(t.dq, slot, lambda: self._dequantize(g, st.ptr, layout, c), reads=[st])
+            t.last_dq = self.ring.transform(t.dq, slot, lambda: self._dequantize(g, st.ptr, layout, c), reads=[st])
         tier.track(Transfer(tier, "h2d", t.lane.stream, start, end, [], moved, {t.role: moved}))
         tier.accounting.on_move(t.role, "h2d", moved)
         tier.accounting.count(t.role, "prefetch_ops")
@@ -250,7 +249,7 @@ class ExpertCache:
         routed = torch.unique(top_k_index).tolist()          # the host waits here, as the eager loop does
         self.last[id(g)] = routed
         self.stats["calls"] += 1
-        rest = self.t._views(g, None)
+        rest = self.t.rest_views(g)
         out = None
         for lo in range(0, len(routed), max(1, self.nslots)):
             part = routed[lo:lo + self.nslots]

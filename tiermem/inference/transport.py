@@ -287,7 +287,7 @@ class PinnedTransport:
         self.scratch_ptr = base + quant.QSTAGES * self.stage_bytes
         self.dq = Lane(be, lambda: tier.side_stream("dequant"))
         self._turn = 0                 # the staging buffer the next packed copy takes
-        self._last_dq: Any = None      # the end of the last dequantization queued
+        self.last_dq: Any = None       # the end of the last dequantization queued
         self.slot_of: dict[int, int] = {}
         self.in_use: dict[int, tuple[int, ...]] = {}    # group -> versions when bound to its slot
         self.count = 0                 # streamed group uses so far: use c runs in slot c % nslots
@@ -406,6 +406,17 @@ class PinnedTransport:
         self.slot_of[id(g)] = slot
         return True
 
+    def take_stage(self) -> Any:
+        """The staging buffer the next packed copy crosses into (NOTE [quantized streaming]): they
+        take turns; a fill waits for the dequantization that last read it."""
+        k, self._turn = self._turn, (self._turn + 1) % len(self.stages)
+        return self.stages[k]
+
+    def rest_views(self, g: Group) -> list[Any]:
+        """The views ``g``'s tensors point at outside a forward: its home, or slot 0 for what has no
+        home in the model's dtype (NOTE [disk tier], NOTE [quantized streaming])."""
+        return self._views(g, None)
+
     def _load_packed(self, g: Group, slot: int) -> None:
         """Queue a packed group's copy into the next staging buffer and its dequantization into
         ``slot`` (NOTE [quantized streaming] in inference/quant.py)."""
@@ -415,13 +426,13 @@ class PinnedTransport:
         old = self.ring.vacate(s)          # as in _load: nothing names the slot's bytes until queued
         if old is not None:
             self.slot_of.pop(id(old), None)
-        k, self._turn = self._turn, (self._turn + 1) % len(self.stages)
-        st = self.stages[k]
+        st = self.take_stage()
+        k = st.index
         start, end = self.stages.fill(self.lane, st, [(0, self.home.ptr + g.offset, g.packed_nbytes)], timed=True)
         tier.track(Transfer(tier, "h2d", self.lane.stream, start, end, [], g.packed_nbytes, {self.role: g.packed_nbytes}))
         tier.accounting.on_move(self.role, "h2d", g.packed_nbytes)
         tier.accounting.count(self.role, "prefetch_ops")
-        self._last_dq = self.ring.transform(self.dq, s, lambda: self._dequantize(g, k, slot), reads=[st])
+        self.last_dq = self.ring.transform(self.dq, s, lambda: self._dequantize(g, k, slot), reads=[st])
         s.occupant, s.held = g, _versions(g)
         self.slot_of[id(g)] = slot
 
@@ -488,8 +499,8 @@ class PinnedTransport:
 
     def drain(self) -> None:
         self.tier.synchronize()
-        if self._last_dq is not None:
-            self.tier.backend.synchronize(self._last_dq)
+        if self.last_dq is not None:
+            self.tier.backend.synchronize(self.last_dq)
 
     def restored(self, device_of: Callable[[Any], Any]) -> list[tuple[Any, Any, Any]]:
         """(tensor, plain copy, plain grad or None) for every streamed tensor, on the device

@@ -27,7 +27,8 @@ counted in the run) less the budget. A ratio below 0.98 of a bound prints why it
 
     python bench/offload_infer.py [--archs llama,qwen2,gpt_neox,mixtral,phi] [--weights-gb 5.2]
                                   [--budget 25%] [--margin-gb 2] [--no-small-gpu] [--no-accelerate]
-                                  [--reps 5] [--forwards 4]
+                                  [--reps 5] [--forwards 4] [--stream-dtypes int8,int4] [--moe-cache]
+--stream-dtypes and --moe-cache add quantized streaming and the expert cache (bench/infer_quant.py).
 Writes bench/results/offload_infer-<device>-<date>.json and a plot of time against the bound.
 """
 from __future__ import annotations
@@ -37,6 +38,7 @@ import gc
 import threading
 
 import bounds
+import infer_quant
 from _common import (STEADY, cuda_times, embedding_bytes, gbps, median, plot_path, progress, steady_times, table,
                      write_results)
 
@@ -79,8 +81,10 @@ def arch_config(arch: str, weights_gb: float):
         fixed = 2 * vocab * h
         make = lambda n: tf.PhiConfig(hidden_size=h, intermediate_size=i, num_hidden_layers=n,  # noqa: E731
                                       num_attention_heads=heads, vocab_size=vocab)
+    elif arch in infer_quant.EXTRA_ARCHS:
+        return infer_quant.EXTRA_ARCHS[arch](weights_gb)
     else:
-        raise SystemExit(f"unknown architecture {arch!r}; choose from {', '.join(ARCHS)}")
+        raise SystemExit(f"unknown architecture {arch!r}; choose from {', '.join(ARCHS + tuple(infer_quant.EXTRA_ARCHS))}")
     layers = max(2, round((weights_gb * 1e9 / 2 - fixed) / per))
     return make(layers)
 
@@ -262,6 +266,10 @@ def main() -> None:
     ap.add_argument("--no-accelerate", action="store_true")
     ap.add_argument("--accelerate-decode-tokens", type=int, default=3)
     ap.add_argument("--accelerate-forwards", type=int, default=2, help="accelerate's prefill: forwards a span")
+    ap.add_argument("--stream-dtypes", default="", help="also run tiermem with these stream_dtypes (int8,fp8,int4): "
+                    "bench/infer_quant.py")
+    ap.add_argument("--moe-cache", action="store_true", help="also run each mixture of experts with an expert cache, "
+                    "routed uniformly and skewed: bench/infer_quant.py")
     args = ap.parse_args()
 
     import torch
@@ -390,6 +398,10 @@ def run_arch(arch, args, link, watch, raw, atomic):
     tier.close()
     del hd, tier
     gc.collect()
+    if args.stream_dtypes:
+        r["quant"] = infer_quant.run_quantized(model, ids, args, budget, ref_logits, bound, link, measure, watch)
+    if args.moe_cache and "moe" in r["tiermem"]:
+        r["moe_cache"] = infer_quant.run_moe_cache(model, ids, args, budget, bound, timed_generate)
 
     if not args.no_accelerate:
         r["accelerate"] = run_accelerate(model, ids, args, arch)
@@ -494,10 +506,14 @@ def finish(args, metrics, checks, raw, equal_all, small_all, within_all, min_fre
         checks["accelerate_over_tiermem_goal"] = metrics["accelerate_over_tiermem_min"] >= 7
     if "moe_decode_vs_dense_bound" in metrics:
         checks["moe_decode_goal"] = metrics["moe_decode_vs_dense_bound"] <= 0.6
+    qrows = infer_quant.add_metrics(raw["archs"], metrics, checks, notes)
 
     print()
     print(table(rows, ["arch", "GB", "res pre ms", "tm pre ms", "bound ms", "pre/bound", "plan ms", "res dec ms",
                        "tm dec ms", "dec/bound", "acc pre ms", "acc/tm", "tokens eq"]))
+    if qrows:
+        print(table(qrows, ["arch", "stream", "pre ms", "fp16 bound", "pre/bound", "dec ms", "dec/bound", "cos min",
+                            "top-1", "GB/fwd"]))
     print(f"\nprefill timing: {raw['prefill_timing']}\nbound: {raw['bound']}\n")
     for n in notes:
         print("BELOW THE BOUND: " + n)

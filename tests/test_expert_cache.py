@@ -77,7 +77,7 @@ def test_hits_misses_and_the_order_of_evictions_and_of_experts_brought_ahead(tie
     loads = []
     real = c._load
     c._load = lambda g, e, slot: (loads.append((g.name, e, slot.index)), real(g, e, slot))[1]
-    held = lambda: {(g.name, e): s for (gid, e), s in c.where.items() for g in (g0, g1) if id(g) == gid}  # noqa: E731
+    held = lambda: {(g.name, e): s for (gid, e), s in c.where.items() for g in (g0, g1) if id(g) == gid}
 
     _run(m, ref, [[[0, 1]], [[2, 2]]])          # layer 0 fills both slots; layer 1 takes the older
     assert h._fwd_mode == "decode"

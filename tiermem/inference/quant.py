@@ -57,7 +57,7 @@ FORMATS = ("int8", "fp8", "int4")
 INT4_GROUP = 128          # int4: columns per scale
 QSTAGES = 2               # staging buffers the packed bytes cross into, in turn
 ALIGN = 256               # a region's alignment in the home, a staging buffer and a slot
-QUANT_CHUNK = 1 << 24     # elements quantized at a time at adoption (64 MiB of fp32 temporaries)
+QUANT_CHUNK = 1 << 22     # elements quantized at a time at adoption (16 MiB of fp32 temporaries each)
 _QMAX = {"int8": 127.0, "fp8": 448.0, "int4": 7.0}
 INT4_CLIPS = (1.0, 0.95, 0.9, 0.85, 0.8)   # int4: shares of a group's absmax tried as its largest value
 

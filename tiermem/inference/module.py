@@ -14,12 +14,14 @@ the adoption (all or nothing), the hooks that bring groups in around each forwar
 from __future__ import annotations
 
 import logging
+import numbers
 import weakref
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from ..base.limits import parse_bytes
-from ..errors import ConfigError, DeviceFullError, TierMemError, WrapError
+from ..base.keywords import check_keywords
+from ..base.limits import check_bytes, parse_bytes
+from ..errors import ConfigError, ConfigTypeError, DeviceFullError, TierMemError, WrapError
 from ..pytorch.held import CopyGuard
 from ..roles import Evict, Role
 from .disk import READERS, STAGES
@@ -33,7 +35,7 @@ if TYPE_CHECKING:
     from ..core.engine import Engine as Tier  # what an adapter uses is the engine's interface
     from ..core.tensor import TieredTensor
 
-__all__ = ["TieredModule", "wrap_module"]
+__all__ = ["TieredModule", "wrap_module", "check_module", "check_module_options", "MODES"]
 
 log = logging.getLogger("tiermem")
 
@@ -59,13 +61,11 @@ class TieredModule:
                  lookahead: int = LOOKAHEAD, zero_copy_max_tokens: int = 16, max_group_bytes: int = MAX_GROUP,
                  weights: Mapping[str, Any] | None = None, host_budget: int | str | None = None,
                  disk_reader: str = READERS[0]):
-        if mode not in ("auto", "stream", "zero_copy"):
-            raise ConfigError(f"mode must be 'auto', 'stream' or 'zero_copy', got {mode!r}")
-        if disk_reader not in READERS:
-            raise ConfigError(f"disk_reader must be one of {', '.join(map(repr, READERS))}, got {disk_reader!r}")
+        check_module(module)
+        check_module_options(budget, dict(mode=mode, lookahead=lookahead, zero_copy_max_tokens=zero_copy_max_tokens,
+                                          max_group_bytes=max_group_bytes, weights=weights, host_budget=host_budget,
+                                          disk_reader=disk_reader))
         self.disk_reader = disk_reader
-        if getattr(module, "_tiermem_handle", None) is not None:
-            raise WrapError("this module is already adopted by tiermem; unwrap it first")
         self.tier = tier
         self.module = module
         self.mode = mode
@@ -452,6 +452,60 @@ class TieredModule:
 def _wrap_group(tier: Tier, tensors: list[Any], names: list[str], on_host: bool, policy: Any) -> list[TieredTensor]:
     from ..pytorch.wrap import wrap_group
     return wrap_group(tier, tensors, Role.WEIGHT, names=names, on_host=on_host, policy=policy)
+
+
+MODES = ("auto", "stream", "zero_copy")
+
+
+def check_module(module: Any) -> None:
+    """Raise :class:`ConfigTypeError` for what is not an ``nn.Module``, :class:`WrapError` for a
+    module already adopted. Needs no Tier: tiermem.wrap_module calls it before it looks for one."""
+    try:
+        import torch
+    except ImportError as e:
+        raise WrapError("wrap_module needs torch; pip install 'tiermem[torch]'") from e
+    if not isinstance(module, torch.nn.Module):
+        raise ConfigTypeError(f"wrap_module takes a torch.nn.Module, got {type(module).__name__}")
+    if getattr(module, "_tiermem_handle", None) is not None:
+        raise WrapError("this module is already adopted by tiermem; unwrap it first")
+
+
+def check_module_options(budget: Any, options: Mapping[str, Any], call: str = "wrap_module",
+                         taken: tuple[str, ...] = ()) -> None:
+    """Raise what :class:`TieredModule` would for ``budget`` and its keyword ``options``, as far as
+    that needs no Tier: an unknown keyword (:class:`ConfigTypeError`; ``taken`` names those
+    ``call`` sets itself), a budget that is not a size or is more than the device, a budget of 0
+    outside mode="zero_copy", and each option's type and range (:class:`ConfigError`). The
+    module-level wrap_module and load_pretrained call it before they look for a GPU."""
+    check_keywords(call, TieredModule.__init__, options, skip=("tier", "module", "budget", *taken))
+    mode = options.get("mode", "auto")
+    if mode not in MODES:
+        raise ConfigError(f"mode must be one of {', '.join(map(repr, MODES))}, got {mode!r}")
+    if budget is not None:
+        check_bytes(budget, what="module budget", max_percent=100)
+        if mode != "zero_copy":
+            try:
+                check_bytes(budget, what="module budget", positive=True)
+            except ConfigError:
+                raise ConfigError(f"module budget={budget!r} keeps no weight on the device, so every forward would "
+                                  "read them all over the link: pass mode='zero_copy' if that is meant, else a budget "
+                                  "above 0") from None
+    for name, least in (("lookahead", 1), ("zero_copy_max_tokens", 0), ("max_group_bytes", 1)):
+        if name in options:
+            v = options[name]
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+                raise ConfigTypeError(f"{name} must be an int, got {v!r}")
+            if v < least:
+                raise ConfigError(f"{name} must be at least {least}, got {v}")
+    weights = options.get("weights")
+    if weights is not None and not isinstance(weights, Mapping):
+        raise ConfigTypeError(f"weights must be a Mapping from state-dict names to tensors (a tiermem Checkpoint, "
+                              f"a state dict), got {type(weights).__name__}")
+    if options.get("host_budget") is not None:
+        parse_bytes(options["host_budget"], what="host_budget")    # host memory is no share of the device
+    reader = options.get("disk_reader", READERS[0])
+    if reader not in READERS:
+        raise ConfigError(f"disk_reader must be one of {', '.join(map(repr, READERS))}, got {reader!r}")
 
 
 def wrap_module(tier: Tier, module: Any, budget: int | str | None = None, **kwargs: Any) -> TieredModule:

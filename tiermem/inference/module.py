@@ -28,8 +28,9 @@ from .disk import READERS, STAGES
 from .groups import MAX_GROUP, gathered_groups, home_layout, is_stacked, module_groups, span_of
 from .load import FileTensor
 from .plan import LOOKAHEAD, plan_host, plan_residency, stay_home
-from .sources import stand_ins, weight_sources, wrap_from
+from .sources import stand_ins, wrap_from
 from .transport import Group, PinnedTransport
+from .weights import weight_sources
 
 if TYPE_CHECKING:
     from ..core.engine import Engine as Tier  # what an adapter uses is the engine's interface

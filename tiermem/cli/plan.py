@@ -162,7 +162,10 @@ def plan_model(model: str | os.PathLike | Any, budget: int | str, host_budget: i
         cfg, source, unset = model, "a config", []
     else:
         cfg, source, unset = read_config(model, overrides)
-    check_causal(cfg)
+    if isinstance(model, (str, os.PathLike)) and os.path.exists(model):
+        check_causal(cfg, os.path.join(model, "config.json") if os.path.isdir(model) else os.fspath(model))
+    else:
+        check_causal(cfg)
     ckpt = _checkpoint(model)
     try:
         import torch  # noqa: F401
@@ -273,8 +276,9 @@ class _ListModels(argparse.Action):
     def __call__(self, parser: Any, namespace: Any, values: Any, option_string: str | None = None) -> None:
         _quiet_transformers()
         names = causal_types()
-        parser.exit(0, f"{len(names)} model types, the causal LMs transformers builds with AutoModelForCausalLM:\n"
-                       + "\n".join(names) + "\n")
+        print(f"{len(names)} model types, the causal LMs transformers builds with AutoModelForCausalLM:")
+        print("\n".join(names))
+        parser.exit(0)
 
 
 def add_parser(sub: Any) -> None:

@@ -70,13 +70,14 @@ def _unknown(name: Any, where: str) -> str:
             f"{len(causal_types())} can be planned and loaded: {LIST_HINT}")
 
 
-def check_causal(config: Any) -> None:
-    """Raise :class:`ConfigError` unless ``config`` is one of a causal LM (NOTE [causal models only])."""
+def check_causal(config: Any, source: str = "") -> None:
+    """Raise :class:`ConfigError` unless ``config`` (read from ``source``, a file or folder named in
+    the message) is one of a causal LM (NOTE [causal models only])."""
     mt = getattr(config, "model_type", None)
     if mt in causal_types():
         return
     kind = "an encoder-decoder model" if getattr(config, "is_encoder_decoder", False) else "not a causal language model"
-    raise ConfigError(f"{mt} ({type(config).__name__}) is {kind}: plan and load_pretrained build causal LMs only, "
+    raise ConfigError(f"{source + ': ' if source else ''}{mt} ({type(config).__name__}) is {kind}: plan and load_pretrained build causal LMs only, "
                       f"the {len(causal_types())} model types of AutoModelForCausalLM ({LIST_HINT}); wrap_module "
                       "adopts any other module")
 

@@ -545,12 +545,10 @@ def weights_dtype(dtype: Any, config: Any, ckpt: Checkpoint | None, fallback: st
 
 
 def build_model(config: Any, dtype: Any, model_class: Any = None) -> Any:
-    """``model_class`` (default ``AutoModelForCausalLM``, for a causal LM's config only: NOTE
-    [causal models only] in inference/configs.py) built from ``config`` in ``dtype`` on the meta
-    device (:func:`empty_weights`); a config transformers cannot build raises :class:`ConfigError`."""
+    """``model_class`` (default ``AutoModelForCausalLM``, for a causal LM's config only, which the
+    caller checks: :func:`check_causal`) built from ``config`` in ``dtype`` on the meta device
+    (:func:`empty_weights`); a config transformers cannot build raises :class:`ConfigError`."""
     import transformers
-    if model_class is None:
-        check_causal(config)
     builder = model_class or transformers.AutoModelForCausalLM
     try:
         with empty_weights(), _no_init(transformers):
@@ -615,6 +613,8 @@ def load_pretrained(path: str | os.PathLike, budget: int | str | None = None, ho
         raise CheckpointError(f"{path} is a file: load_pretrained takes a folder with config.json as save_pretrained "
                               "writes it", path)
     config, _, unset = read_config(path)
+    if model_class is None:
+        check_causal(config, os.path.join(path, "config.json"))
     want = weights_dtype(dtype, config, ckpt, fallback="float32")
     model = build_model(config, want, model_class)
     model.eval()

@@ -514,4 +514,5 @@ def wrap_module(tier: Tier, module: Any, budget: int | str | None = None, **kwar
     [streaming plan] in inference/plan.py. ``budget`` is bytes, "8GB", or a share of the device like
     "25%" (NOTE [sizes] in base/limits.py); :func:`weight_bytes` (inference/groups.py) sizes a share of the
     module's weights."""
+    check_keywords("wrap_module", TieredModule.__init__, kwargs, skip=("tier", "module", "budget"))
     return TieredModule(tier, module, budget, **kwargs)

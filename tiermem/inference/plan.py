@@ -214,8 +214,8 @@ def plan_host(plan: Plan, host_sizes: Iterable[tuple[str, int]], host_budget: in
     # A pinned block may take up to a page more than asked (the driver pins whole pages).
     room = host_budget - stages * stage - kept - (stages + 1) * 4096
     if plan.zero_copy_only:
-        raise TierMemError(f"{total:,} streamed bytes do not fit host_budget={host_budget:,}, and groups on disk "
-                           "must stream through a window the device budget has no room for; raise the budget")
+        raise ConfigError(f"{total:,} streamed bytes do not fit host_budget={host_budget:,}, and groups on disk "
+                          "must stream through a window the device budget has no room for; raise the budget")
     if not movable or room < 0:
         raise HostBudgetError(kept + stages * stage, 0, host_budget,
                                hint=f"host_budget is too small for a disk tier: the groups that must stay in pinned "

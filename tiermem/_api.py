@@ -90,7 +90,8 @@ def wrap_training(model: Any, optimizer: Any, budget: int | str, **kwargs: Any) 
 def wrap_module(module: Any, budget: int | str | None = None, **kwargs: Any) -> Any:
     """Adopt every parameter and buffer of ``module`` and run it within ``budget`` (bytes, "8GB",
     or a share of the device like "25%"; ``tiermem.planning.weight_bytes(module) // 4`` is a
-    quarter of its weights: NOTE [sizes] in base/limits.py): the largest groups stay resident, the rest stream in ahead
+    quarter of its weights: NOTE [sizes] in base/limits.py; 0, nothing resident, only with
+    ``mode="zero_copy"``): the largest groups stay resident, the rest stream in ahead
     of use and out behind it, or are read in place for single-token forwards. Returns a
     :class:`TieredModule` (its ``plan``; ``unwrap()`` restores the module). Keyword arguments:
     ``mode`` ("auto", "stream", "zero_copy"), ``lookahead`` (groups in flight),

@@ -404,6 +404,18 @@ def _no_init(transformers: Any) -> Any:
     return contextlib.nullcontext()
 
 
+def _tie(model: Any) -> None:
+    """NOTE [tied checkpoints]
+    transformers writes a tied weight once (a model with ``tie_word_embeddings=True`` has no
+    ``lm_head.weight`` in its files: docs/facts.md) and ties the two names after loading; with
+    weight initialization switched off (``_no_init``), building from the config leaves them two
+    meta tensors. Tied here, as from_pretrained does, they are one parameter under two names, and
+    NOTE [weight source] gives it the bytes of whichever name the checkpoint has."""
+    tie = getattr(model, "tie_weights", None)
+    if tie is not None:
+        tie()
+
+
 class Loaded(tuple):
     """(model, handle) from :func:`load_pretrained`; also ``.model`` and ``.handle``."""
 
@@ -547,17 +559,20 @@ def weights_dtype(dtype: Any, config: Any, ckpt: Checkpoint | None, fallback: st
 def build_model(config: Any, dtype: Any, model_class: Any = None) -> Any:
     """``model_class`` (default ``AutoModelForCausalLM``, for a causal LM's config only, which the
     caller checks: :func:`check_causal`) built from ``config`` in ``dtype`` on the meta device
-    (:func:`empty_weights`); a config transformers cannot build raises :class:`ConfigError`."""
+    (:func:`empty_weights`), its tied weights tied (NOTE [tied checkpoints]); a config
+    transformers cannot build raises :class:`ConfigError`."""
     import transformers
     builder = model_class or transformers.AutoModelForCausalLM
     try:
         with empty_weights(), _no_init(transformers):
-            return builder.from_config(config, dtype=dtype)
+            model = builder.from_config(config, dtype=dtype)
     except (ValueError, TypeError, AttributeError, KeyError, IndexError, ZeroDivisionError, RuntimeError) as e:
         # A config's values reach the model's __init__ unchecked where its class does not check
         # them: a bad one fails there, in whatever way that layer fails.
         raise ConfigError(f"transformers cannot build {getattr(config, 'model_type', 'a model')} from this config: "
                           f"{reason(e)}") from e
+    _tie(model)
+    return model
 
 
 def checkpoint_weights(ckpt: Checkpoint, model: Any, cast: str | None = None,

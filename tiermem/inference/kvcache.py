@@ -539,6 +539,8 @@ class TieredKVCache(Cache):
 
     # -- the Cache API beside update -------------------------------------------------------------
     def get_seq_length(self, layer_idx: int = 0) -> int:
+        if self._closed:
+            raise TierMemError("this KV cache was closed; make a new one")
         return self.layers[layer_idx].length if layer_idx < len(self.layers) else 0
 
     def get_max_length(self, layer_idx: int | None = None) -> int:
@@ -577,7 +579,7 @@ class TieredKVCache(Cache):
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: sequence ``i`` becomes sequence ``beam_idx[i]``, in every layer. Resident
         layers are reordered on the device, homes on the host once every copy is done."""
-        if not self._allocated or self.get_seq_length() == 0:
+        if not self._allocated or self.layers[0].length == 0:
             return
         self.synchronize()
         for lay in self.layers:
@@ -605,13 +607,31 @@ class TieredKVCache(Cache):
             out.append(raw.view(dtype).view(self.max_tokens, sh.batch, sh.kv_heads, dim))
         return out
 
+    def read_layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of layer ``layer_idx``'s committed keys and values, ``[batch, heads, tokens,
+        dim]``, read from where they live (the device, or the home: dequantized with fp8); for
+        inspection and tests, not for speed (it waits for every copy first)."""
+        lay = self.layers[layer_idx]
+        if not self._allocated:
+            return (torch.empty(0),) * 2
+        self.synchronize()
+        n = lay.length
+        if lay.resident:
+            k, v = (t[:n].clone() for t in lay.dev)
+        else:
+            parts = [t[:n].clone() for t in self._home_views(lay)]
+            k, v = parts[:2]
+            if self.fp8:
+                k, v = (q.to(self.dtype).mul_(sc) for q, sc in ((parts[0], parts[2]), (parts[1], parts[3])))
+        return k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3)
+
     def batch_repeat_interleave(self, repeats: int) -> None:
-        if self.get_seq_length() and repeats != 1:
+        if self.layers[0].length and repeats != 1:
             raise TierMemError("tiermem's KV cache holds the batch it was filled with; this generation mode "
                                "repeats the batch of a filled cache (contrastive search, say): not supported")
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        if self.get_seq_length():
+        if self.layers[0].length:
             raise TierMemError("tiermem's KV cache holds the batch it was filled with; this generation mode "
                                "selects sequences of a filled cache: not supported")
 
@@ -634,7 +654,7 @@ class TieredKVCache(Cache):
         """Bytes copied each way, fills (``fills_late``: made when the layer was needed, not
         ahead), appends, and the memory held."""
         return {**self.counts, "device_bytes": self.device_bytes, "home_bytes": self.home_bytes,
-                "tokens": self.get_seq_length()}
+                "tokens": self.layers[0].length}
 
     def close(self) -> None:
         """Wait for the copies in flight, then give back the device block, the home and the
@@ -646,6 +666,8 @@ class TieredKVCache(Cache):
                 self.synchronize()
         finally:
             self._closed = True
+            for lay in self.layers:
+                lay.length, lay.pending = 0, None
             self._unlay()
             self._held.free()
             self._allocated = False
@@ -659,5 +681,5 @@ class TieredKVCache(Cache):
         self.close()
 
     def __repr__(self) -> str:
-        state = "closed" if self._closed else f"{self.get_seq_length():,} tokens"
+        state = "closed" if self._closed else f"{self.layers[0].length:,} tokens"
         return f"<TieredKVCache {state}: {self.plan.table()}>"

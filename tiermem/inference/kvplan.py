@@ -35,7 +35,7 @@ from .plan import LINK_GBPS, Plan, plan_residency
 __all__ = ["KVShape", "KVPlan", "kv_shape", "plan_kv", "split_budget", "most_tokens", "SLOTS", "FP8_MAX"]
 
 SLOTS = 2          # ring slots for streamed layers (NOTE [kv plan]: the least that overlaps)
-ALIGN = 4096       # every region of the device block and the home starts on this boundary
+ALIGN = 512        # every region of the device block and the home starts on this boundary (as in core/stream.py)
 FP8_MAX = 448.0    # the largest float8_e4m3fn value (NOTE [fp8 in transit] in inference/kvcache.py)
 SCALE_BYTES = 4    # one fp32 scale per (token, sequence, head) of keys and of values
 

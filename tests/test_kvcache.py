@@ -154,7 +154,7 @@ def test_a_decode_step_appends_only_its_token_and_fills_each_streamed_layer_once
         nxt = out.logits[:, -1:].argmax(-1)
         mask = torch.cat([mask, torch.ones_like(nxt)], 1)
         allocs = [x for x in fake.calls if x[0] in ("device_alloc", "host_alloc")]
-        for step in range(3):
+        for _ in range(3):
             before, n = dict(c.stats()), c.get_seq_length()
             out = model(input_ids=nxt, attention_mask=mask, **{KW: c})
             nxt = out.logits[:, -1:].argmax(-1)

@@ -79,7 +79,7 @@ except ImportError as e:    # pragma: no cover - the message is the point
     raise ImportError("tiermem's KV cache is a transformers Cache: pip install 'transformers>=5'") from e
 
 from ..base.hostpages import available_bytes
-from ..core.stream import Lane, Slot, SlotRing, now
+from ..core.stream import Lane, Slot, SlotRing
 from ..errors import ConfigError, DeviceFullError, HostBudgetError, TierMemError
 from ..roles import Role
 from .kvplan import ALIGN, FP8_MAX, SLOTS, KVPlan, KVShape, kv_shape, most_tokens, plan_kv
@@ -199,6 +199,11 @@ class _Held:
                 log.exception("tiermem: error while releasing the KV cache's budget lease")
 
     def free_memory(self) -> None:
+        if self.tier.backend.kind == "cuda" and (self.device is not None or self.home is not None):
+            try:       # copies may still read or write them (a cache collected without close)
+                torch.cuda.synchronize(self.tier.device)
+            except Exception:  # noqa: BLE001 - a destructor path: log, never raise
+                log.exception("tiermem: error while waiting for the KV cache's copies")
         for name in ("device", "home"):
             block = getattr(self, name)
             setattr(self, name, None)
@@ -245,8 +250,10 @@ class TieredKVCache(Cache):
             raise ConfigError("fp8=True needs torch.float8_e4m3fn (torch >= 2.1)")
         if tier is None:
             from ..base import default
-            from ..core.engine import Engine
-            tier = default.get(Engine)
+            tier = default.peek()
+            if tier is None:
+                raise ConfigError("no tier: pass tier=, or make the cache with tiermem.kv_cache(), which uses the "
+                                  "default tier")
         self.tier = tier
         self.max_tokens = int(max_tokens)
         self.slots = int(slots)
@@ -474,11 +481,7 @@ class TieredKVCache(Cache):
         # 3. the new tokens into the slot, then home
         ring.vacate(s)
         s.held_fp8 = False
-        if self.fp8:
-            self._quantize(s, start, end, kn, vn)
-        else:
-            s.k[start:end].copy_(kn)
-            s.v[start:end].copy_(vn)
+        self._put(s, start, end, kn, vn)
         parts = [(home + start * w, t.data_ptr() + start * w, (end - start) * w)
                  for home, t, w in zip(lay.home, self._transit(s), self._row_bytes())]
         _, done = self.d2h.run(parts)
@@ -522,10 +525,15 @@ class TieredKVCache(Cache):
             return
         self._fill(prev, nxt, rows)
 
-    def _quantize(self, s: _KVSlot, start: int, end: int, kn: torch.Tensor, vn: torch.Tensor) -> None:
-        """New rows as their fp8 round trip: fp8 and scales into the transit buffer (what goes
-        home), and the fp16 rows dequantized from them (NOTE [fp8 in transit])."""
-        for x, q, scale, out in ((kn, s.k8, s.ks, s.k), (vn, s.v8, s.vs, s.v)):
+    def _put(self, s: _KVSlot, start: int, end: int, kn: torch.Tensor, vn: torch.Tensor) -> None:
+        """Write new rows into the slot on the compute stream; with fp8 as their fp8 round trip:
+        fp8 and scales into the transit buffer (what goes home), and the rows dequantized from
+        them (NOTE [fp8 in transit])."""
+        if not self.fp8:
+            s.k[start:end].copy_(kn)
+            s.v[start:end].copy_(vn)
+            return
+        for x, q, scale in ((kn, s.k8, s.ks), (vn, s.v8, s.vs)):
             amax = x.abs().amax(-1, keepdim=True).float()
             sc = (amax / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
             scale[start:end].copy_(sc)
@@ -595,8 +603,6 @@ class TieredKVCache(Cache):
             for a in range(0, n, chunk):
                 b = min(a + chunk, n)
                 t[a:b].copy_(t[a:b].index_select(1, idx))
-        if lay.resident and self.tier.backend.kind == "cuda":
-            torch.cuda.synchronize(self.tier.device)
 
     def _home_views(self, lay: TieredKVLayer) -> list[torch.Tensor]:
         """Host views of a streamed layer's home parts, [max_tokens, batch, heads, dim]."""

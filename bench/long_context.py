@@ -21,10 +21,12 @@ a real prompt of --prompt tokens is prefilled, then each stage fills the cache u
 with random keys and values of the right shape, written straight into the cache through
 Cache.update, the same bytes for every contender (seeded per stage and layer); then --tokens
 decode steps are timed (after --warmup), fed the resident run's tokens (teacher forcing), so that
-every contender's argmax and logits compare step for step. The bound of a tiermem step is (cache
-bytes not resident at that context + weight bytes streamed) over the pinned H2D rate measured in
-the same run. 512k runs where the host's available memory holds its home (64 GiB), else it is
-skipped with the reason.
+every contender's argmax and logits compare step for step; the timed steps run back to back between
+two CUDA events. The bound of a step (bench/bounds.py) is the cache bytes the budget cannot hold at
+that context, plus with --stream-weights the weights the weights' budget cannot hold, over the
+pinned H2D rate measured in the same run; the bytes tiermem's plan moves (every streamed layer
+whole: its ring holds no data between steps) are beside it as ..._vs_plan_bytes. 512k runs where
+the host's available memory holds its home (64 GiB), else it is skipped with the reason.
 
     python bench/long_context.py [--contexts 16384,32768,65536,131072] [--big 524288] [--kv-budget 2GB]
                                  [--tokens 4] [--warmup 1] [--prompt 512] [--slack-gb 3] [--stream-weights]
@@ -38,7 +40,8 @@ import gc
 import threading
 import time
 
-from _common import cuda_times, gbps, median, plot_path, progress, table, write_results
+import bounds
+from _common import cuda_times, embedding_bytes, gbps, median, plot_path, progress, table, write_results
 
 GiB, MiB = 1 << 30, 1 << 20
 
@@ -153,19 +156,31 @@ def filler(stage: int, layer: int, n: int, cfg):
 
 def run_schedule(model, cfg, cache, prompt, stages, args, teacher=None, keep_logits=False, on_stage=None):
     """Prefill ``prompt``, then for each stage fill the cache to ``stage - 1`` tokens and decode
-    ``warmup + tokens`` steps fed ``teacher``'s tokens (else its own argmax). Returns the argmax
-    of every step, their logits when asked (fp32, on the host), the token sequence fed, and per
-    stage the median step time (seconds)."""
+    ``warmup`` steps, then ``tokens`` steps back to back between two CUDA events with no
+    synchronization inside (the copies a step starts for the next are in the span), each fed
+    ``teacher``'s token (else its own argmax, left on the device). Returns every step's argmax,
+    their logits when asked (fp32, on the host), the tokens fed, and per stage the seconds a step."""
     import torch
     kw = {cache_kw(): cache}
     argmax, logits, fed, times = [], [], [], {}
     step = 0
-    with torch.no_grad():
-        out = model(input_ids=prompt, **kw).logits[:, -1]
+
+    def one(nxt):
+        nonlocal step
+        tok = teacher[step] if teacher is not None else nxt
+        out = model(input_ids=tok, **kw).logits[:, -1]
         nxt = out.argmax(-1, keepdim=True)
+        fed.append(tok)
+        argmax.append(nxt)
+        if keep_logits:
+            logits.append(out.float())
+        step += 1
+        return nxt
+
+    with torch.no_grad():
+        nxt = model(input_ids=prompt, **kw).logits[:, -1].argmax(-1, keepdim=True)
         for si, stage in enumerate(stages):
-            have = cache.get_seq_length()
-            n = stage - 1 - have
+            n = stage - 1 - cache.get_seq_length()
             if n > 0:
                 for layer in range(cfg.num_hidden_layers):
                     k, v = filler(si, layer, n, cfg)
@@ -174,27 +189,21 @@ def run_schedule(model, cfg, cache, prompt, stages, args, teacher=None, keep_log
             torch.cuda.synchronize()
             if on_stage is not None:
                 on_stage(stage, True)
-            ts = []
-            for i in range(args.warmup + args.tokens):
-                tok = teacher[step] if teacher is not None else nxt
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                out = model(input_ids=tok, **kw).logits[:, -1]
-                nxt = out.argmax(-1, keepdim=True)
-                b.record()
-                b.synchronize()
-                if i >= args.warmup:
-                    ts.append(a.elapsed_time(b) / 1e3)
-                argmax.append(int(nxt))
-                fed.append(tok)
-                if keep_logits:
-                    logits.append(out.float().cpu())
-                step += 1
+            for _ in range(args.warmup):
+                nxt = one(nxt)
+            torch.cuda.synchronize()
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            for _ in range(args.tokens):
+                nxt = one(nxt)
+            b.record()
+            b.synchronize()
+            times[stage] = a.elapsed_time(b) / 1e3 / args.tokens
             if on_stage is not None:
                 on_stage(stage, False)
-            times[stage] = median(ts)
+            logits[:] = [x.cpu() if x.is_cuda else x for x in logits]
             progress(f"    context {stage:>7,}: {times[stage] * 1e3:8.1f} ms/token")
-    return argmax, logits, fed, times
+    return [int(x) for x in argmax], logits, fed, times
 
 
 def main() -> None:
@@ -277,7 +286,10 @@ def main() -> None:
         handle = t.wrap_module(model, budget=weights // 2 + kv_budget, kv_budget=kv_budget)
         progress(handle.plan.table(limit=4))
     streamed_weights = handle.plan.moved_bytes if handle is not None else 0
+    weights_bound = (bounds.forward_bytes(weights, handle.plan.budget, embedding_bytes(model))
+                     if handle is not None else 0)
     raw["weight_bytes_streamed"] = streamed_weights
+    raw["weight_bytes_bound"] = weights_bound
 
     def make_cache(max_tokens: int, budget: int, fp8: bool = False):
         if handle is not None:
@@ -307,11 +319,16 @@ def main() -> None:
                     over[stage] = (free0 - low) - (budget + torch_grew + 64 * MiB)
             argmax, logits, _, times = run_schedule(model, cfg, cache, prompt, run_stages, args, teacher=teacher,
                                                     keep_logits=fp8, on_stage=on_stage)
-            bound = {s: (cache.plan.moved_bytes(s) + streamed_weights) / (link * 1e9) for s in run_stages}
+            # the bound: what the budget cannot hold, whatever a design keeps (bench/bounds.py);
+            # beside it, the bytes this plan moves (its ring holds no data between steps)
+            bound = {s: bounds.kv_decode_seconds(shape.token_bytes * s, budget, weights_bound, link) for s in run_stages}
+            plan_s = {s: (cache.plan.moved_bytes(s) + streamed_weights) / (link * 1e9) for s in run_stages}
             n = min(len(argmax), len(ref_argmax))
             out = {"ms_per_token": {s: x * 1e3 for s, x in times.items()},
                    "bound_ms": {s: b * 1e3 for s, b in bound.items()},
-                   "vs_bound": {s: times[s] / bound[s] for s in run_stages if bound[s] > 0},
+                   "plan_bytes_ms": {s: b * 1e3 for s, b in plan_s.items()},
+                   "vs_bound": {s: bounds.ratio(times[s], bound[s]) for s in run_stages},
+                   "vs_plan_bytes": {s: bounds.ratio(times[s], plan_s[s]) for s in run_stages},
                    "plan": cache.plan.table(), "kv_budget": budget, "device_bytes": cache.device_bytes,
                    "home_bytes": cache.home_bytes, "stats": cache.stats(),
                    "free_before_GB": free0 / 1e9, "min_free_GB": min(lows.values()) / 1e9,
@@ -342,7 +359,7 @@ def main() -> None:
         raw["contenders"]["tiermem_fp8"] = fp8 = tiermem_run("tiermem_fp8", top + 64, kv_budget, stages, fp8=True)
         metrics["fp8_logits_cosine_min"] = round(fp8["logits_cosine_min"], 5)
         metrics["fp8_top1_agree"] = round(fp8["top1_agree"], 4)
-        metrics["fp8_decode_vs_bound_128k"] = round(fp8["vs_bound"][top], 3)
+        metrics["fp8_decode_vs_bound_128k"] = fp8["vs_bound"][top]
         metrics["fp8_speedup_128k"] = round(tm["ms_per_token"][top] / fp8["ms_per_token"][top], 3)
 
     # -- 512k -----------------------------------------------------------------------------------
@@ -388,14 +405,18 @@ def main() -> None:
         handle.unwrap()
 
     # -- results ---------------------------------------------------------------------------------
-    metrics["decode_vs_bound_128k"] = round(tm["vs_bound"][top], 3)
+    metrics["decode_vs_bound_128k"] = tm["vs_bound"][top]
+    metrics["decode_vs_plan_bytes_128k"] = tm["vs_plan_bytes"][top]
     metrics["tiermem_ms_per_token_128k"] = round(tm["ms_per_token"][top], 1)
     metrics["bound_ms_128k"] = round(tm["bound_ms"][top], 1)
     metrics["resident_ms_per_token_128k"] = round(raw["contenders"]["resident"]["ms_per_token"][top], 2)
     if hf is not None:
         metrics["hf_offloaded_ms_per_token_128k"] = round(hf["ms_per_token"][top], 1)
         metrics["hf_offloaded_over_tiermem_128k"] = round(hf["ms_per_token"][top] / tm["ms_per_token"][top], 3)
-    metrics["decode_vs_bound_512k"] = round(big_run["vs_bound"][big], 3) if big_run else None
+    metrics["decode_vs_bound_512k"] = big_run["vs_bound"][big] if big_run else None
+    if big_run:
+        metrics["decode_vs_plan_bytes_512k"] = big_run["vs_plan_bytes"][big]
+        metrics["kv_budget_512k_GB"] = round(big_run["kv_budget"] / 1e9, 3)
     metrics["max_context_tokens"] = max(big_run["ms_per_token"]) if big_run else max(tm["ms_per_token"])
     runs = [r for r in (tm, raw["contenders"].get("tiermem_fp8"), big_run) if r]
     metrics["min_free_GB"] = round(min(r["min_free_GB"] for r in runs), 3)
@@ -409,15 +430,27 @@ def main() -> None:
         row = [f"{s:,}", raw["contenders"]["resident"]["ms_per_token"].get(s, float("nan"))]
         for r in (tm, hf, raw["contenders"].get("tiermem_fp8"), big_run):
             row.append(r["ms_per_token"].get(s, float("nan")) if r else float("nan"))
-        row.append((big_run or tm)["bound_ms"].get(s, tm["bound_ms"].get(s, float("nan"))))
+        row.append(tm["bound_ms"].get(s, (big_run or {}).get("bound_ms", {}).get(s, float("nan"))))
         rows.append(row)
     print()
-    print(table(rows, ["context", "resident ms", "tiermem ms", "hf offl ms", "fp8 ms", "512k-cache ms", "bound ms"]))
+    print(table(rows, ["context", "resident ms", "tiermem ms", "hf offl ms", "fp8 ms", "512k-cache ms",
+                       "bound ms (2 GB)"]))
     print()
     print(table([[k, v] for k, v in metrics.items()], ["metric", "value"]))
     print(table([[k, v] for k, v in checks.items()], ["check", "ok"]))
+    notes = [n for n in (bounds.below_bound_note("decode_vs_bound_128k", metrics["decode_vs_bound_128k"]),
+                         metrics["decode_vs_bound_512k"] is not None
+                         and bounds.below_bound_note("decode_vs_bound_512k", metrics["decode_vs_bound_512k"])) if n]
+    notes.append(raw["fill"])
+    notes += [f"skipped {k}: {v}" for k, v in raw["skipped"].items()]
+    if big_run:
+        notes.append(f"at {big:,} tokens the cache's budget is the least that holds its ring, "
+                     f"{big_run['kv_budget']:,} bytes: attention needs a whole layer on the device, and a layer is "
+                     f"{shape.layer_bytes(big + 64):,} bytes there")
+    for n in notes:
+        progress(n)
     png = plot(raw, all_stages)
-    write_results("long_context", metrics, checks, raw, extra_files=[png] if png else [])
+    write_results("long_context", metrics, checks, raw, extra_files=[png] if png else [], notes=notes)
     t.close()
 
 
@@ -438,8 +471,8 @@ def plot(raw: dict, all_stages: list) -> str | None:
         if key in c:
             xs = sorted(c[key]["ms_per_token"])
             ax.plot(xs, [c[key]["ms_per_token"][x] for x in xs], ls, marker="o", color=color, label=label)
-    for key, label in (("tiermem", "bound, tiermem (bytes not resident / pinned H2D)"),
-                       ("tiermem_big", "bound, 512k cache")):
+    for key, label in (("tiermem", "bound: (cache - budget) / pinned H2D"),
+                       ("tiermem_big", "bound, 512k cache's budget")):
         if key in c:
             xs = sorted(c[key]["bound_ms"])
             ax.plot(xs, [c[key]["bound_ms"][x] for x in xs], ":", color="k" if key == "tiermem" else "#777", label=label)

@@ -22,7 +22,7 @@ from .errors import ConfigTypeError
 from .roles import Location, Policy, Role, as_location, as_role, check_policy
 
 __all__ = ["default_tier", "configure", "empty", "wrap", "wrap_module", "wrap_training", "unwrap", "prefetch", "evict", "allocator",
-           "stats", "memory_summary", "policy_override", "synchronize", "use", "load_pretrained"]
+           "stats", "memory_summary", "policy_override", "synchronize", "use", "load_pretrained", "kv_cache"]
 
 def default_tier() -> Tier:
     """The process-wide Tier, made on first use on the current CUDA device with settings from the
@@ -95,12 +95,33 @@ def wrap_module(module: Any, budget: int | str | None = None, **kwargs: Any) -> 
     of use and out behind it, or are read in place for single-token forwards. Returns a
     :class:`TieredModule` (its ``plan``; ``unwrap()`` restores the module). Keyword arguments:
     ``mode`` ("auto", "stream", "zero_copy"), ``lookahead`` (groups in flight),
-    ``zero_copy_max_tokens``, ``tier``."""
+    ``zero_copy_max_tokens``, ``kv_budget`` and ``kv_tokens`` (a KV cache in the same budget, made
+    by ``handle.kv_cache()``: NOTE [kv plan] in tiermem/inference/kvplan.py), ``tier``."""
     from .inference.module import check_module, check_module_options
     tier = _given(kwargs.pop("tier", None))
     check_module_options(budget, kwargs)
     check_module(module)
     return (tier or default_tier()).wrap_module(module, budget, **kwargs)
+
+
+def kv_cache(model: Any, max_tokens: int, kv_budget: int | str | None = None, **kwargs: Any) -> Any:
+    """A transformers ``Cache`` for ``model`` (or its config) that keeps its keys and values
+    within ``kv_budget`` device bytes ("2GB", or a share of the device): the layers that do not fit
+    live in pinned host memory and come in one layer ahead (NOTE [kv cache in tiers] in
+    tiermem/inference/kvcache.py). ``max_tokens`` is the most tokens a sequence may reach; a
+    context whose home does not fit the host is refused here. Pass it to ``generate``
+    (``past_key_values=``, or ``cache=`` from transformers 5.24) and ``close()`` it after. Keyword
+    arguments: ``batch_size``, ``dtype``, ``slots``, ``fp8`` (NOTE [fp8 in transit]),
+    ``host_budget``, ``tier``. Needs transformers 5. With the weights under one budget:
+    ``wrap_module(model, budget, kv_budget=...)`` and ``handle.kv_cache()``."""
+    from .base.limits import check_bytes
+    from .inference.kvcache import TieredKVCache, check_tokens
+    tier = _given(kwargs.pop("tier", None))
+    check_keywords("kv_cache", TieredKVCache.__init__, kwargs, skip=("config", "max_tokens", "kv_budget", "tier"))
+    check_tokens(max_tokens)
+    if kv_budget is not None and kv_budget != "auto":
+        check_bytes(kv_budget, what="kv_budget")
+    return (tier or default_tier()).kv_cache(model, max_tokens, kv_budget, **kwargs)
 
 
 def unwrap(tensor: Any) -> Any:

@@ -13,6 +13,7 @@ the adoption (all or nothing), the hooks that bring groups in around each forwar
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import numbers
 import weakref
@@ -27,7 +28,7 @@ from ..roles import Evict, Role
 from .disk import READERS, STAGES
 from .groups import MAX_GROUP, gathered_groups, home_layout, is_stacked, module_groups, span_of
 from .load import FileTensor
-from .plan import LOOKAHEAD, plan_host, plan_residency, stay_home
+from .plan import LOOKAHEAD, Plan, plan_host, plan_residency, stay_home
 from .sources import stand_ins, wrap_from
 from .transport import Group, PinnedTransport
 from .weights import weight_sources
@@ -61,16 +62,19 @@ class TieredModule:
     def __init__(self, tier: Tier, module: Any, budget: int | str | None, *, mode: str = "auto",
                  lookahead: int = LOOKAHEAD, zero_copy_max_tokens: int = 16, max_group_bytes: int = MAX_GROUP,
                  weights: Mapping[str, Any] | None = None, host_budget: int | str | None = None,
-                 disk_reader: str = READERS[0]):
+                 disk_reader: str = READERS[0], kv_budget: int | str | None = None, kv_tokens: int | None = None):
         check_module(module)
         check_module_options(budget, dict(mode=mode, lookahead=lookahead, zero_copy_max_tokens=zero_copy_max_tokens,
                                           max_group_bytes=max_group_bytes, weights=weights, host_budget=host_budget,
-                                          disk_reader=disk_reader))
+                                          disk_reader=disk_reader, kv_budget=kv_budget, kv_tokens=kv_tokens))
         self.disk_reader = disk_reader
         self.tier = tier
         self.module = module
         self.mode = mode
         self.zero_copy_max_tokens = zero_copy_max_tokens
+        self.kv_tokens = kv_tokens
+        self._kv_asked = kv_budget
+        self._kv_live: Any = None      # the live cache kv_cache() made
         # A meta tensor cannot be rebound to memory (torch refuses set_data across the two), so
         # the module gets a memory-less stand-in in its place first (NOTE [weight source]); a
         # failure puts the meta tensors back.
@@ -100,7 +104,7 @@ class TieredModule:
         asked = total if budget is None else parse_bytes(budget, total=tier.backend.capabilities().total_memory,
                                                          what="module budget", max_percent=100)
         self.budget = self._within_device(asked, [t for _, _, own in found for _, t in own])
-        self.plan = plan_residency(sizes, self.budget, lookahead, in_place=gathered_groups(module, found))
+        self.plan = self._plan_split(module, sizes, lookahead, gathered_groups(module, found))
         self.lookahead = max(self.plan.lookahead, 1)
         self._groups = {mname: Group(mname, [t for _, t in own], n, pinned=mname in self.plan.pinned,
                                       gathered=mname in self.plan.in_place, stacked=is_stacked([t for _, t in own]))
@@ -140,6 +144,71 @@ class TieredModule:
         except BaseException:
             self._rollback(originals)
             raise
+
+    def _plan_split(self, module: Any, sizes: list[tuple[str, int]], lookahead: int, gathered: set[str]) -> Plan:
+        """The weights' plan within the budget, less the KV cache's share (NOTE [kv plan])."""
+        asked = self._kv_asked
+        if asked is None:
+            return plan_residency(sizes, self.budget, lookahead, in_place=gathered)
+        from .kvplan import kv_shape, plan_kv, split_budget
+        if asked == "auto":
+            shape = kv_shape(self._config(), self._dtype())
+            weights, kv = split_budget(sizes, self.budget, shape, self.kv_tokens, lookahead=lookahead,
+                                       in_place=gathered)
+            return dataclasses.replace(weights, kv_budget=kv.device_bytes, kv=kv)
+        kvb = parse_bytes(asked, total=self.tier.backend.capabilities().total_memory, what="kv_budget",
+                          max_percent=100)
+        if kvb > self.budget:
+            raise ConfigError(f"kv_budget={kvb:,} bytes is more than the whole budget ({self.budget:,} bytes), which "
+                              "holds the weights and the KV cache together")
+        kv = None
+        if self.kv_tokens is not None:
+            kv = plan_kv(kv_shape(self._config(), self._dtype()), self.kv_tokens, kvb)  # refused here if it cannot
+        weights = plan_residency(sizes, self.budget - kvb, lookahead, in_place=gathered)
+        return dataclasses.replace(weights, kv_budget=kvb, kv=kv)
+
+    def _config(self) -> Any:
+        config = getattr(self.module, "config", None)
+        if config is None:
+            raise ConfigError(f"a KV cache is sized from the model's config, and this {type(self.module).__name__} has "
+                              "no .config; pass config= to kv_cache()")
+        return config
+
+    def _dtype(self) -> Any:
+        return getattr(self.module, "dtype", None)
+
+    def kv_cache(self, max_tokens: int | None = None, *, batch_size: int = 1, config: Any = None, fp8: bool = False,
+                 slots: int | None = None, host_budget: int | str | None = None) -> Any:
+        """A :class:`~tiermem.inference.kvcache.TieredKVCache` for this module within the budget's KV share
+        (``kv_budget``, NOTE [kv plan]), for ``max_tokens`` tokens a sequence (default
+        ``kv_tokens``); pass it to ``generate``. One at a time: ``close()`` it before asking for
+        another. Its home counts against ``host_budget`` (default: the module's, less its own
+        pinned home)."""
+        from .kvcache import TieredKVCache
+        from .kvplan import SLOTS
+        if not self._groups:
+            raise WrapError("this module was unwrapped; a KV cache needs the adopted module")
+        if not self.plan.kv_budget:
+            raise ConfigError("this module has no KV share of its budget: wrap_module(model, budget, kv_budget=...) "
+                              "sets it aside, or use tiermem.kv_cache() with a budget of its own")
+        if self._kv_live is not None:
+            raise TierMemError("this module's KV cache is still open: close() it before asking for another")
+        tokens = max_tokens if max_tokens is not None else self.kv_tokens
+        if tokens is None:
+            raise ConfigError("give max_tokens: the most tokens a sequence may reach, prompt and generated")
+        if host_budget is None and self.host_budget is not None:
+            host_budget = max(self.host_budget - (self._stream.pinned_bytes if self._stream is not None else 0), 0)
+        cache = TieredKVCache(config if config is not None else self._config(), tokens, self.plan.kv_budget,
+                              batch_size=batch_size, dtype=self._dtype(), slots=slots or SLOTS, fp8=fp8,
+                              host_budget=host_budget, tier=self.tier, _owner=self)
+        self._kv_live = cache
+        self.plan = dataclasses.replace(self.plan, kv=cache.plan)
+        return cache
+
+    def cache_closed(self, cache: Any) -> None:
+        """A cache :meth:`kv_cache` made was closed: another may be made."""
+        if self._kv_live is cache:
+            self._kv_live = None
 
     def stats(self) -> dict[str, Any]:
         """A flat dict of the module's host-side figures (bytes, seconds, counts):
@@ -418,7 +487,9 @@ class TieredModule:
 
     def _give_back(self) -> None:
         """Free what the adoption took once the tensors no longer point at it: the resident
-        groups, the streaming window and pinned home, and the budget lease."""
+        groups, the streaming window and pinned home, the KV cache, and the budget lease."""
+        if self._kv_live is not None:
+            self._kv_live.close()     # its device bytes are inside the module's lease
         for g in self._groups.values():
             for tt in g.tiered:
                 tt.buffer.bindings = []
@@ -507,6 +578,14 @@ def check_module_options(budget: Any, options: Mapping[str, Any], call: str = "w
     reader = options.get("disk_reader", READERS[0])
     if reader not in READERS:
         raise ConfigError(f"disk_reader must be one of {', '.join(map(repr, READERS))}, got {reader!r}")
+    kv_tokens, kv_budget = options.get("kv_tokens"), options.get("kv_budget")
+    if kv_tokens is not None and (isinstance(kv_tokens, bool) or not isinstance(kv_tokens, int) or kv_tokens < 1):
+        raise ConfigError(f"kv_tokens must be a number of tokens >= 1, got {kv_tokens!r}")
+    if kv_budget == "auto":
+        if kv_tokens is None:
+            raise ConfigError("kv_budget='auto' splits the budget for a context of kv_tokens tokens: give kv_tokens")
+    elif kv_budget is not None:
+        check_bytes(kv_budget, what="kv_budget", max_percent=100)
 
 
 def wrap_module(tier: Tier, module: Any, budget: int | str | None = None, **kwargs: Any) -> TieredModule:

@@ -318,6 +318,11 @@ def _unchanged(m: nn.Module, before: list) -> None:
     assert getattr(m, "_tiermem_handle", None) is None
 
 
+def _llama():
+    import transformers
+    return transformers.AutoConfig.for_model("llama", **SMALL)
+
+
 def _sgd(m: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.SGD(m.parameters(), lr=0.1)
 
@@ -361,6 +366,13 @@ API_CASES = [
     ("wrap_module non-module", lambda m, p: tiermem.wrap_module("model", "1MB"), "takes a torch.nn.Module, got str"),
     ("wrap_module tensor", lambda m, p: tiermem.wrap_module(torch.ones(3), "1MB"), "got Tensor"),
     ("wrap_module tier", lambda m, p: tiermem.wrap_module(m, "1MB", tier="gpu0"), "tier must be a tiermem.Tier"),
+    ("wrap_module kv_tokens", lambda m, p: tiermem.wrap_module(m, "1MB", kv_budget="auto", kv_tokens=0),
+     "kv_tokens must be a number of tokens >= 1"),
+    ("wrap_module kv auto", lambda m, p: tiermem.wrap_module(m, "1MB", kv_budget="auto"), "give kv_tokens"),
+    ("wrap_module kv_budget", lambda m, p: tiermem.wrap_module(m, "1MB", kv_budget="lots"), "kv_budget='lots'"),
+    ("kv_cache max_tokens", lambda m, p: tiermem.kv_cache(_llama(), 0), "max_tokens must be a number of tokens"),
+    ("kv_cache keyword", lambda m, p: tiermem.kv_cache(_llama(), 16, slot=2), "did you mean 'slots'?"),
+    ("kv_cache kv_budget", lambda m, p: tiermem.kv_cache(_llama(), 16, "lots"), "kv_budget='lots' is not a size"),
     ("wrap_training non-optimizer", lambda m, p: tiermem.wrap_training(m, "adam", "1MB"),
      "takes a torch.optim.Optimizer"),
     ("wrap_training optimizer class", lambda m, p: tiermem.wrap_training(m, torch.optim.SGD, "1MB"),

@@ -40,7 +40,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ..core.stream import SlotRing
-from . import quant
+from .transport import member_rows
 
 if TYPE_CHECKING:
     from .transport import Group, PinnedTransport
@@ -149,41 +149,21 @@ class ExpertCache:
             start, end = self.ring.fill(t.lane, slot, parts, timed=True)
             moved = sum(self.per)
         else:
-            # NOTE [quantized streaming]: the expert's rows of each member cross packed into a
-            # staging buffer, laid out as its own packing, and are dequantized into the slot.
-            st = t.take_stage()
-            parts, at, layout = [], 0, []
-            for k, (off, p) in enumerate(zip(g.home_offsets, g.packing)):
-                if p is None:
-                    parts.append((at, home + off + e * self.per[k], self.per[k]))
-                    layout.append((at, None, 0))
-                    at += _up(self.per[k])
-                    continue
-                rows = p.rows // self.experts
-                (qo, qn), (so, sn) = p.row_ranges(e * rows, (e + 1) * rows)
-                parts += [(at, home + off + qo, qn), (at + _up(qn), home + off + so, sn)]
-                layout.append((at, p, rows))
-                at += p.rows_nbytes(rows)
-            start, end = t.stages.fill(t.lane, st, parts, timed=True)
-            moved = sum(n for _, _, n in parts)
-            t.last_dq = self.ring.transform(t.dq, slot, lambda: self._dequantize(g, st.ptr, layout, c), reads=[st])
+            # NOTE [quantized streaming]: the expert's rows of each member cross packed into the
+            # staging buffers and are dequantized into the slot.
+            def rows(k: int, lo: int, hi: int, c: int = c, e: int = e) -> Any:
+                per = member_rows(g.tensors[k], g.packing[k]) // self.experts
+                return self._views[k][c].view(per, -1)[lo - e * per:hi - e * per]
+            ranges = []
+            for k, (tt, p) in enumerate(zip(g.tensors, g.packing)):
+                per = member_rows(tt, p) // self.experts
+                ranges.append((k, e * per, (e + 1) * per))
+            self.stats["bytes"] += t.stream_packed(g, ranges, self.ring, slot, rows)
+            return
         tier.track(Transfer(tier, "h2d", t.lane.stream, start, end, [], moved, {t.role: moved}))
         tier.accounting.on_move(t.role, "h2d", moved)
         tier.accounting.count(t.role, "prefetch_ops")
         self.stats["bytes"] += moved
-
-    def _dequantize(self, g: Group, at: int, layout: list[tuple[int, Any, int]], c: int) -> None:
-        be = self.t.tier.backend
-        scratch = be.torch_view(self.t.scratch_ptr, self.t.scratch_bytes, self.t.window) if self.t.scratch_bytes else None
-        for k, (off, p, rows) in enumerate(layout):
-            dst = self._views[k][c]
-            if p is None:
-                src = be.torch_view(at + off, self.per[k], self.t.window)
-                dst.copy_(src.view(dst.dtype).view(dst.shape))
-            else:
-                raw = be.torch_view(at + off, p.rows_nbytes(rows), self.t.window)
-                q, s = quant.views(p, raw, rows)
-                quant.dequantize(q, s, p, dst, scratch)
 
     def _bring(self, g: Group, experts: list[int]) -> dict[int, Any]:
         """Slots holding ``experts`` of ``g``, copying in those not cached over the slots used

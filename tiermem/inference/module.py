@@ -32,7 +32,7 @@ from .load import FileTensor
 from .plan import LOOKAHEAD, Plan, by_expert, plan_host, plan_residency, stay_home
 from .quant import QSTAGES, check_format, packing
 from .sources import stand_ins, wrap_from
-from .transport import Group, PinnedTransport, packed_layout
+from .transport import Group, PinnedTransport, packed_layout, staging_bytes
 from .weights import weight_sources
 
 if TYPE_CHECKING:
@@ -119,13 +119,14 @@ class TieredModule:
         in_place = gathered_groups(module, found)
         packs = _packings(module, found, self.stream_dtype, in_place)     # NOTE [quantized streaming]
         packed = {g: packed_layout([t for _, t in own], packs[g])[1] for g, _, own in found if g in packs}
+        staged = {g: staging_bytes([t for _, t in own], packs[g]) for g, _, own in found if g in packs}
         # NOTE [expert cache] in inference/experts.py: its bytes come out of the budget, if a
         # group it could serve streams.
         expert_cache = self.expert_cache
         cache_bytes = 0 if expert_cache is None else parse_bytes(
             expert_cache, total=tier.backend.capabilities().total_memory, what="expert_cache", max_percent=100)
         for room in ([self.budget - cache_bytes] if 0 < cache_bytes < self.budget else []) + [self.budget]:
-            self.plan = self._plan_split(module, sizes, lookahead, in_place, room, link=packed, staging=packed,
+            self.plan = self._plan_split(module, sizes, lookahead, in_place, room, link=packed, staging=staged,
                                          stages=QSTAGES + (self.stream_dtype == "int4"))
             self._groups = {mname: Group(mname, [t for _, t in own], n, pinned=mname in self.plan.pinned,
                                           gathered=mname in self.plan.in_place, stacked=is_stacked([t for _, t in own]),

@@ -23,11 +23,13 @@ NOTE [quantized streaming]
 
     The packed bytes of a group cross into a staging buffer of the window, and a dequantization
     writes the slot's weights in the model's dtype from it, on a stream of its own (tiermem's
-    "dequant" lane) that waits for the copy: the link goes on with the next group's copy while
-    the previous one is dequantized, and the forward waits only for the dequantized slot
-    (NOTE [ordered copies] in core/stream.py: :meth:`SlotRing.transform`). Two staging buffers
-    take turns (QSTAGES), so a copy never waits for a dequantization but the one two groups
-    back. The dequantization multiplies in fp32 and rounds once to the model's dtype, which is
+    "dequant" lane) that waits for the copy: the link goes on with the next copy while the
+    previous one is dequantized, and the forward waits only for the dequantized slot (NOTE
+    [ordered copies] in core/stream.py: :meth:`SlotRing.transform`). Two staging buffers take
+    turns (QSTAGES), so a copy never waits for a dequantization but the one two copies back. A
+    group bigger than QSTAGE_BYTES packed crosses a chunk of rows at a time (rows are
+    independent), so the staging stays small beside a slot of a whole layer of experts; the
+    expert cache brings an expert's rows the same way. The dequantization multiplies in fp32 and rounds once to the model's dtype, which is
     exactly :func:`reference`'s ``(values.float() * scale).to(dtype)``; its kernels make no
     temporaries in torch's allocator (int4 unpacks its nibbles into a scratch region of the
     window), so the window is all the device memory streaming takes.
@@ -51,11 +53,12 @@ from typing import Any
 from ..errors import ConfigError
 
 __all__ = ["FORMATS", "INT4_GROUP", "QSTAGES", "Packing", "packing", "pack_into", "dequantize", "reference",
-           "unpack", "check_format", "views"]
+           "unpack", "check_format", "views", "QSTAGE_BYTES"]
 
 FORMATS = ("int8", "fp8", "int4")
 INT4_GROUP = 128          # int4: columns per scale
 QSTAGES = 2               # staging buffers the packed bytes cross into, in turn
+QSTAGE_BYTES = 32 << 20   # a staging buffer holds at most this much of a group: bigger ones cross in chunks
 ALIGN = 256               # a region's alignment in the home, a staging buffer and a slot
 QUANT_CHUNK = 1 << 22     # elements quantized at a time at adoption (16 MiB of fp32 temporaries each)
 _QMAX = {"int8": 127.0, "fp8": 448.0, "int4": 7.0}

@@ -22,7 +22,7 @@ from .sources import materialize, origin
 if TYPE_CHECKING:
     from ..core.engine import Engine as Tier  # what an adapter uses is the engine's interface
 
-__all__ = ["Group", "PinnedTransport", "packed_layout"]
+__all__ = ["Group", "PinnedTransport", "packed_layout", "staging_bytes", "member_rows"]
 
 log = logging.getLogger("tiermem")
 
@@ -74,6 +74,27 @@ class Group:
         # A decode: the routed experts are read in place, or come through the expert cache;
         # with no home in the model's dtype to read (on disk, packed) the group streams whole.
         return not self.cached and (self.on_disk or self.packed)
+
+
+def _up(n: int) -> int:
+    return -(-max(int(n), 1) // quant.ALIGN) * quant.ALIGN
+
+
+def member_rows(t: Any, p: Any) -> int:
+    """The rows a member of a packed group is streamed by: its packing's, else its leading dimension's."""
+    return p.rows if p is not None else (int(t.shape[0]) if t.dim() >= 1 and t.shape[0] else 1)
+
+
+def _row_bytes(t: Any) -> int:
+    return t.numel() * t.element_size() // member_rows(t, None)
+
+
+def staging_bytes(tensors: list[Any], packing: list[Any]) -> int:
+    """The staging buffer a packed group needs (NOTE [quantized streaming]): its packed bytes, or
+    QSTAGE_BYTES when they are more (it then crosses a chunk of rows at a time), never less than
+    its largest row and two alignments."""
+    rows = max((p.row_q + p.row_s if p is not None else _row_bytes(t) for t, p in zip(tensors, packing)), default=0)
+    return min(packed_layout(tensors, packing)[1], max(quant.QSTAGE_BYTES, rows + 2 * quant.ALIGN))
 
 
 def packed_layout(tensors: list[Any], packing: list[Any]) -> tuple[list[int], int]:
@@ -145,11 +166,12 @@ class PinnedTransport:
         # A plan with no room for the window never streams: everything is read in place.
         self.nslots = 0 if plan.zero_copy_only or not self.slot_bytes else plan.lookahead
         # NOTE [quantized streaming]: packed bytes cross into QSTAGES staging buffers of the
-        # window, each the largest packed group, and int4 unpacks through a scratch region.
+        # window, a chunk of rows at a time, and int4 unpacks through a scratch region.
         packed = [g for g in groups if g.packed]
-        self.stage_bytes = max((g.packed_nbytes for g in packed), default=0) if self.nslots else 0
-        self.scratch_bytes = max((quant.ALIGN * -(-p.q_bytes // quant.ALIGN) for g in packed for p in g.packing
-                                  if p is not None and p.fmt == "int4"), default=0) if self.nslots else 0
+        self.stage_bytes = max((staging_bytes(g.tensors, g.packing) for g in packed), default=0) if self.nslots else 0
+        self.scratch_bytes = min(self.stage_bytes, max((quant.ALIGN * -(-p.q_bytes // quant.ALIGN) for g in packed
+                                                        for p in g.packing if p is not None and p.fmt == "int4"),
+                                                       default=0))
         self.window_bytes = self.slot_bytes * self.nslots + quant.QSTAGES * self.stage_bytes + self.scratch_bytes
         self.home: Any = None
         self.window: Any = None
@@ -285,6 +307,8 @@ class PinnedTransport:
         base = self.ring.slots[0].ptr + self.slot_bytes * self.nslots if self.nslots else 0
         self.stages = SlotRing(base, self.stage_bytes, quant.QSTAGES if self.stage_bytes else 0)
         self.scratch_ptr = base + quant.QSTAGES * self.stage_bytes
+        self._stage_raw = [be.torch_view(st.ptr, self.stage_bytes, self.window) for st in self.stages]
+        self._scratch = be.torch_view(self.scratch_ptr, self.scratch_bytes, self.window) if self.scratch_bytes else None
         self.dq = Lane(be, lambda: tier.side_stream("dequant"))
         self._turn = 0                 # the staging buffer the next packed copy takes
         self.last_dq: Any = None       # the end of the last dequantization queued
@@ -360,20 +384,78 @@ class PinnedTransport:
             elif not isinstance(src, FileTensor):        # a file's bytes were read in before pinning
                 v.copy_(materialize(src))
 
-    def _dequantize(self, g: Group, stage: int, slot: int) -> None:
-        """The device work that turns a packed group in staging buffer ``stage`` into its slot."""
-        scratch = None
-        if self.scratch_bytes:
-            be = self.tier.backend
-            scratch = be.torch_view(self.scratch_ptr, self.scratch_bytes, self.window)
-        for keep, t, p, src, dst in zip(g.in_slot, g.tensors, g.packing, self._packed_views(g, stage),
-                                        self._views(g, slot)):
-            if not keep:
-                continue                             # a buffer: read at its home
-            if p is None:
-                dst.copy_(src)
+    def _chunks(self, g: Group, ranges: list[tuple[int, int, int]]) -> list[list[tuple[int, int, int]]]:
+        """``ranges`` ((member, first row, end row) of a packed group) cut into chunks that each fit
+        a staging buffer packed (NOTE [quantized streaming])."""
+        out: list[list[tuple[int, int, int]]] = [[]]
+        used = 0
+        for i, lo, hi in ranges:
+            t, p = g.tensors[i], g.packing[i]
+            per = p.row_q + p.row_s if p is not None else _row_bytes(t)
+            while lo < hi:
+                n = min(hi - lo, max(0, (self.stage_bytes - used - 2 * quant.ALIGN) // per))
+                if n == 0:
+                    out.append([])
+                    used = 0
+                    continue
+                out[-1].append((i, lo, lo + n))
+                used += p.rows_nbytes(n) if p is not None else _up(n * per)
+                lo += n
+        return [c for c in out if c]
+
+    def stream_packed(self, g: Group, ranges: list[tuple[int, int, int]], ring: SlotRing, slot: Any,
+                      dst: Callable[[int, int, int], Any]) -> int:
+        """Copy rows ``ranges`` ((member, first row, end row)) of packed group ``g`` from its home
+        into the staging buffers a chunk at a time, each dequantized (or, for a member kept as it
+        is, copied) into ``dst(member, first row, end row)`` on the dequantization lane; ``slot``
+        of ``ring`` is ready once the last is (NOTE [quantized streaming]). Returns the bytes
+        that crossed the link."""
+        from ..core.transfer import Transfer
+        tier, home, moved = self.tier, self.home.ptr + g.offset, 0
+        for chunk in self._chunks(g, ranges):
+            st = self.take_stage()
+            parts, layout, at = [], [], 0
+            for i, lo, hi in chunk:
+                p, off = g.packing[i], home + g.packed_offsets[i]
+                layout.append((i, lo, hi, at))
+                if p is not None:
+                    (qo, qn), (so, sn) = p.row_ranges(lo, hi)
+                    parts += [(at, off + qo, qn), (at + _up(qn), off + so, sn)]
+                    at += p.rows_nbytes(hi - lo)
+                else:
+                    per = _row_bytes(g.tensors[i])
+                    parts.append((at, off + lo * per, (hi - lo) * per))
+                    at += _up((hi - lo) * per)
+            n = sum(x for _, _, x in parts)
+            start, end = self.stages.fill(self.lane, st, parts, timed=True)
+            tier.track(Transfer(tier, "h2d", self.lane.stream, start, end, [], n, {self.role: n}))
+            tier.accounting.on_move(self.role, "h2d", n)
+            moved += n
+            raw = self._stage_raw[st.index]
+            self.last_dq = ring.transform(self.dq, slot, lambda raw=raw, layout=layout: self._unpack(g, raw, layout, dst),
+                                          reads=[st])
+        tier.accounting.count(self.role, "prefetch_ops")
+        return moved
+
+    def _unpack(self, g: Group, raw: Any, layout: list[tuple[int, int, int, int]],
+                dst: Callable[[int, int, int], Any]) -> None:
+        """The device work of one staged chunk: each range dequantized or copied into its place."""
+        for i, lo, hi, at in layout:
+            p, out = g.packing[i], dst(i, lo, hi)
+            if p is not None:
+                q, s = quant.views(p, raw[at:at + p.rows_nbytes(hi - lo)], hi - lo)
+                quant.dequantize(q, s, p, out, self._scratch)
             else:
-                quant.dequantize(src[0], src[1], p, dst, scratch)
+                t = g.tensors[i]
+                out.copy_(raw[at:at + (hi - lo) * _row_bytes(t)].view(t.dtype).view(out.shape))
+
+    def slot_rows(self, g: Group, slot: int) -> Callable[[int, int, int], Any]:
+        """``dst`` for :meth:`stream_packed` into ``g``'s slot: a member's rows there."""
+        views = self._views(g, slot)
+
+        def rows(i: int, lo: int, hi: int) -> Any:
+            return views[i].view(member_rows(g.tensors[i], g.packing[i]), -1)[lo:hi]
+        return rows
 
     def _load(self, g: Group, slot: int, wait: bool = True) -> bool:
         """Queue ``g``'s copy into ``slot``; False (nothing queued) when ``g`` is on disk, not read
@@ -418,21 +500,15 @@ class PinnedTransport:
         return self._views(g, None)
 
     def _load_packed(self, g: Group, slot: int) -> None:
-        """Queue a packed group's copy into the next staging buffer and its dequantization into
+        """Queue a packed group's copies into the staging buffers and their dequantization into
         ``slot`` (NOTE [quantized streaming] in inference/quant.py)."""
-        from ..core.transfer import Transfer
-        tier = self.tier
         s = self.ring[slot]
         old = self.ring.vacate(s)          # as in _load: nothing names the slot's bytes until queued
         if old is not None:
             self.slot_of.pop(id(old), None)
-        st = self.take_stage()
-        k = st.index
-        start, end = self.stages.fill(self.lane, st, [(0, self.home.ptr + g.offset, g.packed_nbytes)], timed=True)
-        tier.track(Transfer(tier, "h2d", self.lane.stream, start, end, [], g.packed_nbytes, {self.role: g.packed_nbytes}))
-        tier.accounting.on_move(self.role, "h2d", g.packed_nbytes)
-        tier.accounting.count(self.role, "prefetch_ops")
-        self.last_dq = self.ring.transform(self.dq, s, lambda: self._dequantize(g, k, slot), reads=[st])
+        ranges = [(i, 0, member_rows(t, p)) for i, (t, p, keep) in enumerate(zip(g.tensors, g.packing, g.in_slot))
+                  if keep]                  # a buffer is read at its home
+        self.stream_packed(g, ranges, self.ring, s, self.slot_rows(g, slot))
         s.occupant, s.held = g, _versions(g)
         self.slot_of[id(g)] = slot
 

@@ -19,8 +19,9 @@ import os
 from typing import Any
 
 from ..base.limits import parse_bytes
-from ..inference.groups import MAX_GROUP, gathered_groups, home_layout, is_stacked, module_groups, span_of
+from ..inference.groups import MAX_GROUP, fit_groups, gathered_groups, home_layout, is_stacked, module_groups, span_of
 from ..inference.plan import LINK_GBPS, LOOKAHEAD, Plan, plan_host, plan_residency, stay_home
+from ..inference.split import find_cuts
 
 __all__ = ["ModelPlan", "plan_model", "load_config"]
 
@@ -110,7 +111,7 @@ def load_config(model: str | os.PathLike, overrides: dict[str, Any] | None = Non
 def plan_model(model: str | os.PathLike | Any, budget: int | str, host_budget: int | str | None = None, *,
                link_GBps: float = LINK_GBPS, disk_GBps: float | None = None, tokens: int = 128,
                overrides: dict[str, Any] | None = None, dtype: Any = None, lookahead: int = LOOKAHEAD,
-               max_group_bytes: int = MAX_GROUP, device_memory: int | str | None = None) -> ModelPlan:
+               max_group_bytes: int | None = None, device_memory: int | str | None = None) -> ModelPlan:
     """The plan adoption makes for ``model`` (a checkpoint folder, a config.json, a model type with
     ``overrides``, or a transformers config) within ``budget`` device bytes and ``host_budget``
     pinned bytes, and its predicted prefill of ``tokens`` tokens and decode per token (seconds) at
@@ -136,11 +137,15 @@ def plan_model(model: str | os.PathLike | Any, budget: int | str, host_budget: i
             or (getattr(torch, max(floating, key=floating.get)) if floating else torch.float16))
     with empty_weights():
         m = transformers.AutoModelForCausalLM.from_config(cfg, dtype=want)
-    found = module_groups(m, max_group_bytes)
-    sizes = [(name, sum(span_of(t) for _, t in own)) for name, _, own in found]
+    found = module_groups(m, MAX_GROUP if max_group_bytes is None else max_group_bytes)
     device = None if device_memory is None else parse_bytes(device_memory, what="device memory")
-    plan = plan_residency(sizes, parse_bytes(budget, total=device, what="module budget", max_percent=100), lookahead,
-                          in_place=gathered_groups(m, found))
+    b = parse_bytes(budget, total=device, what="module budget", max_percent=100)
+    if max_group_bytes is None:
+        found = fit_groups(m, found, b, lookahead)
+    sizes = [(name, sum(span_of(t) for _, t in own)) for name, _, own in found]
+    cuts = find_cuts(m, found)
+    plan = plan_residency(sizes, b, lookahead, in_place=gathered_groups(m, found),
+                          split={g: c.unit for g, c in cuts.items()})
     if host_budget is not None:
         # Every parameter is in the files byte for byte (as save_pretrained writes them), unless the
         # checkpoint at hand says otherwise: the rule adoption applies (NOTE [disk tier]).
@@ -157,7 +162,8 @@ def plan_model(model: str | os.PathLike | Any, budget: int | str, host_budget: i
             return got is not None and got.dtype == str(t.dtype).replace("torch.", "")
         groups = [(name, [t for _, t in own]) for name, _, own in found]
         plan = plan_host(plan, [(name, home_layout(ts)[1]) for name, ts in groups],
-                         parse_bytes(host_budget, what="host_budget"), keep=stay_home(groups, in_files))
+                         parse_bytes(host_budget, what="host_budget"),
+                         keep=stay_home(groups, in_files) | {g for g, c in cuts.items() if c.gathers})
     if plan.on_disk and not disk_GBps:
         disk_GBps = DISK_GBPS
     # A decode step (NOTE [streaming plan]): dense groups stream, stacked experts in the home are

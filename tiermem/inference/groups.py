@@ -8,8 +8,8 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
-__all__ = ["MAX_GROUP", "module_groups", "weight_bytes", "span_of", "span_bytes", "home_layout", "gathered_groups",
-           "is_stacked"]
+__all__ = ["MAX_GROUP", "module_groups", "fit_groups", "weight_bytes", "span_of", "span_bytes", "home_layout",
+           "gathered_groups", "is_stacked"]
 
 MAX_GROUP = 160 << 20
 
@@ -79,6 +79,19 @@ def module_groups(module: Any, max_group_bytes: int = MAX_GROUP) -> list[tuple[s
 
     visit(0)
     return out
+
+
+def fit_groups(module: Any, found: list, budget: int, lookahead: int) -> list:
+    """``found`` (module_groups at MAX_GROUP), or the module cut into smaller groups when the budget
+    is too small to stream groups that big: at most ``budget / (2 x lookahead)`` bytes each, so
+    that the window of ``lookahead`` slots takes at most half the budget and a small budget still
+    streams its layers a block at a time rather than reading them in place (NOTE [no plan
+    collapse] in inference/plan.py). A module that holds everything resident keeps its groups."""
+    cap = budget // (2 * max(1, lookahead))
+    sizes = [sum(span_of(t) for _, t in own) for _, _, own in found]
+    if budget <= 0 or budget >= sum(sizes) or cap >= MAX_GROUP or all(n <= cap for n in sizes):
+        return found
+    return module_groups(module, max(1, cap))
 
 
 def is_stacked(tensors: list[Any]) -> bool:

@@ -32,7 +32,7 @@ from typing import Any
 from ..base import dtypes as _dtypes
 from ..errors import CheckpointError, ConfigError, TierMemError
 
-__all__ = ["FileTensor", "Checkpoint", "Reader", "load_pretrained", "empty_weights", "model_weights"]
+__all__ = ["FileTensor", "Checkpoint", "Reader", "load_pretrained", "empty_weights", "model_weights", "tie_weights"]
 
 # safetensors' dtype names -> tiermem's canonical names
 _ST_DTYPES = {"F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64", "I64": "int64",
@@ -396,7 +396,7 @@ def model_weights(ckpt: Mapping[str, FileTensor], model: Any) -> dict[str, FileT
         from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
         mapping = get_model_conversion_mapping(model)
     except Exception:        # a transformers without these rules reads the names as they are
-        return dict(ckpt)
+        return _tied_names(dict(ckpt), model)
     renames = [m for m in mapping if isinstance(m, WeightRenaming)]
     merges = [m for m in mapping if isinstance(m, WeightConverter)]
     meta = model.state_dict()
@@ -414,6 +414,38 @@ def model_weights(ckpt: Mapping[str, FileTensor], model: Any) -> dict[str, FileT
     for name, (conv, sources) in pending.items():
         m = meta.get(name)
         out[name] = _merged(name, conv, sources, None if m is None else tuple(m.shape), path)
+    return _tied_names(out, model)
+
+
+# NOTE [tied weights]
+# save_pretrained writes a tied weight once (Gemma's, Llama 3.2's, GPT-2's and OPT's head is
+# their embedding), and transformers ties the two names as from_pretrained loads. A model built
+# from its config inside transformers' no_init_weights is not tied (the tying lives in the
+# init_weights it skips), so load_pretrained ties it as from_pretrained does
+# (:func:`tie_weights`): the head and the embedding are then one parameter, whose bytes come
+# from whichever of its names the checkpoint has (NOTE [weight source]), and which is
+# planned and held once. A model whose tying still leaves two parameters gets the one saved
+# tensor under both names (:func:`model_weights`), each parameter its own copy.
+def tie_weights(model: Any) -> None:
+    """Tie ``model``'s weights as ``from_pretrained`` does (NOTE [tied weights])."""
+    tie = getattr(model, "tie_weights", None)
+    if callable(tie):
+        tie()
+
+
+def _tied_names(out: dict[str, FileTensor], model: Any) -> dict[str, FileTensor]:
+    """``out`` with each tied name the checkpoint lacks given its partner's tensor (NOTE [tied weights])."""
+    tied = getattr(model, "all_tied_weights_keys", None)
+    if not isinstance(tied, Mapping):
+        try:
+            tied = model.get_expanded_tied_weights_keys(all_submodels=True)
+        except Exception:   # not a transformers model, or one without the mapping: nothing to add
+            return out
+    for target, source in tied.items():
+        if target not in out and source in out:
+            out[target] = out[source]
+        elif source not in out and target in out:
+            out[source] = out[target]
     return out
 
 
@@ -521,6 +553,7 @@ def load_pretrained(path: str | os.PathLike, budget: int | str | None = None, ho
     builder = model_class or transformers.AutoModelForCausalLM
     with empty_weights(), _no_init(transformers):
         model = builder.from_config(config, dtype=want)
+    tie_weights(model)                         # NOTE [tied weights]
     model.eval()
     weights: Mapping[str, Any] = model_weights(ckpt, model)
     if dtype is not None:

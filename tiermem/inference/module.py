@@ -20,14 +20,15 @@ from typing import TYPE_CHECKING, Any
 
 from ..base.limits import parse_bytes
 from ..errors import ConfigError, DeviceFullError, TierMemError, WrapError
-from ..pytorch.held import CopyGuard
+from ..pytorch.held import CopyGuard, InstancePatch
 from ..roles import Evict, Role
 from .disk import READERS, STAGES
-from .groups import MAX_GROUP, gathered_groups, home_layout, is_stacked, module_groups, span_of
+from .groups import MAX_GROUP, fit_groups, gathered_groups, home_layout, is_stacked, module_groups, span_of
 from .load import FileTensor
 from .plan import LOOKAHEAD, plan_host, plan_residency, stay_home
 from .sources import stand_ins, weight_sources, wrap_from
-from .transport import Group, PinnedTransport
+from .split import chunked_forward, find_cuts
+from .transport import Group, Piece, PinnedTransport
 
 if TYPE_CHECKING:
     from ..core.engine import Engine as Tier  # what an adapter uses is the engine's interface
@@ -47,7 +48,8 @@ class TieredModule:
 
     Keyword arguments beside the budget: ``mode`` ("auto", "stream", "zero_copy"), ``lookahead``
     (streamed groups in flight), ``zero_copy_max_tokens`` (forwards of at most this many tokens
-    are decode steps), ``max_group_bytes``; ``weights``, a Mapping from state-dict names to the
+    are decode steps), ``max_group_bytes`` (default: MAX_GROUP, less for a budget too small to
+    stream groups that big, see groups.fit_groups); ``weights``, a Mapping from state-dict names to the
     tensors' bytes (NOTE [weight source] in inference/sources.py: a module built on the meta device
     can be adopted); and ``host_budget``, the pinned host bytes allowed, beyond which streamed
     groups are read from their checkpoint files ahead of use (NOTE [disk tier]; needs ``weights``
@@ -56,7 +58,7 @@ class TieredModule:
     """
 
     def __init__(self, tier: Tier, module: Any, budget: int | str | None, *, mode: str = "auto",
-                 lookahead: int = LOOKAHEAD, zero_copy_max_tokens: int = 16, max_group_bytes: int = MAX_GROUP,
+                 lookahead: int = LOOKAHEAD, zero_copy_max_tokens: int = 16, max_group_bytes: int | None = None,
                  weights: Mapping[str, Any] | None = None, host_budget: int | str | None = None,
                  disk_reader: str = READERS[0]):
         if mode not in ("auto", "stream", "zero_copy"):
@@ -81,10 +83,10 @@ class TieredModule:
                 owner[name] = old
             raise
 
-    def _setup(self, module: Any, budget: int | str | None, lookahead: int, max_group_bytes: int,
+    def _setup(self, module: Any, budget: int | str | None, lookahead: int, max_group_bytes: int | None,
                weights: Mapping[str, Any] | None, empty: set[int], host_budget: int | str | None) -> None:
         tier = self.tier
-        found = module_groups(module, max_group_bytes)
+        found = module_groups(module, MAX_GROUP if max_group_bytes is None else max_group_bytes)
         if not found:
             raise WrapError("this module has no parameters or buffers to tier")
         from ..pytorch.wrap import check_tensor
@@ -99,10 +101,17 @@ class TieredModule:
         asked = total if budget is None else parse_bytes(budget, total=tier.backend.capabilities().total_memory,
                                                          what="module budget", max_percent=100)
         self.budget = self._within_device(asked, [t for _, _, own in found for _, t in own])
-        self.plan = plan_residency(sizes, self.budget, lookahead, in_place=gathered_groups(module, found))
+        if max_group_bytes is None:
+            found = fit_groups(module, found, self.budget, lookahead)
+            sizes = [(mname, sum(span_of(t) for _, t in own)) for mname, _, own in found]
+        cuts = find_cuts(module, found)            # NOTE [split groups] in inference/split.py
+        self.plan = plan_residency(sizes, self.budget, lookahead, in_place=gathered_groups(module, found),
+                                   split={g: c.unit for g, c in cuts.items()})
         self.lookahead = max(self.plan.lookahead, 1)
         self._groups = {mname: Group(mname, [t for _, t in own], n, pinned=mname in self.plan.pinned,
-                                      gathered=mname in self.plan.in_place, stacked=is_stacked([t for _, t in own]))
+                                      gathered=mname in self.plan.in_place, stacked=is_stacked([t for _, t in own]),
+                                      oversized=mname in self.plan.oversized, cut=cuts.get(mname),
+                                      split=mname in self.plan.split)
                         for (mname, _, own), (_, n) in zip(found, sizes)}
         self._unit_groups: dict[int, list[Group]] = {id(m): [self._groups[mname]] for mname, m, _ in found}
         self.host_budget = None if host_budget is None else parse_bytes(host_budget, what="host_budget")
@@ -110,7 +119,8 @@ class TieredModule:
             self.plan = plan_host(self.plan, [(g.name, home_layout(g.tensors)[1]) for g in self._groups.values()],
                                   self.host_budget, STAGES,
                                   keep=stay_home([(g.name, g.tensors) for g in self._groups.values()],
-                                                 lambda t: isinstance(self._sources.get(id(t)), FileTensor)))
+                                                 lambda t: isinstance(self._sources.get(id(t)), FileTensor))
+                                  | {g.name for g in self._groups.values() if g.cut is not None and g.cut.gathers})
             if self.plan.on_disk and self.mode == "zero_copy":
                 raise TierMemError("mode='zero_copy' reads every weight in place, and a disk tier has weights with "
                                    "no place to read: raise host_budget or use mode='auto'")
@@ -125,6 +135,9 @@ class TieredModule:
         self._trace: list[int] = []
         self._recording = True
         self._pos = -1
+        self._cur = -1                # the last piece brought in, in this forward's sequence (_sequence)
+        self._seqs: dict[str, tuple[list[Piece], list[int]]] = {}
+        self._uses: dict[int, list[tuple[Group, str]]] = {}
         self._fwd_mode = "stream"
         self._lease: Any = None       # its share of the tier's budget (NOTE [budget leases])
         # NOTE [all or nothing]
@@ -157,7 +170,7 @@ class TieredModule:
             "pinned_bytes.home": st.home.nbytes if st is not None and st.home is not None else 0,
             "pinned_bytes.staging": disk.pinned_bytes if disk is not None else 0,
             "host_budget": -1 if self.host_budget is None else self.host_budget,
-            "disk_bytes.per_forward": sum(ft.nbytes for fs in disk.files.values() for ft, _ in fs) if disk else 0,
+            "disk_bytes.per_forward": sum(n for fs in disk.files.values() for _, _, n, _ in fs) if disk else 0,
         }
         for k in ("read_bytes", "read_seconds", "wait_seconds", "reads", "stage_reuse", "resyncs", "dropped",
                   "retries"):
@@ -237,6 +250,7 @@ class TieredModule:
         if pinned_tts:
             tier.prefetch(pinned_tts).synchronize()
         self._units = [m for m in module.modules() if id(m) in self._unit_groups]
+        self._uses = {id(m): [(g, _use(m, g)) for g in self._unit_groups[id(m)]] for m in self._units}
         self._hooks = [module.register_forward_pre_hook(self._root_pre, with_kwargs=True),
                        module.register_forward_hook(self._root_post)]
         for i, m in enumerate(self._units):
@@ -248,6 +262,10 @@ class TieredModule:
                     if t.requires_grad and hasattr(t, "register_post_accumulate_grad_hook"):
                         self._hooks.append(t.register_post_accumulate_grad_hook(
                             lambda p, g=g, i=i: self._stream.offload_grad(g, i, p)))
+                if g.split:                 # NOTE [split groups] in inference/split.py
+                    for m in g.cut.runs:
+                        self._hooks.append(InstancePatch(m, {"forward": chunked_forward(
+                            m, g.cut, g, self._runs_parts, self._enter, self._leave)}))
             self._stream.bind_home()       # the last step; it cannot fail
         self._hooks.append(CopyGuard(module))   # NOTE [held modules]
         module._tiermem_handle = weakref.ref(self)
@@ -303,22 +321,45 @@ class TieredModule:
     def _root_post(self, module: Any, args: tuple, out: Any) -> None:
         if self._recording and self._trace:
             self._recording = False
+            self._seqs = {}
             if self._stream is not None and self._stream.disk is not None:
-                self._stream.disk.set_sequence([g for i in self._trace for g in self._unit_groups[id(self._units[i])]
-                                                if g.on_disk])
+                # What a forward reads from disk, in order: the same in every mode that streams
+                # (a group on disk always takes a slot).
+                self._stream.disk.set_sequence([p for p in self._sequence("stream")[0] if p.group.on_disk])
         if self._fwd_mode != "zero_copy" and not self._recording and self._stream is not None:
-            self._pos = -1
-            self._stream.ahead(self._upcoming())   # the first streamed groups of the next forward
+            self._cur = -1
+            self._stream.ahead(self._upcoming())   # the first streamed pieces of the next forward
 
-    def _upcoming(self) -> list[Group]:
-        out: list[Group] = []
-        for j in range(self._pos + 1, len(self._trace)):
-            for g in self._unit_groups[id(self._units[self._trace[j]])]:
-                if not g.pinned and g.slot_in(self._fwd_mode):
-                    out.append(g)
-            if len(out) >= self.lookahead:
-                break
-        return out[: self.lookahead]
+    def _pieces(self, m: Any, mode: str) -> tuple[list[Piece], list[Piece]]:
+        """What unit ``m`` brings into slots in a forward in ``mode``: whole groups (its pre-hook
+        does) and parts of split groups (its chunked forward does, NOTE [split groups])."""
+        whole, parts = [], []
+        for g, use in self._uses[id(m)]:
+            if g.pinned or use == "rows" or not g.slot_in(mode):
+                continue
+            if use == "parts":
+                parts.extend(g.pieces)
+            else:
+                whole.append(g.pieces[0])
+        return whole, parts
+
+    def _sequence(self, mode: str) -> tuple[list[Piece], list[int]]:
+        """The pieces a forward in ``mode`` brings into slots, in order, and where each position
+        of the learned order starts in that list."""
+        got = self._seqs.get(mode)
+        if got is None:
+            flat: list[Piece] = []
+            starts: list[int] = []
+            for i in self._trace:
+                starts.append(len(flat))
+                whole, parts = self._pieces(self._units[i], mode)
+                flat += whole + parts
+            got = self._seqs[mode] = (flat, starts)
+        return got
+
+    def _upcoming(self) -> list[Piece]:
+        flat, _ = self._sequence(self._fwd_mode)
+        return flat[self._cur + 1:self._cur + 1 + self.lookahead]
 
     def _pre(self, i: int) -> None:
         if self._recording:
@@ -327,22 +368,39 @@ class TieredModule:
             self._pos += 1
             if self._pos >= len(self._trace) or self._trace[self._pos] != i:
                 # Another order than the one learned: learn it again on the next forward.
-                self._recording, self._trace = True, []
-        for g in self._unit_groups[id(self._units[i])]:
-            if g.pinned:
-                if not all(t.is_resident for t in g.tiered):
-                    self.tier.prefetch(g.tiered)
-            elif g.slot_in(self._fwd_mode):
-                self._stream.ensure(g)
-        if self._fwd_mode != "zero_copy" and not self._recording and self._stream is not None:
+                self._recording, self._trace, self._seqs = True, [], {}
+        ahead = self._fwd_mode != "zero_copy" and not self._recording and self._stream is not None
+        if ahead:
+            self._cur = self._sequence(self._fwd_mode)[1][self._pos] - 1
+        for g, _ in self._uses[id(self._units[i])]:
+            if g.pinned and not all(t.is_resident for t in g.tiered):
+                self.tier.prefetch(g.tiered)
+        for p in self._pieces(self._units[i], self._fwd_mode)[0]:
+            self._stream.ensure(p)
+            self._cur += 1
+        if ahead:
             self._stream.ahead(self._upcoming())
 
     def _post(self, i: int) -> None:
         if self._fwd_mode == "zero_copy":
             return
-        for g in self._unit_groups[id(self._units[i])]:
-            if not g.pinned and g.slot_in(self._fwd_mode):
-                self._stream.release(g)
+        for p in self._pieces(self._units[i], self._fwd_mode)[0]:
+            self._stream.release(p)
+
+    def _runs_parts(self, g: Group) -> bool:
+        """Whether this forward streams ``g`` in parts (else its user runs as it would unsplit)."""
+        return self._stream is not None and self._stream.nslots > 0 and g.slot_in(self._fwd_mode)
+
+    def _enter(self, p: Piece) -> list[Any]:
+        """Bring part ``p`` into its slot, for a chunked forward (NOTE [split groups]); its views."""
+        views = self._stream.ensure(p)
+        self._cur += 1
+        if self._fwd_mode != "zero_copy" and not self._recording:
+            self._stream.ahead(self._upcoming())
+        return views
+
+    def _leave(self, p: Piece) -> None:
+        self._stream.release(p)
 
     # -- lifecycle ------------------------------------------------------------------------------------
     def drain(self) -> None:
@@ -447,6 +505,17 @@ class TieredModule:
 
     def __repr__(self) -> str:
         return f"<TieredModule {type(self.module).__name__} ({self.transport}): {self.plan.table(limit=0)}>"
+
+
+def _use(m: Any, g: Group) -> str:
+    """How unit ``m`` uses group ``g``: "rows" (an embedding: reads the rows of its tokens in
+    place), "parts" (runs over the parts of a split group) or "whole" (a slot holds it whole)."""
+    cut = g.cut
+    if cut is not None and any(m is x for x in cut.gathers):
+        return "rows"
+    if g.split and cut is not None and any(m is x for x in cut.runs):
+        return "parts"
+    return "whole"
 
 
 def _wrap_group(tier: Tier, tensors: list[Any], names: list[str], on_host: bool, policy: Any) -> list[TieredTensor]:

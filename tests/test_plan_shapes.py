@@ -181,6 +181,16 @@ def test_staging_holds_a_part_not_a_layer():
     host = plan_host(plan, streamed, 1800 * u, stages=3)
     assert host.on_disk and host.stage_bytes <= plan.slot and host.on_disk & plan.split
     assert host.pinned_host_bytes <= 1800 * u
+    # Where parts cost more than reading in place, the experts are read in place, which needs
+    # them in the home; with a host budget too small for that they stream their parts from disk.
+    plan = plan_residency(sizes, 800 * u, 3, in_place={"embed"}, split={f"experts{i}": 10 * u for i in range(4)},
+                          part_cost=1 << 40)
+    assert plan.oversized and not plan.split
+    streamed = [(g, n) for g, n in sizes if g not in plan.pinned]
+    assert plan_host(plan, streamed, None).oversized == plan.oversized      # no disk tier: as planned
+    host = plan_host(plan, streamed, 1800 * u, stages=3)
+    assert host.split == plan.oversized and not host.oversized and host.on_disk
+    assert host.stage_bytes <= plan.slot and host.pinned_host_bytes <= 1800 * u
 
 
 @pytest.mark.parametrize("lookahead", [1, 3])

@@ -19,7 +19,8 @@ import os
 from typing import Any
 
 from ..base.limits import parse_bytes
-from ..inference.groups import MAX_GROUP, fit_groups, gathered_groups, home_layout, is_stacked, module_groups, span_of
+from ..inference.groups import (MAX_GROUP, enclosing_groups, fit_groups, gathered_groups, home_layout, is_stacked,
+                                module_groups, span_of)
 from ..inference.plan import LINK_GBPS, LOOKAHEAD, Plan, plan_host, plan_residency, stay_home
 from ..inference.split import find_cuts
 
@@ -144,7 +145,7 @@ def plan_model(model: str | os.PathLike | Any, budget: int | str, host_budget: i
         found = fit_groups(m, found, b, lookahead)
     sizes = [(name, sum(span_of(t) for _, t in own)) for name, _, own in found]
     cuts = find_cuts(m, found)
-    plan = plan_residency(sizes, b, lookahead, in_place=gathered_groups(m, found),
+    plan = plan_residency(sizes, b, lookahead, in_place=gathered_groups(m, found) | enclosing_groups(found),
                           split={g: c.unit for g, c in cuts.items()})
     if host_budget is not None:
         # Every parameter is in the files byte for byte (as save_pretrained writes them), unless the

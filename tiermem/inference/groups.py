@@ -9,7 +9,7 @@ import itertools
 from typing import Any
 
 __all__ = ["MAX_GROUP", "module_groups", "fit_groups", "weight_bytes", "span_of", "span_bytes", "home_layout",
-           "gathered_groups", "is_stacked"]
+           "gathered_groups", "enclosing_groups", "is_stacked"]
 
 MAX_GROUP = 160 << 20
 
@@ -100,6 +100,16 @@ def is_stacked(tensors: list[Any]) -> bool:
     import torch
     ps = [t for t in tensors if isinstance(t, torch.nn.Parameter)]
     return bool(ps) and all(p.dim() >= 3 and p.shape[0] == ps[0].shape[0] > 1 for p in ps)
+
+
+def enclosing_groups(found: list) -> set[str]:
+    """The groups whose module encloses other groups' modules (a parent's own tensors, a Mamba
+    mixer's A_log beside its projections, an attention's sinks beside its q/k/v): the parent's
+    forward runs its children's while it holds its own tensors, so a slot of its own would be
+    taken by theirs while still in use. They are read in place, like embeddings' groups
+    (NOTE [streaming plan])."""
+    roots = {id(m) for _, m, _ in found}
+    return {name for name, m, _ in found if any(id(sub) in roots for sub in m.modules() if sub is not m)}
 
 
 def gathered_groups(module: Any, found: list) -> set[str]:

@@ -23,7 +23,8 @@ from ..errors import ConfigError, DeviceFullError, TierMemError, WrapError
 from ..pytorch.held import CopyGuard, InstancePatch
 from ..roles import Evict, Role
 from .disk import READERS, STAGES
-from .groups import MAX_GROUP, fit_groups, gathered_groups, home_layout, is_stacked, module_groups, span_of
+from .groups import (MAX_GROUP, enclosing_groups, fit_groups, gathered_groups, home_layout, is_stacked, module_groups,
+                     span_of)
 from .load import FileTensor
 from .plan import LOOKAHEAD, plan_host, plan_residency, stay_home
 from .sources import stand_ins, weight_sources, wrap_from
@@ -105,7 +106,8 @@ class TieredModule:
             found = fit_groups(module, found, self.budget, lookahead)
             sizes = [(mname, sum(span_of(t) for _, t in own)) for mname, _, own in found]
         cuts = find_cuts(module, found)            # NOTE [split groups] in inference/split.py
-        self.plan = plan_residency(sizes, self.budget, lookahead, in_place=gathered_groups(module, found),
+        self.plan = plan_residency(sizes, self.budget, lookahead,
+                                   in_place=gathered_groups(module, found) | enclosing_groups(found),
                                    split={g: c.unit for g, c in cuts.items()})
         self.lookahead = max(self.plan.lookahead, 1)
         self._groups = {mname: Group(mname, [t for _, t in own], n, pinned=mname in self.plan.pinned,
@@ -121,6 +123,8 @@ class TieredModule:
                                   keep=stay_home([(g.name, g.tensors) for g in self._groups.values()],
                                                  lambda t: isinstance(self._sources.get(id(t)), FileTensor))
                                   | {g.name for g in self._groups.values() if g.cut is not None and g.cut.gathers})
+            for g in self._groups.values():     # plan_host streams from disk what it can cut
+                g.split, g.oversized = g.name in self.plan.split, g.name in self.plan.oversized
             if self.plan.on_disk and self.mode == "zero_copy":
                 raise TierMemError("mode='zero_copy' reads every weight in place, and a disk tier has weights with "
                                    "no place to read: raise host_budget or use mode='auto'")

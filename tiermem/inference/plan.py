@@ -20,11 +20,14 @@ NOTE [streaming plan]
     zero-copy, moves only what kernels read, at ~51 GB/s (docs/facts.md), and batch-1 GEMV
     kernels reading host pages reached only 1.18-1.24x the link bound on five architectures
     (bench/results/offload_infer-*.json, first run of this design), so dense groups stream in
-    every forward. Two kinds of group are read in place instead: groups that only embeddings use
-    (a lookup reads the rows of its tokens; they take no slot and are pinned only with the budget
-    left once the rest is planned), and, in a forward of few tokens (``zero_copy_max_tokens``,
-    a decode step), groups of stacked expert weights, of which a decode reads only the experts
-    its router picked. mode="zero_copy" reads every streamed group in place.
+    every forward. Some groups are read in place instead: groups that only embeddings use (a
+    lookup reads the rows of its tokens), and the own tensors of a module that encloses other
+    groups (groups.enclosing_groups: a Mamba mixer's A_log, an attention's sinks), which its
+    forward holds while its children take the slots; these take no slot and are pinned only
+    with the budget left once the rest is planned. In a forward of few tokens
+    (``zero_copy_max_tokens``, a decode step), groups of stacked expert weights are read in
+    place, of which a decode reads only the experts its router picked. mode="zero_copy" reads
+    every streamed group in place.
 
     The execution order is learned on the first forward (and again whenever a forward runs the
     modules in another order); until then groups come in on demand.
@@ -86,6 +89,7 @@ class Plan:
     slot: int = 0                           # bytes of one slot: the window is ``lookahead`` of them
     split: frozenset[str] = frozenset()     # streamed in parts of at most ``slot`` bytes (NOTE [no plan collapse])
     oversized: frozenset[str] = frozenset()  # bigger than a slot and not cut: read in place whole
+    units: tuple[tuple[str, int], ...] = ()  # (group that can be cut, bytes of its smallest part)
 
     @property
     def pinned_bytes(self) -> int:
@@ -196,7 +200,8 @@ def plan_residency(sizes: Iterable[tuple[str, int]], budget: int, lookahead: int
         if n <= room:
             extra.append(g)
             room -= n
-    return dataclasses.replace(plan, pinned=plan.pinned | frozenset(extra), in_place=gathered)
+    return dataclasses.replace(plan, pinned=plan.pinned | frozenset(extra), in_place=gathered,
+                               units=tuple(sorted(units.items())))
 
 
 def _slot_sizes(moving: list[tuple[str, int]], units: dict[str, int], most: int) -> list[int]:
@@ -291,6 +296,8 @@ def _pins(moving: list[tuple[str, int]], budget: int, la: int, s: int, units: di
                 room -= n
         rest = [g for g, _ in moving if g not in pinned]
         slot = max((fate[g][1] for g in rest), default=0)
+        if not slot and any(units.get(g, s + 1) <= s for g in rest):
+            slot = s                 # kept for the parts a disk tier would stream (plan_host)
         if not slot:
             continue                 # everything left is read in place: the window would be wasted
         key = (sum(cost[g] for g in rest), -(room0 - room))
@@ -318,6 +325,10 @@ def plan_host(plan: Plan, host_sizes: Iterable[tuple[str, int]], host_budget: in
     plan = dataclasses.replace(plan, host_budget=host_budget, host_sizes=tuple(streamed))
     if host_budget is None or total <= host_budget:
         return plan
+    # A group read in place has to stay in the home; one that can be cut streams its parts from
+    # disk instead (NOTE [no plan collapse]: in place was chosen over parts only by their cost).
+    cut = {g for g, u in plan.units if g in plan.oversized and u <= plan.slot}
+    plan = dataclasses.replace(plan, split=plan.split | cut, oversized=plan.oversized - cut)
     fixed = set(keep) | set(plan.in_place) | set(plan.oversized)
     movable = [(g, n) for g, n in streamed if g not in fixed]
     kept = sum(n for g, n in streamed if g in fixed)

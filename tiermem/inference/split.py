@@ -17,14 +17,15 @@ NOTE [split groups]
       leading length), called as transformers' experts are, ``(hidden_states, top_k_index,
       top_k_weights)``. Each part is a range of experts: the module runs once per part with its
       parameters bound to the part in the slot, ``num_experts`` set to the part's count, and
-      the routing renumbered: experts outside the part are sent to the index one past its last
-      (the "no expert" index of transformers' expert parallelism, which its implementations
-      skip or mask: EP_FLAG is set for the call where the module has it) with a routing weight
-      of zero. The parts' outputs are summed in expert order. The unsplit eager loop adds a
-      token's experts one at a time; the parts add their own sums, so the result is equal to
-      rounding, and to the bit where no part but the last holds more than one of a token's
-      experts (always, with top-2 routing). A forward of few tokens reads stacked experts in
-      place (NOTE [streaming plan]) and never runs the parts.
+      the routing renumbered: a choice of an expert outside the part goes to the part's first
+      expert with a routing weight of zero, so it adds a zero. (transformers' "no expert"
+      index, one past the last, is not skipped by every version's loop: 5.17's one-hot has
+      no class for it.) The parts' outputs are summed in expert order. The result is the
+      unsplit one to rounding: the unsplit loop adds a token's experts one at a time where the
+      parts add their own sums, and a part's first expert multiplies more rows at once. The
+      zero-weighted choices cost compute (the first expert of each part runs on every token
+      routed elsewhere), not transfer. A forward of few tokens reads stacked experts in place
+      (NOTE [streaming plan]) and never runs the parts.
     Any other group bigger than a slot is read in place whole. Parts of rows are whole multiples
     of ROW_ALIGN rows where the slot allows (GEMM tiles); a part's tensors lie back to back in
     the slot, each 256-byte aligned, as a group's do in its home.
@@ -41,9 +42,6 @@ __all__ = ["Cut", "find_cuts", "rows_per_part", "part_bytes", "chunked_forward",
 ROW_ALIGN = 64
 ALIGN = 256     # a tensor's alignment in the home, a slot and a staging buffer (groups.home_layout)
 EXPERT_ARGS = ("hidden_states", "top_k_index", "top_k_weights")
-# transformers (5.24) masks the "no expert" index out of its grouped and batched kernels only
-# when it runs experts in parallel; without the mask its grouped kernel leaves those rows unset.
-EP_FLAG = "_is_expert_parallel"
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -187,14 +185,11 @@ def _experts_forward(module: Any, cut: Cut, group: Any, ctl: _Ctl, own: Callable
         if not ctl.runs(group):
             return own(hidden_states, top_k_index, top_k_weights, *args, **kwargs)
         out = None
-        parallel = vars(module).get(EP_FLAG)
         try:
-            if parallel is not None:
-                setattr(module, EP_FLAG, True)
             for part in group.pieces:
                 n = part.hi - part.lo
                 inside = (top_k_index >= part.lo) & (top_k_index < part.hi)
-                index = torch.where(inside, top_k_index - part.lo, torch.full_like(top_k_index, n))
+                index = torch.where(inside, top_k_index - part.lo, torch.zeros_like(top_k_index))
                 weights = torch.where(inside, top_k_weights, torch.zeros_like(top_k_weights))
                 ctl.enter(part)
                 try:
@@ -206,7 +201,5 @@ def _experts_forward(module: Any, cut: Cut, group: Any, ctl: _Ctl, own: Callable
                 out = y if out is None else out + y
         finally:
             module.num_experts = cut.length
-            if parallel is not None:
-                setattr(module, EP_FLAG, parallel)
         return out
     return forward

@@ -90,7 +90,8 @@ class Piece:
 def pieces_of(g: Group, cap: int) -> list[Piece]:
     """``g`` whole, or, if it is split, its parts of at most ``cap`` bytes (NOTE [split groups])."""
     if not g.split:
-        return [Piece(g, g.nbytes, list(range(len(g.tensors))), [(0, 0, g.nbytes)], [tuple(t.shape) for t in g.tensors])]
+        return [Piece(g, g.nbytes, list(range(len(g.tensors))), [(0, 0, g.nbytes)],
+                      [tuple(t.shape) for t in g.tensors])]
     length, members = g.cut.length, list(g.cut.members)
     ts = [g.tensors[i] for i in members]
     rows = rows_per_part(ts, cap, length, ROW_ALIGN if g.cut.kind == "rows" else 1)

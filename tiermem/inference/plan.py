@@ -43,8 +43,9 @@ NOTE [no plan collapse]
     plan); one too big for that is streamed in parts if it can be cut (``split``: by rows for an
     embedding or head, by expert for stacked experts, inference/split.py), and any other is read
     in place whole (``oversized``). The pins that save the most are kept, as before. A plan is scored in streamed bytes: a byte read in place
-    counts IN_PLACE_COST (decode's GEMV kernels read host pages at 1.18-1.24x the link bound),
-    and each part beyond a group's first PART_COST (a copy call and a chunk's kernel launches),
+    counts IN_PLACE_COST (decode's GEMV kernels read host pages at 1.18-1.24x the link bound,
+    docs/inference.md), and each part beyond a group's first PART_COST (a copy call, a chunk's
+    kernel launches and a host sync in an experts loop: taken as ~0.1 ms, not measured yet),
     so a group too big for the slots is read in place instead where its parts would cost more (a
     small model's head: many parts of a few KiB). The most slots whose best plan reads in place
     no group that slots could hold whole wins, as the most slots that fit won before; where every
@@ -65,7 +66,7 @@ __all__ = ["Plan", "plan_residency", "plan_host", "stay_home", "LINK_GBPS", "LOO
 LINK_GBPS = 55.0  # pinned H2D on the H100 machine (docs/facts.md); plans quote time at this rate
 LOOKAHEAD = 3     # groups in flight by default (the window's slots)
 IN_PLACE_COST = 1.2   # a byte read in place, in streamed bytes (NOTE [no plan collapse])
-PART_COST = 4 << 20   # one more part of a split group, in streamed bytes: ~0.1 ms at the link rate
+PART_COST = 4 << 20   # one more part of a split group, in streamed bytes: ~0.1 ms at the link rate (an estimate)
 MAX_SLOT_SIZES = 16   # slot sizes tried per number of slots (the groups' sizes, thinned)
 
 

@@ -442,7 +442,7 @@ class Soak:
         free0 = torch.cuda.mem_get_info()[0]
         self.sample_free()
         t = tiermem.Tier(0, budget=BUDGET, staging=self.rng.choice(["off", "8MiB"]))
-        t._staging.min_bytes = 1        # every shadow copy goes through the ring when it is on
+        t.staging.min_bytes = 1        # every shadow copy goes through the ring when it is on
         # inference: a frozen tiny GPT within 40% of its weights
         in_tier = tiermem.Tier(0)
         imodel, ic = self.gpt(dict(vocab=2048, seq=64, d=256, layers=4, heads=4), self.seed + 1)

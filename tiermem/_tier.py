@@ -5,8 +5,9 @@ no other module's private members (tests/test_layers.py holds the code to it):
   - base: errors, dtypes, sizes and limits, roles, the default tier's slot;
   - CUDA: the raw calls (cuda/runtime.py), the backend protocol (cuda/backend.py) with its books of events
     across a CUDA graph capture (cuda/capture.py), the staging rings;
-  - core: the engine (core/engine.py) with its tensor, transfer, stats, leases and report, and the
-    streaming primitive every mover shares (core/stream.py: ordered copies, a ring of device slots,
+  - core: the engine (core/engine.py), composed of its parts (books, budget, side streams,
+    advice, parking, moves, eviction, placement), with its tensor, transfer, stats, leases and
+    report, and the streaming primitive every mover shares (core/stream.py: ordered copies, a ring of device slots,
     a pinned arena);
   - adapters: torch (wrap, module offload, training and its whole-step graphs, activation swap,
     the torch allocator),

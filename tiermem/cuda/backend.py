@@ -29,8 +29,8 @@ NOTE [discard fence]
     cudaStreamSynchronize, which spins under CUDA's default scheduling: a blocking-sync event woke
     up ~0.4 ms later per wait (probe_managed_read-*.json). Since tiermem's stream first waits for
     the caller's stream, the drain also waits for compute the caller queued before the eviction.
-    tiermem moves managed memory on two streams, one per direction (UM_STREAMS in core/engine.py); the
-    Tier drains the other one too before each discard (``Tier._quiesce``), so no move of tiermem's
+    tiermem moves managed memory on two streams, one per direction (UM_STREAMS in core/sidestreams.py); the
+    Tier drains the other one too before each discard (``SideStreams.quiesce``), so no move of tiermem's
     runs on any stream around it.
 """
 from __future__ import annotations

@@ -13,7 +13,7 @@ NOTE [staging ring]
     managed page: 0.98-1.00 of the cudaMalloc rate in, 0.99 out, in the same probe.
 
     Two directions. Each direction has its own ring and its own tiermem stream (``um_h2d`` and
-    ``um_d2h`` in core/engine.py), so an eviction and a refill run at once: the link copies touch only
+    ``um_d2h`` in core/sidestreams.py), so an eviction and a refill run at once: the link copies touch only
     pinned memory and the slots, and the two directions together reached 92 GB/s, where direct
     copies between pinned and managed memory on two streams reached 52, and both directions
     through one ring on one stream 54 (bench/results/probe_overlap_ring-*.json).

@@ -18,6 +18,7 @@ from .base import default as _default
 from .base.limits import check_bytes
 from .core.tensor import TieredTensor
 from .core.transfer import Transfer
+from .inference.options import ModuleOptions
 from .roles import Location, Policy, Role, as_role, check_policy
 
 __all__ = ["default_tier", "configure", "empty", "wrap", "wrap_module", "wrap_training", "unwrap", "prefetch", "evict", "allocator",
@@ -82,18 +83,20 @@ def wrap_training(model: Any, optimizer: Any, budget: int | str, **kwargs: Any) 
     return (tier or default_tier()).wrap_training(model, optimizer, budget, **kwargs)
 
 
-def wrap_module(module: Any, budget: int | str | None = None, **kwargs: Any) -> Any:
+def wrap_module(module: Any, budget: int | str | None = None, *, options: ModuleOptions | None = None,
+                tier: Tier | None = None, **kwargs: Any) -> Any:
     """Adopt every parameter and buffer of ``module`` and run it within ``budget`` (bytes, "8GB",
     or a share of the device like "25%"; ``tiermem.planning.weight_bytes(module) // 4`` is a
     quarter of its weights: NOTE [sizes] in base/limits.py): the largest groups stay resident, the rest stream in ahead
     of use and out behind it, or are read in place for single-token forwards. Returns a
-    :class:`TieredModule` (its ``plan``; ``unwrap()`` restores the module). Keyword arguments:
-    ``mode`` ("auto", "stream", "zero_copy"), ``lookahead`` (groups in flight),
-    ``zero_copy_max_tokens``, ``tier``."""
-    tier = kwargs.pop("tier", None)
+    :class:`TieredModule` (its ``plan``; ``unwrap()`` restores the module). The options are the
+    fields of :class:`tiermem.handles.ModuleOptions` (documented there), given as keyword
+    arguments or as ``options=``, keywords changing its fields; ``tier`` defaults to the default
+    Tier."""
     if budget is not None:
         check_bytes(budget, what="module budget")
-    return (tier or default_tier()).wrap_module(module, budget, **kwargs)
+    options = ModuleOptions.of(options, **kwargs)
+    return (tier or default_tier()).wrap_module(module, budget, options=options)
 
 
 def unwrap(tensor: Any) -> Any:
@@ -171,10 +174,17 @@ def use(*arrays: Any, stream: Any = None, read_only: bool = False, once: bool = 
 
 
 def load_pretrained(path: Any, budget: int | str | None = None, host_budget: int | str | None = None,
-                    dtype: Any = None, *, tier: Tier | None = None, **kwargs: Any) -> Any:
+                    dtype: Any = None, *, tier: Tier | None = None, model_class: Any = None,
+                    options: ModuleOptions | None = None, **kwargs: Any) -> Any:
     """A transformers causal LM from a local checkpoint folder, adopted within ``budget``: see
-    :func:`tiermem.inference.load.load_pretrained`. The files are checked before the default Tier (which
-    needs a GPU) is made."""
+    :func:`tiermem.inference.load.load_pretrained`. The options and the files are checked before
+    the default Tier (which needs a GPU) is made."""
     from .inference.load import load_pretrained as load
-    return load(path, budget, host_budget, dtype, tier=tier, make_tier=default_tier, **kwargs)
+    if budget is not None:
+        check_bytes(budget, what="module budget")
+    if "weights" not in kwargs and getattr(options, "weights", None) is None:   # else load refuses it, saying why
+        ModuleOptions.of(options, **kwargs, **({} if host_budget is None else {"host_budget": host_budget}))
+        options, kwargs = ModuleOptions.of(options, **kwargs), {}
+    return load(path, budget, host_budget, dtype, tier=tier, model_class=model_class, make_tier=default_tier,
+                options=options, **kwargs)
 

@@ -23,6 +23,7 @@ from .core.tensor import TieredTensor
 from .cupy.allocator import make_allocator
 from .cupy.scoped import residency
 from .inference.module import wrap_module
+from .inference.options import ModuleOptions
 from .pytorch.wrap import unwrap, wrap
 from .roles import Role
 from .training.handle import wrap_training
@@ -41,9 +42,11 @@ class Tier(Engine):
         """Give a wrapped tensor plain memory again (see tiermem.unwrap)."""
         return unwrap(self, tensor)
 
-    def wrap_module(self, module: Any, budget: int | str | None = None, **kwargs: Any) -> Any:
-        """Adopt a whole nn.Module within a budget (see tiermem.wrap_module)."""
-        return wrap_module(self, module, budget, **kwargs)
+    def wrap_module(self, module: Any, budget: int | str | None = None, *, options: ModuleOptions | None = None,
+                    **kwargs: Any) -> Any:
+        """Adopt a whole nn.Module within a budget (see tiermem.wrap_module; the options:
+        :class:`tiermem.handles.ModuleOptions`)."""
+        return wrap_module(self, module, budget, options=options, **kwargs)
 
     def wrap_training(self, model: Any, optimizer: Any, budget: int | str, **kwargs: Any) -> Any:
         """Train a model within a device budget (see tiermem.wrap_training)."""

@@ -30,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any
 
 from ..base import dtypes as _dtypes
-from ..errors import CheckpointError, ConfigError, TierMemError
+from ..errors import CheckpointError, ConfigError, ConfigTypeError, TierMemError
 
 __all__ = ["FileTensor", "Checkpoint", "Reader", "load_pretrained", "empty_weights", "model_weights"]
 
@@ -486,7 +486,7 @@ def to_torch_dtype(dt: Any) -> Any:
 
 def load_pretrained(path: str | os.PathLike, budget: int | str | None = None, host_budget: int | str | None = None,
                     dtype: Any = None, *, tier: Any = None, model_class: Any = None,
-                    make_tier: Any = None, **kwargs: Any) -> Loaded:
+                    make_tier: Any = None, options: Any = None, **kwargs: Any) -> Loaded:
     """A transformers causal LM from a local checkpoint folder (``config.json`` plus safetensors, as
     ``save_pretrained`` writes them), ready to run within ``budget`` bytes of device memory
     (bytes, "8GB", or a share of the device like "25%": NOTE [sizes]); returns ``(model, handle)``.
@@ -500,10 +500,15 @@ def load_pretrained(path: str | os.PathLike, budget: int | str | None = None, ho
     its config (else of the checkpoint) and a tensor of another dtype is refused. A bad
     checkpoint raises :class:`CheckpointError` (a ValueError) with nothing left allocated.
     ``model_class`` (default ``transformers.AutoModelForCausalLM``) builds the model from its
-    config; other keyword arguments go to :func:`tiermem.wrap_module` (``mode``, ``lookahead``,
-    ``disk_reader``: "posix" or "kvikio", NOTE [kvikio reader]...);
-    ``tier`` defaults to the default Tier.
+    config; ``options`` and other keyword arguments are :func:`tiermem.wrap_module`'s
+    (:class:`tiermem.handles.ModuleOptions`: ``mode``, ``lookahead``, ``disk_reader``...), but
+    for ``weights``, which the checkpoint gives, and ``host_budget``, an argument here, which
+    where given replaces the options'; ``tier`` defaults to the default Tier.
     """
+    if "weights" in kwargs or getattr(options, "weights", None) is not None:
+        raise ConfigTypeError("load_pretrained reads the weights from the checkpoint: it takes no weights option")
+    if host_budget is not None:
+        kwargs["host_budget"] = host_budget
     import torch
     try:
         import transformers
@@ -534,7 +539,7 @@ def load_pretrained(path: str | os.PathLike, budget: int | str | None = None, ho
             raise ConfigError("load_pretrained needs a tier (tiermem.load_pretrained uses the default one)")
         tier = make_tier()
     try:
-        handle = tier.wrap_module(model, budget, weights=weights, host_budget=host_budget, **kwargs)
+        handle = tier.wrap_module(model, budget, options=options, weights=weights, **kwargs)
     except CheckpointError as e:
         unknown = sorted(set(weights) - set(model.state_dict()))
         if unknown and "lack" in str(e):

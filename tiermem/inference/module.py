@@ -19,13 +19,14 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from ..base.limits import parse_bytes
-from ..errors import ConfigError, DeviceFullError, TierMemError, WrapError
+from ..errors import DeviceFullError, TierMemError, WrapError
 from ..pytorch.held import CopyGuard
 from ..roles import Evict, Role
-from .disk import READERS, STAGES
-from .groups import MAX_GROUP, gathered_groups, home_layout, is_stacked, module_groups, span_of
+from .disk import STAGES
+from .groups import gathered_groups, home_layout, is_stacked, module_groups, span_of
 from .load import FileTensor
-from .plan import LOOKAHEAD, plan_host, plan_residency, stay_home
+from .options import ModuleOptions
+from .plan import plan_host, plan_residency, stay_home
 from .sources import stand_ins, weight_sources, wrap_from
 from .transport import Group, PinnedTransport
 
@@ -45,37 +46,29 @@ MIN_FILL_ROOM = 64 << 20
 class TieredModule:
     """Handle of a module adopted by :func:`wrap_module`: its plan, its mode, stats() and unwrap().
 
-    Keyword arguments beside the budget: ``mode`` ("auto", "stream", "zero_copy"), ``lookahead``
-    (streamed groups in flight), ``zero_copy_max_tokens`` (forwards of at most this many tokens
-    are decode steps), ``max_group_bytes``; ``weights``, a Mapping from state-dict names to the
-    tensors' bytes (NOTE [weight source] in inference/sources.py: a module built on the meta device
-    can be adopted); and ``host_budget``, the pinned host bytes allowed, beyond which streamed
-    groups are read from their checkpoint files ahead of use (NOTE [disk tier]; needs ``weights``
-    from a Checkpoint), by ``disk_reader``: "posix" (threads of ``os.preadv``) or "kvikio"
-    (NOTE [kvikio reader]).
+    ``options`` (a :class:`ModuleOptions`, in inference/options.py, which documents each), or
+    its fields as keyword arguments; ``options`` is the checked record the handle runs by.
     """
 
-    def __init__(self, tier: Tier, module: Any, budget: int | str | None, *, mode: str = "auto",
-                 lookahead: int = LOOKAHEAD, zero_copy_max_tokens: int = 16, max_group_bytes: int = MAX_GROUP,
-                 weights: Mapping[str, Any] | None = None, host_budget: int | str | None = None,
-                 disk_reader: str = READERS[0]):
-        if mode not in ("auto", "stream", "zero_copy"):
-            raise ConfigError(f"mode must be 'auto', 'stream' or 'zero_copy', got {mode!r}")
-        if disk_reader not in READERS:
-            raise ConfigError(f"disk_reader must be one of {', '.join(map(repr, READERS))}, got {disk_reader!r}")
-        self.disk_reader = disk_reader
+    def __init__(self, tier: Tier, module: Any, budget: int | str | None, *, options: ModuleOptions | None = None,
+                 **kwargs: Any):
+        opts = ModuleOptions.of(options, **kwargs)
+        self.options = opts
+        self.disk_reader = opts.disk_reader
         if getattr(module, "_tiermem_handle", None) is not None:
             raise WrapError("this module is already adopted by tiermem; unwrap it first")
         self.tier = tier
         self.module = module
-        self.mode = mode
-        self.zero_copy_max_tokens = zero_copy_max_tokens
+        self.mode = opts.mode
+        self.zero_copy_max_tokens = opts.zero_copy_max_tokens
+        weights = opts.weights
         # A meta tensor cannot be rebound to memory (torch refuses set_data across the two), so
         # the module gets a memory-less stand-in in its place first (NOTE [weight source]); a
         # failure puts the meta tensors back.
         swaps = stand_ins(module) if weights is not None else []
         try:
-            self._setup(module, budget, lookahead, max_group_bytes, weights, {id(new) for *_, new in swaps}, host_budget)
+            self._setup(module, budget, opts.lookahead, opts.max_group_bytes, weights, {id(new) for *_, new in swaps},
+                        opts.host_budget)
         except BaseException:
             for owner, name, old, _ in reversed(swaps):
                 owner[name] = old
@@ -454,9 +447,10 @@ def _wrap_group(tier: Tier, tensors: list[Any], names: list[str], on_host: bool,
     return wrap_group(tier, tensors, Role.WEIGHT, names=names, on_host=on_host, policy=policy)
 
 
-def wrap_module(tier: Tier, module: Any, budget: int | str | None = None, **kwargs: Any) -> TieredModule:
+def wrap_module(tier: Tier, module: Any, budget: int | str | None = None, *, options: ModuleOptions | None = None,
+                **kwargs: Any) -> TieredModule:
     """Adopt every parameter and buffer of ``module``; see :class:`TieredModule` and NOTE
     [streaming plan] in inference/plan.py. ``budget`` is bytes, "8GB", or a share of the device like
     "25%" (NOTE [sizes] in base/limits.py); :func:`weight_bytes` (inference/groups.py) sizes a share of the
-    module's weights."""
-    return TieredModule(tier, module, budget, **kwargs)
+    module's weights. ``options`` and ``kwargs``: :class:`ModuleOptions`."""
+    return TieredModule(tier, module, budget, options=options, **kwargs)

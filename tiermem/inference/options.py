@@ -1,0 +1,137 @@
+"""wrap_module's options: one frozen record, documented and checked here once.
+
+Each field is declared with its default, its check and its one-line description together
+(``_option``); the class docstring's table of fields is made from those declarations, so adding
+an option is one declaration. The record checks itself when it is made (``__post_init__``),
+which needs no GPU: ``tiermem.wrap_module`` builds it before it makes the default Tier.
+"""
+from __future__ import annotations
+
+import dataclasses
+import numbers
+import textwrap
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from ..base.limits import parse_bytes
+from ..errors import ConfigError, ConfigTypeError
+from .disk import READERS
+from .groups import MAX_GROUP
+from .plan import LOOKAHEAD
+
+__all__ = ["ModuleOptions", "MODES"]
+
+MODES = ("auto", "stream", "zero_copy")
+
+
+# -- checks: each takes the field's name and value and raises ConfigError / ConfigTypeError ------
+
+def _one_of(*choices: str) -> Callable[[str, Any], None]:
+    def check(name: str, value: Any) -> None:
+        if value not in choices:
+            raise ConfigError(f"{name} must be {_listed(choices, 'or')}, got {value!r}")
+    return check
+
+
+def _count(least: int, what: str) -> Callable[[str, Any], None]:
+    """An int (not a bool) of at least ``least``; ``what`` says what it counts."""
+    def check(name: str, value: Any) -> None:
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise ConfigTypeError(f"{name} must be an int ({what}), got {value!r}")
+        if value < least:
+            raise ConfigError(f"{name} must be at least {least} ({what}), got {value}")
+    return check
+
+
+def _host_bytes(name: str, value: Any) -> None:
+    """None, or a number of bytes ("64GiB"); not a share: the host's memory is not the device's."""
+    if value is not None:
+        parse_bytes(value, what=name)
+
+
+def _mapping_or_none(name: str, value: Any) -> None:
+    if value is not None and not isinstance(value, Mapping):
+        raise ConfigTypeError(f"{name} must be a Mapping from state-dict names to tensors (a state_dict, or a "
+                              f"tiermem.handles.Checkpoint), or None; got {type(value).__name__}")
+
+
+def _listed(items: Any, last: str) -> str:
+    items = [repr(x) for x in items]
+    return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} {last} {items[-1]}"
+
+
+def _option(default: Any, check: Callable[[str, Any], None], doc: str, **field: Any) -> Any:
+    return dataclasses.field(default=default, metadata={"check": check, "doc": doc}, **field)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModuleOptions:
+    """How :func:`tiermem.wrap_module` adopts a module and runs it, beside the module and its
+    device budget. Every field has a default; a bad value raises :class:`ConfigError` (a
+    ValueError), or :class:`ConfigTypeError` (a TypeError) for a wrong type, when the record is
+    made, before any GPU is looked for. ``wrap_module(model, budget, **options)`` builds one
+    from its keyword arguments (an unknown one is refused, naming the valid ones), or takes
+    ``options=ModuleOptions(...)``. Frozen: :func:`dataclasses.replace` makes a changed copy.
+    """
+
+    mode: str = _option("auto", _one_of(*MODES),
+                        "how streamed groups reach the kernels: 'auto' (copied into device slots ahead of use, "
+                        "but in a decode step, see zero_copy_max_tokens, stacked expert weights are read in "
+                        "place), 'stream' (always copied) or 'zero_copy' (always read in place) "
+                        "(NOTE [streaming plan] in inference/plan.py)")
+    lookahead: int = _option(LOOKAHEAD, _count(1, "streamed groups in flight"),
+                             "streamed groups in flight at once, the window's slots (the plan may use fewer)")
+    zero_copy_max_tokens: int = _option(16, _count(0, "tokens"),
+                                        "tokens: in mode 'auto', a forward of at most this many is a decode "
+                                        "step, which reads stacked expert weights in place")
+    max_group_bytes: int = _option(MAX_GROUP, _count(1, "bytes"),
+                                   "bytes: a submodule of at most this many is one group, moved in one call")
+    weights: Mapping[str, Any] | None = _option(
+        None, _mapping_or_none,
+        "where the bytes come from, by state-dict name, for a module built on the meta device "
+        "(NOTE [weight source] in inference/sources.py); None: the module's own tensors",
+        repr=False)
+    host_budget: int | str | None = _option(
+        None, _host_bytes,
+        "bytes of pinned host memory allowed (int, or \"64GiB\"); beyond it streamed groups are read "
+        "from their checkpoint files ahead of use (NOTE [disk tier] in inference/disk.py; needs weights "
+        "from a Checkpoint). None: no limit")
+    disk_reader: str = _option(READERS[0], _one_of(*READERS),
+                               "what reads the disk tier: 'posix' (threads of os.preadv) or 'kvikio' "
+                               "(NOTE [kvikio reader] in inference/kvikio.py)")
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            f.metadata["check"](f.name, getattr(self, f.name))
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def of(cls, options: ModuleOptions | None = None, /, **kwargs: Any) -> ModuleOptions:
+        """``options`` (default: every default) with the fields ``kwargs`` name changed. Raises
+        :class:`ConfigTypeError` for a keyword that is no field, naming the valid ones."""
+        unknown = sorted(set(kwargs) - set(cls.names()))
+        if unknown:
+            raise ConfigTypeError(f"wrap_module got unknown option(s) {', '.join(map(repr, unknown))}; its options are "
+                                  f"{', '.join(cls.names())} (tiermem.handles.ModuleOptions)")
+        if options is None:
+            return cls(**kwargs)
+        if not isinstance(options, cls):
+            raise ConfigTypeError(f"options must be a tiermem.handles.ModuleOptions, got {type(options).__name__}")
+        return dataclasses.replace(options, **kwargs) if kwargs else options
+
+
+def _fields_doc(cls: type) -> str:
+    """The docstring's table of fields, from their declarations."""
+    def shown(v: Any) -> str:
+        return f"{v >> 20} MiB" if isinstance(v, int) and not isinstance(v, bool) and v >= 1 << 20 else repr(v)
+    lines = ["", "    Fields (name = default: what it is):"]
+    for f in dataclasses.fields(cls):
+        lines += textwrap.wrap(f"- ``{f.name}`` = {shown(f.default)}: {f.metadata['doc']}.", 96,
+                               initial_indent=" " * 6, subsequent_indent=" " * 8)
+    return "\n".join(lines) + "\n"
+
+
+ModuleOptions.__doc__ = (ModuleOptions.__doc__ or "").rstrip() + "\n" + _fields_doc(ModuleOptions)

@@ -60,9 +60,9 @@ class Advisor:
 
     def change_policies(self, bufs: Sequence[Buffer], policy: Policy) -> None:
         """Give every buffer of ``bufs`` ``policy`` and apply its advice, one call per advice for
-        each run of adjacent buffers of one allocation (a group's members): one tensor at a time,
-        a module's resident groups took 70 ms of a 0.74 s checkpoint load on the H100
-        (bench/probes/probe_load.py)."""
+        each run of adjacent buffers of one allocation (a group's members): advised one tensor at
+        a time, a module's resident groups were a tenth of a checkpoint's load
+        (docs/inference.md, "Loading a checkpoint")."""
         plan = advice_plan(policy)
         with self._lock:
             runs: list[list[Any]] = []          # [allocation, start, end, role]

@@ -1,24 +1,24 @@
 """Moves: refills onto the device and evictions off it, through the staging rings where they pay.
 
 NOTE [eviction paths]
-    Measured on the H100 machine (bench/results/probe_paths*.json), for 1 GiB:
-      - Unified Memory's own write-back (prefetch to the host): ~10 GB/s.
-      - copy to a pinned shadow + discard of the managed range: the copy runs at ~52 GB/s (out of
-        managed memory, however its pages were populated or advised; cudaMalloc memory gives 55),
-        and the discard then costs ~3.7 ms/GiB of the host's time in the driver: ~44 GB/s in all,
-        0.79-0.80 of the link (bench/results/probe_managed_read-*.json, probe_release-*.json).
-        Discarding each 64 MiB chunk right after its copy ran at ~52 GB/s but lost data now and
-        then (NOTE [discard fence] in cuda/backend.py). Discarding a piece on another stream while
-        later pieces are still being copied gains nothing: the discard call waits for all work
-        on the device, on every stream, before it does its own (probe_discard_overlap-*.json,
-        probe_discard_cost-*.json). So all of a call's copies go first, then one discard; and
-        under a budget there is no discard at all (NOTE [parked pages]): ~52 GB/s.
-      - a clean buffer whose shadow is still valid: discard only, nothing over the link.
-      - a read-mostly duplicate with the host as preferred location: unset read-mostly collapses
-        the copies onto the host, ~1 ms/GiB and nothing over the link.
-    Which path a buffer takes is decided per buffer in :meth:`Moves.evict_path`; the shadow paths
-    need NOTE [views and the fast paths] (in core/tensor.py) to hold, a buffer that owns whole 2 MiB
-    pages, and no read-mostly advice.
+    Each buffer leaves the device by the fastest path that is safe for it (:meth:`Moves.evict_path`):
+      - "copy": dirty data is copied to a pinned shadow, then the managed range is discarded.
+        An explicit copy runs near the link's rate, where Unified Memory's own write-back runs
+        at a fraction of it. The discard costs host time in the driver and cannot overlap the
+        copies: it waits for all work on the device, on every stream, before it does its own.
+        Discarding each piece right after its copy lost data now and then (NOTE [discard fence]
+        in cuda/backend.py). So all of a call's copies go first, then one fenced discard; and
+        under a budget there is no discard at all (NOTE [parked pages]).
+      - "discard": a clean buffer whose shadow is still valid: the discard (or the parking)
+        alone, nothing over the link.
+      - "collapse": a read-mostly duplicate with the host as preferred location: unsetting
+        read-mostly collapses the copies onto the host, a host-side call, nothing over the link.
+      - "um": Unified Memory's own write-back, the fallback that keeps every pointer valid.
+      - "skip": a device that cannot prefetch.
+    The shadow paths need NOTE [views and the fast paths] (in core/tensor.py) to hold, a buffer
+    that owns whole 2 MiB pages (or parks), and no read-mostly advice. The rate of each path,
+    with the machine and the probes' JSON: docs/data-paths.md, "Why copy plus discard stopped at
+    ~0.78" and "What tiermem does, and what it found on the way".
 
 NOTE [failed moves]
     Any CUDA call can fail, and Ctrl-C can arrive during any of them (tests/test_faults.py fails
@@ -235,9 +235,9 @@ class Moves:
     def collapse(self, ranges: list[tuple[int, int, bool, Any]]) -> None:
         """Unset read-mostly on ``ranges`` (from :meth:`move_out`), so their copies collapse onto
         the host, and set it again where asked."""
-        # Collapsing read-mostly copies is a host-side driver call that takes ~25 ms per GiB
-        # (bench/results/probe_refill-*.json); it runs outside the lock so that other threads can
-        # keep enqueuing moves meanwhile. It moves no data. It is not stream-ordered, so it first
+        # Collapsing read-mostly copies is a host-side driver call that takes tens of ms per GiB
+        # (docs/data-paths.md, "What tiermem does"); it runs outside the lock so that other threads
+        # can keep enqueuing moves meanwhile. It moves no data. It is not stream-ordered, so it first
         # waits for the kernels a buffer's fence covers (NOTE [collapse fence] in cupy/scoped.py).
         fences = {id(f): f for *_, f in ranges if f is not None}
         for f in fences.values():
@@ -261,8 +261,9 @@ class Moves:
         # nothing is discarded (NOTE [parked pages], "Small buffers").
         if caps.supports("discard") and (b.owns_pages or park) and not pol.read_mostly:
             # Never on a read-mostly range: after a device write, a copy out, a discard and a
-            # refill of one lost data on the H100 (tests/test_gpu_stress.py found it; the driver's
-            # read duplicates do not follow the discard). Read-mostly data collapses or goes by UM.
+            # refill of one lost data (tests/test_gpu_stress.py found it; the driver's read
+            # duplicates do not follow the discard; docs/data-paths.md, "What tiermem does").
+            # Read-mostly data collapses or goes by UM.
             return "discard" if b.shadow_valid else "copy"
         return "um"
 
@@ -325,9 +326,9 @@ class Moves:
                 b.in_shadow = True
                 ops[b.role, "evict_clean_ops"] += 1
             elif path == "copy":
-                # One call per buffer: copies out of managed memory run at ~52 GB/s in any size
-                # of piece (bench/results/probe_managed_read-*.json); through the ring, ~54.5
-                # (NOTE [staging ring]).
+                # One call per buffer: copies out of managed memory run at one rate in any size
+                # of piece (docs/data-paths.md, "Why copy plus discard stopped at ~0.78"), and
+                # through the ring at the link's (NOTE [staging ring]).
                 if stage is None:
                     stage = self._stage(sum(x.nbytes for x in todo), "d2h", grow_ring) or False
                 if stage:

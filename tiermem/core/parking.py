@@ -1,10 +1,11 @@
 """Parked pages: device pages a shadow eviction keeps under a budget, for the next refill.
 
 NOTE [parked pages]
-    The discard is a quarter of a dirty eviction's time (3.7 of ~24 ms per GiB), and giving pages
-    back makes the next refill pay again for fresh ones (discard-and-prefetch, ~2 ms/GiB). Under
-    a budget those pages are tiermem's to hold anyway: the budget counts device memory tiermem
-    keeps, not bytes of live data. So a shadow eviction under a budget *parks* the buffer: its data
+    The discard is a large share of a dirty eviction's time, and giving pages back makes the next
+    refill pay again for fresh ones (discard-and-prefetch); docs/data-paths.md, "Parked pages" and
+    "Why copy plus discard stopped at ~0.78", has the figures. Under a budget those pages are
+    tiermem's to hold anyway: the budget counts device memory tiermem keeps, not bytes of live
+    data. So a shadow eviction under a budget *parks* the buffer: its data
     is in the shadow as before, but its managed range keeps its device pages, still counted in
     ``resident_bytes`` (and in ``parked_bytes``). A dirty eviction is then the copy alone, a clean
     one is nothing at all, and a refill reuses parked pages, copying the shadow in without a
@@ -19,9 +20,9 @@ NOTE [parked pages]
     budget nothing parks: an eviction gives its pages back at once, as before.
     Small buffers (under 2 MiB, sharing pages with others) park too, since parking discards
     nothing: a group's small members then move by copy like the large ones. Before they parked they
-    went through Unified Memory's write-back and came back by migration, ~0.4% of a layer's bytes
-    that cost ~4% of its time each way (bench/results/bandwidth-*.json, 0.90 against 0.94 for one
-    1 GiB tensor). Their pages cannot be discarded, so giving them back moves them to the host,
+    went through Unified Memory's write-back and came back by migration, a small share of a
+    layer's bytes that cost a far larger share of its time (docs/data-paths.md, "Small buffers
+    park too"). Their pages cannot be discarded, so giving them back moves them to the host,
     stale contents and all, and a refill without pages migrates them in before the copy.
 """
 from __future__ import annotations

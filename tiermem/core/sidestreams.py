@@ -22,10 +22,10 @@ __all__ = ["SideStreams", "UM_STREAMS"]
 
 # Moves of managed ranges go on one stream per direction: refills (prefetch, fresh pages, copies
 # in from a shadow) on UM_STREAMS["h2d"], evictions (write-back, copies out, giving parked pages
-# back) on UM_STREAMS["d2h"]. Direct moves that touch managed memory never overlapped across
-# directions on the H100 (bench/results/probe_paths2-*.json: 47-53 GB/s for both together), but
-# through the staging rings the link copies touch only pinned memory and cudaMalloc slots, and
-# the two directions together ran at 92 GB/s (NOTE [staging ring] in cuda/staging.py). A move waits
+# back) on UM_STREAMS["d2h"]. Direct moves that touch managed memory do not overlap across
+# directions (both together run at one direction's rate), but through the staging rings the link
+# copies touch only pinned memory and cudaMalloc slots, and the two directions overlap (NOTE
+# [staging ring] in cuda/staging.py; docs/data-paths.md, "The staging rings"). A move waits
 # for the other direction where it must: a buffer's earlier move (``begin``), and the eviction
 # of a parked buffer whose pages a refill takes (``Moves.move_in``). Every discard drains both
 # streams first (``quiesce``; NOTE [discard fence] in cuda/backend.py). Pinned copies (wrap_module's

@@ -7,10 +7,10 @@ NOTE [views and the fast paths]
     tiermem made them. Tensors that tiermem rebinds itself (a wrapped parameter's ``.data``) hold
     "internal" tokens; everything else is "foreign".
 
-    Unified Memory alone writes device pages back to the host at ~10 GB/s. tiermem's fast
-    eviction copies them to a pinned shadow at link rate and then discards the managed range
-    (bench/results/probe_paths2.json), so the data lives at another address until it is brought
-    back. That is only safe when tiermem can re-point every tensor that refers to the range; so the
+    Unified Memory alone writes device pages back to the host at a fraction of the link's rate.
+    tiermem's fast eviction copies them to a pinned shadow at link rate and then discards the
+    managed range (NOTE [eviction paths] in core/moves.py), so the data lives at another address
+    until it is brought back. That is only safe when tiermem can re-point every tensor that refers to the range; so the
     fast path runs only when no foreign view is alive and, after re-pointing, no other reference to
     the old storage remains (an autograd graph that saved the tensor, a ``.detach()`` kept by the
     user). Otherwise the eviction goes through Unified Memory, which is slower but keeps every

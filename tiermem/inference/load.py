@@ -352,8 +352,8 @@ def empty_weights() -> Iterator[None]:
             p = module._parameters[name]
             meta = module._parameters[name] = type(p)(p.to("meta"), requires_grad=p.requires_grad)
             # transformers' init functions skip a tensor so marked, as they do one from_pretrained
-            # loaded; initializing meta tensors changes nothing and took 0.6 of the 0.8 s that
-            # building a 12.5 GB Qwen2 cost (bench/probes/probe_load.py on the H100).
+            # loaded; initializing meta tensors changes nothing and was most of the time that
+            # building a model on the meta device took (docs/inference.md, "Loading a checkpoint").
             meta._is_hf_initialized = True
 
     nn.Module.register_parameter = register

@@ -17,10 +17,9 @@ NOTE [streaming plan]
     point at their home again, which moves nothing.
 
     Streaming moves each streamed byte once per forward, at the link rate. Reading in place,
-    zero-copy, moves only what kernels read, at ~51 GB/s (docs/facts.md), and batch-1 GEMV
-    kernels reading host pages reached only 1.18-1.24x the link bound on five architectures
-    (bench/results/offload_infer-*.json, first run of this design), so dense groups stream in
-    every forward. Two kinds of group are read in place instead: groups that only embeddings use
+    zero-copy, moves only what kernels read, at about the link rate (docs/facts.md), but batch-1
+    GEMV kernels reading host pages ran well above the link bound (docs/inference.md, "Measured
+    as users run it": the first run of this design), so dense groups stream in every forward. Two kinds of group are read in place instead: groups that only embeddings use
     (a lookup reads the rows of its tokens; they take no slot and are pinned only with the budget
     left once the rest is planned), and, in a forward of few tokens (``zero_copy_max_tokens``,
     a decode step), groups of stacked expert weights, of which a decode reads only the experts
@@ -39,7 +38,7 @@ from ..errors import ConfigError, TierMemError
 
 __all__ = ["Plan", "plan_residency", "plan_host", "stay_home", "LINK_GBPS", "LOOKAHEAD"]
 
-LINK_GBPS = 55.0  # pinned H2D on the H100 machine (docs/facts.md); plans quote time at this rate
+LINK_GBPS = 55.0  # pinned H2D, as measured in docs/facts.md ("Transfer ceilings"); plans quote time at this rate
 LOOKAHEAD = 3     # groups in flight by default (the window's slots)
 
 

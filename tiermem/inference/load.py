@@ -375,6 +375,18 @@ def _no_init(transformers: Any) -> Any:
     return contextlib.nullcontext()
 
 
+def _tie(model: Any) -> None:
+    """NOTE [tied checkpoints]
+    transformers writes a tied weight once (a model with ``tie_word_embeddings=True`` has no
+    ``lm_head.weight`` in its files: docs/facts.md) and ties the two names after loading; with
+    weight initialization switched off (``_no_init``), building from the config leaves them two
+    meta tensors. Tied here, as from_pretrained does, they are one parameter under two names, and
+    NOTE [weight source] gives it the bytes of whichever name the checkpoint has."""
+    tie = getattr(model, "tie_weights", None)
+    if tie is not None:
+        tie()
+
+
 class Loaded(tuple):
     """(model, handle) from :func:`load_pretrained`; also ``.model`` and ``.handle``."""
 
@@ -526,6 +538,7 @@ def load_pretrained(path: str | os.PathLike, budget: int | str | None = None, ho
     builder = model_class or transformers.AutoModelForCausalLM
     with empty_weights(), _no_init(transformers):
         model = builder.from_config(config, dtype=want)
+    _tie(model)
     model.eval()
     weights: Mapping[str, Any] = model_weights(ckpt, model)
     if dtype is not None:

@@ -18,8 +18,8 @@ NOTE [streaming plan]
 
     Streaming moves each streamed byte once per forward, at the link rate. Reading in place,
     zero-copy, moves only what kernels read, at about the link rate (docs/facts.md), but batch-1
-    GEMV kernels reading host pages ran well above the link bound (docs/inference.md, "Measured
-    as users run it": the first run of this design), so dense groups stream in every forward. Two kinds of group are read in place instead: groups that only embeddings use
+    GEMV kernels reading host pages ran well above the link bound (docs/history.md, "Inference"),
+    so dense groups stream in every forward. Two kinds of group are read in place instead: groups that only embeddings use
     (a lookup reads the rows of its tokens; they take no slot and are pinned only with the budget
     left once the rest is planned), and, in a forward of few tokens (``zero_copy_max_tokens``,
     a decode step), groups of stacked expert weights, of which a decode reads only the experts

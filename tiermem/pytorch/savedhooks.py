@@ -10,8 +10,8 @@ NOTE [saved tensor cycle]
     capture that ran out of memory) leaves the cycle, the node's inputs and every upstream
     node's saved tensors alive until the process ends: a failed capture left one block's
     activations in its graph's private pool for the rest of the session, and the tests after it
-    found too little room under their budgets (docs/training.md, the GPU test runs of the graph
-    choice, has the run and its memory log). Handing autograd a detached alias
+    found too little room under their budgets (docs/training.md, "Whole-step graphs", has the run
+    and its memory log). Handing autograd a detached alias
     of the tensor instead (the same storage and version counter, no ``grad_fn``) breaks the
     cycle, and a forward that is dropped is freed like one without hooks
     (tests/test_savedhooks.py shows both on the CPU).

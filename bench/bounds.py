@@ -130,6 +130,23 @@ def train_step(state: int, budget: int, h2d_GBps: float, d2h_GBps: float, duplex
     return StepBound(cross, transfer, compute_seconds)
 
 
+# -- long context ---------------------------------------------------------------------------------
+
+
+def kv_decode_bytes(cache_bytes: int, kv_budget: int) -> int:
+    """Bytes a decode step must bring over the link for its KV cache: attention reads every
+    cached key and value once a step, and the device holds at most ``kv_budget`` bytes of them
+    (however a design spends that budget: resident layers, slots, recent tokens)."""
+    _size(cache_bytes, "cache_bytes"), _size(kv_budget, "kv_budget")
+    return max(0, cache_bytes - kv_budget)
+
+
+def kv_decode_seconds(cache_bytes: int, kv_budget: int, weights_bytes: int, h2d_GBps: float) -> float:
+    """A decode step's link bound: :func:`kv_decode_bytes` plus the weights' own
+    (:func:`forward_bytes`, 0 with the weights resident) at the pinned host-to-device rate."""
+    return (kv_decode_bytes(cache_bytes, kv_budget) + _size(weights_bytes, "weights_bytes")) / _rate(h2d_GBps, "h2d_GBps")
+
+
 def ratio(measured: float, bound: float) -> float:
     """measured / bound, rounded as the JSONs keep it; inf where the bound is zero."""
     return round(measured / bound, 3) if bound > 0 else float("inf")

@@ -75,6 +75,12 @@ ROWS: tuple[Row, ...] = (
         optional=True),
     Row("loading from a cold page cache, tiermem and accelerate", "offload_disk",
         "{load_cold_s:.2f} s; accelerate {accelerate_load_cold_s:.2f} s", device="H100", optional=True),
+    Row("decode at 128k tokens of context (Llama-3-8B shape), a 2 GB KV cache budget", "long_context",
+        "**{decode_vs_bound_128k:.2f}x** the bound; transformers' offloaded cache {hf_offloaded_over_tiermem_128k:.2f}x "
+        "slower; tokens equal: {ok=tokens_equal}; within budget: {ok=within_budget}", optional=True),
+    Row("the same at 512k tokens (the budget of its ring)", "long_context",
+        "**{decode_vs_bound_512k:.2f}x** the bound; fp8 in transit {fp8_speedup_128k:.2f}x faster at 128k, "
+        "logits cosine >= {fp8_logits_cosine_min:.4f}", optional=True),
     Row("CuPy: 3 GiB of arrays under a 1 GiB budget, one pass", "cupy_budget",
         "`tier.use(once=True)` **{scoped_vs_bound:.2f}x** the bound; {managed_paging_over_scoped:.1f}x faster than "
         "managed memory; residency within {residency_error_max:.1%}"),

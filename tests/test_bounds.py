@@ -36,6 +36,19 @@ def test_forward_bound_ignores_what_a_plan_moves():
     assert bounds.ratio(lean / 50e9, bound) == pytest.approx(1.0)
 
 
+def test_a_decode_steps_kv_bound_is_the_cache_the_budget_cannot_hold():
+    # Llama-3-8B's cache at 128k tokens (128 KiB a token) under a 2 GB budget: whatever the design
+    # keeps on the device (a ring of whole layers, or recent tokens), the rest crosses each step
+    cache, budget = 131072 * (128 << 10), 2 * GB
+    assert bounds.kv_decode_bytes(cache, budget) == cache - budget
+    assert bounds.kv_decode_bytes(cache, 2 * cache) == 0          # the whole cache fits: nothing moves
+    assert bounds.kv_decode_seconds(cache, budget, 0, 55.0) == pytest.approx((cache - budget) / 55e9)
+    w = bounds.forward_bytes(16 * GB, 8 * GB, 0)                  # half the weights streamed besides
+    assert bounds.kv_decode_seconds(cache, budget, w, 55.0) == pytest.approx((cache - budget + 8 * GB) / 55e9)
+    with pytest.raises(ValueError):
+        bounds.kv_decode_bytes(-1, budget)
+
+
 @pytest.mark.parametrize("bad", [
     dict(weights=-1, budget=0), dict(weights=10, budget=-1), dict(weights=10, budget=0, embeddings=11),
     dict(weights=float("nan"), budget=0)])

@@ -246,7 +246,7 @@ def test_a_bad_checkpoint_raises_a_clear_error_and_leaves_nothing_allocated(tier
     words = {"missing shard": "missing", "truncated": "truncated", "bad header": "header", "missing tensor": "lack",
              "wrong dtype": "float16", "wrong shape": "do not match"}[how]
     with pytest.raises(CheckpointError, match=words) as e:
-        load_pretrained(bad, budget=checkpoint_share(bad, 30), host_budget=10 * MiB, tier=tier)
+        load_pretrained(bad, budget=checkpoint_share(shards, 30), host_budget=10 * MiB, tier=tier)
     assert isinstance(e.value, ValueError) and e.value.path
     assert _live(fake) == 0 and tier.budget is None and tier.stats() == stats
 

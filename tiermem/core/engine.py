@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import operator
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -31,7 +32,7 @@ from ..base.limits import budget_setting, cap_setting, resolve_budget
 from ..cuda.backend import Backend
 from ..cuda.staging import Staging, ring_slot
 from ..errors import ConfigError, ConfigTypeError, OutOfBudgetError
-from ..roles import DEFAULT_POLICIES, Location, Policy, PolicyTable, Role, check_policy
+from ..roles import DEFAULT_POLICIES, Location, Policy, PolicyTable, Role, as_location, check_policy
 from .advice import Advisor
 from .bindings import rebind
 from .books import Books
@@ -46,17 +47,17 @@ from .report import summary
 from .sidestreams import UM_STREAMS, SideStreams  # noqa: F401 - importable from here, as before the split
 from .stats import Accounting
 from .stream import Lane
-from .tensor import Buffer, TieredTensor
+from .tensor import Buffer, TieredTensor, tiered_list
 from .transfer import Transfer
 
 __all__ = ["Engine", "check_empty"]
 
 
-def _as_location(to: Location | str) -> Location:
-    try:
-        return Location(to)
-    except ValueError:
-        raise ConfigError(f"location must be 'device' or 'host', got {to!r}") from None
+def _dim(n: Any) -> int:
+    # An int, or a NumPy or torch integer (operator.index); not a float or a string, which int() takes.
+    if isinstance(n, bool):
+        raise TypeError(n)
+    return operator.index(n)
 
 
 def check_empty(shape: int | Iterable[int], dtype: Any, role: Role | str, policy: Policy | None = None,
@@ -64,7 +65,10 @@ def check_empty(shape: int | Iterable[int], dtype: Any, role: Role | str, policy
     """(shape, dtype name) of :meth:`Tier.empty`'s arguments, once they are all known to be usable.
     Needs no Tier, so tiermem.empty calls it before it looks for a GPU."""
     check_policy(role, policy, policy_changes)
-    shape_t = (int(shape),) if isinstance(shape, int) else tuple(int(s) for s in shape)
+    try:
+        shape_t = (_dim(shape),) if not isinstance(shape, Iterable) else tuple(_dim(s) for s in shape)
+    except TypeError:
+        raise ConfigTypeError(f"shape must be an int or a sequence of ints, got {shape!r}") from None
     if any(s < 0 for s in shape_t):
         raise ConfigError(f"shape must not be negative, got {shape_t}")
     return shape_t, _dtypes.canonical(dtype)
@@ -312,11 +316,9 @@ class Engine:
         return self.moves.move_in(todo, stream, non_blocking, pairs)
 
     # -- placement ------------------------------------------------------------------------------
-    def _bufs(self, tensors: Any) -> list[Buffer]:
-        if isinstance(tensors, (TieredTensor, Buffer)):
-            tensors = [tensors]
+    def _bufs(self, tensors: Any, call: str) -> list[Buffer]:
         out, seen = [], set()
-        for t in tensors:
+        for t in tiered_list(tensors, call, also=(Buffer,)):     # the adapters pass Buffers
             b = t if isinstance(t, Buffer) else t.buffer
             if b.tier is not self:
                 raise ConfigError(f"{t!r} belongs to another Tier")
@@ -338,10 +340,10 @@ class Engine:
         cuda/backend.py drains the stream around each discard, so it waits for ``stream``'s queued
         work too.
         """
-        loc = _as_location(to)
+        loc = as_location(to)
         if loc is Location.HOST:
             return self.evict(tensors, stream=stream, non_blocking=non_blocking)
-        bufs = self._bufs(tensors)
+        bufs = self._bufs(tensors, "prefetch")
         with self.lock:
             self.reap()
             todo = [b for b in bufs if b.where is not Location.DEVICE or b.in_shadow]
@@ -363,7 +365,7 @@ class Engine:
         pages]); ``release=True`` gives them back to the driver now, these tensors' parked pages
         included (blocking until the copies are done). Without a budget they always go back.
         """
-        return self.moves.evict(self._bufs(tensors), stream=stream, non_blocking=non_blocking, release=release,
+        return self.moves.evict(self._bufs(tensors, "evict"), stream=stream, non_blocking=non_blocking, release=release,
                                 path=_path, for_room=_for_room)
 
     # -- views ----------------------------------------------------------------------------------

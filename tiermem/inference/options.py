@@ -13,7 +13,8 @@ import textwrap
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ..base.limits import parse_bytes
+from ..base.keywords import check_names
+from ..base.limits import check_bytes, parse_bytes
 from ..errors import ConfigError, ConfigTypeError
 from .disk import READERS
 from .groups import MAX_GROUP
@@ -29,7 +30,7 @@ MODES = ("auto", "stream", "zero_copy")
 def _one_of(*choices: str) -> Callable[[str, Any], None]:
     def check(name: str, value: Any) -> None:
         if value not in choices:
-            raise ConfigError(f"{name} must be {_listed(choices, 'or')}, got {value!r}")
+            raise ConfigError(f"{name} must be one of {', '.join(map(repr, choices))}, got {value!r}")
     return check
 
 
@@ -49,15 +50,21 @@ def _host_bytes(name: str, value: Any) -> None:
         parse_bytes(value, what=name)
 
 
+def _kv_budget(name: str, value: Any) -> None:
+    """None, "auto" (split the budget for kv_tokens, NOTE [kv plan]), or bytes or a share of the device."""
+    if value is not None and value != "auto":
+        check_bytes(value, what=name, max_percent=100)
+
+
+def _tokens_or_none(name: str, value: Any) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1):
+        raise ConfigError(f"{name} must be a number of tokens >= 1, got {value!r}")
+
+
 def _mapping_or_none(name: str, value: Any) -> None:
     if value is not None and not isinstance(value, Mapping):
         raise ConfigTypeError(f"{name} must be a Mapping from state-dict names to tensors (a state_dict, or a "
                               f"tiermem.handles.Checkpoint), or None; got {type(value).__name__}")
-
-
-def _listed(items: Any, last: str) -> str:
-    items = [repr(x) for x in items]
-    return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} {last} {items[-1]}"
 
 
 def _option(default: Any, check: Callable[[str, Any], None], doc: str, **field: Any) -> Any:
@@ -99,23 +106,32 @@ class ModuleOptions:
     disk_reader: str = _option(READERS[0], _one_of(*READERS),
                                "what reads the disk tier: 'posix' (threads of os.preadv) or 'kvikio' "
                                "(NOTE [kvikio reader] in inference/kvikio.py)")
+    kv_budget: int | str | None = _option(
+        None, _kv_budget,
+        "the budget's share for a KV cache that handle.kv_cache() makes: bytes, a share of the device, "
+        "or 'auto' (the split that moves the fewest bytes per decode step, for kv_tokens; NOTE [kv plan] "
+        "in inference/kvplan.py). None: no KV share")
+    kv_tokens: int | None = _option(None, _tokens_or_none,
+                                    "tokens: the most a sequence of the KV cache may reach (needed by "
+                                    "kv_budget='auto')")
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             f.metadata["check"](f.name, getattr(self, f.name))
+        if self.kv_budget == "auto" and self.kv_tokens is None:
+            raise ConfigError("kv_budget='auto' splits the budget for a context of kv_tokens tokens: give kv_tokens")
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
         return tuple(f.name for f in dataclasses.fields(cls))
 
     @classmethod
-    def of(cls, options: ModuleOptions | None = None, /, **kwargs: Any) -> ModuleOptions:
+    def of(cls, options: ModuleOptions | None = None, call: str = "wrap_module", taken: tuple[str, ...] = (), /,
+           **kwargs: Any) -> ModuleOptions:
         """``options`` (default: every default) with the fields ``kwargs`` name changed. Raises
-        :class:`ConfigTypeError` for a keyword that is no field, naming the valid ones."""
-        unknown = sorted(set(kwargs) - set(cls.names()))
-        if unknown:
-            raise ConfigTypeError(f"wrap_module got unknown option(s) {', '.join(map(repr, unknown))}; its options are "
-                                  f"{', '.join(cls.names())} (tiermem.handles.ModuleOptions)")
+        :class:`ConfigTypeError` for a keyword that is no field of ``call`` (``taken``: fields it
+        sets itself), naming the closest and the valid ones."""
+        check_names(call, [n for n in cls.names() if n not in taken], kwargs)
         if options is None:
             return cls(**kwargs)
         if not isinstance(options, cls):

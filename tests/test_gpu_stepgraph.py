@@ -391,6 +391,16 @@ def test_a_step_that_cannot_be_captured_stays_eager_and_loses_nothing(why):
     # (at 2bbf434 on the H200, 23 MiB of them were still there after the eager steps).
     assert _private_pool_segments(torch) == [], _pool_report(torch)
     assert got == want
+
+    # NOTE [failed capture's generator]: torch is as it was after the refusal: a new model is
+    # built and seeded on the device, and the same seed gives the same values again.
+    def seeded():
+        torch.manual_seed(1234)
+        lin = torch.nn.Linear(64, 64, device="cuda")
+        torch.nn.init.normal_(lin.weight)
+        return lin.weight.detach().clone(), torch.rand(8, device="cuda")
+    (w1, r1), (w2, r2) = seeded(), seeded()
+    assert torch.equal(w1, w2) and torch.equal(r1, r2)
     # the steps after the failed capture ran within the budget: its pool was given back
     assert train.resident_peak() <= budget, (train.resident_peak(), budget)
     train.unwrap()

@@ -15,13 +15,15 @@ from typing import Any
 
 from ._tier import Tier, check_empty
 from .base import default as _default
-from .base.limits import check_bytes
-from .core.tensor import TieredTensor
+from .base.keywords import check_keywords
+from .core.tensor import TieredTensor, tiered_list
 from .core.transfer import Transfer
-from .roles import Location, Policy, Role, as_role, check_policy
+from .errors import ConfigTypeError
+from .inference.options import ModuleOptions
+from .roles import Location, Policy, Role, as_location, as_role, check_policy
 
 __all__ = ["default_tier", "configure", "empty", "wrap", "wrap_module", "wrap_training", "unwrap", "prefetch", "evict", "allocator",
-           "stats", "memory_summary", "policy_override", "synchronize", "use", "load_pretrained"]
+           "stats", "memory_summary", "policy_override", "synchronize", "use", "load_pretrained", "kv_cache"]
 
 def default_tier() -> Tier:
     """The process-wide Tier, made on first use on the current CUDA device with settings from the
@@ -32,6 +34,7 @@ def default_tier() -> Tier:
 def configure(device: int | None = None, **settings: Any) -> Tier:
     """Replace the default Tier with one built from ``settings`` (the arguments of :class:`Tier`).
     Tensors of the old Tier keep working; new ones come from the new Tier."""
+    check_keywords("configure", Tier.__init__, settings)
     t = Tier(device, **settings)
     _default.replace(t)
     return t
@@ -76,29 +79,58 @@ def wrap_training(model: Any, optimizer: Any, budget: int | str, **kwargs: Any) 
     (step inside backward as if the clip will not bite, kept when it did not: NOTE [speculative
     clipping]), ``tier``.
     The handle steps the optimizer itself: a caller's ``optimizer.step()`` is refused."""
-    from .training.options import check_options
-    tier = kwargs.pop("tier", None)
+    from .training.handle import TieredTraining
+    from .training.options import check_options, check_subjects
+    tier = _given(kwargs.pop("tier", None))
+    check_keywords("wrap_training", TieredTraining.__init__, kwargs, skip=("tier", "model", "optimizer", "budget"))
     check_options(budget, **kwargs)
+    check_subjects(model, optimizer)
     return (tier or default_tier()).wrap_training(model, optimizer, budget, **kwargs)
 
 
-def wrap_module(module: Any, budget: int | str | None = None, **kwargs: Any) -> Any:
+def wrap_module(module: Any, budget: int | str | None = None, *, options: ModuleOptions | None = None,
+                tier: Tier | None = None, **kwargs: Any) -> Any:
     """Adopt every parameter and buffer of ``module`` and run it within ``budget`` (bytes, "8GB",
     or a share of the device like "25%"; ``tiermem.planning.weight_bytes(module) // 4`` is a
-    quarter of its weights: NOTE [sizes] in base/limits.py): the largest groups stay resident, the rest stream in ahead
+    quarter of its weights: NOTE [sizes] in base/limits.py; 0, nothing resident, only with
+    ``mode="zero_copy"``): the largest groups stay resident, the rest stream in ahead
     of use and out behind it, or are read in place for single-token forwards. Returns a
-    :class:`TieredModule` (its ``plan``; ``unwrap()`` restores the module). Keyword arguments:
-    ``mode`` ("auto", "stream", "zero_copy"), ``lookahead`` (groups in flight),
-    ``zero_copy_max_tokens``, ``tier``."""
-    tier = kwargs.pop("tier", None)
-    if budget is not None:
-        check_bytes(budget, what="module budget")
-    return (tier or default_tier()).wrap_module(module, budget, **kwargs)
+    :class:`TieredModule` (its ``plan``; ``unwrap()`` restores the module). The options are the
+    fields of :class:`tiermem.handles.ModuleOptions` (documented there: ``mode``, ``lookahead``,
+    ``kv_budget`` and ``kv_tokens`` for a KV cache in the same budget, NOTE [kv plan] in
+    tiermem/inference/kvplan.py, ...), given as keyword arguments or as ``options=``, keywords
+    changing its fields; ``tier`` defaults to the default Tier."""
+    from .inference.module import check_module, check_module_options
+    tier = _given(tier)
+    options = check_module_options(budget, kwargs, given=options)
+    check_module(module)
+    return (tier or default_tier()).wrap_module(module, budget, options=options)
+
+
+def kv_cache(model: Any, max_tokens: int, kv_budget: int | str | None = None, **kwargs: Any) -> Any:
+    """A transformers ``Cache`` for ``model`` (or its config) that keeps its keys and values
+    within ``kv_budget`` device bytes ("2GB", or a share of the device): the layers that do not fit
+    live in pinned host memory and come in one layer ahead (NOTE [kv cache in tiers] in
+    tiermem/inference/kvcache.py). ``max_tokens`` is the most tokens a sequence may reach; a
+    context whose home does not fit the host is refused here. Pass it to ``generate``
+    (``past_key_values=``, or ``cache=`` from transformers 5.24) and ``close()`` it after. Keyword
+    arguments: ``batch_size``, ``dtype``, ``slots``, ``fp8`` (NOTE [fp8 in transit]),
+    ``host_budget``, ``tier``. Needs transformers 5. With the weights under one budget:
+    ``wrap_module(model, budget, kv_budget=...)`` and ``handle.kv_cache()``."""
+    from .base.limits import check_bytes
+    from .inference.kvcache import TieredKVCache, check_tokens
+    tier = _given(kwargs.pop("tier", None))
+    check_keywords("kv_cache", TieredKVCache.__init__, kwargs, skip=("config", "max_tokens", "kv_budget", "tier"))
+    check_tokens(max_tokens)
+    if kv_budget is not None and kv_budget != "auto":
+        check_bytes(kv_budget, what="kv_budget")
+    return (tier or default_tier()).kv_cache(model, max_tokens, kv_budget, **kwargs)
 
 
 def unwrap(tensor: Any) -> Any:
     """Restore a wrapped tensor to plain memory on its original device (see tiermem.pytorch.wrap.unwrap)."""
-    return _tier_of(tensor).unwrap(tensor)
+    from .pytorch.wrap import check_unwrap
+    return check_unwrap(tensor).tier.unwrap(tensor)
 
 
 def _tier_of(x: Any) -> Tier:
@@ -111,13 +143,16 @@ def _tier_of(x: Any) -> Tier:
 
 def prefetch(tensors: TieredTensor | Iterable[TieredTensor], to: Location | str = Location.DEVICE, **kwargs: Any) -> Transfer:
     """Move tensors to the device (or host) in one transfer (see :meth:`Tier.prefetch`)."""
-    ts = [tensors] if isinstance(tensors, TieredTensor) else list(tensors)
+    ts = tiered_list(tensors, "prefetch")
+    as_location(to)
+    check_keywords("prefetch", Tier.prefetch, kwargs, skip=("tensors", "to"))
     return (ts[0].tier if ts else default_tier()).prefetch(ts, to, **kwargs)
 
 
 def evict(tensors: TieredTensor | Iterable[TieredTensor], **kwargs: Any) -> Transfer:
     """Take tensors off the device by the fastest safe path (see :meth:`Tier.evict`)."""
-    ts = [tensors] if isinstance(tensors, TieredTensor) else list(tensors)
+    ts = tiered_list(tensors, "evict")
+    check_keywords("evict", Tier.evict, kwargs, skip=("tensors",))
     return (ts[0].tier if ts else default_tier()).evict(ts, **kwargs)
 
 
@@ -127,20 +162,20 @@ def allocator(role: Role | str | None = None, tier: Tier | None = None) -> Any:
     :func:`using_role` in the allocating thread, else ``workspace``."""
     if role is not None:
         as_role(role)
-    return (tier or default_tier()).allocator(role)
+    return (_given(tier) or default_tier()).allocator(role)
 
 
 def stats(tier: Tier | None = None) -> dict[str, Any]:
     """The flat stats dict (keys documented in tiermem/core/stats.py)."""
-    return (tier or default_tier()).stats()
+    return (_given(tier) or default_tier()).stats()
 
 
 def memory_summary(tier: Tier | None = None) -> str:
-    return (tier or default_tier()).memory_summary()
+    return (_given(tier) or default_tier()).memory_summary()
 
 
 def synchronize(tier: Tier | None = None) -> None:
-    (tier or default_tier()).synchronize()
+    (_given(tier) or default_tier()).synchronize()
 
 
 @contextlib.contextmanager
@@ -150,7 +185,7 @@ def policy_override(role: Role | str, policy: Policy | None = None, *, tier: Tie
     or the role's policy with ``changes``. Process-wide for that Tier (not thread-local): all
     threads allocating in the block see it. Nested overrides restore in order."""
     r = check_policy(role, policy, changes)
-    t = tier or default_tier()
+    t = _given(tier) or default_tier()
     previous = t.policies.set(r, policy, **changes)
     try:
         yield t.policies[r]
@@ -165,16 +200,28 @@ def use(*arrays: Any, stream: Any = None, read_only: bool = False, once: bool = 
     ``read_only`` and ``once`` do, and what the returned :class:`ArrayUse` is. The Tier is
     ``tier``, else the first array's, else the default one."""
     from .cupy.scoped import tier_of_array
-    if tier is None:
+    if _given(tier) is None:
         tier = next((t for t in map(tier_of_array, arrays) if t is not None), None)
     return (tier or default_tier()).use(*arrays, stream=stream, read_only=read_only, once=once)
 
 
 def load_pretrained(path: Any, budget: int | str | None = None, host_budget: int | str | None = None,
-                    dtype: Any = None, *, tier: Tier | None = None, **kwargs: Any) -> Any:
+                    dtype: Any = None, *, tier: Tier | None = None, options: ModuleOptions | None = None,
+                    **kwargs: Any) -> Any:
     """A transformers causal LM from a local checkpoint folder, adopted within ``budget``: see
-    :func:`tiermem.inference.load.load_pretrained`. The files are checked before the default Tier (which
-    needs a GPU) is made."""
+    :func:`tiermem.inference.load.load_pretrained`. The options and the files are checked before
+    the default Tier (which needs a GPU) is made."""
     from .inference.load import load_pretrained as load
-    return load(path, budget, host_budget, dtype, tier=tier, make_tier=default_tier, **kwargs)
+    from .inference.module import check_module_options
+    opts = {k: v for k, v in kwargs.items() if k != "model_class"}
+    check_module_options(budget, {**opts, **({} if host_budget is None else {"host_budget": host_budget})},
+                         call="load_pretrained", taken=("weights",), given=options)
+    return load(path, budget, host_budget, dtype, tier=_given(tier), make_tier=default_tier, options=options, **kwargs)
+
+
+def _given(tier: Any) -> Tier | None:
+    """A ``tier=`` argument, checked: None (the default Tier) or a Tier."""
+    if tier is not None and not isinstance(tier, Tier):
+        raise ConfigTypeError(f"tier must be a tiermem.Tier or None, got {type(tier).__name__}")
+    return tier
 

@@ -137,7 +137,7 @@ def home_layout(tensors: list[Any], align: int = 256) -> tuple[list[int], int]:
 
 def span_bytes(nbytes: int) -> int:
     """Device bytes a tensor of ``nbytes`` takes as a group member (see member_span)."""
-    from ..core.engine import member_span
+    from ..core.ranges import member_span
     return member_span(nbytes)[0]
 
 

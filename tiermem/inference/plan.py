@@ -17,14 +17,13 @@ NOTE [streaming plan]
     point at their home again, which moves nothing.
 
     Streaming moves each streamed byte once per forward, at the link rate. Reading in place,
-    zero-copy, moves only what kernels read, at ~51 GB/s (docs/facts.md), and batch-1 GEMV
-    kernels reading host pages reached only 1.18-1.24x the link bound on five architectures
-    (bench/results/offload_infer-*.json, first run of this design), so dense groups stream in
-    every forward. Some groups are read in place instead: groups that only embeddings use (a
-    lookup reads the rows of its tokens), and the own tensors of a module that encloses other
-    groups (groups.enclosing_groups: a Mamba mixer's A_log, an attention's sinks), which its
-    forward holds while its children take the slots; these take no slot and are pinned only
-    with the budget left once the rest is planned. In a forward of few tokens
+    zero-copy, moves only what kernels read, at about the link rate (docs/facts.md), but batch-1
+    GEMV kernels reading host pages ran well above the link bound (docs/history.md, "Inference"),
+    so dense groups stream in every forward. Some groups are read in place instead: groups that
+    only embeddings use (a lookup reads the rows of its tokens), and the own tensors of a module
+    that encloses other groups (groups.enclosing_groups: a Mamba mixer's A_log, an attention's
+    sinks), which its forward holds while its children take the slots; these take no slot and
+    are pinned only with the budget left once the rest is planned. In a forward of few tokens
     (``zero_copy_max_tokens``, a decode step), groups of stacked expert weights are read in
     place, of which a decode reads only the experts its router picked. mode="zero_copy" reads
     every streamed group in place.
@@ -43,10 +42,10 @@ NOTE [no plan collapse]
     plan); one too big for that is streamed in parts if it can be cut (``split``: by rows for an
     embedding or head, by expert for stacked experts, inference/split.py), and any other is read
     in place whole (``oversized``). The pins that save the most are kept, as before. A plan is scored in streamed bytes: a byte read in place
-    counts IN_PLACE_COST (decode's GEMV kernels read host pages at 1.18-1.24x the link bound,
-    docs/inference.md), and each part beyond a group's first PART_COST (a copy call, a chunk's
-    kernel launches and a host sync in an experts loop: taken as ~0.1 ms, not measured yet),
-    so a group too big for the slots is read in place instead where its parts would cost more (a
+    counts IN_PLACE_COST (batch-1 GEMV kernels reading host pages ran 1.18-1.24x the link
+    bound: docs/history.md, "Inference"), and each part beyond a group's first PART_COST (a copy
+    call, a chunk's kernel launches and a host sync in an experts loop: taken as ~0.1 ms, not
+    measured yet), so a group too big for the slots is read in place instead where its parts would cost more (a
     small model's head: many parts of a few KiB). The most slots whose best plan reads in place
     no group that slots could hold whole wins, as the most slots that fit won before; where every
     number of slots reads one, the cheapest plan does. So the plan reads the whole model in place only when the
@@ -63,7 +62,7 @@ from ..errors import ConfigError, TierMemError
 __all__ = ["Plan", "plan_residency", "plan_host", "stay_home", "LINK_GBPS", "LOOKAHEAD", "IN_PLACE_COST",
            "PART_COST"]
 
-LINK_GBPS = 55.0  # pinned H2D on the H100 machine (docs/facts.md); plans quote time at this rate
+LINK_GBPS = 55.0  # pinned H2D, as measured in docs/facts.md ("Transfer ceilings"); plans quote time at this rate
 LOOKAHEAD = 3     # groups in flight by default (the window's slots)
 IN_PLACE_COST = 1.2   # a byte read in place, in streamed bytes (NOTE [no plan collapse])
 PART_COST = 4 << 20   # one more part of a split group, in streamed bytes: ~0.1 ms at the link rate (an estimate)
@@ -91,6 +90,8 @@ class Plan:
     split: frozenset[str] = frozenset()     # streamed in parts of at most ``slot`` bytes (NOTE [no plan collapse])
     oversized: frozenset[str] = frozenset()  # bigger than a slot and not cut: read in place whole
     units: tuple[tuple[str, int], ...] = ()  # (group that can be cut, bytes of its smallest part)
+    kv_budget: int = 0                      # device bytes beside ``budget`` kept for the KV cache (NOTE [kv plan])
+    kv: Any = None                          # the KV cache's KVPlan (inference/kvplan.py), once it is known
 
     @property
     def pinned_bytes(self) -> int:
@@ -141,7 +142,12 @@ class Plan:
         how = ("(read in place, zero-copy)" if self.zero_copy_only else
                f"through a {gb(self.window).strip()} window of {self.lookahead} slot(s)")
         here = self.streamed_bytes - self.moved_bytes
-        lines = [f"budget {gb(self.budget)} of {gb(self.total)} weights: {len(self.pinned)} of {len(self.sizes)} groups "
+        lines = [] if not self.kv_budget else [
+            f"one budget of {gb(self.budget + self.kv_budget).strip()}: {gb(self.budget).strip()} for the weights, "
+            f"{gb(self.kv_budget).strip()} for the KV cache"]
+        if self.kv is not None:
+            lines.append(self.kv.table(link_GBps))
+        lines += [f"budget {gb(self.budget)} of {gb(self.total)} weights: {len(self.pinned)} of {len(self.sizes)} groups "
                  f"resident ({gb(self.pinned_bytes)}), {gb(self.moved_bytes)} streamed per forward {how}"
                  + (f", {gb(here).strip()} read in place (embeddings)" if here else "")
                  + (f"; {len(self.split)} group(s) bigger than a slot streamed in parts of {gb(self.slot).strip()}"
@@ -339,8 +345,8 @@ def plan_host(plan: Plan, host_sizes: Iterable[tuple[str, int]], host_budget: in
     # A pinned block may take up to a page more than asked (the driver pins whole pages).
     room = host_budget - stages * stage - kept - (stages + 1) * 4096
     if plan.zero_copy_only:
-        raise TierMemError(f"{total:,} streamed bytes do not fit host_budget={host_budget:,}, and groups on disk "
-                           "must stream through a window the device budget has no room for; raise the budget")
+        raise ConfigError(f"{total:,} streamed bytes do not fit host_budget={host_budget:,}, and groups on disk "
+                          "must stream through a window the device budget has no room for; raise the budget")
     if not movable or room < 0:
         raise HostBudgetError(kept + stages * stage, 0, host_budget,
                                hint=f"host_budget is too small for a disk tier: the groups that must stay in pinned "

@@ -228,23 +228,21 @@ class PinnedTransport:
 
     # NOTE [home beside the resident groups]
     # A checkpoint's load has two host-bound parts: the resident groups (read through pinned
-    # fill buffers and copied to the device) and the pinned home (read, then page-locked). On
-    # the H100 machine, for the 12.5 GB Qwen2 of bench/offload_disk.py, they took 0.23 s and
-    # 0.32 s of a 0.83 s load, one after the other (bench/results/probe_load-h100-20261124-68986dc.json).
+    # fill buffers and copied to the device) and the pinned home (read, then page-locked), of
+    # about the same length; one after the other, they were most of a load (docs/inference.md, "Loading a checkpoint").
     # So the home is filled and registered, and the disk tier's staging made, on a thread of its
     # own while the adopting thread loads the resident groups; ``finish`` waits for it. Only host
     # work runs there: its own memory, a thread-safe Reader, the backend's host_alloc. What
     # bench/probes/probe_register.py and probe_load.py found on the way:
-    # - The driver serializes a registration with other CUDA calls: 1.4 GB of copies took
-    #   0.025 s alone and 0.097 s beside one. Registering in pieces on several threads is no
-    #   faster (38-48 GB/s either way), and a copy may not span two registrations
+    # - The driver serializes a registration with other CUDA calls, registering in pieces on
+    #   several threads is no faster, and a copy may not span two registrations
     #   (cudaErrorInvalidValue), so the home stays one block, registered once its reads are done.
     # - The home therefore reads on a Reader of its own with half the shared reader's threads,
     #   so that the resident groups' reads and copies run beside its reads instead of queueing
-    #   behind them into the registration. With as many threads again, they starved: loads of
-    #   0.69-0.80 s against 0.58-0.64 s (probe_load-h100-20261125-16threads.json, -7e90d36.json).
+    #   behind them into the registration. With as many threads again, they starved, and the
+    #   load took longer (docs/inference.md, "Loading a checkpoint").
     # - The fill buffers are made before the thread starts: made beside a thread faulting in the
-    #   home's pages, their 140 MB took 0.12 s to map and 0.2 s to register.
+    #   home's pages, they took several times as long to map and to register (same section).
     # - Under a host budget the fill buffers live beside the home, so they get what the home and
     #   the staging leave of the budget; with less than MIN_FILL_ROOM (inference/module.py) left, the home is made
     #   after the resident groups, as before.

@@ -114,7 +114,7 @@ from .clipping import Clipping, leaves_grads
 from .kvoff import kv_cache_configs, kv_cache_off
 from .memory import HostBuffers, check_room, free_adopted, plain_copies
 from .meter import StallMeter
-from .options import averaging_group, check_options, states_dtype
+from .options import averaging_group, check_options, check_subjects, states_dtype
 from .plan import LINK_GBPS, SavedRecord, StepTrace, TrainPlan, evaluate
 from .recompute import Recompute
 from .replay import Replays
@@ -170,6 +170,7 @@ class TieredTraining:
         check_options(budget, lookahead=lookahead, recompute=recompute, link_GBps=link_GBps, state_dtype=state_dtype,
                       accumulate=accumulate, max_grad_norm=max_grad_norm, norm_type=norm_type, speculate=speculate,
                       graphs=graphs)
+        check_subjects(model, optimizer)
         if speculate and type(optimizer) not in leaves_grads():
             raise ConfigError(f"speculate=True needs an optimizer whose step leaves the gradients alone "
                               f"({', '.join(sorted(t.__name__ for t in leaves_grads()))}), got "

@@ -9,7 +9,7 @@ from ..base.limits import check_bytes
 from ..errors import ConfigError, ConfigTypeError
 from .plan import RECOMPUTE_MODES
 
-__all__ = ["check_options", "states_dtype", "averaging_group"]
+__all__ = ["check_options", "check_subjects", "states_dtype", "averaging_group"]
 
 
 def check_options(budget: int | str, *, lookahead: int = 2, recompute: str = "auto",
@@ -48,6 +48,21 @@ def check_options(budget: int | str, *, lookahead: int = 2, recompute: str = "au
                                   or not link_GBps > 0):
         raise ConfigError(f"link_GBps must be a positive number of GB/s, got {link_GBps!r}")
     states_dtype(state_dtype)
+
+
+def check_subjects(model: Any, optimizer: Any) -> None:
+    """Raise :class:`ConfigTypeError` unless ``model`` is an ``nn.Module`` and ``optimizer`` a
+    ``torch.optim.Optimizer``. Needs no GPU, so tiermem.wrap_training checks them before it
+    looks for one."""
+    try:
+        import torch
+    except ImportError as e:
+        raise ConfigError("wrap_training needs torch; pip install 'tiermem[torch]'") from e
+    if not isinstance(model, torch.nn.Module):
+        raise ConfigTypeError(f"wrap_training takes a torch.nn.Module to train, got {type(model).__name__}")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ConfigTypeError(f"wrap_training takes a torch.optim.Optimizer over the model's parameters, got "
+                              f"{type(optimizer).__name__}")
 
 
 def states_dtype(state_dtype: Any) -> Any:

@@ -21,6 +21,7 @@ from contextlib import nullcontext
 from typing import Any
 
 from ..pytorch.savedhooks import as_saved
+from .generators import end_generator_capture
 from .workspaces import own_workspaces
 
 __all__ = ["Replays", "MAX_GRAPHS_PER_BLOCK"]
@@ -422,7 +423,11 @@ class Replays:
                                 s.copy_(g)
                     del xs, gin
                 finally:
-                    graph.capture_end()
+                    try:
+                        graph.capture_end()
+                    except BaseException:
+                        end_generator_capture(torch)     # NOTE [failed capture's generator]
+                        raise
             hit = self.hit
         finally:
             self.capturing, self.hit = False, []

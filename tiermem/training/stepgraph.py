@@ -51,6 +51,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from ..errors import ConfigError, TierMemError
+from .generators import end_generator_capture
 from .graphchoice import REPLAYS_TIMED
 from .workspaces import let_go, own_workspaces
 
@@ -324,9 +325,11 @@ def _unroute(torch: Any, g: Any, pool: Any, prev: Any) -> None:
     has it. A capture that ended cleanly ended its routing itself."""
     torch.cuda.set_stream(prev)
     end = getattr(torch._C, "_cuda_endAllocateToPool", None)
-    if end is None or _ended(g):
+    if _ended(g):
         return
-    end(prev.device.index if prev.device.index is not None else torch.cuda.current_device(), pool)
+    if end is not None:
+        end(prev.device.index if prev.device.index is not None else torch.cuda.current_device(), pool)
+    end_generator_capture(torch)        # NOTE [failed capture's generator]
 
 
 def _free_cache(torch: Any) -> None:

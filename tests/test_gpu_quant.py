@@ -192,3 +192,58 @@ def test_a_skewed_router_keeps_its_experts_in_the_cache(stream_dtype):
     # comes hits the cache often too (0.93 in a CPU run of this model), so only the skewed rate
     # has a floor.
     assert rates[True] >= 0.8, rates
+
+
+def test_a_head_bigger_than_the_budget_streams_int8_in_parts():
+    """NOTE [packed parts] in tiermem/inference/plan.py: an untied fp16 head of 64 MiB against a
+    16 MiB budget under stream_dtype='int8' is cut into parts of rows, each crossing packed and
+    dequantized into its slot on the dequant lane: the logits are the dequantized model's (to the
+    GEMM's summing order), and a forward moves the packed bytes the plan says."""
+    import torch
+    import torch.nn as nn
+
+    import tiermem
+    from tiermem.inference import quant
+    from tiermem.testing import logits_agreement
+
+    class LM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(65536, 512)
+            self.layers = nn.Sequential(*[nn.Sequential(nn.Linear(512, 2048), nn.GELU(), nn.Linear(2048, 512))
+                                          for _ in range(4)])
+            self.head = nn.Linear(512, 65536, bias=False)
+
+        def forward(self, ids):
+            return self.head(self.layers(self.emb(ids)))
+
+    torch.manual_seed(0)
+    m = LM().half().requires_grad_(False)
+    ref = copy.deepcopy(m)
+    t = tiermem.Tier(0, cap="1GiB")
+    h = t.wrap_module(m, budget=16 * MiB, stream_dtype="int8")
+    g = h._groups["head"]
+    assert g.split and g.packed and len(g.pieces) > 1 and "head" not in h.plan.oversized, h.plan
+    names = {id(p): n for n, p in m.named_parameters()}
+    plain = dict(ref.named_parameters())
+    with torch.no_grad():
+        for x in h._groups.values():
+            for tns, p, v in zip(x.tensors, x.packing, h._stream._packed_views(x) if x.packed else []):
+                if p is not None:
+                    plain[names[id(tns)]].copy_(quant.reference(v[0], v[1], p, tns.dtype).view(tns.shape))
+    ref.cuda()
+    ids = torch.randint(0, 65536, (1, 32), device="cuda")
+    with torch.no_grad():
+        want = ref(ids).float()
+        m(ids)                                   # learns the order
+        h.drain()
+        before = t.stats()["moved_bytes.all.h2d"]
+        got = m(ids).float()
+        h.drain()
+    agree = logits_agreement(want, got)
+    assert agree["cosine_min"] >= 0.9999, agree
+    assert t.stats()["moved_bytes.all.h2d"] - before == h.moved_bytes
+    assert h.moved_bytes < 0.6 * sum(x.nbytes for x in h._groups.values() if not x.pinned and not x.gathered)
+    assert t.stats()["resident_bytes.all.peak"] <= h.budget
+    h.unwrap()
+    t.close()

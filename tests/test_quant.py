@@ -270,3 +270,130 @@ def test_load_pretrained_quantizes_the_checkpoint_as_it_reads_it(tier, fake, tmp
     for x in (h, h0, hp):
         x.unwrap()
     t0.close()
+
+
+# -- packed and cut (NOTE [packed parts] in tiermem/inference/plan.py) ---------------------------
+
+@pytest.fixture
+def cheap_parts(monkeypatch):
+    """A part costs what it would to a model a thousand times bigger (as in tests/test_split.py)."""
+    import tiermem.inference.plan
+    monkeypatch.setattr(tiermem.inference.plan, "PART_COST", 4096)
+
+
+class _LM(nn.Module):
+    def __init__(self, vocab: int = 16384, h: int = 128, tied: bool = False):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, h)
+        self.layers = nn.Sequential(*[nn.Sequential(nn.Linear(h, 4 * h), nn.GELU(), nn.Linear(4 * h, h))
+                                      for _ in range(4)])
+        self.head = nn.Linear(h, vocab, bias=True)
+        if tied:
+            self.head.weight = self.emb.weight
+
+    def forward(self, ids):
+        return self.head(self.layers(self.emb(ids)))
+
+
+def _dequantized(h, model: nn.Module, ref: nn.Module) -> nn.Module:
+    """``ref`` (a plain copy of ``model`` made before it was wrapped) with the packed weights set
+    to what their slots get: the reference dequantization of their packed home."""
+    names = {id(t): n for n, t in model.named_parameters()}
+    got = dict(ref.named_parameters())
+    with torch.no_grad():
+        for g in h._groups.values():
+            if not g.packed:
+                continue
+            for t, p, v in zip(g.tensors, g.packing, h._stream._packed_views(g)):
+                if p is not None:
+                    got[names[id(t)]].copy_(quant.reference(v[0], v[1], p, t.dtype).view(t.shape))
+    return ref
+
+
+def test_a_head_bigger_than_the_budget_streams_packed_in_parts(tier, fake, cheap_parts):
+    """An untied head four times the budget under stream_dtype='int8': cut into parts of rows,
+    each part's rows cross packed (values and scales) and are dequantized into its slot, so the
+    logits are the dequantized model's to rounding and a forward moves the packed bytes."""
+    torch.manual_seed(0)
+    m = _LM().requires_grad_(False)
+    plain = copy.deepcopy(m)
+    head = m.head.weight.numel() * 4
+    h = tier.wrap_module(m, budget=head // 4, stream_dtype="int8")
+    g = h._groups["head"]
+    assert h.plan.split == {"head"} and not h.plan.oversized and not h.plan.zero_copy_only
+    assert g.split and g.packed and len(g.pieces) > 1
+    assert g.packing[list(g.cut.members).index(0)] is not None          # the weight packed, its bias as it is
+    assert all(p.nbytes <= h._stream.slot_bytes for p in g.pieces)
+    assert g.link_bytes < g.nbytes / 3                                   # int8 of fp32, and the scales
+    assert h._stream.stage_bytes <= quant.QSTAGE_BYTES
+    assert not h._groups["emb"].packed                                  # the embedding reads its rows in place
+    ref = _dequantized(h, m, plain)
+    assert fake.pointer_kind(m.head.weight.data_ptr()) != "host"        # at rest: it has no home in fp32
+    for ids in (torch.randint(0, 16384, (2, 24)), torch.randint(0, 16384, (1, 1))):   # a prefill, a decode step
+        with torch.no_grad():
+            want = ref(ids)
+            m(ids)                                   # learns the order
+            h.drain()
+            before = tier.stats()["moved_bytes.all.h2d"]
+            got = m(ids)
+            h.drain()
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        assert torch.equal(got.argmax(-1), want.argmax(-1))
+        assert tier.stats()["moved_bytes.all.h2d"] - before == h.moved_bytes == h.plan.moved_bytes
+    assert tier.stats()["resident_bytes.all.peak"] <= h.budget
+    h.unwrap()
+    assert "forward" not in vars(m.head)
+    assert torch.equal(m.head.weight, ref.head.weight)                   # unwrap restores the dequantized weights
+
+
+def test_a_tied_table_bigger_than_the_budget_streams_in_parts_as_it_is(tier, cheap_parts):
+    """Tied, the table is not packed (an embedding reads its rows in place, in the model's dtype):
+    its head streams in parts as it is, while the layers stream packed."""
+    torch.manual_seed(0)
+    m = _LM(tied=True).requires_grad_(False)
+    plain = copy.deepcopy(m)
+    h = tier.wrap_module(m, budget=m.emb.weight.numel(), stream_dtype="int8")
+    g = h._groups["emb"]
+    assert g.split and not g.packed and len(g.pieces) > 1
+    assert any(x.packed for x in h._groups.values() if not x.pinned)
+    ref = _dequantized(h, m, plain)
+    ids = torch.randint(0, 16384, (2, 24))
+    with torch.no_grad():
+        m(ids)
+        torch.testing.assert_close(m(ids), ref(ids), rtol=1e-5, atol=1e-5)
+    h.unwrap()
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe"])
+def test_stacked_experts_bigger_than_a_slot_stream_packed_a_range_of_experts_at_a_time(tier, cheap_parts, kind):
+    """A part of stacked experts is a range of each packed member's rows (an expert's rows one
+    after the other): the parts' slots hold the dequantized experts, in a prefill and in a decode
+    step (packed experts have no fp32 home to read in place)."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    if kind == "mixtral":
+        cfg = transformers.MixtralConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+                                         num_local_experts=16, num_experts_per_tok=2)
+    else:
+        cfg = transformers.Qwen2MoeConfig(hidden_size=64, intermediate_size=96, moe_intermediate_size=48,
+                                          shared_expert_intermediate_size=64, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+                                          num_experts=16, num_experts_per_tok=4)
+    m = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    plain = copy.deepcopy(m)
+    experts = m.model.layers[0].mlp.experts
+    layer = sum(p.numel() * 4 for p in experts.parameters())
+    h = tier.wrap_module(m, budget=layer, stream_dtype="int8")
+    groups = [g for g in h._groups.values() if g.cut is not None and g.cut.kind == "experts"]
+    assert groups and all(g.split and g.packed and len(g.pieces) > 1 for g in groups), h.plan
+    ref = _dequantized(h, m, plain)
+    ids = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        for x in (ids, ids[:, :2]):
+            want = ref(x).logits
+            m(x)
+            torch.testing.assert_close(m(x).logits, want, rtol=1e-5, atol=1e-5)
+    assert h._fwd_mode == "decode"
+    h.unwrap()
+    assert "forward" not in vars(experts) and experts.num_experts == 16

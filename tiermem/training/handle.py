@@ -109,6 +109,7 @@ from ..errors import ConfigError, ConfigTypeError, OutOfBudgetError, TierMemErro
 from ..inference.groups import module_groups
 from ..pytorch.devmem import device_memory
 from ..pytorch.held import CopyGuard, InstancePatch
+from .casts import autocast_cache_off
 from .choice import PlanChoice
 from .clipping import Clipping, leaves_grads
 from .kvoff import kv_cache_configs, kv_cache_off
@@ -121,7 +122,7 @@ from .replay import Replays
 from .resident import make_resident
 from .slots import Block, BlockSlots, aligned
 from .states import OptimizerStates
-from .swap import ActivationSwap
+from .swap import ANOTHER_PATH, ActivationSwap
 
 if TYPE_CHECKING:
     from ..core.engine import Engine as Tier  # what an adapter uses is the engine's interface
@@ -221,6 +222,7 @@ class TieredTraining:
                         "left for leases); training within that", f"{self.budget:,}", f"{room:,}")
             self.budget = room
         self._hooks: list[Any] = []
+        self._capturing = False               # a CUDA graph captures the step (NOTE [whole-step graphs])
         self._state_hooks: list[Any] = []    # the optimizer's; _take's in-capacity removal keeps them
         self._old_fraction: float | None = None
         self.swap: ActivationSwap | None = None
@@ -297,6 +299,7 @@ class TieredTraining:
             self.swap.on_param = self._on_param_read
             self.swap.segment = self._segment
             self.swap.meter = self.meter
+            self.swap.capturing = lambda: self._capturing
         self.min_swap = min_swap
         self._seg: list[int] = []              # blocks whose forward is running, innermost last
         self._calls: dict[int, int] = {}       # forward calls per block in the traced step
@@ -685,7 +688,7 @@ class TieredTraining:
                 self._begin_step()
                 hooks = (torch.autograd.graph.saved_tensors_hooks(self.swap.pack, self.swap.unpack)
                          if self.swap is not None and self._swapping() else contextlib.nullcontext())
-                with hooks, kv_cache_off(self.model):
+                with hooks, kv_cache_off(self.model), autocast_cache_off(torch):   # NOTE [autocast in a step]
                     yield self
                 ok = True
             finally:
@@ -774,20 +777,17 @@ class TieredTraining:
         taken, and the next one starts as after a failed step."""
         steps, updates = self.steps, self.updates
         tracing = self._tracing
+        self._capturing = True
         try:
             with self.tier.backend.capturing():
                 yield
             if self._tracing and not tracing and self.swap is not None and self.swap.diverged:
-                # NOTE [another path under capture]
-                raise TierMemError(
-                    "the step saved other tensors while captured than in its eager steps: the model takes "
-                    "another path under a CUDA graph capture (transformers' SDPA attention builds its mask "
-                    "only while capturing, and with grouped-query attention that changes its kernels): "
-                    "pass the attention mask as a 4-D tensor built once, or train with train.step()")
+                raise TierMemError(ANOTHER_PATH)     # NOTE [another path under capture]
         except BaseException:
             self._failed = True
             raise
         finally:
+            self._capturing = False
             # nothing ran: the step is counted by its replay (``replayed``), or not at all
             self.steps, self.updates = steps, updates
             self.choice.drop_step_events(pending=True)

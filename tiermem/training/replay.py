@@ -21,7 +21,7 @@ from contextlib import nullcontext
 from typing import Any
 
 from ..pytorch.savedhooks import as_saved
-from .generators import end_generator_capture
+from .unwind import ended, give_pool_back, unroute
 from .workspaces import own_workspaces
 
 __all__ = ["Replays", "MAX_GRAPHS_PER_BLOCK"]
@@ -411,23 +411,28 @@ class Replays:
                 p.data = data
                 p.grad = grad
             with torch.cuda.stream(side), own_workspaces(torch):   # NOTE [capture's cuBLAS workspace]
-                graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
                 try:
-                    xs = [s.detach().requires_grad_(r) for s, r in zip(static_in, rec.grad_in)]
-                    gin = _recompute_backward(torch, rec.call, xs, static_gout, rec.autocast)
-                    for s, g in zip(static_gin, gin):
-                        if s is not None:
-                            if g is None:
-                                s.zero_()
-                            else:
-                                s.copy_(g)
-                    del xs, gin
-                finally:
+                    graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
                     try:
+                        xs = [s.detach().requires_grad_(r) for s, r in zip(static_in, rec.grad_in)]
+                        gin = _recompute_backward(torch, rec.call, xs, static_gout, rec.autocast)
+                        for s, g in zip(static_gin, gin):
+                            if s is not None:
+                                if g is None:
+                                    s.zero_()
+                                else:
+                                    s.copy_(g)
+                        del xs, gin
+                    finally:
                         graph.capture_end()
-                    except BaseException:
-                        end_generator_capture(torch)     # NOTE [failed capture's generator]
-                        raise
+                except BaseException:
+                    # a capture that did not end: its routing, the generator (NOTE [invalidated
+                    # capture]) and its hold on the shared pool (NOTE [failed capture's pool]),
+                    # undone; the other graphs give theirs back when give_up drops them
+                    if not ended(graph):
+                        unroute(torch, graph, self.pool, side)
+                        give_pool_back(torch, self.pool)
+                    raise
             hit = self.hit
         finally:
             self.capturing, self.hit = False, []

@@ -33,14 +33,21 @@ import collections
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
-from ..core.stream import Lane, PinnedArena, now
+from ..core.stream import ALIGN, Lane, PinnedArena, now
+from ..errors import TierMemError
 from ..pytorch.savedhooks import as_saved
 from ..roles import Role
 
 if TYPE_CHECKING:
     from ..core.engine import Engine as Tier  # what an adapter uses is the engine's interface
 
-__all__ = ["ActivationSwap"]
+__all__ = ["ANOTHER_PATH", "ActivationSwap"]
+
+# NOTE [another path under capture] in training/handle.py
+ANOTHER_PATH = ("the step saved other tensors while captured than in its eager steps: the model takes another "
+                "path under a CUDA graph capture (transformers' SDPA attention builds its mask only while "
+                "capturing, and with grouped-query attention that changes its kernels): pass the attention "
+                "mask as a 4-D tensor built once, or train with train.step()")
 
 @dataclasses.dataclass(eq=False)
 class _Saved:
@@ -91,6 +98,7 @@ class ActivationSwap:
         self.need: list[tuple[int, int]] = []                   # swapped keys in backward-read order
         self.diverged = False
         self.segment: Any = lambda: -1      # the innermost block in forward (set by the training handle)
+        self.capturing: Any = lambda: False  # a CUDA graph captures the step (set by the training handle)
         self.meter: Any = None              # times the step's waits (the training handle's StallMeter)
         self._begin_fields()
 
@@ -169,6 +177,11 @@ class ActivationSwap:
                 else:
                     self.diverged = True     # another step shape: swap everything, trace again
                     keep = False
+                    if self.capturing():
+                        # NOTE [another path under capture]: refused before the capture queues
+                        # anything the eager steps did not (a new piece of the pinned arena is a
+                        # cudaHostAlloc, which CUDA refuses while a stream captures)
+                        raise TierMemError(ANOTHER_PATH)
             s = _Saved(len(self.saved), n, keep, seg, k)
             self.saved.append(s)
             self.by_ptr[ptr] = s
@@ -227,6 +240,8 @@ class ActivationSwap:
     # -- moves -------------------------------------------------------------------------------------
     def _out(self, s: _Saved, st: Any, ptr: int) -> None:
         tier = self.tier
+        if self.capturing() and not _arena_holds(self.arena, s.nbytes):
+            raise TierMemError(ANOTHER_PATH)     # the same: the eager steps never swapped this much
         self.out_lane.after([now()])
         s.host = self.arena.take(s.nbytes, self.meter.host() if self.meter is not None else None)
         _, s.out_event = self.out_lane.run([(s.host, ptr, s.nbytes)], after=())
@@ -286,3 +301,12 @@ class ActivationSwap:
             if s.keep or s.dev is not None or s.reads >= s.refs:
                 continue
             self._in(s, cur)
+
+
+def _arena_holds(arena: PinnedArena, nbytes: int) -> bool:
+    """Whether ``arena`` hands out ``nbytes`` more from the chunks it has (no new allocation)."""
+    n = -(-nbytes // ALIGN) * ALIGN
+    c, off = arena.at
+    while c < len(arena.chunks) and off + n > arena.chunks[c].nbytes:
+        c, off = c + 1, 0
+    return c < len(arena.chunks)

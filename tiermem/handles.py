@@ -1,5 +1,6 @@
 """The objects tiermem's calls hand back, for annotations and isinstance checks: a move in flight
-(:class:`Transfer`), the handles of :func:`tiermem.wrap_module` and :func:`tiermem.wrap_training`,
+(:class:`Transfer`), the handles of :func:`tiermem.wrap_module` and :func:`tiermem.wrap_training`
+and the latter's options (:class:`TrainingOptions`),
 a budget lease, a checkpoint's index, and what the driver reports about the device and a range."""
 from .core.leases import BudgetLease
 from .core.transfer import Transfer
@@ -7,5 +8,7 @@ from .cuda.runtime import Capabilities, RangeInfo
 from .inference.load import Checkpoint
 from .inference.module import TieredModule
 from .training.handle import TieredTraining
+from .training.options import TrainingOptions
 
-__all__ = ["Transfer", "TieredModule", "TieredTraining", "BudgetLease", "Checkpoint", "Capabilities", "RangeInfo"]
+__all__ = ["Transfer", "TieredModule", "TieredTraining", "TrainingOptions", "BudgetLease", "Checkpoint", "Capabilities",
+           "RangeInfo"]

@@ -115,7 +115,7 @@ from .clipping import Clipping, leaves_grads
 from .kvoff import kv_cache_configs, kv_cache_off
 from .memory import HostBuffers, check_room, free_adopted, plain_copies
 from .meter import StallMeter
-from .options import averaging_group, check_options, states_dtype
+from .options import TrainingOptions, averaging_group, check_options, states_dtype
 from .plan import LINK_GBPS, SavedRecord, StepTrace, TrainPlan, evaluate
 from .recompute import Recompute
 from .replay import Replays
@@ -131,46 +131,26 @@ __all__ = ["TieredTraining", "wrap_training"]
 
 log = logging.getLogger("tiermem")
 
-BLOCK_BYTES = 64 << 20    # parameter bytes per block: a slot holds ~4x that (params, grads, Adam's two moments)
 RESIDENT_STEP_BYTES = 64 << 20   # parameter bytes per optimizer call for resident blocks
 
 
 class TieredTraining:
     """Handle of a model and optimizer trained by :func:`wrap_training` (NOTE [training transport]).
 
-    ``budget``: bytes, "2GiB" or a share of the device ("25%"). ``lookahead``: blocks brought in
-    ahead of use (the slots are ``lookahead + 1``). ``min_swap``: saved storages smaller than this
-    stay on the device. ``window``: bytes of activation copies in flight each way (default
-    budget/32). ``swap=False`` never swaps activations (nor recomputes them). ``margin``: bytes
-    the plan leaves free (default budget/8). ``recompute``: "auto" lets the plan choose per block
-    between keeping, swapping and recomputing its activations (NOTE [recompute plan]), "never"
-    keeps or swaps only, "always" recomputes every block it can. ``link_GBps``: the link's rate
-    each way that the plan assumes (default 55, the H100 machine's). ``state_dtype``: None (the
-    default) keeps optimizer states as the optimizer made them; ``torch.bfloat16`` (or
-    "bfloat16") holds streamed blocks' fp32 states as bf16 at home and over the link, rounded
-    stochastically, stepped in fp32 (NOTE [bf16 moments]). ``accumulate``: micro-batches per
-    optimizer step, one per ``train.step()``; the optimizer steps in every ``accumulate``-th
-    (NOTE [accumulation]). ``max_grad_norm``: clip the gradients to this global norm
-    (``norm_type``, default 2) before each optimizer step, as ``torch.nn.utils.clip_grad_norm_``
-    does; ``train.grad_norm`` is the norm it found (NOTE [clipping]). ``speculate``: step the
-    streamed blocks inside backward as if the clip will not bite, into a second pinned home, and
-    keep that step when it did not (NOTE [speculative clipping]); it doubles their pinned bytes.
-    ``graphs``: replay each recomputed block's backward as a CUDA graph where the budget leaves
-    room for the graphs' pool (NOTE [replayed recompute]); off by default, when torch's
-    checkpoint recomputes every step.
-    """
+    ``budget``: bytes, "2GiB" or a share of the device ("25%"). ``options``: a
+    :class:`~tiermem.training.options.TrainingOptions`, or its fields as keywords (where each
+    is documented)."""
 
-    def __init__(self, tier: Tier, model: Any, optimizer: Any, budget: int | str, *, lookahead: int = 2,
-                 min_swap: int = 1 << 20, window: int | None = None, swap: bool = True,
-                 block_bytes: int = BLOCK_BYTES, margin: int | None = None, process_group: Any = None,
-                 recompute: str = "auto", link_GBps: float | None = None, state_dtype: Any = None,
-                 accumulate: int = 1, max_grad_norm: float | None = None, norm_type: float = 2.0,
-                 speculate: bool = False, graphs: bool = False):
+    def __init__(self, tier: Tier, model: Any, optimizer: Any, budget: int | str,
+                 options: TrainingOptions | None = None, **kwargs: Any):
         import torch
         self.torch = torch
-        check_options(budget, lookahead=lookahead, recompute=recompute, link_GBps=link_GBps, state_dtype=state_dtype,
-                      accumulate=accumulate, max_grad_norm=max_grad_norm, norm_type=norm_type, speculate=speculate,
-                      graphs=graphs)
+        o = self.options = check_options(budget, options, **kwargs)
+        lookahead, min_swap, window, swap, block_bytes, margin = (o.lookahead, o.min_swap, o.window, o.swap,
+                                                                  o.block_bytes, o.margin)
+        recompute, link_GBps, max_grad_norm, norm_type, speculate, graphs = (
+            o.recompute, o.link_GBps, o.max_grad_norm, o.norm_type, o.speculate, o.graphs)
+        accumulate = o.accumulate
         if speculate and type(optimizer) not in leaves_grads():
             raise ConfigError(f"speculate=True needs an optimizer whose step leaves the gradients alone "
                               f"({', '.join(sorted(t.__name__ for t in leaves_grads()))}), got "
@@ -180,7 +160,7 @@ class TieredTraining:
         self.updates = 0                      # optimizer steps taken
         self._updating = True
         self._window: set[int] = set()        # parameters with a gradient in the open window
-        self.state_dtype = states_dtype(state_dtype)
+        self.state_dtype = states_dtype(o.state_dtype)
         self.recompute_mode = recompute if swap else "never"
         self.link_GBps = float(link_GBps) if link_GBps is not None else LINK_GBPS
         if getattr(model, "_tiermem_handle", None) is not None:
@@ -190,7 +170,7 @@ class TieredTraining:
             log.warning("tiermem: %s's config has use_cache=True; inside train.step() it is False (a training "
                         "forward has no use for a KV cache, which would hold every layer's keys and values)",
                         type(model).__name__)
-        self.group = averaging_group(process_group)      # NOTE [data parallel]
+        self.group = averaging_group(o.process_group)      # NOTE [data parallel]
         be = tier.backend
         total = be.capabilities().total_memory
         self.budget = parse_bytes(budget, total=total, what="training budget", max_percent=100)
@@ -1243,9 +1223,11 @@ def _first_grad_tensor(out: Any) -> Any:
     return None
 
 
-def wrap_training(tier: Tier, model: Any, optimizer: Any, budget: int | str, **kwargs: Any) -> TieredTraining:
-    """Train ``model`` with ``optimizer`` within ``budget`` (see :class:`TieredTraining`)."""
-    return TieredTraining(tier, model, optimizer, budget, **kwargs)
+def wrap_training(tier: Tier, model: Any, optimizer: Any, budget: int | str, options: TrainingOptions | None = None,
+                  **kwargs: Any) -> TieredTraining:
+    """Train ``model`` with ``optimizer`` within ``budget`` (see :class:`TieredTraining` and
+    :class:`~tiermem.training.options.TrainingOptions`)."""
+    return TieredTraining(tier, model, optimizer, budget, options, **kwargs)
 
 
 def _general(plan: TrainPlan) -> int:

@@ -35,8 +35,8 @@ class TrainingOptions:
     recompute: "auto" lets the plan choose per block between keeping, swapping and recomputing
         its activations (NOTE [recompute plan] in training/plan.py), "never" keeps or swaps
         only, "always" recomputes every block it can.
-    link_GBps: the host link's rate each way that the plan assumes, GB/s; None: 55, the H100
-        machine's (docs/facts.md).
+    link_GBps: the host link's rate each way that the plan assumes, GB/s; None: 55, pinned
+        copies over PCIe Gen5 x16 (docs/facts.md).
     state_dtype: None keeps optimizer states as the optimizer made them; ``torch.bfloat16`` (or
         "bfloat16") holds streamed blocks' fp32 states as bf16 at home and over the link,
         rounded stochastically, stepped in fp32 (NOTE [bf16 moments] in training/states.py).

@@ -189,8 +189,8 @@ class OptimizerStates:
         step (NOTE [bf16 moments]); returns (fp32 tensor, bf16 slot memory) pairs to narrow back
         after it. When every state of the block is narrowed (AdamW's two moments), the slot's
         whole state region is widened at once and each state is a slice of it: two kernels a
-        block, where one widening and rounding per tensor launched a few thousand a step and
-        made the GPT step of bench/train_budget.py 1.4x slower (H100, e609e14)."""
+        block, not one widening and rounding per tensor, a few thousand launches a step
+        (docs/training.md, "Measurements behind the code's notes")."""
         pairs = [(st, v) for st, (dt, held), v in zip(b.states, b.s_dtypes, views) if dt != held]
         if not pairs:
             return []

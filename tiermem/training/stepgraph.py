@@ -100,9 +100,9 @@ class GraphedStep:
     def release(self) -> None:
         """Drop the graph and give its pool back to the budget: work between steps (an
         evaluation of a whole batch, say) then has what the pool held. Between replays the
-        pool stays reserved, and an evaluation beside it has the budget less the pool (4x512
-        tokens of the bench's GPT beside a 486 MiB pool ran out of memory on the H200 at
-        ee27da0). The steps after run eagerly until the plan has settled, then are captured
+        pool stays reserved, and an evaluation beside it has the budget less the pool (a whole
+        batch of the bench's GPT beside the pool ran out of memory: docs/training.md,
+        "Measurements behind the code's notes"). The steps after run eagerly until the plan has settled, then are captured
         again: a release costs SETTLED_STEPS + 1 eager steps and a capture."""
         self._drop(RELEASED)
 
@@ -237,9 +237,8 @@ class GraphedStep:
     def _judge(self) -> None:
         """NOTE [graph choice]: once the timed replays are queued, their median judges the plan.
         The host waits for the last of them, once a plan: read without a wait, the judgement
-        came as many replays late as the host ran ahead of the GPU (on the H100 at 42cd2fa a
-        learning-rate test's steps ran out before the plan that came back was captured again),
-        and every replay under a plan about to change is a step of the slower one."""
+        came as many replays late as the host ran ahead of the GPU (docs/training.md,
+        "Measurements behind the code's notes"), and every replay under a plan about to change is a step of the slower one."""
         if self._judged or len(self._timed) < REPLAYS_TIMED:
             return
         be = self.train.tier.backend
@@ -275,11 +274,11 @@ def _first_cause(e: BaseException) -> str:
 
 
 def _clear_frames(e: BaseException) -> None:
-    """NOTE [kept exceptions] in training/handle.py: a failure's traceback frames hold the failed step's
+    """NOTE [kept exceptions] in training/stepping.py: a failure's traceback frames hold the failed step's
     tensors (its forward's activations, in the graph's pool) for as long as the exception lives.
     A failed capture's exception is tiermem's own, handled and never raised, so tiermem lets go
-    of its frames itself: at 2bbf434 on the H200, 23 MiB of a failed capture's activations were
-    still in its pool after the eager steps that followed."""
+    of its frames itself, or a failed capture's activations stay in its pool through the eager
+    steps that follow (docs/training.md, "Measurements behind the code's notes")."""
     import traceback
     seen: set[int] = set()
     while e is not None and id(e) not in seen:

@@ -91,6 +91,7 @@ class PlanChoice:
         self._apply, self._timings, self._resident_bytes = take, timings, resident_bytes
         self.plan: TrainPlan | None = None
         self.trace: StepTrace | None = None
+        self.floor: Any = None                 # NOTE [the floor]: the training's Floor, once known
         self.no_recompute = False              # recompute moved other segments' saves: plan without it
         self.refine = 0                        # steps left under the probe's plan (NOTE [measured choice])
         self._calibrating = False              # ... measured only for its times (NOTE [calibrated compute])
@@ -128,9 +129,16 @@ class PlanChoice:
                                  clip=self.clip)
         return plan
 
+    def _floored(self, plan: TrainPlan) -> TrainPlan:
+        """``plan`` with the training's floor, for its table (NOTE [the floor])."""
+        f = self.floor
+        if f is None or (plan.budget_floor, plan.floor_what) == (f.bytes, f.what):
+            return plan
+        return dataclasses.replace(plan, budget_floor=f.bytes, floor_what=f.what)
+
     def take(self, plan: TrainPlan) -> None:
         """Make ``plan`` the one the next steps follow."""
-        old, self.plan = self.plan, plan
+        old, self.plan = self.plan, self._floored(plan)
         self._apply(old, plan)
 
     def replan(self, trace: StepTrace, floor: int, nesting: int) -> None:
@@ -170,11 +178,13 @@ class PlanChoice:
                 return
             least = max(2, nesting + 1)
             if st.nslots <= least:
+                at_least = max(need, self.floor.bytes if self.floor is not None else 0)
+                what = f"; this training's floor is {self.floor} (NOTE [the floor])" if self.floor is not None else ""
                 raise OutOfBudgetError(need, 0, self.budget, hint=(
                     f"the traced step held {floor:,} bytes with every block streamed and every "
                     f"activation moved, and its {st.nslots} slots must grow to {slot:,} bytes each to bring "
-                    f"the optimizer states in; raise the budget to at least {need:,} bytes, or wrap with a "
-                    "smaller block_bytes (NOTE [fewer slots])"))
+                    f"the optimizer states in{what}; raise the budget to at least {at_least:,} bytes, or wrap "
+                    "with a smaller block_bytes, or train on smaller batches (NOTE [fewer slots])"))
             log.warning("tiermem: a budget of %s bytes holds the step only with %d slots, not %d: lookahead "
                         "lowered to %d (NOTE [fewer slots])", f"{self.budget:,}", st.nslots - 1, st.nslots,
                         st.lookahead - 1)
@@ -332,7 +342,7 @@ class PlanChoice:
             # the same choices ("never", "always", nothing to recompute), predicted anew
             plan = evaluate(self.trace, self.plan)
             plan.measured.update(self.plan.measured)
-            self.plan = plan
+            self.plan = self._floored(plan)
             return
         plan = self.plan_for(self.trace)
         if (plan.resident_blocks, plan.recompute, plan.keep) != (self.plan.resident_blocks, self.plan.recompute,
@@ -341,14 +351,14 @@ class PlanChoice:
             if not plan.in_capacity and plan.predicted_seconds() > probe.predicted_seconds() * (1 - MIN_GAIN):
                 # NOTE [measured choice]: a gain this small is not worth trying
                 probe.measured.update(self.plan.measured, model_ms=plan.predicted_seconds() * 1e3)
-                self.plan = probe
+                self.plan = self._floored(probe)
                 return
             self._probe = (self.plan, probe_ms)
             self.verify, self._verify_ms = VERIFY_STEPS, []
             self.take(plan)
             self.restart_timing()
         else:
-            self.plan = plan
+            self.plan = self._floored(plan)
 
     # -- the graph's replays (NOTE [graph choice] in training/graphchoice.py) ------------------------------
     @property

@@ -103,12 +103,19 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from ..base.limits import parse_bytes
-from ..errors import ConfigError, ConfigTypeError, OutOfBudgetError, TierMemError, WrapError
+from ..errors import (
+    ConfigError,
+    ConfigTypeError,
+    OutOfBudgetError,
+    TierMemError,
+    WrapError,
+)
 from ..inference.groups import module_groups
 from ..pytorch.devmem import device_memory
 from .casts import autocast_cache_off
 from .choice import PlanChoice
 from .clipping import Clipping, leaves_grads
+from .floor import WORKSPACE_BYTES, Floor, asked_bytes, at_wrap, nesting, trace_slots
 from .hooks import BlockHooks
 from .kvoff import kv_cache_configs, kv_cache_off
 from .memory import Cap, HostBuffers, check_room, free_adopted, plain_copies
@@ -118,7 +125,7 @@ from .plan import LINK_GBPS, StepTrace, TrainPlan
 from .planrun import PlanRunner
 from .recompute import Recompute
 from .replay import Replays
-from .slots import Block, BlockSlots, aligned
+from .slots import Block, BlockSlots
 from .states import OptimizerStates
 from .stepping import StepRunner
 from .stepstate import StepState
@@ -171,6 +178,10 @@ class TieredTraining:
         self.total = total
         self.mem = device_memory(torch, be, tier.device)     # NOTE [device memory]
         self.dev = self.mem.device
+        # NOTE [the floor]: a budget refused below its floor is a real device's (a test's fake
+        # backend may say it emulates one; elsewhere its budgets are nominal, torch's CPU
+        # allocator having no cap)
+        self.enforced = bool(getattr(be, "enforces_budget", be.kind == "cuda"))
         self.blocks = _blocks(torch, model, optimizer, o.block_bytes, self.dev)
         room = tier.lease_room()                 # NOTE [budget leases]
         if room is not None and self.budget > room:
@@ -242,15 +253,21 @@ class TieredTraining:
                 self.stream.bind_home(b)
         self.mem.empty_cache()
         self.cap.outside = self.mem.reserved_without(old)
-        nslots = self.stream.nslots
-        slots = nslots * aligned(self.stream.needed_slot_bytes())
-        # On the device only: the CPU tests' budgets are nominal, torch's CPU allocator has no cap.
-        if slots > self.budget and tier.backend.kind == "cuda":
-            big = max(self.blocks, key=lambda b: b.p_bytes + b.g_bytes)
-            raise OutOfBudgetError(slots, 0, self.budget, hint=(
-                f"the {nslots} slots a step streams blocks through need that much before any "
-                f"activation (the largest block, {big.name}, with its gradients); raise the budget, or "
-                "wrap with a smaller block_bytes or lookahead"))
+        # NOTE [the floor]: the slots' part is known now; the activations' after the first step
+        least = self.planner.least = max(2, nesting(self.blocks) + 1)
+        floor = self.state.budget_floor = at_wrap(self.blocks, self.opt, self.state_dtype, least,
+                                                  WORKSPACE_BYTES if tier.backend.kind == "cuda" else 0)
+        if self.budget < floor.bytes and self.enforced:
+            raise OutOfBudgetError(floor.bytes, 0, self.budget, hint=(
+                f"the floor of this training is {floor} (NOTE [the floor]); raise the budget to at least "
+                f"{floor.bytes:,} bytes, or wrap with a smaller block_bytes"))
+        if self.enforced:
+            k = trace_slots(self.stream.nslots, least, floor.slot_bytes, self.budget)
+            if k < self.stream.nslots:
+                log.info("tiermem: the first step is traced through %d slots, not %d: those would take more than "
+                         "half the budget (NOTE [the floor])", k, self.stream.nslots)
+                self.stream.lookahead -= self.stream.nslots - k
+                self.stream.nslots = k
         self.stream.alloc()
         self.cap.old_fraction = self.mem.fraction()
         self.cap.set()
@@ -324,6 +341,11 @@ class TieredTraining:
         except torch.OutOfMemoryError as e:
             if hasattr(e, "add_note"):          # Python 3.11+; the error stays torch's, for code that catches it
                 e.add_note(self.runner.budget_note())
+                if st.tracing:                  # NOTE [the floor]: the step's peak never came
+                    held = max(self.mem.max_reserved() - self.cap.outside, 0) + self.tier.resident_bytes
+                    e.add_note(f"tiermem: the traced first step ran out before its peak was known: this training's "
+                               f"floor is at least {held + asked_bytes(str(e)):,} bytes, what torch held and "
+                               f"asked for; before the step it was {st.budget_floor} (NOTE [the floor])")
             if self.replays.graphs:
                 # NOTE [replayed recompute]: the graphs' pool held memory the step's own
                 # allocations then lacked; the next steps recompute eagerly, without it
@@ -509,6 +531,25 @@ class TieredTraining:
     def floor(self) -> int:
         """The traced step's peak of torch's reserved bytes, everything moving."""
         return self.state.floor
+
+    @property
+    def mem(self) -> Any:
+        """torch's caching-allocator controls for the device (NOTE [device memory]); a test may set
+        others (fakes.PeakedHostMemory), which the step, the plan and the cap then use."""
+        return self._mem
+
+    @mem.setter
+    def mem(self, controls: Any) -> None:
+        self._mem = controls
+        for part in (getattr(self, n, None) for n in ("runner", "planner", "cap")):
+            if part is not None:
+                part.mem = controls
+
+    @property
+    def budget_floor(self) -> Floor:
+        """The smallest budget at which every step runs, and what sets it (NOTE [the floor]): its
+        slots' part from wrap on, the activations' once the first step has been traced."""
+        return self.state.budget_floor
 
     @property
     def outside(self) -> int:

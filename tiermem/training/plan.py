@@ -165,6 +165,8 @@ class TrainPlan:
                                                     # resident block keeps on the device
     clip: bool = False                       # streamed blocks step in a pass after backward (NOTE [clipping])
     compute_scale: float = 1.0               # the trace's (NOTE [calibrated compute])
+    budget_floor: int = 0                    # the smallest budget every step runs at (NOTE [the floor]); 0: not known
+    floor_what: str = ""                     # what sets it
     measured: dict[str, float] = dataclasses.field(default_factory=dict, compare=False, hash=False)
 
     @property
@@ -240,6 +242,9 @@ class TrainPlan:
             f"  device peak      {gb(self.predicted_peak)} predicted (floor {gb(self.floor_peak)}, "
             f"margin {gb(self.margin)}" + (f", graphs' pool {gb(self.graph_pool)}" if self.graph_pool else "") + ")",
         ]
+        if self.budget_floor:
+            lines.append(f"  budget floor     {gb(self.budget_floor)}, the least budget every step runs at: "
+                         f"{self.floor_what} (NOTE [the floor])")
         if self.measured.get("model_ms"):
             lines.append(f"  not tried        the model's own plan, {self.measured['model_ms']:.1f} ms predicted: "
                          "not enough faster to try (NOTE [measured choice])")

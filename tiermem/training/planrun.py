@@ -8,6 +8,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from .floor import after_trace
 from .plan import SavedRecord, StepTrace, TrainPlan
 from .resident import make_resident
 from .slots import Block, BlockSlots, aligned
@@ -30,6 +31,8 @@ class PlanRunner:
                                                                                    optimizer, group)
         self.swap: Any = None
         self.hooks: Any = None
+        self.configured = stream.nslots      # the slots the options ask for (the trace may stream through fewer)
+        self.least = 2                       # the fewest a step streams through (NOTE [the floor])
         self.set_cap: Callable[[], None] = lambda: None
         self.graph_room: Callable[[], int | None] = lambda: None
         self.outside: Callable[[], int] = lambda: 0
@@ -57,7 +60,18 @@ class PlanRunner:
         floor = max(floor - self.outside(), 0)
         st.floor = floor
         new_slot = aligned(self.stream.needed_slot_bytes())
+        held = self.stream.nslots * self.stream.slot_bytes
         floor += self.stream.nslots * max(new_slot - self.stream.slot_bytes, 0)     # the slots grow to hold states
+        st.budget_floor = after_trace(self.blocks, new_slot, self.least, st.floor, held, self.tier.resident_bytes,
+                                      saved)
+        self.choice.floor = st.budget_floor
+        grow = self.configured - self.stream.nslots
+        if grow > 0:
+            # NOTE [the floor]: the trace streamed through the fewest slots; the plan gives the
+            # steps after the rest where the budget holds them (NOTE [fewer slots])
+            floor += grow * new_slot
+            self.stream.nslots += grow
+            self.stream.lookahead += grow
         trace = StepTrace(saved, tuple(b.p_bytes for b in self.blocks),
                           tuple(b.s_full for b in self.blocks), floor,
                           frozenset(b.index for b in self.blocks if b.resident),

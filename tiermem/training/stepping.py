@@ -32,7 +32,7 @@ from .plan import evaluate
 from .slots import Block, BlockSlots
 from .stepstate import StepState
 
-__all__ = ["StepRunner", "RESIDENT_STEP_BYTES"]
+__all__ = ["RESIDENT_STEP_BYTES", "StepRunner"]
 
 log = logging.getLogger("tiermem")
 

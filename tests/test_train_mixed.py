@@ -86,15 +86,42 @@ def test_mixed_precision_trains_as_the_plain_loop_bitwise(kind, case):
         assert torch.equal(p.detach(), q.detach())
 
 
-def test_autocast_plans_see_the_bf16_casts_autocast_saves():
-    """Under autocast the step saves the bf16 casts of the weights (a linear's backward reads its
-    weight): the trace records them among the activations, so the plan counts them."""
-    bs = batches(3)
-    _, fp32, _, _ = _tiered("fp32", bs, 1, None)
-    _, auto, _, _ = _tiered("autocast", bs, 1, None)
-    assert auto.trace.saved_bytes != fp32.trace.saved_bytes
-    for t in (fp32, auto):
-        t.unwrap()
+def test_autocast_casts_of_the_weights_are_cast_again_in_backward_not_swapped():
+    """NOTE [saved casts]: a linear layer under autocast saves its weight's bf16 copy; the swap
+    keeps which parameter it was and backward casts it again, so the trace's saves are the
+    activations alone (here tiny beside the weights), and the losses are the plain loop's."""
+    def build():
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(4)])
+        return m, torch.optim.AdamW(m.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(3)
+    xs = [torch.randn(2, 256, generator=g, requires_grad=True) for _ in range(4)]
+
+    def loss(m, x):
+        with torch.autocast("cpu", dtype=BF16):
+            return m(x).float().square().mean()
+    m, opt = build()
+    want = []
+    for x in xs:
+        v = loss(m, x)
+        v.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        want.append(float(v.detach()))
+    m, opt = build()
+    tier = tiermem.Tier(backend=FakeBackend(total=1 << 30, foreign_host=True))
+    train = tier.wrap_training(m, opt, 1 << 20, block_bytes=256 << 10, min_swap=256, recompute="never")
+    got = []
+    for x in xs:
+        with train.step():
+            v = loss(m, x)
+            v.backward()
+        got.append(float(v.detach()))
+    assert got == want
+    weight_cast = 256 * 256 * 2
+    assert train.trace.saved and train.trace.saved_bytes < weight_cast, train.trace.saved_bytes
+    assert train.plan.streamed_blocks
+    train.unwrap()
 
 
 def test_bf16_moments_under_autocast_stay_close_to_the_plain_loop():

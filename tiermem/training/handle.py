@@ -281,6 +281,7 @@ class TieredTraining:
             self.swap.segment = self.hooks.segment
             self.swap.meter = self.meter
             self.swap.capturing = lambda: st.capturing
+            self.swap.trained = {id(p): p for b in self.blocks for p in b.params}    # NOTE [saved casts]
         self.runner.swap = self.planner.swap = self.swap
         containers = {id(b.module) for b in self.blocks for o_ in self.blocks
                       if o_ is not b and any(m is o_.module for m in b.module.modules())}

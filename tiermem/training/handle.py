@@ -375,6 +375,13 @@ class TieredTraining:
         from .stepgraph import GraphedStep
         return GraphedStep(self, fn)
 
+    def stepped_optimizer(self) -> Any:
+        """The optimizer for a loop that calls ``optimizer.step()`` itself (transformers' Trainer,
+        accelerate): its ``step()`` does nothing, the handle having stepped already; its groups and
+        states are the wrapped optimizer's (NOTE [a loop's optimizer] in training/loopopt.py)."""
+        from .loopopt import stepped_optimizer
+        return stepped_optimizer(self)
+
     def follow(self, plan: TrainPlan) -> None:
         """Make ``plan`` the one the next steps follow (one ``choice.graph_timed`` gave)."""
         if self.state.in_step:

@@ -121,9 +121,10 @@ class OptimizerStates:
                 raise TierMemError(
                     "optimizer.step() was called by the caller, but wrap_training steps the optimizer itself, "
                     "each block inside train.step() (a second step would update the parameters twice): drop "
-                    "optimizer.step() and zero_grad() from the loop. For gradient clipping wrap with "
-                    "max_grad_norm=...; for accumulation, accumulate=N. An fp16 GradScaler, whose step() "
-                    "calls it, is not supported: train in bf16 or fp32")
+                    "optimizer.step() and zero_grad() from the loop, or give a loop that steps it itself "
+                    "train.stepped_optimizer(). For gradient clipping wrap with max_grad_norm=...; for "
+                    "accumulation, accumulate=N. An fp16 GradScaler, whose step() calls it, is not supported: "
+                    "train in bf16 or fp32")
         return out + [self.opt.register_load_state_dict_pre_hook(before),
                       self.opt.register_load_state_dict_post_hook(after),
                       self.opt.register_step_pre_hook(stepped)]

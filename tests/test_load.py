@@ -246,7 +246,7 @@ def test_a_bad_checkpoint_raises_a_clear_error_and_leaves_nothing_allocated(tier
     words = {"missing shard": "missing", "truncated": "truncated", "bad header": "header", "missing tensor": "lack",
              "wrong dtype": "float16", "wrong shape": "do not match"}[how]
     with pytest.raises(CheckpointError, match=words) as e:
-        load_pretrained(bad, budget=checkpoint_share(bad, 30), host_budget=10 * MiB, tier=tier)
+        load_pretrained(bad, budget=checkpoint_share(shards, 30), host_budget=10 * MiB, tier=tier)
     assert isinstance(e.value, ValueError) and e.value.path
     assert _live(fake) == 0 and tier.budget is None and tier.stats() == stats
 
@@ -652,3 +652,42 @@ def test_a_failed_read_waits_for_the_reads_under_way_before_it_raises(tmp_path):
     with lock:
         assert started - {4096} == finished and len(started) < 64     # the rest were cancelled, not left running
     r.close()
+
+
+# -- tied checkpoints (NOTE [tied checkpoints]) --------------------------------------------------------
+def _tied(arch: str):
+    import transformers as tf
+    small = dict(vocab_size=512, tie_word_embeddings=True)
+    cfg = {
+        "llama": lambda: tf.LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, **small),
+        "qwen2": lambda: tf.Qwen2Config(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, **small),
+        "gemma": lambda: tf.GemmaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=1, head_dim=32, **small),
+        "gpt2": lambda: tf.GPT2Config(n_embd=128, n_layer=2, n_head=4, n_positions=64, **small),
+        "opt": lambda: tf.OPTConfig(hidden_size=128, ffn_dim=256, num_hidden_layers=2, num_attention_heads=4,
+                                    word_embed_proj_dim=128, max_position_embeddings=64, **small),
+    }[arch]()
+    torch.manual_seed(0)
+    return tf.AutoModelForCausalLM.from_config(cfg).eval()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma", "gpt2", "opt"])
+def test_a_tied_checkpoint_loads_and_gives_the_models_logits(tier, fake, tmp_path, arch):
+    """transformers writes a tied weight once; load_pretrained ties it again as from_pretrained does."""
+    from safetensors import safe_open
+    ref = _tied(arch)
+    out = ref.get_output_embeddings().weight
+    assert out is ref.get_input_embeddings().weight
+    ref.save_pretrained(tmp_path)
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        saved = set(f.keys())
+    assert len(saved) < len(dict(ref.named_parameters(remove_duplicate=False)))     # written once
+    ids = torch.randint(0, 512, (1, 10), generator=torch.Generator().manual_seed(1))
+    model, h = load_pretrained(tmp_path, budget=checkpoint_share(tmp_path, 40), tier=tier, max_group_bytes=100_000)
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, ref(ids).logits)
+    h.unwrap()
+    assert _live(fake) == 0

@@ -147,7 +147,9 @@ def test_adopting_twice_or_an_empty_module_is_refused(tier):
 def test_a_budget_of_zero_reads_everything_in_place(tier):
     m = _model()
     ref = copy.deepcopy(m)
-    h = tier.wrap_module(m, budget=0)
+    with pytest.raises(tiermem.errors.ConfigError, match="pass mode='zero_copy' if that is meant"):
+        tier.wrap_module(m, budget=0)        # most likely a share that rounded down: said, not assumed
+    h = tier.wrap_module(m, budget=0, mode="zero_copy")
     assert h.plan.zero_copy_only and h.plan.pinned == frozenset()
     x = torch.randn(8, 256)
     assert torch.equal(m(x), ref(x)) and h._fwd_mode == "zero_copy"

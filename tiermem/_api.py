@@ -15,13 +15,14 @@ from typing import Any
 
 from ._tier import Tier, check_empty
 from .base import default as _default
-from .base.limits import check_bytes
-from .core.tensor import TieredTensor
+from .base.keywords import check_keywords
+from .core.tensor import TieredTensor, tiered_list
 from .core.transfer import Transfer
-from .roles import Location, Policy, Role, as_role, check_policy
+from .errors import ConfigTypeError
+from .roles import Location, Policy, Role, as_location, as_role, check_policy
 
 __all__ = ["default_tier", "configure", "empty", "wrap", "wrap_module", "wrap_training", "unwrap", "prefetch", "evict", "allocator",
-           "stats", "memory_summary", "policy_override", "synchronize", "use", "load_pretrained"]
+           "stats", "memory_summary", "policy_override", "synchronize", "use", "load_pretrained", "kv_cache"]
 
 def default_tier() -> Tier:
     """The process-wide Tier, made on first use on the current CUDA device with settings from the
@@ -32,6 +33,7 @@ def default_tier() -> Tier:
 def configure(device: int | None = None, **settings: Any) -> Tier:
     """Replace the default Tier with one built from ``settings`` (the arguments of :class:`Tier`).
     Tensors of the old Tier keep working; new ones come from the new Tier."""
+    check_keywords("configure", Tier.__init__, settings)
     t = Tier(device, **settings)
     _default.replace(t)
     return t
@@ -71,28 +73,54 @@ def wrap_training(model: Any, optimizer: Any, budget: int | str, options: Any = 
     before a GPU is looked for. ``tier``: the Tier to train on (default: the process's).
     Returns a :class:`TieredTraining`. The handle steps the optimizer itself: a caller's
     ``optimizer.step()`` is refused."""
-    from .training.options import check_options
+    from .training.options import check_options, check_subjects
+    tier = _given(tier)
     opts = check_options(budget, options, **kwargs)
+    check_subjects(model, optimizer)
     return (tier or default_tier()).wrap_training(model, optimizer, budget, options=opts)
 
 
 def wrap_module(module: Any, budget: int | str | None = None, **kwargs: Any) -> Any:
     """Adopt every parameter and buffer of ``module`` and run it within ``budget`` (bytes, "8GB",
     or a share of the device like "25%"; ``tiermem.planning.weight_bytes(module) // 4`` is a
-    quarter of its weights: NOTE [sizes] in base/limits.py): the largest groups stay resident, the rest stream in ahead
+    quarter of its weights: NOTE [sizes] in base/limits.py; 0, nothing resident, only with
+    ``mode="zero_copy"``): the largest groups stay resident, the rest stream in ahead
     of use and out behind it, or are read in place for single-token forwards. Returns a
     :class:`TieredModule` (its ``plan``; ``unwrap()`` restores the module). Keyword arguments:
     ``mode`` ("auto", "stream", "zero_copy"), ``lookahead`` (groups in flight),
-    ``zero_copy_max_tokens``, ``tier``."""
-    tier = kwargs.pop("tier", None)
-    if budget is not None:
-        check_bytes(budget, what="module budget")
+    ``zero_copy_max_tokens``, ``kv_budget`` and ``kv_tokens`` (a KV cache in the same budget, made
+    by ``handle.kv_cache()``: NOTE [kv plan] in tiermem/inference/kvplan.py), ``tier``."""
+    from .inference.module import check_module, check_module_options
+    tier = _given(kwargs.pop("tier", None))
+    check_module_options(budget, kwargs)
+    check_module(module)
     return (tier or default_tier()).wrap_module(module, budget, **kwargs)
+
+
+def kv_cache(model: Any, max_tokens: int, kv_budget: int | str | None = None, **kwargs: Any) -> Any:
+    """A transformers ``Cache`` for ``model`` (or its config) that keeps its keys and values
+    within ``kv_budget`` device bytes ("2GB", or a share of the device): the layers that do not fit
+    live in pinned host memory and come in one layer ahead (NOTE [kv cache in tiers] in
+    tiermem/inference/kvcache.py). ``max_tokens`` is the most tokens a sequence may reach; a
+    context whose home does not fit the host is refused here. Pass it to ``generate``
+    (``past_key_values=``, or ``cache=`` from transformers 5.24) and ``close()`` it after. Keyword
+    arguments: ``batch_size``, ``dtype``, ``slots``, ``fp8`` (NOTE [fp8 in transit]),
+    ``host_budget``, ``tier``. Needs transformers 5. With the weights under one budget:
+    ``wrap_module(model, budget, kv_budget=...)`` and ``handle.kv_cache()``."""
+    from .base.limits import check_bytes
+    from .inference.kvcache import TieredKVCache, check_tokens
+    tier = _given(kwargs.pop("tier", None))
+    check_keywords("kv_cache", TieredKVCache.__init__, kwargs, skip=("config", "max_tokens", "kv_budget", "tier"))
+    check_tokens(max_tokens)
+    if kv_budget is not None and kv_budget != "auto":
+        check_bytes(kv_budget, what="kv_budget")
+    return (tier or default_tier()).kv_cache(model, max_tokens, kv_budget, **kwargs)
 
 
 def unwrap(tensor: Any) -> Any:
     """Restore a wrapped tensor to plain memory on its original device (see tiermem.pytorch.wrap.unwrap)."""
-    return _tier_of(tensor).unwrap(tensor)
+    from .pytorch.wrap import check_unwrap
+    return check_unwrap(tensor).tier.unwrap(tensor)
 
 
 def _tier_of(x: Any) -> Tier:
@@ -105,13 +133,16 @@ def _tier_of(x: Any) -> Tier:
 
 def prefetch(tensors: TieredTensor | Iterable[TieredTensor], to: Location | str = Location.DEVICE, **kwargs: Any) -> Transfer:
     """Move tensors to the device (or host) in one transfer (see :meth:`Tier.prefetch`)."""
-    ts = [tensors] if isinstance(tensors, TieredTensor) else list(tensors)
+    ts = tiered_list(tensors, "prefetch")
+    as_location(to)
+    check_keywords("prefetch", Tier.prefetch, kwargs, skip=("tensors", "to"))
     return (ts[0].tier if ts else default_tier()).prefetch(ts, to, **kwargs)
 
 
 def evict(tensors: TieredTensor | Iterable[TieredTensor], **kwargs: Any) -> Transfer:
     """Take tensors off the device by the fastest safe path (see :meth:`Tier.evict`)."""
-    ts = [tensors] if isinstance(tensors, TieredTensor) else list(tensors)
+    ts = tiered_list(tensors, "evict")
+    check_keywords("evict", Tier.evict, kwargs, skip=("tensors",))
     return (ts[0].tier if ts else default_tier()).evict(ts, **kwargs)
 
 
@@ -121,20 +152,20 @@ def allocator(role: Role | str | None = None, tier: Tier | None = None) -> Any:
     :func:`using_role` in the allocating thread, else ``workspace``."""
     if role is not None:
         as_role(role)
-    return (tier or default_tier()).allocator(role)
+    return (_given(tier) or default_tier()).allocator(role)
 
 
 def stats(tier: Tier | None = None) -> dict[str, Any]:
     """The flat stats dict (keys documented in tiermem/core/stats.py)."""
-    return (tier or default_tier()).stats()
+    return (_given(tier) or default_tier()).stats()
 
 
 def memory_summary(tier: Tier | None = None) -> str:
-    return (tier or default_tier()).memory_summary()
+    return (_given(tier) or default_tier()).memory_summary()
 
 
 def synchronize(tier: Tier | None = None) -> None:
-    (tier or default_tier()).synchronize()
+    (_given(tier) or default_tier()).synchronize()
 
 
 @contextlib.contextmanager
@@ -144,7 +175,7 @@ def policy_override(role: Role | str, policy: Policy | None = None, *, tier: Tie
     or the role's policy with ``changes``. Process-wide for that Tier (not thread-local): all
     threads allocating in the block see it. Nested overrides restore in order."""
     r = check_policy(role, policy, changes)
-    t = tier or default_tier()
+    t = _given(tier) or default_tier()
     previous = t.policies.set(r, policy, **changes)
     try:
         yield t.policies[r]
@@ -159,7 +190,7 @@ def use(*arrays: Any, stream: Any = None, read_only: bool = False, once: bool = 
     ``read_only`` and ``once`` do, and what the returned :class:`ArrayUse` is. The Tier is
     ``tier``, else the first array's, else the default one."""
     from .cupy.scoped import tier_of_array
-    if tier is None:
+    if _given(tier) is None:
         tier = next((t for t in map(tier_of_array, arrays) if t is not None), None)
     return (tier or default_tier()).use(*arrays, stream=stream, read_only=read_only, once=once)
 
@@ -170,5 +201,15 @@ def load_pretrained(path: Any, budget: int | str | None = None, host_budget: int
     :func:`tiermem.inference.load.load_pretrained`. The files are checked before the default Tier (which
     needs a GPU) is made."""
     from .inference.load import load_pretrained as load
-    return load(path, budget, host_budget, dtype, tier=tier, make_tier=default_tier, **kwargs)
+    from .inference.module import check_module_options
+    check_module_options(budget, {**{k: v for k, v in kwargs.items() if k != "model_class"}, "host_budget": host_budget},
+                         call="load_pretrained", taken=("weights",))
+    return load(path, budget, host_budget, dtype, tier=_given(tier), make_tier=default_tier, **kwargs)
+
+
+def _given(tier: Any) -> Tier | None:
+    """A ``tier=`` argument, checked: None (the default Tier) or a Tier."""
+    if tier is not None and not isinstance(tier, Tier):
+        raise ConfigTypeError(f"tier must be a tiermem.Tier or None, got {type(tier).__name__}")
+    return tier
 

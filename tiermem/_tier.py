@@ -48,6 +48,11 @@ class Tier(Engine):
         """Train a model within a device budget (see tiermem.wrap_training)."""
         return wrap_training(self, model, optimizer, budget, **kwargs)
 
+    def kv_cache(self, config: Any, max_tokens: int, kv_budget: int | str | None = None, **kwargs: Any) -> Any:
+        """A transformers KV cache in tiers on this Tier (see tiermem.kv_cache)."""
+        from .inference.kvcache import TieredKVCache   # imports transformers: only when asked for
+        return TieredKVCache(config, max_tokens, kv_budget, tier=self, **kwargs)
+
     def allocator(self, role: Role | str | None = None) -> Any:
         """A CuPy allocator (size -> MemoryPointer) serving tiered managed memory (see
         tiermem.allocator)."""

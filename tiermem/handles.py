@@ -1,7 +1,9 @@
 """The objects tiermem's calls hand back, for annotations and isinstance checks: a move in flight
 (:class:`Transfer`), the handles of :func:`tiermem.wrap_module` and :func:`tiermem.wrap_training`
-and the latter's options (:class:`TrainingOptions`),
-a budget lease, a checkpoint's index, and what the driver reports about the device and a range."""
+and the latter's options (:class:`TrainingOptions`), the KV cache of :func:`tiermem.kv_cache`
+(:class:`TieredKVCache`, a transformers ``Cache``: imported when first named, since it needs
+transformers), a budget lease, a checkpoint's index, and what the driver reports about the device
+and a range."""
 from .core.leases import BudgetLease
 from .core.transfer import Transfer
 from .cuda.runtime import Capabilities, RangeInfo
@@ -10,5 +12,12 @@ from .inference.module import TieredModule
 from .training.handle import TieredTraining
 from .training.options import TrainingOptions
 
-__all__ = ["Transfer", "TieredModule", "TieredTraining", "TrainingOptions", "BudgetLease", "Checkpoint", "Capabilities",
-           "RangeInfo"]
+__all__ = ["Transfer", "TieredModule", "TieredTraining", "TrainingOptions", "TieredKVCache", "BudgetLease", "Checkpoint",
+           "Capabilities", "RangeInfo"]
+
+
+def __getattr__(name: str):
+    if name == "TieredKVCache":
+        from .inference.kvcache import TieredKVCache
+        return TieredKVCache
+    raise AttributeError(f"module 'tiermem.handles' has no attribute {name!r}")

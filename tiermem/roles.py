@@ -56,10 +56,10 @@ from collections.abc import Iterator, Mapping
 from types import MappingProxyType
 from typing import Any
 
-from .errors import RoleError
+from .errors import ConfigError, RoleError
 
-__all__ = ["Role", "Location", "Prefetch", "Evict", "Policy", "DEFAULT_POLICIES", "PolicyTable", "as_role", "check_policy",
-           "advice_plan"]
+__all__ = ["Role", "Location", "Prefetch", "Evict", "Policy", "DEFAULT_POLICIES", "PolicyTable", "as_role", "as_location",
+           "check_policy", "advice_plan"]
 
 
 class Role(str, enum.Enum):
@@ -175,6 +175,14 @@ def as_role(role: Role | str) -> Role:
         return Role(role)
     except ValueError:
         raise RoleError(f"unknown role {role!r}; roles are {[r.value for r in Role]}") from None
+
+
+def as_location(to: Location | str) -> Location:
+    """The :class:`Location` named by ``to``; anything else raises :class:`ConfigError`."""
+    try:
+        return Location(to)
+    except ValueError:
+        raise ConfigError(f"location must be 'device' or 'host', got {to!r}") from None
 
 
 def check_policy(role: Role | str, policy: Policy | None = None, changes: Mapping[str, Any] | None = None) -> Role:

@@ -74,6 +74,7 @@ import itertools
 import logging
 import math
 import numbers
+import operator
 import threading
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
@@ -94,6 +95,7 @@ from ..roles import (
     Prefetch,
     Role,
     advice_plan,
+    as_location,
     as_role,
     check_policy,
 )
@@ -101,7 +103,7 @@ from .leases import BudgetLease, Leases
 from .report import summary
 from .stats import Accounting
 from .stream import Lane, now
-from .tensor import Buffer, TieredTensor
+from .tensor import Buffer, TieredTensor, tiered_list
 from .transfer import Transfer
 
 __all__ = ["Engine", "check_empty"]
@@ -131,11 +133,11 @@ def _plan(policy: Policy) -> tuple:
     return tuple(advice_plan(policy))
 
 
-def _as_location(to: Location | str) -> Location:
-    try:
-        return Location(to)
-    except ValueError:
-        raise ConfigError(f"location must be 'device' or 'host', got {to!r}") from None
+def _dim(n: Any) -> int:
+    # An int, or a NumPy or torch integer (operator.index); not a float or a string, which int() takes.
+    if isinstance(n, bool):
+        raise TypeError(n)
+    return operator.index(n)
 
 
 def check_empty(shape: int | Iterable[int], dtype: Any, role: Role | str, policy: Policy | None = None,
@@ -143,7 +145,10 @@ def check_empty(shape: int | Iterable[int], dtype: Any, role: Role | str, policy
     """(shape, dtype name) of :meth:`Tier.empty`'s arguments, once they are all known to be usable.
     Needs no Tier, so tiermem.empty calls it before it looks for a GPU."""
     check_policy(role, policy, policy_changes)
-    shape_t = (int(shape),) if isinstance(shape, int) else tuple(int(s) for s in shape)
+    try:
+        shape_t = (_dim(shape),) if not isinstance(shape, Iterable) else tuple(_dim(s) for s in shape)
+    except TypeError:
+        raise ConfigTypeError(f"shape must be an int or a sequence of ints, got {shape!r}") from None
     if any(s < 0 for s in shape_t):
         raise ConfigError(f"shape must not be negative, got {shape_t}")
     return shape_t, _dtypes.canonical(dtype)
@@ -692,11 +697,9 @@ class Engine:
             self._inflight = []
 
     # -- placement ------------------------------------------------------------------------------
-    def _bufs(self, tensors: Any) -> list[Buffer]:
-        if isinstance(tensors, (TieredTensor, Buffer)):
-            tensors = [tensors]
+    def _bufs(self, tensors: Any, call: str) -> list[Buffer]:
         out, seen = [], set()
-        for t in tensors:
+        for t in tiered_list(tensors, call, also=(Buffer,)):     # the adapters pass Buffers
             b = t if isinstance(t, Buffer) else t.buffer
             if b.tier is not self:
                 raise ConfigError(f"{t!r} belongs to another Tier")
@@ -718,10 +721,10 @@ class Engine:
         cuda/backend.py drains the stream around each discard, so it waits for ``stream``'s queued
         work too.
         """
-        loc = _as_location(to)
+        loc = as_location(to)
         if loc is Location.HOST:
             return self.evict(tensors, stream=stream, non_blocking=non_blocking)
-        bufs = self._bufs(tensors)
+        bufs = self._bufs(tensors, "prefetch")
         with self._lock:
             self.reap()
             todo = [b for b in bufs if b.where is not Location.DEVICE or b.in_shadow]
@@ -850,7 +853,7 @@ class Engine:
         pages]); ``release=True`` gives them back to the driver now, these tensors' parked pages
         included (blocking until the copies are done). Without a budget they always go back.
         """
-        bufs = self._bufs(tensors)
+        bufs = self._bufs(tensors, "evict")
         park = self._budget is not None and not release
         with self._lock:
             self.reap()

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from ..base import dtypes as _dtypes
 from ..cuda.backend import LARGE
-from ..errors import TierMemError, ViewError
+from ..errors import ConfigTypeError, TierMemError, ViewError
 from ..roles import Location, Policy, Role
 
 if TYPE_CHECKING:
@@ -42,7 +42,7 @@ if TYPE_CHECKING:
     from ..cuda.backend import Block, HostBlock
     from .transfer import Transfer
 
-__all__ = ["TieredTensor"]
+__all__ = ["TieredTensor", "tiered_list"]
 
 log = logging.getLogger("tiermem")
 
@@ -280,3 +280,26 @@ class TieredTensor:
         buf, self._buf = self._buf, None
         if buf is not None:
             buf.tier.release_buffer(buf)
+
+
+def tiered_list(tensors: Any, call: str, also: tuple[type, ...] = ()) -> list[Any]:
+    """``tensors``, one TieredTensor or an iterable of them, as a list; anything else raises
+    :class:`ConfigTypeError` naming ``call`` and what it got (``also``: other types let through,
+    the engine's own Buffers). Needs no Tier, so the module-level prefetch and evict check their
+    argument before they look for one."""
+    kinds = (TieredTensor, *also)
+    if isinstance(tensors, kinds):
+        return [tensors]
+    # A string is iterable, and so is a torch tensor (over its rows): neither is what is meant.
+    if isinstance(tensors, (str, bytes)) or not hasattr(tensors, "__iter__") or hasattr(tensors, "__dlpack__"):
+        raise ConfigTypeError(f"{call} takes a TieredTensor or an iterable of them, got {_kind(tensors)}")
+    out = list(tensors)
+    for t in out:
+        if not isinstance(t, kinds):
+            raise ConfigTypeError(f"{call} takes TieredTensors, got {_kind(t)} among them")
+    return out
+
+
+def _kind(x: Any) -> str:
+    text = repr(x)
+    return f"{type(x).__name__} {text if len(text) <= 40 else text[:37] + '...'}"

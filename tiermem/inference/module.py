@@ -13,27 +13,31 @@ the adoption (all or nothing), the hooks that bring groups in around each forwar
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
+import numbers
 import weakref
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from ..base.limits import parse_bytes
-from ..errors import ConfigError, DeviceFullError, TierMemError, WrapError
+from ..base.keywords import check_keywords
+from ..base.limits import check_bytes, parse_bytes
+from ..errors import ConfigError, ConfigTypeError, DeviceFullError, TierMemError, WrapError
 from ..pytorch.held import CopyGuard
 from ..roles import Evict, Role
 from .disk import READERS, STAGES
 from .groups import MAX_GROUP, gathered_groups, home_layout, is_stacked, module_groups, span_of
 from .load import FileTensor
-from .plan import LOOKAHEAD, plan_host, plan_residency, stay_home
-from .sources import stand_ins, weight_sources, wrap_from
+from .plan import LOOKAHEAD, Plan, plan_host, plan_residency, stay_home
+from .sources import stand_ins, wrap_from
 from .transport import Group, PinnedTransport
+from .weights import weight_sources
 
 if TYPE_CHECKING:
     from ..core.engine import Engine as Tier  # what an adapter uses is the engine's interface
     from ..core.tensor import TieredTensor
 
-__all__ = ["TieredModule", "wrap_module"]
+__all__ = ["TieredModule", "wrap_module", "check_module", "check_module_options", "MODES"]
 
 log = logging.getLogger("tiermem")
 
@@ -58,18 +62,19 @@ class TieredModule:
     def __init__(self, tier: Tier, module: Any, budget: int | str | None, *, mode: str = "auto",
                  lookahead: int = LOOKAHEAD, zero_copy_max_tokens: int = 16, max_group_bytes: int = MAX_GROUP,
                  weights: Mapping[str, Any] | None = None, host_budget: int | str | None = None,
-                 disk_reader: str = READERS[0]):
-        if mode not in ("auto", "stream", "zero_copy"):
-            raise ConfigError(f"mode must be 'auto', 'stream' or 'zero_copy', got {mode!r}")
-        if disk_reader not in READERS:
-            raise ConfigError(f"disk_reader must be one of {', '.join(map(repr, READERS))}, got {disk_reader!r}")
+                 disk_reader: str = READERS[0], kv_budget: int | str | None = None, kv_tokens: int | None = None):
+        check_module(module)
+        check_module_options(budget, dict(mode=mode, lookahead=lookahead, zero_copy_max_tokens=zero_copy_max_tokens,
+                                          max_group_bytes=max_group_bytes, weights=weights, host_budget=host_budget,
+                                          disk_reader=disk_reader, kv_budget=kv_budget, kv_tokens=kv_tokens))
         self.disk_reader = disk_reader
-        if getattr(module, "_tiermem_handle", None) is not None:
-            raise WrapError("this module is already adopted by tiermem; unwrap it first")
         self.tier = tier
         self.module = module
         self.mode = mode
         self.zero_copy_max_tokens = zero_copy_max_tokens
+        self.kv_tokens = kv_tokens
+        self._kv_asked = kv_budget
+        self._kv_live: Any = None      # the live cache kv_cache() made
         # A meta tensor cannot be rebound to memory (torch refuses set_data across the two), so
         # the module gets a memory-less stand-in in its place first (NOTE [weight source]); a
         # failure puts the meta tensors back.
@@ -99,7 +104,7 @@ class TieredModule:
         asked = total if budget is None else parse_bytes(budget, total=tier.backend.capabilities().total_memory,
                                                          what="module budget", max_percent=100)
         self.budget = self._within_device(asked, [t for _, _, own in found for _, t in own])
-        self.plan = plan_residency(sizes, self.budget, lookahead, in_place=gathered_groups(module, found))
+        self.plan = self._plan_split(module, sizes, lookahead, gathered_groups(module, found))
         self.lookahead = max(self.plan.lookahead, 1)
         self._groups = {mname: Group(mname, [t for _, t in own], n, pinned=mname in self.plan.pinned,
                                       gathered=mname in self.plan.in_place, stacked=is_stacked([t for _, t in own]))
@@ -139,6 +144,71 @@ class TieredModule:
         except BaseException:
             self._rollback(originals)
             raise
+
+    def _plan_split(self, module: Any, sizes: list[tuple[str, int]], lookahead: int, gathered: set[str]) -> Plan:
+        """The weights' plan within the budget, less the KV cache's share (NOTE [kv plan])."""
+        asked = self._kv_asked
+        if asked is None:
+            return plan_residency(sizes, self.budget, lookahead, in_place=gathered)
+        from .kvplan import kv_shape, plan_kv, split_budget
+        if asked == "auto":
+            shape = kv_shape(self._config(), self._dtype())
+            weights, kv = split_budget(sizes, self.budget, shape, self.kv_tokens, lookahead=lookahead,
+                                       in_place=gathered)
+            return dataclasses.replace(weights, kv_budget=kv.device_bytes, kv=kv)
+        kvb = parse_bytes(asked, total=self.tier.backend.capabilities().total_memory, what="kv_budget",
+                          max_percent=100)
+        if kvb > self.budget:
+            raise ConfigError(f"kv_budget={kvb:,} bytes is more than the whole budget ({self.budget:,} bytes), which "
+                              "holds the weights and the KV cache together")
+        kv = None
+        if self.kv_tokens is not None:
+            kv = plan_kv(kv_shape(self._config(), self._dtype()), self.kv_tokens, kvb)  # refused here if it cannot
+        weights = plan_residency(sizes, self.budget - kvb, lookahead, in_place=gathered)
+        return dataclasses.replace(weights, kv_budget=kvb, kv=kv)
+
+    def _config(self) -> Any:
+        config = getattr(self.module, "config", None)
+        if config is None:
+            raise ConfigError(f"a KV cache is sized from the model's config, and this {type(self.module).__name__} has "
+                              "no .config; pass config= to kv_cache()")
+        return config
+
+    def _dtype(self) -> Any:
+        return getattr(self.module, "dtype", None)
+
+    def kv_cache(self, max_tokens: int | None = None, *, batch_size: int = 1, config: Any = None, fp8: bool = False,
+                 slots: int | None = None, host_budget: int | str | None = None) -> Any:
+        """A :class:`~tiermem.inference.kvcache.TieredKVCache` for this module within the budget's KV share
+        (``kv_budget``, NOTE [kv plan]), for ``max_tokens`` tokens a sequence (default
+        ``kv_tokens``); pass it to ``generate``. One at a time: ``close()`` it before asking for
+        another. Its home counts against ``host_budget`` (default: the module's, less its own
+        pinned home)."""
+        from .kvcache import TieredKVCache
+        from .kvplan import SLOTS
+        if not self._groups:
+            raise WrapError("this module was unwrapped; a KV cache needs the adopted module")
+        if not self.plan.kv_budget:
+            raise ConfigError("this module has no KV share of its budget: wrap_module(model, budget, kv_budget=...) "
+                              "sets it aside, or use tiermem.kv_cache() with a budget of its own")
+        if self._kv_live is not None:
+            raise TierMemError("this module's KV cache is still open: close() it before asking for another")
+        tokens = max_tokens if max_tokens is not None else self.kv_tokens
+        if tokens is None:
+            raise ConfigError("give max_tokens: the most tokens a sequence may reach, prompt and generated")
+        if host_budget is None and self.host_budget is not None:
+            host_budget = max(self.host_budget - (self._stream.pinned_bytes if self._stream is not None else 0), 0)
+        cache = TieredKVCache(config if config is not None else self._config(), tokens, self.plan.kv_budget,
+                              batch_size=batch_size, dtype=self._dtype(), slots=slots or SLOTS, fp8=fp8,
+                              host_budget=host_budget, tier=self.tier, _owner=self)
+        self._kv_live = cache
+        self.plan = dataclasses.replace(self.plan, kv=cache.plan)
+        return cache
+
+    def cache_closed(self, cache: Any) -> None:
+        """A cache :meth:`kv_cache` made was closed: another may be made."""
+        if self._kv_live is cache:
+            self._kv_live = None
 
     def stats(self) -> dict[str, Any]:
         """A flat dict of the module's host-side figures (bytes, seconds, counts):
@@ -417,7 +487,9 @@ class TieredModule:
 
     def _give_back(self) -> None:
         """Free what the adoption took once the tensors no longer point at it: the resident
-        groups, the streaming window and pinned home, and the budget lease."""
+        groups, the streaming window and pinned home, the KV cache, and the budget lease."""
+        if self._kv_live is not None:
+            self._kv_live.close()     # its device bytes are inside the module's lease
         for g in self._groups.values():
             for tt in g.tiered:
                 tt.buffer.bindings = []
@@ -454,9 +526,72 @@ def _wrap_group(tier: Tier, tensors: list[Any], names: list[str], on_host: bool,
     return wrap_group(tier, tensors, Role.WEIGHT, names=names, on_host=on_host, policy=policy)
 
 
+MODES = ("auto", "stream", "zero_copy")
+
+
+def check_module(module: Any) -> None:
+    """Raise :class:`ConfigTypeError` for what is not an ``nn.Module``, :class:`WrapError` for a
+    module already adopted. Needs no Tier: tiermem.wrap_module calls it before it looks for one."""
+    try:
+        import torch
+    except ImportError as e:
+        raise WrapError("wrap_module needs torch; pip install 'tiermem[torch]'") from e
+    if not isinstance(module, torch.nn.Module):
+        raise ConfigTypeError(f"wrap_module takes a torch.nn.Module, got {type(module).__name__}")
+    if getattr(module, "_tiermem_handle", None) is not None:
+        raise WrapError("this module is already adopted by tiermem; unwrap it first")
+
+
+def check_module_options(budget: Any, options: Mapping[str, Any], call: str = "wrap_module",
+                         taken: tuple[str, ...] = ()) -> None:
+    """Raise what :class:`TieredModule` would for ``budget`` and its keyword ``options``, as far as
+    that needs no Tier: an unknown keyword (:class:`ConfigTypeError`; ``taken`` names those
+    ``call`` sets itself), a budget that is not a size or is more than the device, a budget of 0
+    outside mode="zero_copy", and each option's type and range (:class:`ConfigError`). The
+    module-level wrap_module and load_pretrained call it before they look for a GPU."""
+    check_keywords(call, TieredModule.__init__, options, skip=("tier", "module", "budget", *taken))
+    mode = options.get("mode", "auto")
+    if mode not in MODES:
+        raise ConfigError(f"mode must be one of {', '.join(map(repr, MODES))}, got {mode!r}")
+    if budget is not None:
+        check_bytes(budget, what="module budget", max_percent=100)
+        if mode != "zero_copy":
+            try:
+                check_bytes(budget, what="module budget", positive=True)
+            except ConfigError:
+                raise ConfigError(f"module budget={budget!r} keeps no weight on the device, so every forward would "
+                                  "read them all over the link: pass mode='zero_copy' if that is meant, else a budget "
+                                  "above 0") from None
+    for name, least in (("lookahead", 1), ("zero_copy_max_tokens", 0), ("max_group_bytes", 1)):
+        if name in options:
+            v = options[name]
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+                raise ConfigTypeError(f"{name} must be an int, got {v!r}")
+            if v < least:
+                raise ConfigError(f"{name} must be at least {least}, got {v}")
+    weights = options.get("weights")
+    if weights is not None and not isinstance(weights, Mapping):
+        raise ConfigTypeError(f"weights must be a Mapping from state-dict names to tensors (a tiermem Checkpoint, "
+                              f"a state dict), got {type(weights).__name__}")
+    if options.get("host_budget") is not None:
+        parse_bytes(options["host_budget"], what="host_budget")    # host memory is no share of the device
+    reader = options.get("disk_reader", READERS[0])
+    if reader not in READERS:
+        raise ConfigError(f"disk_reader must be one of {', '.join(map(repr, READERS))}, got {reader!r}")
+    kv_tokens, kv_budget = options.get("kv_tokens"), options.get("kv_budget")
+    if kv_tokens is not None and (isinstance(kv_tokens, bool) or not isinstance(kv_tokens, int) or kv_tokens < 1):
+        raise ConfigError(f"kv_tokens must be a number of tokens >= 1, got {kv_tokens!r}")
+    if kv_budget == "auto":
+        if kv_tokens is None:
+            raise ConfigError("kv_budget='auto' splits the budget for a context of kv_tokens tokens: give kv_tokens")
+    elif kv_budget is not None:
+        check_bytes(kv_budget, what="kv_budget", max_percent=100)
+
+
 def wrap_module(tier: Tier, module: Any, budget: int | str | None = None, **kwargs: Any) -> TieredModule:
     """Adopt every parameter and buffer of ``module``; see :class:`TieredModule` and NOTE
     [streaming plan] in inference/plan.py. ``budget`` is bytes, "8GB", or a share of the device like
     "25%" (NOTE [sizes] in base/limits.py); :func:`weight_bytes` (inference/groups.py) sizes a share of the
     module's weights."""
+    check_keywords("wrap_module", TieredModule.__init__, kwargs, skip=("tier", "module", "budget"))
     return TieredModule(tier, module, budget, **kwargs)

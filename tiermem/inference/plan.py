@@ -60,6 +60,8 @@ class Plan:
     stage_bytes: int = 0                    # one staging buffer (the largest group on disk)
     stages: int = 0                         # staging buffers
     host_sizes: tuple[tuple[str, int], ...] = ()   # (streamed group, bytes in the pinned home's layout)
+    kv_budget: int = 0                      # device bytes beside ``budget`` kept for the KV cache (NOTE [kv plan])
+    kv: Any = None                          # the KV cache's KVPlan (inference/kvplan.py), once it is known
 
     @property
     def pinned_bytes(self) -> int:
@@ -109,7 +111,12 @@ class Plan:
         how = ("(read in place, zero-copy)" if self.zero_copy_only else
                f"through a {gb(self.window).strip()} window of {self.lookahead} slot(s)")
         here = self.streamed_bytes - self.moved_bytes
-        lines = [f"budget {gb(self.budget)} of {gb(self.total)} weights: {len(self.pinned)} of {len(self.sizes)} groups "
+        lines = [] if not self.kv_budget else [
+            f"one budget of {gb(self.budget + self.kv_budget).strip()}: {gb(self.budget).strip()} for the weights, "
+            f"{gb(self.kv_budget).strip()} for the KV cache"]
+        if self.kv is not None:
+            lines.append(self.kv.table(link_GBps))
+        lines += [f"budget {gb(self.budget)} of {gb(self.total)} weights: {len(self.pinned)} of {len(self.sizes)} groups "
                  f"resident ({gb(self.pinned_bytes)}), {gb(self.moved_bytes)} streamed per forward {how}"
                  + (f", {gb(here).strip()} read in place (embeddings)" if here else "")]
         if self.on_disk:
@@ -214,8 +221,8 @@ def plan_host(plan: Plan, host_sizes: Iterable[tuple[str, int]], host_budget: in
     # A pinned block may take up to a page more than asked (the driver pins whole pages).
     room = host_budget - stages * stage - kept - (stages + 1) * 4096
     if plan.zero_copy_only:
-        raise TierMemError(f"{total:,} streamed bytes do not fit host_budget={host_budget:,}, and groups on disk "
-                           "must stream through a window the device budget has no room for; raise the budget")
+        raise ConfigError(f"{total:,} streamed bytes do not fit host_budget={host_budget:,}, and groups on disk "
+                          "must stream through a window the device budget has no room for; raise the budget")
     if not movable or room < 0:
         raise HostBudgetError(kept + stages * stage, 0, host_budget,
                                hint=f"host_budget is too small for a disk tier: the groups that must stay in pinned "

@@ -7,7 +7,7 @@ NOTE [measured choice]
     The plan's model of a step (NOTE [recompute plan]) adds up measured compute and bytes over
     the link, but what it cannot see, the host's work in the swap's hooks and how the copies
     share the link with the fills, makes it wrong by tens of per cent, enough to choose a plan
-    slower than recomputing every block (docs/training.md, "Measurements behind the code's
+    slower than recomputing every block (docs/history.md, "Measurements behind the code's
     notes"). So the model proposes, and a measurement decides, as
     cuDNN's benchmark mode does for kernels. After the trace, the probe's plan (recompute every
     block that can be) runs PROBE_STEPS steps: the first pays for its allocations, the second is
@@ -29,7 +29,7 @@ NOTE [measured choice]
     within one run, which is why a kept plan is checked again on a median. ``train.plan.measured``
     keeps the times (``checked_ms``, ``probe_ms``, ``late_ms``). The probe is timed on its
     unmetered steps: the meter's events cost the host's time. The runs behind each of these are
-    in docs/training.md, "Measurements behind the code's notes".
+    in docs/history.md, "Measurements behind the code's notes".
 
 NOTE [fewer slots]
     The traced step holds its floor within the budget, but the steps after it hold more:
@@ -39,7 +39,7 @@ NOTE [fewer slots]
     (one in use, one filling) or to the streamed blocks the traced step used at once plus
     one: each slot fewer is one block's parameters, gradients and states fewer, and one
     block fewer brought in ahead of use. If that is not enough, the step is refused with
-    what it needs, rather than torch's allocator running out in the next step (docs/training.md,
+    what it needs, rather than torch's allocator running out in the next step (docs/history.md,
     "Measurements behind the code's notes").
 
 NOTE [a slot for recompute]
@@ -47,7 +47,7 @@ NOTE [a slot for recompute]
     the plan recomputes only the blocks whose segment fits the room the floor leaves, and
     swaps the rest at twice their bytes over the link. A slot is a block's parameters,
     gradients and optimizer states; giving one up costs a block of lookahead. Where it lets
-    recomputing everywhere recompute more blocks, the slot goes (docs/training.md,
+    recomputing everywhere recompute more blocks, the slot goes (docs/history.md,
     "Measurements behind the code's notes").
 """
 from __future__ import annotations
@@ -434,7 +434,7 @@ class PlanChoice:
         """Finished steps' times on the compute stream, read once their end events have completed.
         The host runs ahead of the GPU, so the last step's has often not: it waits for a later
         step. (Read only when already complete, the times came from the steps the host had waited
-        for, longer than the steps themselves: docs/training.md, "Measurements behind the code's
+        for, longer than the steps themselves: docs/history.md, "Measurements behind the code's
         notes".) Micro-batches that do not
         update are not what the plan predicts (NOTE [accumulation]): left out."""
         ev, self._step_events = self._step_events, None

@@ -6,7 +6,7 @@ NOTE [graph choice]
     and recomputing everywhere on eager steps, and an eager step is host-bound: its time hides
     what the link costs under what the host costs. A replay has no host time; it costs the
     GPU's compute and the link's bytes, and a plan the eager steps kept can replay twice as
-    slow as recomputing everywhere does (docs/training.md, "Measurements behind the code's
+    slow as recomputing everywhere does (docs/history.md, "Measurements behind the code's
     notes"). So a graph's first REPLAYS_TIMED replays after the first are timed, the model's compute is
     fitted to their median (as NOTE [calibrated compute] fits it to eager steps; the link's
     terms stay at the measured rate), and the model predicts from the fitted times the other
@@ -23,7 +23,7 @@ NOTE [graph choice]
     adds none. So where the measured choice timed the model's plan, which recomputes fewer
     blocks than recomputing everywhere, slower on eager steps and went back to recomputing
     everywhere, the eager steps' verdict stands for an alternative that recomputes fewer blocks
-    still: it is not tried (``eager_refutes``; docs/training.md, "Measurements behind the code's
+    still: it is not tried (``eager_refutes``; docs/history.md, "Measurements behind the code's
     notes"). Recomputing everywhere, the
     other way, is still tried: the eager steps' host time is what may have hidden its gain
     (the Qwen2 above).
@@ -32,7 +32,7 @@ NOTE [graph choice]
     swaps fewer bytes than the plan replayed: the model's compute is measured on eager steps,
     whose host time a recomputed block repeats, so it prices recomputing at what it costs an
     eager step, not a replay, and one factor fitted to the replays does not undo that
-    (docs/training.md, "Measurements behind the code's notes"). A wrong try costs its steps once: its replays are timed and the first plan comes
+    (docs/history.md, "Measurements behind the code's notes"). A wrong try costs its steps once: its replays are timed and the first plan comes
     back (``keep_tried``).
 """
 from __future__ import annotations

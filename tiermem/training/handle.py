@@ -120,7 +120,7 @@ from .hooks import BlockHooks
 from .kvoff import kv_cache_configs, kv_cache_off
 from .memory import Cap, HostBuffers, check_room, free_adopted, plain_copies
 from .meter import StallMeter
-from .options import TrainingOptions, averaging_group, check_options, states_dtype
+from .options import TrainingOptions, averaging_group, check_options, check_subjects, states_dtype
 from .plan import LINK_GBPS, StepTrace, TrainPlan
 from .planrun import PlanRunner
 from .recompute import Recompute
@@ -146,7 +146,7 @@ class TieredTraining:
     :class:`~tiermem.training.options.TrainingOptions`, or its fields as keywords (where each
     is documented). Its parts: the blocks' slots and homes (``stream``), the optimizer's states
     (``states``), the hooks (``hooks``, training/hooks.py), the step and the optimizer steps
-    (``steps``, training/stepping.py), the plan applied (``planner``, training/planrun.py) and
+    (``runner``, training/stepping.py), the plan applied (``planner``, training/planrun.py) and
     chosen (``choice``, training/choice.py); what they share from step to step is ``state``
     (training/stepstate.py)."""
 
@@ -155,6 +155,7 @@ class TieredTraining:
         import torch
         self.torch = torch
         o = self.options = check_options(budget, options, **kwargs)
+        check_subjects(model, optimizer)
         if o.speculate and type(optimizer) not in leaves_grads():
             raise ConfigError(f"speculate=True needs an optimizer whose step leaves the gradients alone "
                               f"({', '.join(sorted(t.__name__ for t in leaves_grads()))}), got "

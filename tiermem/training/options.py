@@ -4,13 +4,14 @@ names (:func:`averaging_group`), which needs torch.distributed, is resolved at a
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from typing import Any
 
 from ..base.limits import check_bytes
 from ..errors import ConfigError, ConfigTypeError
 from .plan import RECOMPUTE_MODES
 
-__all__ = ["TrainingOptions", "BLOCK_BYTES", "check_options", "states_dtype", "averaging_group"]
+__all__ = ["TrainingOptions", "BLOCK_BYTES", "check_options", "check_subjects", "states_dtype", "averaging_group"]
 
 BLOCK_BYTES = 64 << 20    # parameter bytes per block: a slot holds ~4x that (params, grads, Adam's two moments)
 
@@ -107,10 +108,12 @@ class TrainingOptions:
         if options is not None and not isinstance(options, cls):
             raise ConfigTypeError(f"options must be a tiermem TrainingOptions, got {type(options).__name__}")
         names = [f.name for f in dataclasses.fields(cls)]
-        unknown = sorted(k for k in kwargs if k not in names)
-        if unknown:
-            raise ConfigTypeError(f"wrap_training() got unknown option(s) {', '.join(map(repr, unknown))}; "
-                                  f"the options are: {', '.join(names)}")
+        for k in kwargs:
+            if k not in names:
+                close = difflib.get_close_matches(k, names, n=1)
+                raise ConfigTypeError(f"wrap_training() got an unknown keyword argument {k!r}; "
+                                      + (f"did you mean {close[0]!r}? " if close else "")
+                                      + f"the options are: {', '.join(names)}")
         if options is None:
             return cls(**kwargs)
         return dataclasses.replace(options, **kwargs) if kwargs else options
@@ -129,6 +132,21 @@ def check_options(budget: int | str, options: TrainingOptions | None = None, **k
     bad type or an unknown option. Returns the options."""
     check_bytes(budget, what="training budget", max_percent=100, positive=True)
     return TrainingOptions.of(options, **kwargs)
+
+
+def check_subjects(model: Any, optimizer: Any) -> None:
+    """Raise :class:`ConfigTypeError` unless ``model`` is an ``nn.Module`` and ``optimizer`` a
+    ``torch.optim.Optimizer``. Needs no GPU, so tiermem.wrap_training checks them before it
+    looks for one."""
+    try:
+        import torch
+    except ImportError as e:
+        raise ConfigError("wrap_training needs torch; pip install 'tiermem[torch]'") from e
+    if not isinstance(model, torch.nn.Module):
+        raise ConfigTypeError(f"wrap_training takes a torch.nn.Module to train, got {type(model).__name__}")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ConfigTypeError(f"wrap_training takes a torch.optim.Optimizer over the model's parameters, got "
+                              f"{type(optimizer).__name__}")
 
 
 def states_dtype(state_dtype: Any) -> Any:

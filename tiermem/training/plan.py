@@ -26,7 +26,7 @@ NOTE [recompute plan]
     Swapping a saved activation costs its bytes twice over the link (out in forward, back in
     backward); recomputing it costs the forward ops that made it, run again in backward, and a
     transformer block's forward is several times shorter than its saves take over the link
-    (docs/training.md, "Measurements behind the code's notes"). So, as Capuchin (ASPLOS 2020) does per tensor, the plan chooses per *block segment* (the
+    (docs/history.md, "Measurements behind the code's notes"). So, as Capuchin (ASPLOS 2020) does per tensor, the plan chooses per *block segment* (the
     activations one module block saves; a block that contains no other block) between keeping
     them on the device, swapping them, and recomputing them in backward.
 
@@ -62,7 +62,7 @@ NOTE [calibrated compute]
     around every wait, whose host work the GPU then waits for: a metered step is slower than
     the same plan's steps. And the model misses more than the meter: how the fills share the
     link with the swap, the host's work between kernels. So it errs both ways, by up to 30%
-    (docs/training.md, "Measurements behind the code's notes").
+    (docs/history.md, "Measurements behind the code's notes").
     The probe's plan runs two unmetered steps after its metered one (NOTE [measured choice] in
     training/choice.py). Their mean is what the model should say for that plan, so every compute time of
     the trace (the step's forward and backward, each block's forward with and without the swap)

@@ -33,7 +33,7 @@ MAX_GRAPHS_PER_BLOCK = 6     # a streamed block passes through lookahead + 1 slo
 SEGMENTS = 22 << 20
 # Before any capture the pool's size is an estimate: the largest measured eager backward, this
 # share of it more, and SEGMENTS. It is not a bound: pools came to 1.4-1.6x the eager backward
-# they replay (docs/training.md, "Measurements behind the code's notes"). A pool that outgrows its room after a capture is given up cleanly, so too low an estimate costs
+# they replay (docs/history.md, "Measurements behind the code's notes"). A pool that outgrows its room after a capture is given up cleanly, so too low an estimate costs
 # captures that are thrown away; too high a one holds room from kept activations where it fits.
 RESERVE_MARGIN = 0.25
 
@@ -43,7 +43,7 @@ log = logging.getLogger("tiermem")
 #     A recomputed block costs its forward twice on the GPU, and on the host its Python forward
 #     and checkpoint's hooks twice plus backward's launches. The host's part is what holds a
 #     step back where a layer's forward takes more host time than kernel time, and in backward
-#     the GPU waits for it (docs/training.md, "Measurements behind the code's notes"). A CUDA graph of
+#     the GPU waits for it (docs/history.md, "Measurements behind the code's notes"). A CUDA graph of
 #     the block's recompute and backward launches the same kernels in one call, so the same
 #     bits come out (the GPU tests compare losses with the resident run's, bitwise).
 #

@@ -191,7 +191,7 @@ class OptimizerStates:
         after it. When every state of the block is narrowed (AdamW's two moments), the slot's
         whole state region is widened at once and each state is a slice of it: two kernels a
         block, not one widening and rounding per tensor, a few thousand launches a step
-        (docs/training.md, "Measurements behind the code's notes")."""
+        (docs/history.md, "Measurements behind the code's notes")."""
         pairs = [(st, v) for st, (dt, held), v in zip(b.states, b.s_dtypes, views) if dt != held]
         if not pairs:
             return []

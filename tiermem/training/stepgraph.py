@@ -101,7 +101,7 @@ class GraphedStep:
         """Drop the graph and give its pool back to the budget: work between steps (an
         evaluation of a whole batch, say) then has what the pool held. Between replays the
         pool stays reserved, and an evaluation beside it has the budget less the pool (a whole
-        batch of the bench's GPT beside the pool ran out of memory: docs/training.md,
+        batch of the bench's GPT beside the pool ran out of memory: docs/history.md,
         "Measurements behind the code's notes"). The steps after run eagerly until the plan has settled, then are captured
         again: a release costs SETTLED_STEPS + 1 eager steps and a capture."""
         self._drop(RELEASED)
@@ -237,7 +237,7 @@ class GraphedStep:
     def _judge(self) -> None:
         """NOTE [graph choice]: once the timed replays are queued, their median judges the plan.
         The host waits for the last of them, once a plan: read without a wait, the judgement
-        came as many replays late as the host ran ahead of the GPU (docs/training.md,
+        came as many replays late as the host ran ahead of the GPU (docs/history.md,
         "Measurements behind the code's notes"), and every replay under a plan about to change is a step of the slower one."""
         if self._judged or len(self._timed) < REPLAYS_TIMED:
             return
@@ -278,7 +278,7 @@ def _clear_frames(e: BaseException) -> None:
     tensors (its forward's activations, in the graph's pool) for as long as the exception lives.
     A failed capture's exception is tiermem's own, handled and never raised, so tiermem lets go
     of its frames itself, or a failed capture's activations stay in its pool through the eager
-    steps that follow (docs/training.md, "Measurements behind the code's notes")."""
+    steps that follow (docs/history.md, "Measurements behind the code's notes")."""
     import traceback
     seen: set[int] = set()
     while e is not None and id(e) not in seen:

@@ -352,7 +352,11 @@ def _cast_of(t: Any, params: dict[int, Any]) -> Any:
     type is read from a cast made once, not from a name."""
     if not params:
         return None
-    base = t._base if t._base is not None else t
+    # torch's Tensor._base (what a view was made from), read by name: the package's own members
+    # named so are another matter (tests/test_layers.py)
+    base = getattr(t, "_base", None)  # noqa: B009
+    if base is None:
+        base = t
     fn = base.grad_fn
     if fn is None:
         return None

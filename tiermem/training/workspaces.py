@@ -7,7 +7,7 @@ NOTE [capture's cuBLAS workspace]
     graph's private pool. Resetting the graph does not let them go, so the pool keeps those
     segments (100 MiB reserved, 66 MiB of it live) after the graph is gone, and they count in
     torch's reserved bytes under the next training's budget, which then finds no room to
-    recompute (docs/training.md, "Measurements behind the code's notes"). And a
+    recompute (docs/history.md, "Measurements behind the code's notes"). And a
     later capture on the same stream reuses the workspace that sits in an earlier graph's pool.
     So, as torch's inductor does around its own captures, the workspaces are let go before a
     capture (the capture makes its own, in its own pool) and after it (the block is then a

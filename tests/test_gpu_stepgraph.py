@@ -608,7 +608,9 @@ def test_an_autocast_mistral_step_is_captured_or_refused_with_torch_left_as_it_w
         assert step.captures >= 1 and step.last_replays >= 2 and not step.off, (step, step.off)
     else:
         assert step.graph is None and step.off.startswith("the capture failed"), step.off
-        assert "another path under a CUDA graph capture" in step.off, step.off
+        # the reason: tiermem's own refusal where the saves diverge first; CUDA's where transformers'
+        # mask building asks for what a capture forbids before any save differs
+        assert "another path under a CUDA graph capture" in step.off or "capturing" in step.off, step.off
         assert _private_pool_segments(torch) == [], _pool_report(torch)
         assert not any(_cuda.stream_is_capturing(tier.side_stream(d)) for d in ("h2d", "d2h"))
         assert not torch.cuda.is_current_stream_capturing()

@@ -40,7 +40,7 @@ def closing(log: str) -> str:
 
 
 def run(files: list[str], env: dict[str, str], log: str, marker: str, k: str | None) -> int:
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", marker, *files]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", "-m", marker, *files]
     if k:
         cmd += ["-k", k]
     with open(log, "w") as f:

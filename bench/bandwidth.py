@@ -15,7 +15,7 @@ In one run, side by side, on 1 GiB (default) of data:
 and whether evicted device memory really goes back to other allocators.
 
 The tier runs under a budget (3 GiB, the size of its managed cap), so shadow evictions park their
-device pages for the next refill (NOTE [parked pages] in tiermem/core/engine.py). Each eviction and
+device pages for the next refill (NOTE [parked pages] in tiermem/core/parking.py). Each eviction and
 refill through the shadow is also timed with ``release=True``, the path that gives the pages back
 to the driver at once, which is what every eviction did before parking.
 
@@ -56,11 +56,11 @@ def advise_all(group, **changes) -> None:
 @contextlib.contextmanager
 def direct_copies(tier):
     """tiermem's shadow copies without the staging ring: the baseline it is measured against."""
-    old, tier._staging.min_bytes = tier._staging.min_bytes, 1 << 62
+    old, tier.staging.min_bytes = tier.staging.min_bytes, 1 << 62
     try:
         yield
     finally:
-        tier._staging.min_bytes = old
+        tier.staging.min_bytes = old
 
 
 def alternating(variants: dict, reps: int) -> dict[str, list[float]]:
@@ -402,7 +402,7 @@ def main() -> None:
 
     def stream_in():                    # each call brings in the group that is out
         tr = tier.prefetch((F1, F2)[turn["next"] % 2])
-        transfers_in.append((tier._staging.min_bytes < 1 << 62, tr))
+        transfers_in.append((tier.staging.min_bytes < 1 << 62, tr))
         turn["next"] += 1
 
     moved0 = tier.stats()["moved_bytes.frozen_weight.d2h"], tier.stats()["moved_bytes.frozen_weight.h2d"]

@@ -185,10 +185,11 @@ def test_an_embedding_is_read_in_place_and_never_takes_a_slot(tier, fake):
         assert torch.equal(m(ids), ref(ids))
     assert tier.stats()["moved_bytes.all.h2d"] - before == h.plan.moved_bytes
     h.unwrap()
-    # Tied to the head, the table is read whole: it streams like any group.
+    # Tied to the head, the table is read whole by the head: it is planned as the head's (it
+    # streams, or is cut by rows: tests/test_split.py), and the lookup reads its rows in place.
     tied = _LM(tied=True)
     h = tier.wrap_module(tied, budget=share(tied, 30), max_group_bytes=1 * MiB, mode="stream")
-    assert h.plan.in_place == frozenset()
+    assert h.plan.in_place == frozenset() and h._groups["emb"].cut.gathers == (tied.emb,)
     h.unwrap()
 
 

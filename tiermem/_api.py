@@ -19,6 +19,7 @@ from .base.keywords import check_keywords
 from .core.tensor import TieredTensor, tiered_list
 from .core.transfer import Transfer
 from .errors import ConfigTypeError
+from .inference.options import ModuleOptions
 from .roles import Location, Policy, Role, as_location, as_role, check_policy
 
 __all__ = ["default_tier", "configure", "empty", "wrap", "wrap_module", "wrap_training", "unwrap", "prefetch", "evict", "allocator",
@@ -80,21 +81,23 @@ def wrap_training(model: Any, optimizer: Any, budget: int | str, options: Any = 
     return (tier or default_tier()).wrap_training(model, optimizer, budget, options=opts)
 
 
-def wrap_module(module: Any, budget: int | str | None = None, **kwargs: Any) -> Any:
+def wrap_module(module: Any, budget: int | str | None = None, *, options: ModuleOptions | None = None,
+                tier: Tier | None = None, **kwargs: Any) -> Any:
     """Adopt every parameter and buffer of ``module`` and run it within ``budget`` (bytes, "8GB",
     or a share of the device like "25%"; ``tiermem.planning.weight_bytes(module) // 4`` is a
     quarter of its weights: NOTE [sizes] in base/limits.py; 0, nothing resident, only with
     ``mode="zero_copy"``): the largest groups stay resident, the rest stream in ahead
     of use and out behind it, or are read in place for single-token forwards. Returns a
-    :class:`TieredModule` (its ``plan``; ``unwrap()`` restores the module). Keyword arguments:
-    ``mode`` ("auto", "stream", "zero_copy"), ``lookahead`` (groups in flight),
-    ``zero_copy_max_tokens``, ``kv_budget`` and ``kv_tokens`` (a KV cache in the same budget, made
-    by ``handle.kv_cache()``: NOTE [kv plan] in tiermem/inference/kvplan.py), ``tier``."""
+    :class:`TieredModule` (its ``plan``; ``unwrap()`` restores the module). The options are the
+    fields of :class:`tiermem.handles.ModuleOptions` (documented there: ``mode``, ``lookahead``,
+    ``kv_budget`` and ``kv_tokens`` for a KV cache in the same budget, NOTE [kv plan] in
+    tiermem/inference/kvplan.py, ...), given as keyword arguments or as ``options=``, keywords
+    changing its fields; ``tier`` defaults to the default Tier."""
     from .inference.module import check_module, check_module_options
-    tier = _given(kwargs.pop("tier", None))
-    check_module_options(budget, kwargs)
+    tier = _given(tier)
+    options = check_module_options(budget, kwargs, given=options)
     check_module(module)
-    return (tier or default_tier()).wrap_module(module, budget, **kwargs)
+    return (tier or default_tier()).wrap_module(module, budget, options=options)
 
 
 def kv_cache(model: Any, max_tokens: int, kv_budget: int | str | None = None, **kwargs: Any) -> Any:
@@ -196,15 +199,17 @@ def use(*arrays: Any, stream: Any = None, read_only: bool = False, once: bool = 
 
 
 def load_pretrained(path: Any, budget: int | str | None = None, host_budget: int | str | None = None,
-                    dtype: Any = None, *, tier: Tier | None = None, **kwargs: Any) -> Any:
+                    dtype: Any = None, *, tier: Tier | None = None, options: ModuleOptions | None = None,
+                    **kwargs: Any) -> Any:
     """A transformers causal LM from a local checkpoint folder, adopted within ``budget``: see
-    :func:`tiermem.inference.load.load_pretrained`. The files are checked before the default Tier (which
-    needs a GPU) is made."""
+    :func:`tiermem.inference.load.load_pretrained`. The options and the files are checked before
+    the default Tier (which needs a GPU) is made."""
     from .inference.load import load_pretrained as load
     from .inference.module import check_module_options
-    check_module_options(budget, {**{k: v for k, v in kwargs.items() if k != "model_class"}, "host_budget": host_budget},
-                         call="load_pretrained", taken=("weights",))
-    return load(path, budget, host_budget, dtype, tier=_given(tier), make_tier=default_tier, **kwargs)
+    opts = {k: v for k, v in kwargs.items() if k != "model_class"}
+    check_module_options(budget, {**opts, **({} if host_budget is None else {"host_budget": host_budget})},
+                         call="load_pretrained", taken=("weights",), given=options)
+    return load(path, budget, host_budget, dtype, tier=_given(tier), make_tier=default_tier, options=options, **kwargs)
 
 
 def _given(tier: Any) -> Tier | None:

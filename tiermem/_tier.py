@@ -5,8 +5,9 @@ no other module's private members (tests/test_layers.py holds the code to it):
   - base: errors, dtypes, sizes and limits, roles, the default tier's slot;
   - CUDA: the raw calls (cuda/runtime.py), the backend protocol (cuda/backend.py) with its books of events
     across a CUDA graph capture (cuda/capture.py), the staging rings;
-  - core: the engine (core/engine.py) with its tensor, transfer, stats, leases and report, and the
-    streaming primitive every mover shares (core/stream.py: ordered copies, a ring of device slots,
+  - core: the engine (core/engine.py), composed of its parts (books, budget, side streams,
+    advice, parking, moves, eviction, placement), with its tensor, transfer, stats, leases and
+    report, and the streaming primitive every mover shares (core/stream.py: ordered copies, a ring of device slots,
     a pinned arena);
   - adapters: torch (wrap, module offload, training and its whole-step graphs, activation swap,
     the torch allocator),
@@ -22,6 +23,7 @@ from .core.tensor import TieredTensor
 from .cupy.allocator import make_allocator
 from .cupy.scoped import residency
 from .inference.module import wrap_module
+from .inference.options import ModuleOptions
 from .pytorch.wrap import unwrap, wrap
 from .roles import Role
 from .training.handle import wrap_training
@@ -40,9 +42,11 @@ class Tier(Engine):
         """Give a wrapped tensor plain memory again (see tiermem.unwrap)."""
         return unwrap(self, tensor)
 
-    def wrap_module(self, module: Any, budget: int | str | None = None, **kwargs: Any) -> Any:
-        """Adopt a whole nn.Module within a budget (see tiermem.wrap_module)."""
-        return wrap_module(self, module, budget, **kwargs)
+    def wrap_module(self, module: Any, budget: int | str | None = None, *, options: ModuleOptions | None = None,
+                    **kwargs: Any) -> Any:
+        """Adopt a whole nn.Module within a budget (see tiermem.wrap_module; the options:
+        :class:`tiermem.handles.ModuleOptions`)."""
+        return wrap_module(self, module, budget, options=options, **kwargs)
 
     def wrap_training(self, model: Any, optimizer: Any, budget: int | str, **kwargs: Any) -> Any:
         """Train a model within a device budget (see tiermem.wrap_training)."""

@@ -5,11 +5,10 @@ A role names how a buffer is used in a training or inference step. Each role map
 engine never looks at module or type names: it looks a role up in a :class:`PolicyTable`.
 
 NOTE [default policies]
-    The defaults follow each role's access pattern, the link figures measured on the H100 machine
-    (docs/facts.md, bench/results/probe_paths*.json) and, for the four roles a training step
-    has, bench/advice_study.py (bench/results/advice_study-*.json: ResNet-50 and a GPT-2-style
-    model, one advice on one role at a time, under a budget of half the footprint, where data
-    comes back by page faults):
+    The defaults follow each role's access pattern, the link figures (docs/facts.md) and, for the
+    four roles a training step has, bench/advice_study.py (docs/advice-study.md, with its runs:
+    ResNet-50 and a GPT-2-style model, one advice on one role at a time, under a budget of half
+    the footprint, where data comes back by page faults):
 
     - prefetching a large range in runs at ~50 GB/s, page faults at ~7 GB/s, so whatever the next
       step needs is prefetched, never faulted in;

@@ -1,6 +1,6 @@
 """Probe: with the staging ring, do an eviction and a refill overlap across the two directions?
 
-tiermem runs every move on one stream (UM_STREAM in tiermem/core/engine.py), because moves that touch
+tiermem runs every move on one stream (UM_STREAMS in tiermem/core/sidestreams.py), because moves that touch
 managed memory never overlapped across directions (probe_paths2). Through the ring (NOTE [staging
 ring] in tiermem/cuda/staging.py) the link copies touch only pinned memory and cudaMalloc slots; only
 the device-side copies touch managed pages. This times 1 GiB out of managed pages and 1 GiB into

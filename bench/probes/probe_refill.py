@@ -13,7 +13,7 @@ from _common import cuda_times, gbps, median, progress, provenance  # noqa: E402
 
 import tiermem
 from tiermem import Location
-from tiermem.core.engine import coalesce
+from tiermem.core.ranges import coalesce
 from tiermem.cuda import runtime as _cuda
 
 GiB, MiB = 1 << 30, 1 << 20

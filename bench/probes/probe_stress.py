@@ -108,7 +108,7 @@ def run_seed(seed: int, variant: dict, log_limit: int = 200_000) -> dict:
         fenced("discard")
         fenced("discard_and_prefetch")
     if variant.get("no_discard"):
-        t._evict_path = lambda b, park=False, _orig=t._evict_path: "um" if _orig(b, park) in ("discard", "copy") else _orig(b, park)
+        t.moves.evict_path = lambda b, park=False, _orig=t.moves.evict_path: "um" if _orig(b, park) in ("discard", "copy") else _orig(b, park)
 
     rng = random.Random(seed)
     weights = torch.randint(-(2**62), 2**62, (SIZES[-1] // 8,), dtype=torch.int64, device="cuda")

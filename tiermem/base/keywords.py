@@ -14,7 +14,7 @@ from typing import Any
 
 from ..errors import ConfigTypeError
 
-__all__ = ["check_keywords", "keywords_of"]
+__all__ = ["check_keywords", "check_names", "keywords_of"]
 
 
 def keywords_of(fn: Callable[..., Any], skip: Iterable[str] = ()) -> list[str] | None:
@@ -33,8 +33,14 @@ def check_keywords(call: str, fn: Callable[..., Any], given: Iterable[str], skip
     that ``fn`` does not take as a keyword (``skip`` names ones it takes but ``call`` does not),
     with the closest name it does take."""
     known = keywords_of(fn, skip)
-    if known is None:
-        return
+    if known is not None:
+        check_names(call, known, given)
+
+
+def check_names(call: str, known: Iterable[str], given: Iterable[str]) -> None:
+    """Raise :class:`ConfigTypeError` for the first name in ``given`` that is not in ``known`` (the
+    keywords ``call`` takes), with the closest name it does take."""
+    known = list(known)
     for name in given:
         if name not in known:
             close = difflib.get_close_matches(name, known, n=1)

@@ -25,9 +25,11 @@ from typing import Any
 from ..base.limits import check_bytes, parse_bytes
 from ..errors import ConfigError, ConfigTypeError, TierMemError
 from ..inference.configs import causal_types, check_causal, read_config
-from ..inference.groups import MAX_GROUP, gathered_groups, home_layout, is_stacked, module_groups, span_of
+from ..inference.groups import (MAX_GROUP, enclosing_groups, fit_groups, gathered_groups, home_layout, is_stacked,
+                                module_groups, span_of)
 from ..inference.load import INDEX, SINGLE, Checkpoint, FileTensor, check_dtype
 from ..inference.plan import LINK_GBPS, LOOKAHEAD, Plan, plan_host, plan_residency, stay_home
+from ..inference.split import find_cuts
 
 __all__ = ["ModelPlan", "plan_model", "load_config"]
 
@@ -133,7 +135,7 @@ def _checkpoint(model: Any) -> Checkpoint | None:
 def plan_model(model: str | os.PathLike | Any, budget: int | str, host_budget: int | str | None = None, *,
                link_GBps: float = LINK_GBPS, disk_GBps: float | None = None, tokens: int = 128,
                overrides: dict[str, Any] | None = None, dtype: Any = None, lookahead: int = LOOKAHEAD,
-               max_group_bytes: int = MAX_GROUP, device_memory: int | str | None = None) -> ModelPlan:
+               max_group_bytes: int | None = None, device_memory: int | str | None = None) -> ModelPlan:
     """The plan adoption makes for ``model`` (a checkpoint folder, a config.json, a model type with
     ``overrides``, or a transformers config) within ``budget`` device bytes and ``host_budget``
     pinned bytes, and its predicted prefill of ``tokens`` tokens and decode per token (seconds) at
@@ -147,7 +149,8 @@ def plan_model(model: str | os.PathLike | Any, budget: int | str, host_budget: i
     disk_GBps = None if disk_GBps is None else check_rate(disk_GBps, "disk_GBps")
     check_count(tokens, "tokens", 1)
     check_count(lookahead, "lookahead", 1)
-    check_count(max_group_bytes, "max_group_bytes", 1)
+    if max_group_bytes is not None:
+        check_count(max_group_bytes, "max_group_bytes", 1)
     check_bytes(budget, what="module budget", max_percent=100)
     if device_memory is not None:
         check_bytes(device_memory, what="device memory", positive=True)
@@ -177,7 +180,9 @@ def plan_model(model: str | os.PathLike | Any, budget: int | str, host_budget: i
 
     want = weights_dtype(dtype, cfg, ckpt, fallback="float16")
     m = build_model(cfg, want)
-    found = module_groups(m, max_group_bytes)
+    found = module_groups(m, MAX_GROUP if max_group_bytes is None else max_group_bytes)
+    if max_group_bytes is None:        # as adoption groups it (groups.fit_groups)
+        found = fit_groups(m, found, budget_bytes, lookahead)
     weights = checkpoint_weights(ckpt, m, str(want).replace("torch.", "") if dtype is not None else None, unset) \
         if ckpt is not None else None
     warnings = []
@@ -190,7 +195,9 @@ def plan_model(model: str | os.PathLike | Any, budget: int | str, host_budget: i
             warnings.append(f"{model} holds {', '.join(other[:2])}{' ...' if len(other) > 2 else ''} but no safetensors "
                             "weights, which are all load_pretrained reads: planned from its config")
     sizes = [(name, sum(span_of(t) for _, t in own)) for name, _, own in found]
-    plan = plan_residency(sizes, budget_bytes, lookahead, in_place=gathered_groups(m, found))
+    cuts = find_cuts(m, found)          # NOTE [split groups] in inference/split.py
+    plan = plan_residency(sizes, budget_bytes, lookahead, in_place=gathered_groups(m, found) | enclosing_groups(found),
+                          split={g: c.unit for g, c in cuts.items()})
     if host is not None:
         # Every parameter is in the files byte for byte (as save_pretrained writes them), unless the
         # checkpoint at hand says otherwise: the rule adoption applies (NOTE [disk tier]).
@@ -204,7 +211,7 @@ def plan_model(model: str | os.PathLike | Any, budget: int | str, host_budget: i
             return isinstance(next((weights[n] for n in names.get(id(t), []) if n in weights), None), FileTensor)
         groups = [(name, [t for _, t in own]) for name, _, own in found]
         plan = plan_host(plan, [(name, home_layout(ts)[1]) for name, ts in groups], host,
-                         keep=stay_home(groups, in_files))
+                         keep=stay_home(groups, in_files) | {g for g, c in cuts.items() if c.gathers})
     if plan.on_disk and disk_GBps is None:
         disk_GBps = DISK_GBPS
     # A decode step (NOTE [streaming plan]): dense groups stream, stacked experts in the home are

@@ -26,7 +26,7 @@ NOTE [kv plan]
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from ..errors import ConfigError, OutOfBudgetError
@@ -233,9 +233,9 @@ def most_tokens(size: Any, limit: int, hi: int) -> int:
 
 def split_budget(sizes: Iterable[tuple[str, int]], budget: int, shape: KVShape, max_tokens: int, *,
                  lookahead: int = 2, in_place: Iterable[str] = (), slots: int = SLOTS,
-                 fp8: bool = False) -> tuple[Plan, KVPlan]:
+                 fp8: bool = False, split: Mapping[str, int] | None = None) -> tuple[Plan, KVPlan]:
     """Split ``budget`` device bytes between a module's weights (``sizes``, as
-    :func:`plan_residency` takes them) and its KV cache of ``max_tokens`` tokens so that a decode
+    :func:`plan_residency` takes them, with ``split``) and its KV cache of ``max_tokens`` tokens so that a decode
     step at that context moves the fewest bytes over the link (NOTE [kv plan]). Returns the
     weights' plan (its ``budget`` is their share) and the cache's. Raises
     :class:`OutOfBudgetError` when the budget cannot hold even the cache's ring."""
@@ -247,7 +247,7 @@ def split_budget(sizes: Iterable[tuple[str, int]], budget: int, shape: KVShape, 
         if need > budget:
             break
         kv = plan_kv(shape, max_tokens, need, slots, fp8)
-        weights = plan_residency(sizes, budget - need, lookahead, in_place=gathered)
+        weights = plan_residency(sizes, budget - need, lookahead, in_place=gathered, split=split)
         moved = weights.moved_bytes + kv.moved_bytes()
         # Ties go to the weights: a context shorter than max_tokens moves fewer cache bytes.
         if best is None or moved < best[0]:

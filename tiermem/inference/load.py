@@ -30,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any
 
 from ..base import dtypes as _dtypes
-from ..errors import CheckpointError, ConfigError, TierMemError
+from ..errors import CheckpointError, ConfigError, ConfigTypeError, TierMemError
 from .configs import check_causal, read_config, reason
 from .weights import check_weights
 
@@ -381,8 +381,8 @@ def empty_weights() -> Iterator[None]:
             p = module._parameters[name]
             meta = module._parameters[name] = type(p)(p.to("meta"), requires_grad=p.requires_grad)
             # transformers' init functions skip a tensor so marked, as they do one from_pretrained
-            # loaded; initializing meta tensors changes nothing and took 0.6 of the 0.8 s that
-            # building a 12.5 GB Qwen2 cost (bench/probes/probe_load.py on the H100).
+            # loaded; initializing meta tensors changes nothing and was most of the time that
+            # building a model on the meta device took (docs/inference.md, "Loading a checkpoint").
             meta._is_hf_initialized = True
 
     nn.Module.register_parameter = register
@@ -437,7 +437,7 @@ def model_weights(ckpt: Mapping[str, FileTensor], model: Any) -> dict[str, FileT
         from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
         mapping = get_model_conversion_mapping(model)
     except Exception:        # a transformers without these rules reads the names as they are
-        return dict(ckpt)
+        return _tied_names(dict(ckpt), model)
     renames = [m for m in mapping if isinstance(m, WeightRenaming)]
     merges = [m for m in mapping if isinstance(m, WeightConverter)]
     meta = model.state_dict()
@@ -455,6 +455,23 @@ def model_weights(ckpt: Mapping[str, FileTensor], model: Any) -> dict[str, FileT
     for name, (conv, sources) in pending.items():
         m = meta.get(name)
         out[name] = _merged(name, conv, sources, None if m is None else tuple(m.shape), path)
+    return _tied_names(out, model)
+
+
+def _tied_names(out: dict[str, FileTensor], model: Any) -> dict[str, FileTensor]:
+    """``out`` with each tied name the checkpoint lacks given its partner's tensor: where tying
+    (NOTE [tied checkpoints]) still leaves two parameters, each takes the one saved tensor."""
+    tied = getattr(model, "all_tied_weights_keys", None)
+    if not isinstance(tied, Mapping):
+        try:
+            tied = model.get_expanded_tied_weights_keys(all_submodels=True)
+        except Exception:   # not a transformers model, or one without the mapping: nothing to add
+            return out
+    for target, source in tied.items():
+        if target not in out and source in out:
+            out[target] = out[source]
+        elif source not in out and target in out:
+            out[source] = out[target]
     return out
 
 
@@ -599,7 +616,7 @@ def checkpoint_weights(ckpt: Checkpoint, model: Any, cast: str | None = None,
 
 def load_pretrained(path: str | os.PathLike, budget: int | str | None = None, host_budget: int | str | None = None,
                     dtype: Any = None, *, tier: Any = None, model_class: Any = None,
-                    make_tier: Any = None, **kwargs: Any) -> Loaded:
+                    make_tier: Any = None, options: Any = None, **kwargs: Any) -> Loaded:
     """A transformers causal LM from a local checkpoint folder (``config.json`` plus safetensors, as
     ``save_pretrained`` writes them), ready to run within ``budget`` bytes of device memory
     (bytes, "8GB", or a share of the device like "25%": NOTE [sizes]); returns ``(model, handle)``.
@@ -613,10 +630,13 @@ def load_pretrained(path: str | os.PathLike, budget: int | str | None = None, ho
     its config (else of the checkpoint) and a tensor of another dtype is refused. A bad
     checkpoint raises :class:`CheckpointError` (a ValueError) with nothing left allocated.
     ``model_class`` (default ``transformers.AutoModelForCausalLM``) builds the model from its
-    config; other keyword arguments go to :func:`tiermem.wrap_module` (``mode``, ``lookahead``,
-    ``disk_reader``: "posix" or "kvikio", NOTE [kvikio reader]...);
-    ``tier`` defaults to the default Tier.
+    config; ``options`` and other keyword arguments are :func:`tiermem.wrap_module`'s
+    (:class:`tiermem.handles.ModuleOptions`: ``mode``, ``lookahead``, ``disk_reader``...), but
+    for ``weights``, which the checkpoint gives, and ``host_budget``, an argument here, which
+    where given replaces the options'; ``tier`` defaults to the default Tier.
     """
+    if "weights" in kwargs or getattr(options, "weights", None) is not None:
+        raise ConfigTypeError("load_pretrained reads the weights from the checkpoint: it takes no weights option")
     try:
         import transformers
     except ImportError as e:
@@ -642,7 +662,9 @@ def load_pretrained(path: str | os.PathLike, budget: int | str | None = None, ho
             raise ConfigError("load_pretrained needs a tier (tiermem.load_pretrained uses the default one)")
         tier = make_tier()
     try:
-        handle = tier.wrap_module(model, budget, weights=weights, host_budget=host_budget, **kwargs)
+        if host_budget is not None:      # given here, it replaces the options'
+            kwargs["host_budget"] = host_budget
+        handle = tier.wrap_module(model, budget, options=options, weights=weights, **kwargs)
     except CheckpointError as e:
         e.path = e.path or path
         raise

@@ -15,22 +15,23 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import numbers
 import weakref
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from ..base.keywords import check_keywords
 from ..base.limits import check_bytes, parse_bytes
 from ..errors import ConfigError, ConfigTypeError, DeviceFullError, TierMemError, WrapError
-from ..pytorch.held import CopyGuard
+from ..pytorch.held import CopyGuard, InstancePatch
 from ..roles import Evict, Role
-from .disk import READERS, STAGES
-from .groups import MAX_GROUP, gathered_groups, home_layout, is_stacked, module_groups, span_of
+from .disk import STAGES
+from .groups import (MAX_GROUP, enclosing_groups, fit_groups, gathered_groups, home_layout, is_stacked, module_groups,
+                     span_of)
 from .load import FileTensor
-from .plan import LOOKAHEAD, Plan, plan_host, plan_residency, stay_home
+from .options import MODES, ModuleOptions
+from .plan import Plan, plan_host, plan_residency, stay_home
 from .sources import stand_ins, wrap_from
-from .transport import Group, PinnedTransport
+from .split import chunked_forward, find_cuts
+from .transport import Group, Piece, PinnedTransport
 from .weights import weight_sources
 
 if TYPE_CHECKING:
@@ -49,47 +50,40 @@ MIN_FILL_ROOM = 64 << 20
 class TieredModule:
     """Handle of a module adopted by :func:`wrap_module`: its plan, its mode, stats() and unwrap().
 
-    Keyword arguments beside the budget: ``mode`` ("auto", "stream", "zero_copy"), ``lookahead``
-    (streamed groups in flight), ``zero_copy_max_tokens`` (forwards of at most this many tokens
-    are decode steps), ``max_group_bytes``; ``weights``, a Mapping from state-dict names to the
-    tensors' bytes (NOTE [weight source] in inference/sources.py: a module built on the meta device
-    can be adopted); and ``host_budget``, the pinned host bytes allowed, beyond which streamed
-    groups are read from their checkpoint files ahead of use (NOTE [disk tier]; needs ``weights``
-    from a Checkpoint), by ``disk_reader``: "posix" (threads of ``os.preadv``) or "kvikio"
-    (NOTE [kvikio reader]).
+    ``options`` (a :class:`ModuleOptions`, in inference/options.py, which documents each), or
+    its fields as keyword arguments; ``options`` is the checked record the handle runs by.
     """
 
-    def __init__(self, tier: Tier, module: Any, budget: int | str | None, *, mode: str = "auto",
-                 lookahead: int = LOOKAHEAD, zero_copy_max_tokens: int = 16, max_group_bytes: int = MAX_GROUP,
-                 weights: Mapping[str, Any] | None = None, host_budget: int | str | None = None,
-                 disk_reader: str = READERS[0], kv_budget: int | str | None = None, kv_tokens: int | None = None):
+    def __init__(self, tier: Tier, module: Any, budget: int | str | None, *, options: ModuleOptions | None = None,
+                 **kwargs: Any):
         check_module(module)
-        check_module_options(budget, dict(mode=mode, lookahead=lookahead, zero_copy_max_tokens=zero_copy_max_tokens,
-                                          max_group_bytes=max_group_bytes, weights=weights, host_budget=host_budget,
-                                          disk_reader=disk_reader, kv_budget=kv_budget, kv_tokens=kv_tokens))
-        self.disk_reader = disk_reader
+        opts = check_module_options(budget, kwargs, given=options)
+        self.options = opts
+        self.disk_reader = opts.disk_reader
         self.tier = tier
         self.module = module
-        self.mode = mode
-        self.zero_copy_max_tokens = zero_copy_max_tokens
-        self.kv_tokens = kv_tokens
-        self._kv_asked = kv_budget
+        self.mode = opts.mode
+        self.zero_copy_max_tokens = opts.zero_copy_max_tokens
+        self.kv_tokens = opts.kv_tokens
+        self._kv_asked = opts.kv_budget
         self._kv_live: Any = None      # the live cache kv_cache() made
+        weights = opts.weights
         # A meta tensor cannot be rebound to memory (torch refuses set_data across the two), so
         # the module gets a memory-less stand-in in its place first (NOTE [weight source]); a
         # failure puts the meta tensors back.
         swaps = stand_ins(module) if weights is not None else []
         try:
-            self._setup(module, budget, lookahead, max_group_bytes, weights, {id(new) for *_, new in swaps}, host_budget)
+            self._setup(module, budget, opts.lookahead, opts.max_group_bytes, weights, {id(new) for *_, new in swaps},
+                        opts.host_budget)
         except BaseException:
             for owner, name, old, _ in reversed(swaps):
                 owner[name] = old
             raise
 
-    def _setup(self, module: Any, budget: int | str | None, lookahead: int, max_group_bytes: int,
+    def _setup(self, module: Any, budget: int | str | None, lookahead: int, max_group_bytes: int | None,
                weights: Mapping[str, Any] | None, empty: set[int], host_budget: int | str | None) -> None:
         tier = self.tier
-        found = module_groups(module, max_group_bytes)
+        found = module_groups(module, MAX_GROUP if max_group_bytes is None else max_group_bytes)
         if not found:
             raise WrapError("this module has no parameters or buffers to tier")
         from ..pytorch.wrap import check_tensor
@@ -104,10 +98,17 @@ class TieredModule:
         asked = total if budget is None else parse_bytes(budget, total=tier.backend.capabilities().total_memory,
                                                          what="module budget", max_percent=100)
         self.budget = self._within_device(asked, [t for _, _, own in found for _, t in own])
-        self.plan = self._plan_split(module, sizes, lookahead, gathered_groups(module, found))
+        if max_group_bytes is None:
+            found = fit_groups(module, found, self.budget, lookahead)
+            sizes = [(mname, sum(span_of(t) for _, t in own)) for mname, _, own in found]
+        cuts = find_cuts(module, found)            # NOTE [split groups] in inference/split.py
+        self.plan = self._plan_split(module, sizes, lookahead, gathered_groups(module, found) | enclosing_groups(found),
+                                     {g: c.unit for g, c in cuts.items()})
         self.lookahead = max(self.plan.lookahead, 1)
         self._groups = {mname: Group(mname, [t for _, t in own], n, pinned=mname in self.plan.pinned,
-                                      gathered=mname in self.plan.in_place, stacked=is_stacked([t for _, t in own]))
+                                      gathered=mname in self.plan.in_place, stacked=is_stacked([t for _, t in own]),
+                                      oversized=mname in self.plan.oversized, cut=cuts.get(mname),
+                                      split=mname in self.plan.split)
                         for (mname, _, own), (_, n) in zip(found, sizes)}
         self._unit_groups: dict[int, list[Group]] = {id(m): [self._groups[mname]] for mname, m, _ in found}
         self.host_budget = None if host_budget is None else parse_bytes(host_budget, what="host_budget")
@@ -115,7 +116,10 @@ class TieredModule:
             self.plan = plan_host(self.plan, [(g.name, home_layout(g.tensors)[1]) for g in self._groups.values()],
                                   self.host_budget, STAGES,
                                   keep=stay_home([(g.name, g.tensors) for g in self._groups.values()],
-                                                 lambda t: isinstance(self._sources.get(id(t)), FileTensor)))
+                                                 lambda t: isinstance(self._sources.get(id(t)), FileTensor))
+                                  | {g.name for g in self._groups.values() if g.cut is not None and g.cut.gathers})
+            for g in self._groups.values():     # plan_host streams from disk what it can cut
+                g.split, g.oversized = g.name in self.plan.split, g.name in self.plan.oversized
             if self.plan.on_disk and self.mode == "zero_copy":
                 raise TierMemError("mode='zero_copy' reads every weight in place, and a disk tier has weights with "
                                    "no place to read: raise host_budget or use mode='auto'")
@@ -130,6 +134,9 @@ class TieredModule:
         self._trace: list[int] = []
         self._recording = True
         self._pos = -1
+        self._cur = -1                # the last piece brought in, in this forward's sequence (_sequence)
+        self._seqs: dict[str, tuple[list[Piece], list[int]]] = {}
+        self._uses: dict[int, list[tuple[Group, str]]] = {}
         self._fwd_mode = "stream"
         self._lease: Any = None       # its share of the tier's budget (NOTE [budget leases])
         # NOTE [all or nothing]
@@ -145,16 +152,18 @@ class TieredModule:
             self._rollback(originals)
             raise
 
-    def _plan_split(self, module: Any, sizes: list[tuple[str, int]], lookahead: int, gathered: set[str]) -> Plan:
-        """The weights' plan within the budget, less the KV cache's share (NOTE [kv plan])."""
+    def _plan_split(self, module: Any, sizes: list[tuple[str, int]], lookahead: int, gathered: set[str],
+                    units: dict[str, int]) -> Plan:
+        """The weights' plan within the budget, less the KV cache's share (NOTE [kv plan]);
+        ``units`` are the groups that can be cut (NOTE [split groups] in inference/split.py)."""
         asked = self._kv_asked
         if asked is None:
-            return plan_residency(sizes, self.budget, lookahead, in_place=gathered)
+            return plan_residency(sizes, self.budget, lookahead, in_place=gathered, split=units)
         from .kvplan import kv_shape, plan_kv, split_budget
         if asked == "auto":
             shape = kv_shape(self._config(), self._dtype())
             weights, kv = split_budget(sizes, self.budget, shape, self.kv_tokens, lookahead=lookahead,
-                                       in_place=gathered)
+                                       in_place=gathered, split=units)
             return dataclasses.replace(weights, kv_budget=kv.device_bytes, kv=kv)
         kvb = parse_bytes(asked, total=self.tier.backend.capabilities().total_memory, what="kv_budget",
                           max_percent=100)
@@ -164,7 +173,7 @@ class TieredModule:
         kv = None
         if self.kv_tokens is not None:
             kv = plan_kv(kv_shape(self._config(), self._dtype()), self.kv_tokens, kvb)  # refused here if it cannot
-        weights = plan_residency(sizes, self.budget - kvb, lookahead, in_place=gathered)
+        weights = plan_residency(sizes, self.budget - kvb, lookahead, in_place=gathered, split=units)
         return dataclasses.replace(weights, kv_budget=kvb, kv=kv)
 
     def _config(self) -> Any:
@@ -227,7 +236,7 @@ class TieredModule:
             "pinned_bytes.home": st.home.nbytes if st is not None and st.home is not None else 0,
             "pinned_bytes.staging": disk.pinned_bytes if disk is not None else 0,
             "host_budget": -1 if self.host_budget is None else self.host_budget,
-            "disk_bytes.per_forward": sum(ft.nbytes for fs in disk.files.values() for ft, _ in fs) if disk else 0,
+            "disk_bytes.per_forward": sum(n for fs in disk.files.values() for _, _, n, _ in fs) if disk else 0,
         }
         for k in ("read_bytes", "read_seconds", "wait_seconds", "reads", "stage_reuse", "resyncs", "dropped",
                   "retries"):
@@ -307,6 +316,7 @@ class TieredModule:
         if pinned_tts:
             tier.prefetch(pinned_tts).synchronize()
         self._units = [m for m in module.modules() if id(m) in self._unit_groups]
+        self._uses = {id(m): [(g, _use(m, g)) for g in self._unit_groups[id(m)]] for m in self._units}
         self._hooks = [module.register_forward_pre_hook(self._root_pre, with_kwargs=True),
                        module.register_forward_hook(self._root_post)]
         for i, m in enumerate(self._units):
@@ -318,6 +328,10 @@ class TieredModule:
                     if t.requires_grad and hasattr(t, "register_post_accumulate_grad_hook"):
                         self._hooks.append(t.register_post_accumulate_grad_hook(
                             lambda p, g=g, i=i: self._stream.offload_grad(g, i, p)))
+                if g.split:                 # NOTE [split groups] in inference/split.py
+                    for m in g.cut.runs:
+                        self._hooks.append(InstancePatch(m, {"forward": chunked_forward(
+                            m, g.cut, g, self._runs_parts, self._enter, self._leave)}))
             self._stream.bind_home()       # the last step; it cannot fail
         self._hooks.append(CopyGuard(module))   # NOTE [held modules]
         module._tiermem_handle = weakref.ref(self)
@@ -373,22 +387,45 @@ class TieredModule:
     def _root_post(self, module: Any, args: tuple, out: Any) -> None:
         if self._recording and self._trace:
             self._recording = False
+            self._seqs = {}
             if self._stream is not None and self._stream.disk is not None:
-                self._stream.disk.set_sequence([g for i in self._trace for g in self._unit_groups[id(self._units[i])]
-                                                if g.on_disk])
+                # What a forward reads from disk, in order: the same in every mode that streams
+                # (a group on disk always takes a slot).
+                self._stream.disk.set_sequence([p for p in self._sequence("stream")[0] if p.group.on_disk])
         if self._fwd_mode != "zero_copy" and not self._recording and self._stream is not None:
-            self._pos = -1
-            self._stream.ahead(self._upcoming())   # the first streamed groups of the next forward
+            self._cur = -1
+            self._stream.ahead(self._upcoming())   # the first streamed pieces of the next forward
 
-    def _upcoming(self) -> list[Group]:
-        out: list[Group] = []
-        for j in range(self._pos + 1, len(self._trace)):
-            for g in self._unit_groups[id(self._units[self._trace[j]])]:
-                if not g.pinned and g.slot_in(self._fwd_mode):
-                    out.append(g)
-            if len(out) >= self.lookahead:
-                break
-        return out[: self.lookahead]
+    def _pieces(self, m: Any, mode: str) -> tuple[list[Piece], list[Piece]]:
+        """What unit ``m`` brings into slots in a forward in ``mode``: whole groups (its pre-hook
+        does) and parts of split groups (its chunked forward does, NOTE [split groups])."""
+        whole, parts = [], []
+        for g, use in self._uses[id(m)]:
+            if g.pinned or use == "rows" or not g.slot_in(mode):
+                continue
+            if use == "parts":
+                parts.extend(g.pieces)
+            else:
+                whole.append(g.pieces[0])
+        return whole, parts
+
+    def _sequence(self, mode: str) -> tuple[list[Piece], list[int]]:
+        """The pieces a forward in ``mode`` brings into slots, in order, and where each position
+        of the learned order starts in that list."""
+        got = self._seqs.get(mode)
+        if got is None:
+            flat: list[Piece] = []
+            starts: list[int] = []
+            for i in self._trace:
+                starts.append(len(flat))
+                whole, parts = self._pieces(self._units[i], mode)
+                flat += whole + parts
+            got = self._seqs[mode] = (flat, starts)
+        return got
+
+    def _upcoming(self) -> list[Piece]:
+        flat, _ = self._sequence(self._fwd_mode)
+        return flat[self._cur + 1:self._cur + 1 + self.lookahead]
 
     def _pre(self, i: int) -> None:
         if self._recording:
@@ -397,22 +434,39 @@ class TieredModule:
             self._pos += 1
             if self._pos >= len(self._trace) or self._trace[self._pos] != i:
                 # Another order than the one learned: learn it again on the next forward.
-                self._recording, self._trace = True, []
-        for g in self._unit_groups[id(self._units[i])]:
-            if g.pinned:
-                if not all(t.is_resident for t in g.tiered):
-                    self.tier.prefetch(g.tiered)
-            elif g.slot_in(self._fwd_mode):
-                self._stream.ensure(g)
-        if self._fwd_mode != "zero_copy" and not self._recording and self._stream is not None:
+                self._recording, self._trace, self._seqs = True, [], {}
+        ahead = self._fwd_mode != "zero_copy" and not self._recording and self._stream is not None
+        if ahead:
+            self._cur = self._sequence(self._fwd_mode)[1][self._pos] - 1
+        for g, _ in self._uses[id(self._units[i])]:
+            if g.pinned and not all(t.is_resident for t in g.tiered):
+                self.tier.prefetch(g.tiered)
+        for p in self._pieces(self._units[i], self._fwd_mode)[0]:
+            self._stream.ensure(p)
+            self._cur += 1
+        if ahead:
             self._stream.ahead(self._upcoming())
 
     def _post(self, i: int) -> None:
         if self._fwd_mode == "zero_copy":
             return
-        for g in self._unit_groups[id(self._units[i])]:
-            if not g.pinned and g.slot_in(self._fwd_mode):
-                self._stream.release(g)
+        for p in self._pieces(self._units[i], self._fwd_mode)[0]:
+            self._stream.release(p)
+
+    def _runs_parts(self, g: Group) -> bool:
+        """Whether this forward streams ``g`` in parts (else its user runs as it would unsplit)."""
+        return self._stream is not None and self._stream.nslots > 0 and g.slot_in(self._fwd_mode)
+
+    def _enter(self, p: Piece) -> list[Any]:
+        """Bring part ``p`` into its slot, for a chunked forward (NOTE [split groups]); its views."""
+        views = self._stream.ensure(p)
+        self._cur += 1
+        if self._fwd_mode != "zero_copy" and not self._recording:
+            self._stream.ahead(self._upcoming())
+        return views
+
+    def _leave(self, p: Piece) -> None:
+        self._stream.release(p)
 
     # -- lifecycle ------------------------------------------------------------------------------------
     def drain(self) -> None:
@@ -521,12 +575,20 @@ class TieredModule:
         return f"<TieredModule {type(self.module).__name__} ({self.transport}): {self.plan.table(limit=0)}>"
 
 
+def _use(m: Any, g: Group) -> str:
+    """How unit ``m`` uses group ``g``: "rows" (an embedding: reads the rows of its tokens in
+    place), "parts" (runs over the parts of a split group) or "whole" (a slot holds it whole)."""
+    cut = g.cut
+    if cut is not None and any(m is x for x in cut.gathers):
+        return "rows"
+    if g.split and cut is not None and any(m is x for x in cut.runs):
+        return "parts"
+    return "whole"
+
+
 def _wrap_group(tier: Tier, tensors: list[Any], names: list[str], on_host: bool, policy: Any) -> list[TieredTensor]:
     from ..pytorch.wrap import wrap_group
     return wrap_group(tier, tensors, Role.WEIGHT, names=names, on_host=on_host, policy=policy)
-
-
-MODES = ("auto", "stream", "zero_copy")
 
 
 def check_module(module: Any) -> None:
@@ -543,16 +605,16 @@ def check_module(module: Any) -> None:
 
 
 def check_module_options(budget: Any, options: Mapping[str, Any], call: str = "wrap_module",
-                         taken: tuple[str, ...] = ()) -> None:
-    """Raise what :class:`TieredModule` would for ``budget`` and its keyword ``options``, as far as
+                         taken: tuple[str, ...] = (), given: ModuleOptions | None = None) -> ModuleOptions:
+    """The checked :class:`ModuleOptions` of ``given`` with the keyword ``options`` changing its
+    fields, once ``budget`` and they are known to be what :class:`TieredModule` takes, as far as
     that needs no Tier: an unknown keyword (:class:`ConfigTypeError`; ``taken`` names those
-    ``call`` sets itself), a budget that is not a size or is more than the device, a budget of 0
-    outside mode="zero_copy", and each option's type and range (:class:`ConfigError`). The
-    module-level wrap_module and load_pretrained call it before they look for a GPU."""
-    check_keywords(call, TieredModule.__init__, options, skip=("tier", "module", "budget", *taken))
-    mode = options.get("mode", "auto")
-    if mode not in MODES:
-        raise ConfigError(f"mode must be one of {', '.join(map(repr, MODES))}, got {mode!r}")
+    ``call`` sets itself), each option's type and range (ModuleOptions checks itself), a budget
+    that is not a size or is more than the device, a budget of 0 outside mode="zero_copy"
+    (:class:`ConfigError`). The module-level wrap_module and load_pretrained call it before they
+    look for a GPU, and TieredModule when it is made."""
+    opts = ModuleOptions.of(given, call, taken, **options)
+    mode = opts.mode
     if budget is not None:
         check_bytes(budget, what="module budget", max_percent=100)
         if mode != "zero_copy":
@@ -562,36 +624,13 @@ def check_module_options(budget: Any, options: Mapping[str, Any], call: str = "w
                 raise ConfigError(f"module budget={budget!r} keeps no weight on the device, so every forward would "
                                   "read them all over the link: pass mode='zero_copy' if that is meant, else a budget "
                                   "above 0") from None
-    for name, least in (("lookahead", 1), ("zero_copy_max_tokens", 0), ("max_group_bytes", 1)):
-        if name in options:
-            v = options[name]
-            if isinstance(v, bool) or not isinstance(v, numbers.Integral):
-                raise ConfigTypeError(f"{name} must be an int, got {v!r}")
-            if v < least:
-                raise ConfigError(f"{name} must be at least {least}, got {v}")
-    weights = options.get("weights")
-    if weights is not None and not isinstance(weights, Mapping):
-        raise ConfigTypeError(f"weights must be a Mapping from state-dict names to tensors (a tiermem Checkpoint, "
-                              f"a state dict), got {type(weights).__name__}")
-    if options.get("host_budget") is not None:
-        parse_bytes(options["host_budget"], what="host_budget")    # host memory is no share of the device
-    reader = options.get("disk_reader", READERS[0])
-    if reader not in READERS:
-        raise ConfigError(f"disk_reader must be one of {', '.join(map(repr, READERS))}, got {reader!r}")
-    kv_tokens, kv_budget = options.get("kv_tokens"), options.get("kv_budget")
-    if kv_tokens is not None and (isinstance(kv_tokens, bool) or not isinstance(kv_tokens, int) or kv_tokens < 1):
-        raise ConfigError(f"kv_tokens must be a number of tokens >= 1, got {kv_tokens!r}")
-    if kv_budget == "auto":
-        if kv_tokens is None:
-            raise ConfigError("kv_budget='auto' splits the budget for a context of kv_tokens tokens: give kv_tokens")
-    elif kv_budget is not None:
-        check_bytes(kv_budget, what="kv_budget", max_percent=100)
+    return opts
 
 
-def wrap_module(tier: Tier, module: Any, budget: int | str | None = None, **kwargs: Any) -> TieredModule:
+def wrap_module(tier: Tier, module: Any, budget: int | str | None = None, *, options: ModuleOptions | None = None,
+                **kwargs: Any) -> TieredModule:
     """Adopt every parameter and buffer of ``module``; see :class:`TieredModule` and NOTE
     [streaming plan] in inference/plan.py. ``budget`` is bytes, "8GB", or a share of the device like
     "25%" (NOTE [sizes] in base/limits.py); :func:`weight_bytes` (inference/groups.py) sizes a share of the
-    module's weights."""
-    check_keywords("wrap_module", TieredModule.__init__, kwargs, skip=("tier", "module", "budget"))
-    return TieredModule(tier, module, budget, **kwargs)
+    module's weights. ``options`` and ``kwargs``: :class:`ModuleOptions`."""
+    return TieredModule(tier, module, budget, options=options, **kwargs)

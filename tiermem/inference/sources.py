@@ -76,9 +76,8 @@ class _Filler:
     FILL_CHUNK bytes taken in turn, so that one buffer is read from the files while the last one
     crosses the link, and the host never holds a whole tensor. Tensors are packed end to end
     into a buffer (a large one spans several), and each buffer is read in one go on the reader's
-    threads: read a tensor at a time, through 64 MiB buffers, 2 GB of resident groups took
-    0.29-0.31 s on the H100, most tensors too small to keep the 16 threads busy
-    (bench/probes/probe_load.py). ``close()`` reads what is queued, waits for the copies and
+    threads: read a tensor at a time, through 64 MiB buffers, most tensors were too small to keep
+    the reader's threads busy (docs/inference.md, "Loading a checkpoint"). ``close()`` reads what is queued, waits for the copies and
     gives the buffers back; call it in every case (``discard()`` after a failure)."""
 
     def __init__(self, tier: Tier, sources: list[Any], room: int | None = None):

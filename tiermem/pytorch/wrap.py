@@ -104,7 +104,7 @@ def wrap(tier: Tier, tensor: Any, role: Role | str = Role.WEIGHT, *, name: str |
 def _undone_on_error(tts: list[TieredTensor], tensors: list[Any]) -> Iterator[None]:
     """A wrap that fails (a CUDA error, an interrupt) leaves its tensors as they were: bound to
     their own memory again, not wrapped, and the tiered buffers freed (NOTE [failed moves] in
-    core/engine.py). Their own memory is untouched: a wrap copies out of it and only rebinds."""
+    core/moves.py). Their own memory is untouched: a wrap copies out of it and only rebinds."""
     old = [t.data for t in tensors]
     try:
         yield

@@ -545,7 +545,8 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--quick", action="store_true", help="small sizes: a smoke run in about a minute")
     p.add_argument("--only", default="1234", help="parts to run: 1 budget, 2 in capacity, 3 batch study, "
-                   "4 keep/swap/recompute study")
+                   "4 keep/swap/recompute study; 'finetune' alone: a 1B Llama fine-tuned as users do "
+                   "(bench/finetune.py)")
     p.add_argument("--ratios", default="1.5,2.5,4", help="part 4's budgets, as fractions 1/x of the training "
                    "state (2.5 must be among them)")
     p.add_argument("--bf16-states", action="store_true", help="part 4 also runs the 1/2.5 plan with "
@@ -598,6 +599,9 @@ def main():
         from _recompute_study import part4, plot4
         part4(sys.modules[__name__], torch, tiermem, a, rates, out)
         p4 = plot4(out, plot_path("train_budget_recompute")) if "recompute_runs" in out["raw"] else None
+    if "finetune" in a.only:
+        from finetune import part_finetune
+        part_finetune(sys.modules[__name__], torch, tiermem, a, rates, out)
     m = out["metrics"]
     rows = [[k, v] for k, v in m.items()]
     print(table(rows, ["metric", "value"]))

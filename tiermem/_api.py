@@ -62,30 +62,23 @@ def wrap(tensor: Any, role: Role | str = Role.WEIGHT, **kwargs: Any) -> TieredTe
     return _tier_of(tensor).wrap(tensor, role, **kwargs)
 
 
-def wrap_training(model: Any, optimizer: Any, budget: int | str, **kwargs: Any) -> Any:
+def wrap_training(model: Any, optimizer: Any, budget: int | str, options: Any = None, *, tier: Tier | None = None,
+                  **kwargs: Any) -> Any:
     """Train ``model`` with ``optimizer`` within ``budget`` bytes of device memory (bytes, "2GiB"
     or "25%" of the device): parameters, optimizer states and saved activations are tiered, each
     block steps inside backward, and the plan comes from the first step. Use ``with
     handle.step(): ...forward and backward...``. The model may be on the device or, bigger than
-    it, on the host (NOTE [host models] in training/memory.py). Returns a :class:`TieredTraining`. Keyword
-    arguments: ``lookahead``, ``min_swap``, ``window``, ``swap``, ``block_bytes``, ``margin``,
-    ``recompute``, ``link_GBps``, ``process_group`` (True or a torch.distributed group:
-    data-parallel replicas, each block's gradients averaged before its step, NOTE [data parallel]
-    in training/handle.py), ``state_dtype`` (None, or torch.bfloat16 to hold and move streamed blocks'
-    fp32 optimizer states as bf16, off by default: NOTE [bf16 moments] in training/states.py),
-    ``accumulate`` (micro-batches per optimizer step, one per ``handle.step()``: NOTE
-    [accumulation] in training/handle.py), ``max_grad_norm`` and ``norm_type`` (clip the gradients to a
-    global norm before each optimizer step, as clip_grad_norm_ does: NOTE [clipping]), ``speculate``
-    (step inside backward as if the clip will not bite, kept when it did not: NOTE [speculative
-    clipping]), ``tier``.
-    The handle steps the optimizer itself: a caller's ``optimizer.step()`` is refused."""
-    from .training.handle import TieredTraining
+    it, on the host (NOTE [host models] in training/memory.py). ``options``: a
+    :class:`tiermem.handles.TrainingOptions`, or its fields as keywords (``lookahead=``,
+    ``recompute=``, ``accumulate=``, ``max_grad_norm=``, ...: each is documented there), checked
+    before a GPU is looked for. ``tier``: the Tier to train on (default: the process's).
+    Returns a :class:`TieredTraining`. The handle steps the optimizer itself: a caller's
+    ``optimizer.step()`` is refused."""
     from .training.options import check_options, check_subjects
-    tier = _given(kwargs.pop("tier", None))
-    check_keywords("wrap_training", TieredTraining.__init__, kwargs, skip=("tier", "model", "optimizer", "budget"))
-    check_options(budget, **kwargs)
+    tier = _given(tier)
+    opts = check_options(budget, options, **kwargs)
     check_subjects(model, optimizer)
-    return (tier or default_tier()).wrap_training(model, optimizer, budget, **kwargs)
+    return (tier or default_tier()).wrap_training(model, optimizer, budget, options=opts)
 
 
 def wrap_module(module: Any, budget: int | str | None = None, *, options: ModuleOptions | None = None,

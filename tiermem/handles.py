@@ -1,6 +1,6 @@
 """The objects tiermem's calls hand back, for annotations and isinstance checks: a move in flight
 (:class:`Transfer`), the handles of :func:`tiermem.wrap_module` and :func:`tiermem.wrap_training`
-and the options of the first (:class:`ModuleOptions`), the KV cache of :func:`tiermem.kv_cache`
+and their options (:class:`ModuleOptions`, :class:`TrainingOptions`), the KV cache of :func:`tiermem.kv_cache`
 (:class:`TieredKVCache`, a transformers ``Cache``: imported when first named, since it needs
 transformers), a budget lease, a checkpoint's index, and what the driver reports about the device
 and a range."""
@@ -11,9 +11,10 @@ from .inference.load import Checkpoint
 from .inference.module import TieredModule
 from .inference.options import ModuleOptions
 from .training.handle import TieredTraining
+from .training.options import TrainingOptions
 
-__all__ = ["Transfer", "TieredModule", "ModuleOptions", "TieredTraining", "TieredKVCache", "BudgetLease", "Checkpoint", "Capabilities",
-           "RangeInfo"]
+__all__ = ["Transfer", "TieredModule", "ModuleOptions", "TieredTraining", "TrainingOptions", "TieredKVCache", "BudgetLease",
+           "Checkpoint", "Capabilities", "RangeInfo"]
 
 
 def __getattr__(name: str):

@@ -20,7 +20,7 @@ from .core.tensor import TieredTensor
 from .core.transfer import Transfer
 from .roles import Location, Policy, Role, as_role, check_policy
 
-__all__ = ["default_tier", "configure", "empty", "wrap", "wrap_module", "wrap_training", "unwrap", "prefetch", "evict", "allocator",
+__all__ = ["default_tier", "configure", "empty", "wrap", "wrap_module", "wrap_training", "wrap_fsdp", "unwrap", "prefetch", "evict", "allocator",
            "stats", "memory_summary", "policy_override", "synchronize", "use", "load_pretrained"]
 
 def default_tier() -> Tier:
@@ -80,6 +80,20 @@ def wrap_training(model: Any, optimizer: Any, budget: int | str, **kwargs: Any) 
     tier = kwargs.pop("tier", None)
     check_options(budget, **kwargs)
     return (tier or default_tier()).wrap_training(model, optimizer, budget, **kwargs)
+
+
+def wrap_fsdp(model: Any, optimizer: Any, **kwargs: Any) -> Any:
+    """Hold the shards of a ``fully_shard`` model (torch FSDP2, the root module, after
+    ``fully_shard`` on each block and on the model, with no CPUOffloadPolicy) and its optimizer's
+    states in pinned host memory, one copy per host across the ranks, on the device only while
+    FSDP all-gathers them or the optimizer steps them; each parameter steps inside backward,
+    right after its reduce-scatter (NOTE [FSDP2 composition] in training/fsdp.py). Keyword
+    arguments: ``lookahead`` (groups brought in ahead), ``budget`` (caps torch's allocator on the
+    rank's device), ``tier`` (default: the default tier, on the current device). Returns a
+    :class:`TieredFSDP` (``materialized()`` for checkpoints, ``unwrap()``). The handle steps the
+    optimizer itself: a caller's ``optimizer.step()`` is refused."""
+    tier = kwargs.pop("tier", None)
+    return (tier or default_tier()).wrap_fsdp(model, optimizer, **kwargs)
 
 
 def wrap_module(module: Any, budget: int | str | None = None, **kwargs: Any) -> Any:

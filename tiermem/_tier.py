@@ -24,6 +24,7 @@ from .cupy.scoped import residency
 from .inference.module import wrap_module
 from .pytorch.wrap import unwrap, wrap
 from .roles import Role
+from .training.fsdp import wrap_fsdp
 from .training.handle import wrap_training
 
 __all__ = ["Tier", "check_empty"]
@@ -47,6 +48,11 @@ class Tier(Engine):
     def wrap_training(self, model: Any, optimizer: Any, budget: int | str, **kwargs: Any) -> Any:
         """Train a model within a device budget (see tiermem.wrap_training)."""
         return wrap_training(self, model, optimizer, budget, **kwargs)
+
+    def wrap_fsdp(self, model: Any, optimizer: Any, **kwargs: Any) -> Any:
+        """Hold a fully_shard model's shards and optimizer states in pinned host memory (see
+        tiermem.wrap_fsdp)."""
+        return wrap_fsdp(self, model, optimizer, **kwargs)
 
     def allocator(self, role: Role | str | None = None) -> Any:
         """A CuPy allocator (size -> MemoryPointer) serving tiered managed memory (see

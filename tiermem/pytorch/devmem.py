@@ -70,10 +70,21 @@ class DeviceMemory:
     def stream(self, handle: int) -> Any:
         """A context in which torch's current stream is the backend stream ``handle``: what the
         caching allocator hands out inside is that stream's (and is reused in its order)."""
+        return self.torch.cuda.stream(self._ext(handle))
+
+    def _ext(self, handle: int) -> Any:
         s = self._streams.get(handle)
         if s is None:
             s = self._streams[handle] = self.torch.cuda.ExternalStream(handle, device=self.device)
-        return self.torch.cuda.stream(s)
+        return s
+
+    def free_after(self, tensor: Any, handles: list[int]) -> None:
+        """``tensor``'s memory, once freed, is not handed out again before the work queued so far
+        on each stream of ``handles`` is done (torch's ``record_stream``: the allocator records an
+        event on each at the free and reuses the block once they have passed, never making a
+        stream wait)."""
+        for h in handles:
+            tensor.record_stream(self._ext(h))
 
     @staticmethod
     def handle_of(stream: Any) -> int | None:
@@ -122,6 +133,9 @@ class HostMemory:
     def stream(self, handle: int) -> Any:
         """Host work has no streams: everything runs in order."""
         return contextlib.nullcontext()
+
+    def free_after(self, tensor: Any, handles: list[int]) -> None:
+        pass
 
     @staticmethod
     def handle_of(stream: Any) -> int | None:

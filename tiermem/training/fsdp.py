@@ -24,7 +24,7 @@ NOTE [FSDP2 composition]
         ``lookahead`` groups ahead in the order the first step recorded. In backward the
         optimizer's states come with the shard.
       - evict: ``resize_(0)`` once the readers are done, the H2D stream having waited for them
-        (NOTE [freed on the allocating stream]). After forward there is nothing to write back:
+        (NOTE [freed after the readers]). After forward there is nothing to write back:
         the home is the master copy.
       - step: FSDP2 runs each sharded parameter's post-accumulate-grad hooks itself right after
         its reduce-scatter (torch's ``foreach_reduce``), on its reduce-scatter stream. There
@@ -50,15 +50,17 @@ NOTE [FSDP2 composition]
     micro-batches that do not step (the hooks fire on every synced backward), and the
     activations, which FSDP keeps as a plain run does (torch's checkpoint composes with it).
 
-NOTE [freed on the allocating stream]
-    torch's caching allocator gives a freed block back to the pool of the stream it was
-    allocated on, and hands it out again to the next allocation on that stream with no wait
-    for other streams. Every shard and state storage tiermem restores is allocated on its H2D
-    stream, so before one is freed that stream waits for every reader (the compute stream
-    past FSDP's all-gather, or the write-back home's end), and its next copy into the reused
-    block comes after them. States the optimizer makes in its first step are allocated on the
-    stream that stepped (FSDP's reduce-scatter stream): that stream waits for their first
-    write-back before they are freed.
+NOTE [freed after the readers]
+    torch's caching allocator hands a freed block out again to the next allocation on the
+    stream it was allocated on, with no wait for other streams. So before a shard's or state's
+    storage is freed, the streams that read it are recorded on it (``record_stream``): the
+    allocator reuses the block only once the work queued on them so far is done, and no stream
+    waits. The readers are the compute stream after forward (it waited for FSDP's all-gather,
+    which came after the copy-in stream's read), and tiermem's D2H stream after a step (the
+    write-back home was queued after the step on FSDP's reduce-scatter stream). Restored
+    storage is allocated on tiermem's H2D stream, whose copy is the first to touch it. Making
+    the H2D stream wait for the readers instead would hold every restore behind the last
+    write-back, and the link's two directions would take turns instead of overlapping.
 """
 from __future__ import annotations
 
@@ -105,7 +107,6 @@ class Shard:
     state_home: Any = None     # a pinned block holding them back to back (ALIGN apart)
     resident: bool = True      # the shard's storage holds its bytes
     states_resident: bool = True
-    fresh_states: bool = False   # made by the optimizer on the stepping stream (NOTE [freed on ...])
     home_ready: Any = None     # event: its last write-back home is done
 
 
@@ -234,7 +235,7 @@ class TieredFSDP:
             self.mem.set_fraction(min(self.budget / self.tier.backend.capabilities().total_memory, 1.0))
         self.model._tiermem_handle = weakref.ref(self)
         for sg in self.groups:        # the last step: the device was synchronised above
-            self._free(sg, states=True, order=False)
+            self._free(sg, states=True, readers=[])
 
     def _rollback(self) -> None:
         """Undo a failed adoption: hooks and patches off, homes given back; the shards were not
@@ -307,11 +308,12 @@ class TieredFSDP:
             off += _aligned(n)
         return out
 
-    def _storages(self, s: Shard, states: bool) -> list[tuple[Any, int]]:
-        out = [(s.group.view.shard(s.fp).untyped_storage(), s.nbytes)]
+    def _tensors(self, s: Shard, states: bool) -> list[tuple[Any, int]]:
+        """(tensor, bytes) of ``s``'s shard, and with ``states`` of its tiered states."""
+        out = [(s.group.view.shard(s.fp), s.nbytes)]
         if states and s.state_home is not None:
             by = dict(self._state_tensors(s))
-            out += [(by[k].untyped_storage(), n) for k, n in s.states if k in by]
+            out += [(by[k], n) for k, n in s.states if k in by]
         return out
 
     # -- moves ---------------------------------------------------------------------------------------
@@ -326,7 +328,7 @@ class TieredFSDP:
 
     def _restore(self, sg: ShardGroup, states: bool) -> None:
         """Queue ``sg``'s shards (and with ``states`` their optimizer states) back from home on the
-        H2D stream, into storage allocated on that stream (NOTE [freed on the allocating stream])."""
+        H2D stream, into storage allocated on that stream (NOTE [freed after the readers])."""
         parts, after = [], []
         with self.mem.stream(self.h2d.stream):
             for s in sg.shards:
@@ -337,8 +339,8 @@ class TieredFSDP:
                     after.append(s.home_ready)
                 s.resident = True
                 if states and s.trainable and not s.states_resident and s.state_home is not None:
-                    for st, n in self._storages(s, states=True)[1:]:
-                        st.resize_(n)
+                    for t, n in self._tensors(s, states=True)[1:]:
+                        t.untyped_storage().resize_(n)
                     parts += self._state_parts(s, to_home=False)
                     after.append(s.home_ready)
                     s.states_resident = True
@@ -351,22 +353,18 @@ class TieredFSDP:
             be = self.tier.backend
             be.wait(be.current_stream() if stream is None else stream, sg.ready)
 
-    def _free(self, sg: ShardGroup, states: bool, only: Shard | None = None, after: Any = None,
-              order: bool = True) -> None:
+    def _free(self, sg: ShardGroup, states: bool, only: Shard | None = None, readers: list[int] | None = None) -> None:
         """Give back the storage of ``sg``'s resident shards (or of ``only``), and with ``states``
-        their states', after the readers queued so far on the current stream (or ``after``), the
-        H2D stream waiting for them first (NOTE [freed on the allocating stream]); ``order``
-        False: the device was synchronised."""
+        their states', once the work queued so far on ``readers`` (default: the current stream;
+        [] after a synchronisation) is done (NOTE [freed after the readers])."""
+        be = self.tier.backend
+        readers = [be.current_stream()] if readers is None else readers
         todo = [only] if only is not None else sg.shards
-        gone = [(s, st) for s in todo for i, (st, _) in enumerate(self._storages(s, states))
-                if (s.resident if i == 0 else s.states_resident)]
-        if not gone:
-            return
-        if order:
-            self.h2d.after([after if after is not None else now()])
-        for s, st in gone:
-            st.resize_(0)
         for s in todo:
+            for i, (t, _) in enumerate(self._tensors(s, states)):
+                if (s.resident if i == 0 else s.states_resident) and t.untyped_storage().nbytes():
+                    self.mem.free_after(t, readers)
+                    t.untyped_storage().resize_(0)
             s.resident = False
             if states and s.state_home is not None:
                 s.states_resident = False
@@ -421,21 +419,14 @@ class TieredFSDP:
         if not s.resident or (s.state_home is not None and not s.states_resident):
             self._restore(sg, states=True)
         self._wait_ready(sg)
-        had = s.state_home is not None
         self._step(s.param)
         s.param.grad = None
-        if not had:
-            self._adopt_states(s)
-            s.fresh_states = True
-        be = self.tier.backend
+        if s.state_home is None:
+            self._adopt_states(s)          # the optimizer made them in this step
         parts = [(sg.home.ptr + s.offset, sg.view.shard(s.fp).data_ptr(), s.nbytes)] if s.nbytes else []
         parts += self._state_parts(s, to_home=True)
-        end = self._run(self.d2h, parts, "d2h", after=[now()])
-        s.home_ready = end
-        if s.fresh_states and end is not None:
-            be.wait(be.current_stream(), end)      # NOTE [freed on the allocating stream]
-            s.fresh_states = False
-        self._free(sg, states=True, only=s, after=end)
+        s.home_ready = self._run(self.d2h, parts, "d2h", after=[now()])
+        self._free(sg, states=True, only=s, readers=[self.d2h.stream])
 
     def _step(self, p: Any) -> None:
         """The optimizer's own step restricted to ``p`` (NOTE [FSDP2 composition])."""
@@ -507,7 +498,7 @@ class TieredFSDP:
             self._run(self.d2h, parts, "d2h", after=[now()])
             self.mem.synchronize()
             for sg in self.groups:
-                self._free(sg, states=True, order=False)
+                self._free(sg, states=True, readers=[])
 
     @property
     def pinned_bytes(self) -> int:

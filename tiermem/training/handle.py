@@ -61,9 +61,22 @@ NOTE [data parallel]
     capacity (the gradients' tell when a block is complete). Every rank runs the same graph, so
     the blocks complete in the same order on every rank. DDP does not compose: its reducer
     averages gradients at the end of backward, after tiermem has stepped the blocks, so wrap the
-    bare replica and pass the group instead. Not handled: parameters that get a gradient on some
-    ranks only (data-dependent routing) would leave the all-reduces out of step, and a rank whose
-    step fails leaves the others waiting in theirs. tests/test_train_dp.py runs two ranks under
+    bare replica and pass the group instead.
+
+    The averages run on tiermem's reduce stream, beside the backward: it first waits for the
+    compute stream's work so far (the block's gradients), the all-reduces are issued there
+    with ``async_op`` and the stream (not the host) waits for each, and a streamed block's
+    division, optimizer step and write-back home are queued after them. So the backward of the
+    blocks that follow never waits for NCCL, and the link's copies wait only for what they
+    read: a slot is filled again after its write-back, which is after the step. Before, each
+    all-reduce held the compute stream, and with it the next block's backward and the fills
+    that wait for it. The compute stream joins the reduce stream where it reads the averages:
+    at the step's end, before the resident blocks step, and with clipping after each average
+    (the norms are taken on the compute stream). On the CPU (gloo) the waits are the host's.
+
+    Not handled: parameters that get a gradient on some ranks only (data-dependent routing)
+    would leave the all-reduces out of step, and a rank whose step fails leaves the others
+    waiting in theirs. tests/test_train_dp.py runs two ranks under
     gloo on the CPU, with one budget, with two, and with one rank in capacity;
     tests/test_gpu_train_dp.py two GPUs under NCCL.
 
@@ -105,6 +118,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from ..base.limits import parse_bytes
+from ..core.stream import Lane, now
 from ..errors import ConfigError, ConfigTypeError, OutOfBudgetError, TierMemError, WrapError
 from ..inference.groups import module_groups
 from ..pytorch.devmem import device_memory
@@ -232,6 +246,7 @@ class TieredTraining:
         self.recomputing = Recompute(torch, lambda: self._in_step, self.replays)
         self.meter = StallMeter(tier.backend)
         self.stream = BlockSlots(tier, self.blocks, optimizer, self.meter, lookahead, self.dev)
+        self._reduce = Lane(tier.backend, lambda: tier.side_stream("reduce"))    # NOTE [data parallel]
         self.states = OptimizerStates(tier, optimizer, self.stream, self.mem, self.state_dtype, self.meter,
                                       lambda: self._in_step)
         self.rounding = self.states.rounding      # NOTE [bf16 moments]
@@ -559,10 +574,10 @@ class TieredTraining:
         when clipping, take their norms and send them home for the step's end (NOTE [clipping])."""
         if self._updating:
             got = [p for p in b.trainable if self._came(p)]
-            self._average(got)
             if self.clipping is None:
-                self._step_block(b)
+                self._average(got, step=lambda: self._step_block(b))
                 return
+            self._average(got, join=True)       # the norms are taken on the compute stream
             for p in b.trainable:
                 if not self._came(p):
                     p.grad = None
@@ -581,16 +596,36 @@ class TieredTraining:
         return id(p) in self._got or id(p) in self._window
 
     # -- optimizer ---------------------------------------------------------------------------------
-    def _average(self, params: list[Any]) -> None:
-        """Average ``params``' gradients over the process group (NOTE [data parallel])."""
+    def _average(self, params: list[Any], step: Any = None, join: bool = False) -> None:
+        """Average ``params``' gradients over the process group on tiermem's reduce stream, then
+        run ``step`` (a streamed block's optimizer step and write-back) there; with ``join`` the
+        compute stream waits for the averages (NOTE [data parallel]). Without a group, ``step``
+        runs on the compute stream."""
         if self.group is None:
+            if step is not None:
+                step()
             return
         import torch.distributed as dist
         size = dist.get_world_size(self.group)
-        for p in params:
-            if p.grad is not None:
-                dist.all_reduce(p.grad, group=self.group)
-                p.grad.div_(size)
+        grads = [p.grad for p in params if p.grad is not None]
+        lane = self._reduce
+        lane.after([now()])                 # the reduce stream after the gradients' backward
+        with self.mem.stream(lane.stream):
+            works = [dist.all_reduce(g, group=self.group, async_op=True) for g in grads]
+            for w in works:
+                w.wait()                    # the reduce stream (not the host) waits for NCCL
+            for g in grads:
+                g.div_(size)
+            if step is not None:
+                step()
+        if join:
+            self._join_reduce()
+
+    def _join_reduce(self) -> None:
+        """The compute stream waits for the work queued on the reduce stream so far."""
+        if self.group is not None:
+            be = self.tier.backend
+            be.wait(be.current_stream(), self._reduce.mark())
 
     def _step_block(self, b: Block) -> None:
         """Step a streamed block whose gradients are complete, and write it back home."""
@@ -949,6 +984,7 @@ class TieredTraining:
                 b.slot.busy = False
             if ok and self._updating and b.resident and self.group is not None:
                 self._average_resident(b)          # NOTE [data parallel]: in block order, with the streamed
+        self._join_reduce()         # NOTE [data parallel]: the averages before the resident steps
         res = [p for b in self.blocks if b.resident for p in b.trainable if p.grad is not None]
         if ok and self._updating and self.clipping is not None:
             ordered = [self.blocks[i] for i in self._order]
@@ -977,6 +1013,10 @@ class TieredTraining:
         no gradients: the next step would add its own to them. Blocks whose backward had finished
         took their optimizer step already, as in any step (NOTE [training transport])."""
         self._failed = True
+        try:
+            self._join_reduce()      # the reduce stream may still use the gradients dropped below
+        except Exception as e:       # a broken device: the step's own error is the one to see
+            log.warning("tiermem: could not order the reduce stream after a failed step: %s", e)
         self.replays.drop_pending()
         self.stream.in_backward = False
         self._seg = []

@@ -18,6 +18,7 @@ from .base import default as _default
 from .base.limits import check_bytes
 from .core.tensor import TieredTensor
 from .core.transfer import Transfer
+from .errors import ConfigError
 from .roles import Location, Policy, Role, as_role, check_policy
 
 __all__ = ["default_tier", "configure", "empty", "wrap", "wrap_module", "wrap_training", "wrap_fsdp", "unwrap", "prefetch", "evict", "allocator",
@@ -103,11 +104,30 @@ def wrap_module(module: Any, budget: int | str | None = None, **kwargs: Any) -> 
     of use and out behind it, or are read in place for single-token forwards. Returns a
     :class:`TieredModule` (its ``plan``; ``unwrap()`` restores the module). Keyword arguments:
     ``mode`` ("auto", "stream", "zero_copy"), ``lookahead`` (groups in flight),
-    ``zero_copy_max_tokens``, ``tier``."""
+    ``zero_copy_max_tokens``, ``share_home`` (the handle of a replica of the same weights on
+    another GPU, whose pinned home this one reads: NOTE [one home for replicas] in
+    inference/transport.py), ``tier``. ``devices=[0, 1]`` spreads the module's layers over those GPUs,
+    contiguous runs of about equal bytes, each within ``budget`` on its own GPU and streaming
+    over its own link, the activations crossing once per boundary (NOTE [layers across GPUs] in
+    inference/split.py); it returns a :class:`SplitModule`, and ``tiers`` may give the devices'
+    Tiers (default: the default tier where it is on one of them, a new Tier on each other)."""
     tier = kwargs.pop("tier", None)
+    devices, tiers = kwargs.pop("devices", None), kwargs.pop("tiers", None)
     if budget is not None:
         check_bytes(budget, what="module budget")
-    return (tier or default_tier()).wrap_module(module, budget, **kwargs)
+    if devices is None and tiers is None:
+        return (tier or default_tier()).wrap_module(module, budget, **kwargs)
+    from .inference.split import SplitModule, check_devices
+    if "share_home" in kwargs:
+        raise ConfigError("share_home is for replicas on one GPU each; a module spread over devices has one "
+                          "home already (its layers are split, not copied)")
+    if tiers is None:
+        devices = check_devices(devices)
+        base = tier or _default.peek()
+        tiers = [base if base is not None and base.device == d else Tier(d) for d in devices]
+    elif devices is not None and list(devices) != [t.device for t in tiers]:
+        raise ConfigError(f"devices {devices!r} and tiers on {[t.device for t in tiers]} disagree")
+    return SplitModule(list(tiers), module, budget, **kwargs)
 
 
 def unwrap(tensor: Any) -> Any:

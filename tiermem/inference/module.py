@@ -13,13 +13,14 @@ the adoption (all or nothing), the hooks that bring groups in around each forwar
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import weakref
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from ..base.limits import parse_bytes
-from ..errors import ConfigError, DeviceFullError, TierMemError, WrapError
+from ..errors import ConfigError, ConfigTypeError, DeviceFullError, TierMemError, WrapError
 from ..pytorch.held import CopyGuard
 from ..roles import Evict, Role
 from .disk import READERS, STAGES
@@ -33,13 +34,25 @@ if TYPE_CHECKING:
     from ..core.engine import Engine as Tier  # what an adapter uses is the engine's interface
     from ..core.tensor import TieredTensor
 
-__all__ = ["TieredModule", "wrap_module"]
+__all__ = ["TieredModule", "Part", "wrap_module"]
 
 log = logging.getLogger("tiermem")
 
 # Host bytes the fill buffers need beside a home being made (NOTE [home beside the resident groups]
 # in inference/transport.py); with less left of the host budget, the home is made after.
 MIN_FILL_ROOM = 64 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class Part:
+    """The share of a module one :class:`TieredModule` adopts when several adopt it, one per GPU
+    (NOTE [layers across GPUs] in inference/split.py): the names of its groups (as
+    ``module_groups`` names them), and the stand-ins the caller gave the module's meta tensors
+    (NOTE [weight source]). The part's handle hooks the whole module's forward and leaves the
+    module's adoption mark and copy guard to the caller."""
+
+    groups: frozenset[str]
+    stand_ins: frozenset[int] = frozenset()
 
 
 class TieredModule:
@@ -58,14 +71,19 @@ class TieredModule:
     def __init__(self, tier: Tier, module: Any, budget: int | str | None, *, mode: str = "auto",
                  lookahead: int = LOOKAHEAD, zero_copy_max_tokens: int = 16, max_group_bytes: int = MAX_GROUP,
                  weights: Mapping[str, Any] | None = None, host_budget: int | str | None = None,
-                 disk_reader: str = READERS[0]):
+                 disk_reader: str = READERS[0], part: Part | None = None,
+                 share_home: TieredModule | None = None):
         if mode not in ("auto", "stream", "zero_copy"):
             raise ConfigError(f"mode must be 'auto', 'stream' or 'zero_copy', got {mode!r}")
         if disk_reader not in READERS:
             raise ConfigError(f"disk_reader must be one of {', '.join(map(repr, READERS))}, got {disk_reader!r}")
         self.disk_reader = disk_reader
-        if getattr(module, "_tiermem_handle", None) is not None:
+        if part is None and getattr(module, "_tiermem_handle", None) is not None:
             raise WrapError("this module is already adopted by tiermem; unwrap it first")
+        self.part = part
+        if share_home is not None and not isinstance(share_home, TieredModule):
+            raise ConfigTypeError(f"share_home takes the TieredModule of another replica, got {type(share_home).__name__}")
+        self._share = share_home
         self.tier = tier
         self.module = module
         self.mode = mode
@@ -73,9 +91,10 @@ class TieredModule:
         # A meta tensor cannot be rebound to memory (torch refuses set_data across the two), so
         # the module gets a memory-less stand-in in its place first (NOTE [weight source]); a
         # failure puts the meta tensors back.
-        swaps = stand_ins(module) if weights is not None else []
+        swaps = stand_ins(module) if weights is not None and part is None else []
+        made = {id(new) for *_, new in swaps} | (set(part.stand_ins) if part is not None else set())
         try:
-            self._setup(module, budget, lookahead, max_group_bytes, weights, {id(new) for *_, new in swaps}, host_budget)
+            self._setup(module, budget, lookahead, max_group_bytes, weights, made, host_budget)
         except BaseException:
             for owner, name, old, _ in reversed(swaps):
                 owner[name] = old
@@ -85,6 +104,8 @@ class TieredModule:
                weights: Mapping[str, Any] | None, empty: set[int], host_budget: int | str | None) -> None:
         tier = self.tier
         found = module_groups(module, max_group_bytes)
+        if self.part is not None:
+            found = [f for f in found if f[0] in self.part.groups]
         if not found:
             raise WrapError("this module has no parameters or buffers to tier")
         from ..pytorch.wrap import check_tensor
@@ -154,7 +175,8 @@ class TieredModule:
         disk = st.disk if st is not None else None
         out: dict[str, Any] = {
             "pinned_bytes.current": st.pinned_bytes if st is not None else 0,
-            "pinned_bytes.home": st.home.nbytes if st is not None and st.home is not None else 0,
+            "pinned_bytes.home": st.home.nbytes if st is not None and st.home is not None and not st.shared else 0,
+            "pinned_bytes.home_shared": st.home.nbytes if st is not None and st.home is not None and st.shared else 0,
             "pinned_bytes.staging": disk.pinned_bytes if disk is not None else 0,
             "host_budget": -1 if self.host_budget is None else self.host_budget,
             "disk_bytes.per_forward": sum(ft.nbytes for fs in disk.files.values() for ft, _ in fs) if disk else 0,
@@ -195,9 +217,12 @@ class TieredModule:
         pinned = [g for g in self._groups.values() if g.pinned]
         room, ready = self.plan.host_budget, None
         if streamed:
+            other = self._share._stream if self._share is not None else None
+            if self._share is not None and other is None:
+                raise ConfigError("share_home: that handle streams nothing, so it has no home to share")
             self._stream = PinnedTransport(tier, self.plan, streamed, self.lookahead,
                                            Role.WEIGHT if self._trainable else Role.FROZEN_WEIGHT,
-                                           self._sources, self.disk_reader)
+                                           self._sources, self.disk_reader, share=other)
             left = None if room is None else room - self._stream.host_planned
             if self._stream.reads_files and pinned and (left is None or left >= MIN_FILL_ROOM):
                 # NOTE [home beside the resident groups] in inference/transport.py
@@ -249,8 +274,9 @@ class TieredModule:
                         self._hooks.append(t.register_post_accumulate_grad_hook(
                             lambda p, g=g, i=i: self._stream.offload_grad(g, i, p)))
             self._stream.bind_home()       # the last step; it cannot fail
-        self._hooks.append(CopyGuard(module))   # NOTE [held modules]
-        module._tiermem_handle = weakref.ref(self)
+        if self.part is None:
+            self._hooks.append(CopyGuard(module))   # NOTE [held modules]
+            module._tiermem_handle = weakref.ref(self)
 
     def _rollback(self, originals: list[tuple[Any, Any]]) -> None:
         """Undo a failed adoption: the module's tensors get their original data back, and every
@@ -401,7 +427,8 @@ class TieredModule:
             h.remove()
         self._hooks = []
         self._rebind_plain(plain)
-        self.module._tiermem_handle = None
+        if self.part is None:
+            self.module._tiermem_handle = None
         return self.module
 
     def _rebind_plain(self, plain: list[tuple[Any, Any, Any]]) -> None:

@@ -1170,6 +1170,13 @@ class TieredTraining:
                 "eager_recomputed_blocks": len(self.replays.eager), "graphs_off": self.replays.off}
 
     @property
+    def pinned_bytes(self) -> int:
+        """Pinned host bytes of the streamed blocks' homes: parameters, optimizer states, an
+        accumulation window's gradients, speculative second homes."""
+        return sum(h.nbytes for b in self.blocks for h in (b.home_p, b.home_s, b.home_g, b.alt_p, b.alt_s)
+                   if h is not None)
+
+    @property
     def slot_bytes(self) -> int:
         """Bytes of each of the device slots streamed blocks go through (0: none streams)."""
         return self.stream.slot_bytes

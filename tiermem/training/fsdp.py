@@ -274,7 +274,7 @@ class TieredFSDP:
         """The optimizer's states of ``s`` that tiermem holds: the tensors of its local shard's
         size on the device (not "step", a scalar)."""
         st = self.opt.state.get(s.param, {})
-        n = self._local(s.param).numel()
+        n = self._local(s.param.detach()).numel()
         out = []
         for k, v in st.items():
             if self.torch.is_tensor(v):
@@ -326,12 +326,13 @@ class TieredFSDP:
         self.tier.accounting.on_move(Role.WEIGHT, direction, n)
         return end
 
-    def _restore(self, sg: ShardGroup, states: bool) -> None:
-        """Queue ``sg``'s shards (and with ``states`` their optimizer states) back from home on the
-        H2D stream, into storage allocated on that stream (NOTE [freed after the readers])."""
+    def _restore(self, sg: ShardGroup, states: bool, only: Shard | None = None) -> None:
+        """Queue ``sg``'s shards (or ``only``), and with ``states`` their optimizer states, back
+        from home on the H2D stream, into storage allocated on that stream (NOTE [freed after the
+        readers])."""
         parts, after = [], []
-        with self.mem.stream(self.h2d.stream):
-            for s in sg.shards:
+        with self.mem.stream(self.h2d.stream), self.torch.no_grad():
+            for s in [only] if only is not None else sg.shards:
                 if not s.resident and s.nbytes:
                     st = sg.view.shard(s.fp).untyped_storage()
                     st.resize_(s.nbytes)
@@ -417,7 +418,7 @@ class TieredFSDP:
             raise TierMemError("a backward inside fsdp.materialized(): run training steps outside it")
         sg = s.group
         if not s.resident or (s.state_home is not None and not s.states_resident):
-            self._restore(sg, states=True)
+            self._restore(sg, states=True, only=s)
         self._wait_ready(sg)
         self._step(s.param)
         s.param.grad = None
@@ -517,7 +518,7 @@ class TieredFSDP:
     def home_of(self, p: Any) -> Any:
         """The pinned master of sharded parameter ``p``: its local shard's elements, a host tensor."""
         s = self._shard_of[id(p)]
-        loc = self._local(p)
+        loc = self._local(p.detach())
         view = self.tier.backend.torch_view(s.group.home.ptr + s.offset, s.nbytes, s.group.home)
         return view.view(loc.dtype)[: loc.numel()].view(loc.shape)
 

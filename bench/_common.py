@@ -1,8 +1,9 @@
 """What every bench shares: CUDA-event timing, progress lines, the table, and the results file.
 
-Results go to bench/results/<bench>-<device>-<yyyymmdd>.json with the keys bench, device, commit,
-date, metrics (name -> number), checks (name -> bool) and raw (anything else). With $OUT set, the
-same files are also written there, for runs whose results are collected from one folder.
+Results go to bench/results/<bench>-<device>-<yyyymmdd>[-<tag>].json with the keys bench, device,
+commit (with commit_note where the code measured is not one commit: see provenance), date,
+metrics (name -> number), checks (name -> bool) and raw (anything else). With $OUT set, the same
+files are also written there, for runs whose results are collected from one folder.
 """
 from __future__ import annotations
 
@@ -29,18 +30,51 @@ def progress(msg: str) -> None:
     print(f"[{time.perf_counter() - _T0:7.1f}s] {msg}", flush=True)
 
 
-def commit() -> str:
-    """The commit being measured: $TIERMEM_COMMIT (a copied tree has no .git), else git."""
-    c = os.environ.get("TIERMEM_COMMIT")
-    if c:
-        return c
+_HASH = re.compile(r"[0-9a-f]{7,40}")
+
+
+def _git(*args: str) -> str | None:
+    """git's output in this checkout, or None where there is no git or no repository (a copied
+    tree: the device machine gets the files without .git)."""
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True, text=True, check=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "tiermem", "bench"], cwd=HERE,
-                               capture_output=True, text=True).stdout.strip()
-        return out.stdout.strip() + ("-dirty" if dirty else "")
-    except Exception:
-        return "unknown"
+        out = subprocess.run(["git", *args], cwd=HERE, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def provenance() -> dict[str, Any]:
+    """Which code a result measured: ``{"commit": hash}`` where that is one commit, else
+    ``{"commit": None, "commit_note": why}``; never a made-up name ("wip9", "abc1234-dirty").
+
+    $TIERMEM_COMMIT names the commit of a copied tree (it must be a hash, and one of this
+    repository's where git can tell); without it, git's HEAD, provided nothing under tiermem/
+    or bench/ (results aside) differs from it."""
+    env = os.environ.get("TIERMEM_COMMIT")
+    inside = _git("rev-parse", "--is-inside-work-tree") == "true"
+    if env is not None:
+        c = env.strip().lower()
+        if not _HASH.fullmatch(c):
+            return {"commit": None, "commit_note": f"TIERMEM_COMMIT={env!r} is not a commit hash"}
+        if inside and _git("cat-file", "-e", f"{c}^{{commit}}") is None:
+            return {"commit": None, "commit_note": f"TIERMEM_COMMIT={c} is not a commit of this repository"}
+        return {"commit": c}
+    if not inside:
+        return {"commit": None, "commit_note": "no git repository and no TIERMEM_COMMIT: the code measured is unknown"}
+    head = _git("rev-parse", "--short", "HEAD")
+    if not head:
+        return {"commit": None, "commit_note": "git gave no HEAD: the code measured is unknown"}
+    dirty = _git("status", "--porcelain", "--", ":(top)tiermem", ":(top)bench", ":(top,exclude)bench/results")
+    if dirty:
+        files = sorted({line.split(None, 1)[-1] for line in dirty.splitlines()})
+        shown = ", ".join(files[:8]) + (f" and {len(files) - 8} more" if len(files) > 8 else "")
+        return {"commit": None, "commit_note": f"the tree at {head} with uncommitted changes: {shown}"}
+    return {"commit": head}
+
+
+def commit() -> str | None:
+    """The commit being measured, or None where it is not one commit (provenance says why)."""
+    return provenance()["commit"]
 
 
 def device_name() -> str:
@@ -70,6 +104,77 @@ def cuda_times(fn: Callable[[], Any], reps: int = 5, warmup: int = 1, setup: Cal
         if i >= warmup:
             out.append(a.elapsed_time(b) / 1e3)
     return out
+
+
+# What steady_times says it measured; benches copy it into their JSON beside the figures.
+STEADY = ("steady state: after {warmup} untimed forwards (no synchronization after them), {spans} spans of "
+          "{forwards} forwards back to back, CUDA events around each span and no synchronization inside the "
+          "timed run, so every copy a forward queues (its own, and those it starts for the next forward) is "
+          "inside a span; per-forward time = span / {forwards}, median over the spans")
+
+
+def steady_times(fn: Callable[[], Any], forwards: int = 4, spans: int = 5, warmup: int = 2) -> list[float]:
+    """Seconds per call of ``fn`` in a steady state of back-to-back calls, one figure per span
+    (STEADY says how). The spans follow one another with no gap: each starts where the last
+    ended, in the same phase of the work a call leaves running for the next, so what a call
+    starts for the next one is timed exactly once. ``fn`` should drop its outputs."""
+    import torch
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(spans + 1)]
+    for _ in range(warmup):      # no synchronization after: the first span starts in the same phase as the rest
+        fn()
+    events[0].record()
+    for s in range(spans):
+        for _ in range(forwards):
+            fn()
+        events[s + 1].record()
+    events[-1].synchronize()
+    return [events[s].elapsed_time(events[s + 1]) / 1e3 / forwards for s in range(spans)]
+
+
+def embedding_bytes(model: Any) -> int:
+    """Bytes of ``model``'s embedding tables that only lookups read: each ``nn.Embedding`` weight
+    that no other module holds (a table tied to the output head is read whole by the head, so it
+    does not count). A lookup reads only its tokens' rows, so these need not cross the link
+    (bench/bounds.py's forward bound)."""
+    import torch
+    holders: dict[int, set[bool]] = {}
+    for m in model.modules():
+        for p in m.parameters(recurse=False):
+            holders.setdefault(id(p), set()).add(isinstance(m, torch.nn.Embedding))
+    seen: set[int] = set()
+    total = 0
+    for m in model.modules():
+        if isinstance(m, torch.nn.Embedding) and id(m.weight) not in seen:
+            seen.add(id(m.weight))
+            if holders[id(m.weight)] == {True}:
+                total += m.weight.numel() * m.weight.element_size()
+    return total
+
+
+def tier_staging_everything(tiermem: Any, **kw: Any) -> Any:
+    """A ``tiermem.Tier(**kw)`` whose staging rings take every shadow copy, however small
+    (tiermem.cuda.staging.MIN_STAGED, read when a Tier is made, set to 1 for the call): the
+    stress tests' way to run the rings on every move."""
+    from tiermem.cuda import staging
+    old, staging.MIN_STAGED = staging.MIN_STAGED, 1
+    try:
+        return tiermem.Tier(**kw)
+    finally:
+        staging.MIN_STAGED = old
+
+
+class _DeviceBytes:
+    # No "stream" key: the consumer must not synchronize on the bench's behalf (CUDA array interface v3).
+    def __init__(self, ptr: int, nbytes: int):
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False),
+                                         "strides": None, "version": 3}
+
+
+def device_view(ptr: int, nbytes: int) -> Any:
+    """A torch uint8 tensor over ``nbytes`` of device, managed or (UVA) pinned memory at ``ptr``,
+    zero-copy: what the probes copy into and out of."""
+    import torch
+    return torch.as_tensor(_DeviceBytes(ptr, nbytes), device="cuda")
 
 
 def host_us_per_call(fn: Callable[[], Any], n: int = 2000, warmup: int = 50) -> float:
@@ -102,13 +207,19 @@ def table(rows: list[list[Any]], headers: list[str]) -> str:
 
 
 def write_results(bench: str, metrics: dict[str, float], checks: dict[str, bool], raw: dict[str, Any] | None = None,
-                  extra_files: list[str] = ()) -> str:
+                  extra_files: list[str] = (), tag: str = "", notes: list[str] = ()) -> str:
+    """Writes the result JSON (the module docstring says where) and returns its path. ``tag``
+    tells apart runs of one bench on one day (a part run alone); ``notes`` are the run's own
+    explanations of a figure (printed where they arose), kept beside the figures."""
     name = device_name()
     date = datetime.date.today().strftime("%Y%m%d")
-    obj = {"bench": bench, "device": name, "commit": commit(), "date": datetime.datetime.now().isoformat(timespec="seconds"),
-           "metrics": metrics, "checks": checks, "raw": raw or {}}
+    obj = {"bench": bench, "device": name, **provenance(), "date": datetime.datetime.now().isoformat(timespec="seconds"),
+           "metrics": metrics, "checks": checks}
+    if notes:
+        obj["notes"] = list(notes)
+    obj["raw"] = raw or {}
     os.makedirs(RESULTS, exist_ok=True)
-    path = os.path.join(RESULTS, f"{bench}-{device_slug(name)}-{date}.json")
+    path = os.path.join(RESULTS, f"{bench}-{device_slug(name)}-{date}{'-' + tag if tag else ''}.json")
     with open(path, "w") as f:
         json.dump(obj, f, indent=1, default=str)
     out = os.environ.get("OUT")

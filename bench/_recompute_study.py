@@ -2,12 +2,18 @@
 
 For the GPT-style model and a transformers Qwen2-style model (its default flags, but eager
 attention: see DETERMINISM), side by side in one process:
-  - resident PyTorch (no cap);
+  - resident PyTorch (no cap), eagerly, and captured whole as one CUDA graph (ResidentGraph)
+    where tiermem's step is graphed too;
   - torch FSDP2 with CPUOffloadPolicy on one GPU (world size 1);
   - torch's save_on_cpu for the activations;
   - torch's activation checkpointing on every block (non-reentrant), all else resident;
   - tiermem's swap-only plan (recompute="never") and its new plan (recompute="auto") at budgets of
     1/1.5, 1/2.5 and 1/4 of the training state (fp32 parameters, gradients, AdamW's two moments).
+
+Every contender runs the same step code: the same loss function over the same batches. The
+Qwen2 model's loss passes the 4-D causal mask built once (causal_mask), for all of them: the
+whole-step graph needs it (transformers builds its own mask with a host copy no graph can
+capture), and a contender that built the mask each step would be timed on different work.
 """
 from __future__ import annotations
 
@@ -73,6 +79,76 @@ def hf_graph_loss(mask):
     return loss
 
 
+class ResidentGraph:
+    """The resident step captured whole as one CUDA graph, as torch.cuda.graphs' whole-network
+    recipe has it: ``warm`` eager steps on a side stream, then forward, backward and the
+    optimizer's step captured once and replayed for each later batch (copied into the captured
+    input). It is resident's answer to tiermem's ``train.graphed``: the host's work taken out of
+    both. Each step is timed with CUDA events as Stepper times its steps; its fields are those
+    train_budget's Result reads."""
+
+    def __init__(self, torch, model, opt, loss_fn, warm: int = 3):
+        self.torch, self.model, self.opt, self.loss_fn, self.warm = torch, model, opt, loss_fn, warm
+        self.graph = self.static = self.static_loss = None
+        self.side = torch.cuda.Stream()
+        self.losses, self.times, self.moved, self.gc_ms = [], [], [], []
+
+    def _capture(self, batch) -> None:
+        torch = self.torch
+        self.static = batch.clone()
+        self.opt.zero_grad(set_to_none=True)     # the capture's backward assigns the gradients: replays do not add
+        # torch's optimizers refuse a capture unless their groups say capturable; a fused
+        # AdamW's step is the same kernels either way (its step counts are device tensors)
+        flipped = [g for g in self.opt.param_groups if g.get("fused") and g.get("capturable") is False]
+        for g in flipped:
+            g["capturable"] = True
+        try:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                self.static_loss = self.loss_fn(self.model, self.static)
+                self.static_loss.backward()
+                self.opt.step()
+        finally:
+            for g in flipped:
+                g["capturable"] = False
+        self.graph = graph
+
+    def step(self, batch):
+        torch = self.torch
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        if len(self.times) < self.warm:
+            self.side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self.side):
+                loss = self.loss_fn(self.model, batch)
+                loss.backward()
+                self.opt.step()
+                self.opt.zero_grad(set_to_none=True)
+            torch.cuda.current_stream().wait_stream(self.side)
+        else:
+            if self.graph is None:
+                self._capture(batch)
+            self.static.copy_(batch)
+            self.graph.replay()
+            loss = self.static_loss.clone()
+        b.record()
+        b.synchronize()
+        self.times.append(a.elapsed_time(b) / 1e3)
+        self.gc_ms.append(0.0)
+        self.moved.append({"h2d": 0, "d2h": 0})
+        self.losses.append(loss.detach())
+
+    def run(self, batches, label):
+        for i, bt in enumerate(batches):
+            self.step(bt)
+            if i in (0, self.warm, len(batches) - 1) or (i + 1) % 10 == 0:
+                progress(f"  {label}: step {i + 1}/{len(batches)} {self.times[-1] * 1e3:.1f} ms")
+        return self
+
+    def loss_values(self):
+        return [float(x) for x in self.torch.stack(self.losses).cpu()]
+
+
 def probe_model(torch, name):
     """The probes' model of part 4, "gpt" or "hf" (Qwen2-style), at part 4's shapes: its builder,
     loss, layers, and one fixed batch of 4 x 513 token ids on the GPU."""
@@ -136,6 +212,22 @@ def study(kit, torch, tiermem, name, build, blocks_of, loss_fn, batches, a, rate
     del model, opt
     free()
     peers = {"resident": resident_ms}
+    if 2.5 in a.ratios:
+        # where tiermem's step is graphed (below), resident's is too: the same step code, captured
+        model = build()
+        opt = kit.adamw(torch, model.parameters())
+        try:
+            rg = ResidentGraph(torch, model, opt, loss_fn)
+            r = Result(rg.run(batches, f"{name} resident, whole-step graph"))
+            peers["resident_graphed"] = r.median_ms(skip=rg.warm + 1)
+            raw[f"{name}_resident_graphed"] = {"step_ms": round(peers["resident_graphed"], 2),
+                                               "losses_equal_eager": r.loss_values() == want,
+                                               "timed_from_step": rg.warm + 2}
+        except Exception as e:       # the contender's own limit is reported; the rest still runs
+            progress(f"  {name} resident, whole-step graph: {type(e).__name__}: {str(e)[:240]}")
+            raw[f"{name}_resident_graphed"] = {"error": f"{type(e).__name__}: {str(e)[:400]}"}
+        del model, opt
+        free()
     for label in ("checkpoint", "save_on_cpu", "fsdp_offload"):
         def peer(make_opt):
             model = build()
@@ -214,12 +306,11 @@ def study(kit, torch, tiermem, name, build, blocks_of, loss_fn, batches, a, rate
         if r is not None:
             out["checks"][f"{name}_graphs_no_step_lost"] = True
             _graph_row(a, name, r, info, budget, want, resident_ms, runs, raw, m)
-        # NOTE [whole-step graphs]: the same budget, the whole step captured once and replayed
-        graph_loss = hf_graph_loss(causal_mask(torch, batches[0], torch.float32)) if name == "hf" else loss_fn
+        # NOTE [whole-step graphs]: the same budget, the whole step captured once and replayed;
         # NOTE [graph choice]: a plan the replays change is captured again; its replays need steps too
         r, info = tiermem_run(torch, tiermem, build, loss_fn, batches + batches[:GRAPH_EXTRA], budget,
                               f"{name} 1/2.5 auto, whole-step graph", block_bytes=a.block4_mib * MiB,
-                              recompute="auto", link_GBps=rate, graphed=graph_loss)
+                              recompute="auto", link_GBps=rate, graphed=loss_fn)
         _step_graph_row(name, r, info, budget, want, resident_ms, peers, runs, raw, m, out["checks"])
     main = runs[(2.5, "auto")]
     m.update({
@@ -312,6 +403,9 @@ def _step_graph_row(name, r, info, budget, want, resident_ms, peers, runs, raw, 
     m[f"{name}_graphed_2.5_ms"] = round(meas, 2)
     m[f"{name}_graphed_over_resident"] = round(meas / resident_ms, 3)
     m[f"{name}_fsdp_offload_over_graphed"] = round(peers["fsdp_offload"] / meas, 3)
+    if "resident_graphed" in peers:
+        m[f"{name}_resident_graphed_ms"] = round(peers["resident_graphed"], 2)
+        m[f"{name}_graphed_over_resident_graphed"] = round(meas / peers["resident_graphed"], 3)
     checks[f"{name}_graphed_losses_equal_resident"] = runs[(2.5, "graphed")]["losses_equal"]
     checks[f"{name}_graphed_within_budget"] = runs[(2.5, "graphed")]["peak"] <= budget
     checks[f"{name}_graphed_replayed"] = g["captures"] >= 1 and g["last_replays"] > 1 and \
@@ -376,13 +470,17 @@ def part4(kit, torch, tiermem, a, rates, out):
                    gb, a, rates, out)
     del gb
     hb = gpt_batches(torch, hcfg, a.steps, a.batch, seed=2)
-    h_runs = study(kit, torch, tiermem, "hf", lambda: qwen2(torch, a), lambda m: list(m.model.layers), hf_loss,
+    hf_step = hf_graph_loss(causal_mask(torch, hb[0], torch.float32))   # every contender's loss: the mask built once
+    h_runs = study(kit, torch, tiermem, "hf", lambda: qwen2(torch, a), lambda m: list(m.model.layers), hf_step,
                    hb, a, rates, out)
     m = out["metrics"]
     m["fsdp_offload_over_tiermem"] = min(m["gpt_fsdp_offload_over_tiermem"], m["hf_fsdp_offload_over_tiermem"])
     m["plan_error"] = max(m["gpt_plan_error_2_5"], m["hf_plan_error_2_5"])
     if "gpt_graphed_over_resident" in m and "hf_graphed_over_resident" in m:
         m["graphed_over_resident"] = max(m["gpt_graphed_over_resident"], m["hf_graphed_over_resident"])
+        if "gpt_graphed_over_resident_graphed" in m and "hf_graphed_over_resident_graphed" in m:
+            m["graphed_over_resident_graphed"] = max(m["gpt_graphed_over_resident_graphed"],
+                                                     m["hf_graphed_over_resident_graphed"])
         m["fsdp_offload_over_graphed"] = min(m["gpt_fsdp_offload_over_graphed"], m["hf_fsdp_offload_over_graphed"])
     m["bytes_moved_per_state_byte"] = m["gpt_bytes_moved_per_state_byte"]
     c = out["checks"]
@@ -416,8 +514,10 @@ def plot4(out, path):
                     label="tiermem, whole-step graph")
         if "2.5_auto_bf16" in r:
             ax.plot([1 / 2.5], [r["2.5_auto_bf16"]["step_ms"]], "D", color="k", label="tiermem, bf16 moments")
-        for label, color in (("resident", "g"), ("checkpoint", "c"), ("save_on_cpu", "r"), ("fsdp_offload", "m")):
-            ax.axhline(peers[label], color=color, ls=":", label=f"{label} (no budget)")
+        for label, color in (("resident", "g"), ("resident_graphed", "y"), ("checkpoint", "c"), ("save_on_cpu", "r"),
+                             ("fsdp_offload", "m")):
+            if label in peers:
+                ax.axhline(peers[label], color=color, ls=":", label=f"{label} (no budget)")
         ax.set_xlabel("budget / training state")
         ax.set_ylabel("step time (ms)")
         ax.set_yscale("log")

@@ -410,7 +410,9 @@ def main():
     raw = {"results": results, "best_advice_row": best, "managed_check": checks_raw,
            "args": vars(a), "metric_note": "geometric means over the two models; per model under metric.<model>",
            "plot": os.path.basename(png) if png else None}
-    write_results("advice_study", metrics, checks, raw, extra_files=[png] if png else [])
+    models = "-".join(sorted(results))
+    write_results("advice_study", metrics, checks, raw, extra_files=[png] if png else [],
+                  tag="" if models == "gpt-resnet50" else models)   # a model run alone keeps its own file
 
 
 if __name__ == "__main__":

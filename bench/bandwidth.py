@@ -15,7 +15,7 @@ In one run, side by side, on 1 GiB (default) of data:
 and whether evicted device memory really goes back to other allocators.
 
 The tier runs under a budget (3 GiB, the size of its managed cap), so shadow evictions park their
-device pages for the next refill (NOTE [parked pages] in tiermem/core/engine.py). Each eviction and
+device pages for the next refill (NOTE [parked pages] in tiermem/core/parking.py). Each eviction and
 refill through the shadow is also timed with ``release=True``, the path that gives the pages back
 to the driver at once, which is what every eviction did before parking.
 
@@ -31,7 +31,7 @@ import contextlib
 import gc
 import time
 
-from _common import cuda_times, gbps, median, plot_path, progress, table, write_results
+from _common import cuda_times, device_view, gbps, median, plot_path, progress, table, write_results
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -56,11 +56,11 @@ def advise_all(group, **changes) -> None:
 @contextlib.contextmanager
 def direct_copies(tier):
     """tiermem's shadow copies without the staging ring: the baseline it is measured against."""
-    old, tier._staging.min_bytes = tier._staging.min_bytes, 1 << 62
+    old, tier.staging.min_bytes = tier.staging.min_bytes, 1 << 62
     try:
         yield
     finally:
-        tier._staging.min_bytes = old
+        tier.staging.min_bytes = old
 
 
 def alternating(variants: dict, reps: int) -> dict[str, list[float]]:
@@ -102,7 +102,6 @@ def main() -> None:
     import tiermem
     from tiermem import Location
     from tiermem.cuda import runtime as _cuda
-    from tiermem.cuda.backend import _ArrayInterface
 
     N = int(args.size_gib * GiB)
     reps = args.reps
@@ -148,7 +147,7 @@ def main() -> None:
     # ---- 2. plain Unified Memory ---------------------------------------------------------------
     progress("plain Unified Memory baselines")
     m = _cuda.managed_alloc(N, 0)
-    mv = torch.as_tensor(_ArrayInterface(m.ptr, N, None), device="cuda")
+    mv = device_view(m.ptr, N)
     _cuda.prefetch(m.ptr, N, Location.DEVICE, 0, cur())
     mv.copy_(d)
     to_dev = lambda: (_cuda.prefetch(m.ptr, N, Location.DEVICE, 0, cur()), torch.cuda.synchronize())  # noqa: E731
@@ -356,7 +355,7 @@ def main() -> None:
     progress("exchange under a budget that holds one group: B in, A out")
     tier.evict(B)
     torch.cuda.synchronize()
-    old_budget = tier.set_budget(sum(t._b.span for t in A) + ring)   # one group's pages and the ring
+    old_budget = tier.set_budget(sum(t.buffer.span for t in A) + ring)   # one group's pages and the ring
     raw["exchange_budget_bytes"] = tier.budget
 
     def exchange_setup():
@@ -382,7 +381,7 @@ def main() -> None:
     # What a model bigger than its budget does every layer: frozen weights without read-mostly,
     # so they evict through the shadow (read-only: once copied, it stays valid), and without the
     # host as preferred location, since the shadow is their host copy (with it, copies into the
-    # range ran at 7.5 GB/s, and at 1.9 into fresh pages: bandwidth-h100-20261122-d8400a6.json).
+    # range ran at 7.5 GB/s, and at 1.9 into fresh pages, on the H100 at d8400a6).
     # Under a budget that holds one group, bringing one group in parks the other (nothing moves:
     # it is clean) and copies the incoming group's shadow into its pages. The timed call is the
     # whole prefetch, room-making included.
@@ -392,7 +391,7 @@ def main() -> None:
     F2 = tier.empty_group(specs, role="frozen_weight", **shadowed_frozen)
     f_refs = [fill(F1), fill(F2)]
     gc.collect()
-    old_budget = tier.set_budget(sum(t._b.span for t in F1) + ring)   # one group and the ring
+    old_budget = tier.set_budget(sum(t.buffer.span for t in F1) + ring)   # one group and the ring
     for group in (F1, F2, F1, F2):      # the first eviction of each copies out; then the shadow is valid
         tier.prefetch(group)
     del group                           # a loop variable would keep F2's allocation alive
@@ -403,7 +402,7 @@ def main() -> None:
 
     def stream_in():                    # each call brings in the group that is out
         tr = tier.prefetch((F1, F2)[turn["next"] % 2])
-        transfers_in.append((tier._staging.min_bytes < 1 << 62, tr))
+        transfers_in.append((tier.staging.min_bytes < 1 << 62, tr))
         turn["next"] += 1
 
     moved0 = tier.stats()["moved_bytes.frozen_weight.d2h"], tier.stats()["moved_bytes.frozen_weight.h2d"]

@@ -1,9 +1,9 @@
 """Compare two runs of the benches, before and after a change, measured one after the other on one
 machine: every metric each bench printed, its ratio, and how many stayed within a tolerance.
 
-    python bench/before_after.py bench/results/before_after-h100-20261123 --tolerance 0.03
+    python bench/before_after.py FOLDER --tolerance 0.03
 
-The folder holds ``<bench>-before.log`` and ``<bench>-after.log`` pairs, as the benches print them
+FOLDER (a scratch folder: its logs are inputs, not results) holds ``<bench>-before.log`` and ``<bench>-after.log`` pairs, as the benches print them
 (the metric table: a name and a number per line). Metrics are split into those that run through
 tiermem and the baselines beside them (resident, accelerate, FSDP2, save_on_cpu, torch's
 checkpointing, plain managed memory): a baseline runs no tiermem code, so how far it moves between
@@ -21,7 +21,7 @@ import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import RESULTS, commit, device_slug, table  # noqa: E402
+from _common import RESULTS, device_slug, provenance, table  # noqa: E402
 
 LINE = re.compile(r"^([A-Za-z_][\w.\-/]*)\s+(-?\d+(?:\.\d+)?(?:e-?\d+)?)\s*$")
 # Figures that run no tiermem code: the machine's own spread between the two runs.
@@ -77,7 +77,9 @@ def main() -> None:
     after = [json.load(open(p)) for p in sorted(glob.glob(os.path.join(a.folder, "*-after.json")))]
     device = after[0]["device"] if after else "unknown"
     date = (after[0]["date"][:10] if after else datetime.date.today().isoformat()).replace("-", "")
-    obj = {"bench": "before_after", "device": device, "commit": after[0]["commit"] if after else commit(),
+    # the after runs' commit (their JSONs say which code they measured), else this checkout's
+    prov = {k: after[0][k] for k in ("commit", "commit_note") if k in after[0]} if after else provenance()
+    obj = {"bench": "before_after", "device": device, **prov,
            "date": datetime.datetime.now().isoformat(timespec="seconds"), "metrics": out_metrics,
            "checks": checks, "raw": raw}
     path = os.path.join(RESULTS, f"before_after-{device_slug(device)}-{date}.json")

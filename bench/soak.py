@@ -299,8 +299,8 @@ class Soak:
         t.synchronize()
         if collect:
             gc.collect()
-        parked = sum(e[0]._b.span for e in live if not e[0].freed and e[0].parked)
-        resident = sum(e[0]._b.span for e in live if not e[0].freed and e[0].is_resident) + parked
+        parked = sum(e[0].buffer.span for e in live if not e[0].freed and e[0].parked)
+        resident = sum(e[0].buffer.span for e in live if not e[0].freed and e[0].is_resident) + parked
         s = t.stats()
         ok = (t.resident_bytes == resident and t.parked_bytes == parked and resident + t.staging_bytes <= BUDGET
               and s["allocated_bytes.all.current"] == sum(e[0].nbytes for e in live if not e[0].freed))
@@ -315,8 +315,8 @@ class Soak:
                 s = t.stats()
                 self.log(f"books disagree after a fault in {op!r} (fault at {self.last_fired}), seed {self.seed} op "
                          f"{self.c['ops']}: resident {t.resident_bytes} vs tensors "
-                         f"{sum(x[0]._b.span for x in held if x[0].is_resident or x[0].parked)}, parked "
-                         f"{t.parked_bytes} vs {sum(x[0]._b.span for x in held if x[0].parked)}, allocated "
+                         f"{sum(x[0].buffer.span for x in held if x[0].is_resident or x[0].parked)}, parked "
+                         f"{t.parked_bytes} vs {sum(x[0].buffer.span for x in held if x[0].parked)}, allocated "
                          f"{s['allocated_bytes.all.current']} vs {sum(x[0].nbytes for x in held)}, staging "
                          f"{t.staging_bytes}")
             if e is not None and e in live:
@@ -441,8 +441,8 @@ class Soak:
         torch.cuda.empty_cache()
         free0 = torch.cuda.mem_get_info()[0]
         self.sample_free()
-        t = tiermem.Tier(0, budget=BUDGET, staging=self.rng.choice(["off", "8MiB"]))
-        t._staging.min_bytes = 1        # every shadow copy goes through the ring when it is on
+        from _common import tier_staging_everything      # every shadow copy goes through the ring when it is on
+        t = tier_staging_everything(tiermem, device=0, budget=BUDGET, staging=self.rng.choice(["off", "8MiB"]))
         # inference: a frozen tiny GPT within 40% of its weights
         in_tier = tiermem.Tier(0)
         imodel, ic = self.gpt(dict(vocab=2048, seq=64, d=256, layers=4, heads=4), self.seed + 1)

@@ -5,7 +5,10 @@ In one run, side by side (random data, fixed seeds, CUDA-event medians after war
      >= 2.5x the budget: resident PyTorch (no cap: the ceiling), torch's save_on_cpu for the
      activations (the usual peer; also uncapped, since its parameters and states stay resident),
      and tiermem.wrap_training under the budget. 30 steps each; the losses are compared bitwise.
-     The bound is max(resident step, bytes moved / link rate), the link rate measured here.
+     The bound comes from the model and the budget (bench/bounds.py train_step): the state that
+     outlives a step (parameters and AdamW's moments) less the budget must come in and go out
+     once a step, at the duplex rate measured here, and no step beats the resident one; the
+     larger of the two. The bytes tiermem moved give ``..._vs_plan_bytes``, named apart.
      A sweep over budgets gives the plot of step time vs budget.
   2. In capacity (budget >= everything): tiermem against plain PyTorch.
   4. Keep, swap or recompute (bench/_recompute_study.py): the GPT and a transformers Qwen2-style
@@ -13,15 +16,15 @@ In one run, side by side (random data, fixed seeds, CUDA-event medians after war
      plan against resident, FSDP2's CPUOffloadPolicy, save_on_cpu and torch's checkpointing.
   3. The activation-swap study: at one fixed budget (torch's allocator capped to it for the
      resident runs), the largest batch that trains, resident vs tiermem, for ResNet-50 and a
-     smaller GPT, with time per sample at each.
+     smaller GPT, with time per sample at each, against the same kind of bound per sample.
 
 AdamW is torch's fused one (``--adamw fused``, the default) in every run, resident and peers
 included: HF Trainer's default optimizer is ``adamw_torch_fused`` (transformers, for torch >= 2.8)
 and nanoGPT picks fused AdamW on CUDA. ``--adamw foreach`` gives torch's own default, the runs
 before 2026-11-24.
 
-    python bench/train_budget.py [--quick] [--adamw fused|foreach]
-Writes bench/results/train_budget-<device>-<date>.json and a plot.
+    python bench/train_budget.py [--quick] [--adamw fused|foreach] [--only 1234] [--ratios 1.5,2.5,4]
+Writes bench/results/train_budget-<device>-<date>[-part<parts>].json and a plot.
 """
 from __future__ import annotations
 
@@ -34,6 +37,7 @@ import gc
 import sys
 import time
 
+import bounds
 from _common import cuda_times, median, plot_path, progress, table, write_results
 
 GiB, MiB = 1 << 30, 1 << 20
@@ -303,17 +307,24 @@ def part1(torch, tiermem, a, rates, out):
     moved = st.moved[-1]
     losses_equal = st.loss_values() == res.loss_values()
     res_ms, t_ms, soc_ms = res.median_ms(), st.median_ms(), soc.median_ms(2)
-    xfer_ms = (moved["h2d"] + moved["d2h"]) / (rates["h2d"] * 1e9) * 1e3
-    bound = max(res_ms, xfer_ms)
-    duplex = max(res_ms, moved["h2d"] / (rates["h2d"] * 1e9) * 1e3, moved["d2h"] / (rates["d2h"] * 1e9) * 1e3,
-                 (moved["h2d"] + moved["d2h"]) / (rates["duplex"] * 1e9) * 1e3)
+    state = bounds.persistent_state_bytes(n)          # fp32 parameters and AdamW's two moments
+    bound = bounds.train_step(state, budget, rates["h2d"], rates["d2h"], rates["duplex"], res_ms / 1e3)
+    # the bytes tiermem's plan moved, at the same rates: the plan's own figure, not a bound
+    plan_ms = max(res_ms, moved["h2d"] / (rates["h2d"] * 1e9) * 1e3, moved["d2h"] / (rates["d2h"] * 1e9) * 1e3,
+                  (moved["h2d"] + moved["d2h"]) / (rates["duplex"] * 1e9) * 1e3)
+    note = bounds.below_bound_note("gpt_step_vs_bound", t_ms / (bound.seconds * 1e3))
+    if note:
+        progress("BELOW THE BOUND: " + note)
+        out.setdefault("notes", []).append(note)
     out["metrics"].update({
         "gpt_params": n, "footprint_bytes": footprint, "budget_bytes": budget,
-        "footprint_over_budget": round(footprint / budget, 3),
+        "footprint_over_budget": round(footprint / budget, 3), "gpt_state_bytes": state,
         "resident_step_ms": round(res_ms, 2), "gpt_step_ms": round(t_ms, 2), "save_on_cpu_step_ms": round(soc_ms, 2),
         "gpt_moved_h2d_bytes_per_step": moved["h2d"], "gpt_moved_d2h_bytes_per_step": moved["d2h"],
-        "gpt_bound_ms": round(bound, 2), "gpt_step_vs_bound": round(t_ms / bound, 3),
-        "gpt_duplex_bound_ms": round(duplex, 2), "gpt_step_vs_duplex_bound": round(t_ms / duplex, 3),
+        "gpt_bound_ms": round(bound.seconds * 1e3, 2), "gpt_step_vs_bound": bounds.ratio(t_ms, bound.seconds * 1e3),
+        "gpt_bound_cross_bytes": bound.cross_bytes, "gpt_bound_transfer_ms": round(bound.transfer_seconds * 1e3, 2),
+        "gpt_bound_limited_by_link": int(bound.limited_by == "link"),
+        "gpt_plan_bytes_ms": round(plan_ms, 2), "gpt_step_vs_plan_bytes": bounds.ratio(t_ms, plan_ms),
         "gpt_step_vs_resident": round(t_ms / res_ms, 3), "save_on_cpu_over_tiermem": round(soc_ms / t_ms, 3),
         "resident_peak_reserved_bytes": res_peak, "save_on_cpu_peak_reserved_bytes": soc_peak,
         "tiermem_resident_peak_bytes": peak_max,
@@ -439,22 +450,37 @@ def study(torch, tiermem, name, build, make_batch, loss_fn, budget, a, rates, us
     progress(f"part 3: {name} at a {budget / GiB:.1f} GiB budget")
     rb = max_batch(resident, a.study_start, a.study_limit)
     tb = max_batch(tiered, max(rb, 1), a.study_limit * 8)
-    shared_tier(tiermem).backend._pinned.free_all_blocks()   # give the host its pinned memory back
+    shared_tier(tiermem).backend.release_cached()   # give the host its pinned memory back
     r_ms = timings.get(("resident", rb), (float("nan"), 0, 0))[0]
     t_ms, h2d, d2h = timings.get(("tiermem", tb), (float("nan"), 0, 0))
     r_ps, t_ps = r_ms / max(rb, 1), t_ms / max(tb, 1)
     bytes_ps = (h2d + d2h) / max(tb, 1)
-    bound_ps = max(r_ps, bytes_ps / (rates["h2d"] * 1e9) * 1e3)
-    duplex_ps = max(r_ps, h2d / max(tb, 1) / (rates["h2d"] * 1e9) * 1e3, d2h / max(tb, 1) / (rates["d2h"] * 1e9) * 1e3,
-                    bytes_ps / (rates["duplex"] * 1e9) * 1e3)
+    # the bound from the model (bench/bounds.py train_step): its persistent state less the budget
+    # crosses in and out once a step, and a sample costs at least resident's time per sample;
+    # activations add nothing, since a design may recompute them instead of moving them
+    model = build()
+    n = sum(p.numel() for p in model.parameters())
+    del model
+    free()
+    state = bounds.persistent_state_bytes(n, states_per_param=2 if use_adamw else 1)
+    compute = r_ps * max(tb, 1) / 1e3 if r_ps == r_ps else 0.0       # no resident batch trained: the link alone
+    step = bounds.train_step(state, budget, rates["h2d"], rates["d2h"], rates["duplex"], compute)
+    bound_ps = step.seconds * 1e3 / max(tb, 1)
+    plan_ps = max(r_ps, h2d / max(tb, 1) / (rates["h2d"] * 1e9) * 1e3, d2h / max(tb, 1) / (rates["d2h"] * 1e9) * 1e3,
+                  bytes_ps / (rates["duplex"] * 1e9) * 1e3)
+    note = bounds.below_bound_note(f"{name}_time_per_sample_vs_bound", t_ps / bound_ps)
+    if note:
+        progress("BELOW THE BOUND: " + note)
+        out.setdefault("notes", []).append(note)
     out["metrics"].update({
         f"{name}_resident_max_batch": rb, f"{name}_tiermem_max_batch": tb,
         f"{name}_max_batch_gain": round(tb / max(rb, 1), 3),
         f"{name}_resident_ms_per_sample": round(r_ps, 3), f"{name}_tiermem_ms_per_sample": round(t_ps, 3),
-        f"{name}_swapped_bytes_per_sample": int(bytes_ps),
+        f"{name}_time_per_sample_vs_resident": round(t_ps / r_ps, 3),
+        f"{name}_swapped_bytes_per_sample": int(bytes_ps), f"{name}_state_bytes": state,
         f"{name}_time_per_sample_bound_ms": round(bound_ps, 3),
-        f"{name}_time_per_sample_vs_bound": round(t_ps / bound_ps, 3),
-        f"{name}_time_per_sample_vs_duplex_bound": round(t_ps / duplex_ps, 3),
+        f"{name}_time_per_sample_vs_bound": bounds.ratio(t_ps, bound_ps),
+        f"{name}_time_per_sample_vs_plan_bytes": bounds.ratio(t_ps, plan_ps),
     })
     out["raw"][f"{name}_trials"] = {f"{k[0]}@{k[1]}": v for k, v in timings.items()}
 
@@ -519,7 +545,8 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--quick", action="store_true", help="small sizes: a smoke run in about a minute")
     p.add_argument("--only", default="1234", help="parts to run: 1 budget, 2 in capacity, 3 batch study, "
-                   "4 keep/swap/recompute study")
+                   "4 keep/swap/recompute study; 'finetune' alone: a 1B Llama fine-tuned as users do "
+                   "(bench/finetune.py)")
     p.add_argument("--ratios", default="1.5,2.5,4", help="part 4's budgets, as fractions 1/x of the training "
                    "state (2.5 must be among them)")
     p.add_argument("--bf16-states", action="store_true", help="part 4 also runs the 1/2.5 plan with "
@@ -536,7 +563,7 @@ def main():
     a.ratios = tuple(float(x) for x in a.ratios.split(","))
     # peer_steps: the peers' medians are of the steps after the first two. FSDP2's CPU offload steps
     # AdamW on the host, so its time follows the host: over six steps it was 181.9 and 264.1 ms on
-    # two H100 machines (docs/training.md, whole-step graphs); twelve steady it a little.
+    # two H100 machines (docs/history.md, Training); twelve steady it a little.
     big = dict(vocab=8192, seq=512, d=1024, layers=16, heads=16, batch=4, ratio=2.5, steps=30, soc_steps=8,
                block_mib=16, sweep=[0.6, 0.8, 1.0], sweep_steps=8, cap_steps=10, capacity_budget=30 * GiB,
                study_gib=3.0, study_start=8, study_limit=512, study_steps=4, small_d=768, small_layers=8,
@@ -555,7 +582,10 @@ def main():
     rates = {"h2d": h2d, "d2h": d2h, "duplex": duplex}
     progress(f"link: {h2d} GB/s in, {d2h} GB/s out, {duplex} GB/s both ways")
     out = {"metrics": {"link_h2d_GBps": h2d, "link_d2h_GBps": d2h, "link_duplex_GBps": duplex},
-           "checks": {}, "raw": {"args": {k: v for k, v in vars(a).items()}, "study_gib": a.study_gib}}
+           "checks": {}, "raw": {"args": {k: v for k, v in vars(a).items()}, "study_gib": a.study_gib,
+                                 "bound": "max(resident step, (parameters + optimizer states - budget) in and out "
+                                          "once at the rates measured here) (bench/bounds.py train_step); "
+                                          "..._plan_bytes: the bytes tiermem moved at the same rates"}}
     if "1" in a.only or "2" in a.only:
         cfg, batches, res, budget, sweep = part1(torch, tiermem, a, rates, out)
         if "2" in a.only:
@@ -569,12 +599,19 @@ def main():
         from _recompute_study import part4, plot4
         part4(sys.modules[__name__], torch, tiermem, a, rates, out)
         p4 = plot4(out, plot_path("train_budget_recompute")) if "recompute_runs" in out["raw"] else None
+    if "finetune" in a.only:
+        from finetune import part_finetune
+        part_finetune(sys.modules[__name__], torch, tiermem, a, rates, out)
     m = out["metrics"]
     rows = [[k, v] for k, v in m.items()]
     print(table(rows, ["metric", "value"]))
     print(out["checks"])
     pp = plot(out, plot_path("train_budget")) if "1" in a.only else None
-    write_results("train_budget", m, out["checks"], out["raw"], extra_files=[f for f in (pp, p4) if f])
+    for n in out.get("notes", []):
+        print("BELOW THE BOUND: " + n)
+    parts = "".join(sorted(set(a.only)))
+    write_results("train_budget", m, out["checks"], out["raw"], extra_files=[f for f in (pp, p4) if f],
+                  tag="" if parts == "1234" else f"part{parts}", notes=out.get("notes", []))
 
 
 if __name__ == "__main__":

@@ -60,20 +60,57 @@ def read(tt: Any) -> torch.Tensor:
 ALLOCATING = ("allocate", "host_alloc", "device_alloc")
 
 
+# NOTE [sampled sweeps]
+#     The fault sweeps fail every faultable call of an operation in turn: thousands of cases, most
+#     of the suite's time. The default run takes a sample of each scene's positions (its first and
+#     last call, the first use of each call name, then evenly spaced ones, up to SAMPLED), every
+#     failure kind at each; the other cases carry the ``sweep`` marker and run with
+#     ``pytest -m sweep``, which .ci/run runs after the default command. Together the two runs are
+#     the whole sweep, each case once.
+SAMPLED = 5
+
+
+def sampled_positions(seen: list[str], positions: list[int] | None = None, k: int = SAMPLED) -> set[int]:
+    """The 1-based positions of ``seen`` (among ``positions``) the default run keeps."""
+    pos = list(positions or range(1, len(seen) + 1))
+    if len(pos) <= k:
+        return set(pos)
+    out = [pos[0], pos[-1]]
+    firsts: dict[str, int] = {}
+    for n in pos:
+        firsts.setdefault(seen[n - 1], n)
+    for n in firsts.values():
+        if len(out) >= k:
+            break
+        if n not in out:
+            out.append(n)
+    step = len(pos) / k
+    i = 0.0
+    while len(out) < k and i < len(pos):
+        n = pos[int(i)]
+        if n not in out:
+            out.append(n)
+        i += step
+    return set(out)
+
+
 def fault_params(name: str, seen: list[str], positions: list[int] | None = None) -> list[Any]:
     """The fault sweeps' cases for one operation: a pytest.param (name, n, call, kind) for each
     1-based position ``n`` of the faultable calls ``seen`` (all, or ``positions``) and each
-    failure kind; out-of-memory only for allocations. Ids start with "fault", for ``-k fault``."""
+    failure kind; out-of-memory only for allocations. Ids start with "fault", for ``-k fault``.
+    Cases outside the default run's sample carry the ``sweep`` marker (NOTE [sampled sweeps])."""
     import pytest
 
     from tiermem.cuda.backend import FaultInjector
+    keep = sampled_positions(seen, positions)
     out = []
     for n in positions or range(1, len(seen) + 1):
         call = seen[n - 1]
+        marks = () if n in keep else (pytest.mark.sweep,)
         for kind in FaultInjector.KINDS:
             if kind == "oom" and call not in ALLOCATING:
                 continue
-            out.append(pytest.param(name, n, call, kind, id=f"fault-{name}-{n:03d}-{call}-{kind}"))
+            out.append(pytest.param(name, n, call, kind, id=f"fault-{name}-{n:03d}-{call}-{kind}", marks=marks))
     return out
 
 

@@ -16,7 +16,7 @@ from helpers import calls
 
 import tiermem
 from tiermem import Location, TierMemError
-from tiermem.core.engine import UM_STREAMS
+from tiermem.core.sidestreams import UM_STREAMS
 from tiermem.cupy.scoped import residency
 from tiermem.roles import Advice
 
@@ -57,7 +57,7 @@ def btier(fake):
 
 
 def stream(tier, direction):
-    return tier._streams[UM_STREAMS[direction]]
+    return tier.streams.named[UM_STREAMS[direction]]
 
 
 def extra(tier):

@@ -16,7 +16,7 @@ from helpers import MiB, calls, expected_stats, role_stats
 
 import tiermem
 from tiermem import Location, OutOfBudgetError, Role, TierMemError
-from tiermem.core.engine import coalesce
+from tiermem.core.ranges import coalesce
 from tiermem.cuda.backend import round_request
 from tiermem.errors import CapExceededError
 from tiermem.handles import RangeInfo
@@ -507,7 +507,7 @@ def test_concurrent_empty_and_free(fake):
 
 
 def test_a_buffer_whose_finalizer_is_running_is_not_evicted_again(fake, monkeypatch):
-    # NOTE [finalizer race] in core/engine.py: CPython clears weak references only after __del__, so
+    # NOTE [finalizer race] in core/placement.py: CPython clears weak references only after __del__, so
     # another thread could find a freed buffer in the tier's WeakSet and count it off twice.
     # The buffer's memory release is held up so that the window stays open.
     t = tiermem.Tier(backend=fake, budget="4MiB")

@@ -173,6 +173,8 @@ NO_GPU_NEEDED = [
     (lambda: tiermem.wrap_training(None, None, "150%"), ConfigError, "more than 100%"),
     (lambda: tiermem.wrap_training(None, None, "1GiB", lookahead=0), ConfigError, "at least 1"),
     (lambda: tiermem.wrap_module(None, "lots"), ConfigError, "is not a size"),
+    (lambda: tiermem.wrap_module(None, "1GiB", mode="fast"), ConfigError, "mode must be"),
+    (lambda: tiermem.wrap_module(None, "1GiB", lookahed=2), ConfigTypeError, "unknown keyword argument"),
     (lambda: tiermem.allocator("bogus"), RoleError, "unknown role"),
     (lambda: tiermem.policy_override("weight", colour="red").__enter__(), RoleError, "unknown policy field"),
 ]

@@ -1,4 +1,4 @@
-"""The eviction paths (NOTE [eviction paths] in core/engine.py, NOTE [views and the fast paths] in
+"""The eviction paths (NOTE [eviction paths] in core/moves.py, NOTE [views and the fast paths] in
 core/tensor.py): shadow copy, clean discard, read-mostly collapse and Unified Memory write-back.
 
 The fake backend poisons a discarded range with 0xDB, so data that comes back equal after a
@@ -419,7 +419,7 @@ class StagedTierMachine(TierMachine):
 
     def make_tier(self):
         t = tiermem.Tier(backend=self.fake, budget=BUDGET, staging="2MiB")
-        t._staging.min_bytes = 1
+        t.staging.min_bytes = 1
         return t
 
     def teardown(self):

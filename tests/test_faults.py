@@ -33,7 +33,7 @@ from torch import nn
 
 import tiermem
 from tiermem import Location, TierMemError
-from tiermem.core.engine import _SharedBlock
+from tiermem.core.placement import _SharedBlock
 from tiermem.cuda.staging import StagingRing
 from tiermem.pytorch.wrap import tiered_of
 
@@ -561,7 +561,7 @@ def check_books(tier: tiermem.Tier, fake: FakeBackend) -> None:
     (No gc.collect: tiermem's buffers form no reference cycles, so what nothing refers to is gone
     already; a full collection costs a third of a second in this process.)"""
     tier.reap()
-    bufs = list(tier._bufset)
+    bufs = tier.books.live()
     allocs = {}
     for b in bufs:
         h = b.block._handle
@@ -573,17 +573,17 @@ def check_books(tier: tiermem.Tier, fake: FakeBackend) -> None:
     assert set(managed) == set(allocs), "managed allocations the Tier does not own (or lost)"
     assert live["managed"] == sum(allocs.values()) == fake.guard.reserved
     shadows = sum(b.shadow.nbytes for b in bufs if b.shadow is not None)
-    assert live["pinned"] == shadows == tier._shadow_bytes
+    assert live["pinned"] == shadows == tier.books.shadow_bytes
     assert live["device"] == tier.staging_bytes
-    for ring in tier._staging.rings.values():
+    for ring in tier.staging.rings.values():
         assert ring is None or not ring.allocated or ring._stream is not None, "a ring without its stream"
-    assert tier._parked == sum(b.span for b in bufs if b.parked)
-    assert tier._resident == sum(b.span for b in bufs if b.where is Location.DEVICE or b.parked)
+    assert tier.books.parked == sum(b.span for b in bufs if b.parked)
+    assert tier.books.resident == sum(b.span for b in bufs if b.where is Location.DEVICE or b.parked)
     s = tier.stats()
     assert (s["allocated_bytes.all.current"], s["allocation_count.all.current"]) == (
         sum(b.nbytes for b in bufs), len(bufs))
-    assert s["resident_bytes.all.current"] == tier._resident
-    assert s["parked_bytes.current"] == tier._parked
+    assert s["resident_bytes.all.current"] == tier.books.resident
+    assert s["parked_bytes.current"] == tier.books.parked
     for b in bufs:
         if b.parked:
             assert b.in_shadow
@@ -613,7 +613,7 @@ def check_untouched(fake: FakeBackend, sc: Scene) -> None:
     for t in sc.adopting:
         assert tiered_of(t) is None, "a failed wrap left the tensor wrapped"
         assert fake.pointer_kind(t.data_ptr()) == "unregistered", "a failed wrap left the tensor in tiered memory"
-        assert sc.tier._owner_of(t.data_ptr()) is None
+        assert sc.tier.owner_of(t.data_ptr()) is None
 
 
 def check_error(err: BaseException | None, kind: str, call: str, scene_name: str) -> None:

@@ -170,6 +170,25 @@ def test_refusals(one_rank):
     opt.step()
 
 
+def test_options_are_checked_before_the_gpu():
+    """wrap_fsdp's options (tiermem.handles.FSDPOptions) and budget are checked before the
+    default Tier, which needs a GPU, is made; keywords change the fields of ``options``."""
+    import tiermem
+    from tiermem.handles import FSDPOptions
+    for kwargs, error, message in [
+            (dict(lookahead=-1), tiermem.ConfigError, "lookahead must be at least 0"),
+            (dict(lookahead=1.5), tiermem.errors.ConfigTypeError, "lookahead must be an int"),
+            (dict(lookahed=1), tiermem.errors.ConfigTypeError, "did you mean 'lookahead'"),
+            (dict(budget="lots"), tiermem.ConfigError, "FSDP budget='lots' is not a size"),
+            (dict(budget=0), tiermem.ConfigError, "FSDP budget must be more than 0"),
+            (dict(options=3), tiermem.errors.ConfigTypeError, "options must be a tiermem.handles.FSDPOptions")]:
+        with pytest.raises(error, match=message):
+            tiermem.wrap_fsdp(None, None, **kwargs)
+    assert tiermem.base.default.peek() is None
+    assert FSDPOptions.of(FSDPOptions(lookahead=0)) == FSDPOptions(lookahead=0)
+    assert FSDPOptions.of(FSDPOptions(lookahead=0), lookahead=3).lookahead == 3
+
+
 def test_a_torch_without_what_it_builds_on_is_refused(one_rank, monkeypatch):
     from fakes import FakeBackend
     from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup

@@ -224,7 +224,7 @@ def test_a_step_whose_backward_raises_half_way_leaves_no_gradient_behind(torch_c
         with train.step():
             _failing_loss(model, batches[2], "middle").backward()
     # pytest keeps the exception, and its frames keep the failed step's graph: drop them as the
-    # contract asks of a caller who keeps one (NOTE [kept exceptions] in training/handle.py).
+    # contract asks of a caller who keeps one (NOTE [kept exceptions] in training/stepping.py).
     traceback.clear_frames(ei.tb)
     del ei
     assert all(p.grad is None for p in model.parameters())
@@ -286,7 +286,7 @@ def test_ctrl_c_at_a_backend_call_inside_a_training_step_leaves_no_leak_and_trai
         assert isinstance(err, KeyboardInterrupt) or "injected at" in str(err), repr(err)
         assert injector.fired is not None
         # A caught exception's frames hold the failed step's activations; a caller that keeps
-        # it keeps them, inside the step's memory cap (NOTE [kept exceptions] in training/handle.py).
+        # it keeps them, inside the step's memory cap (NOTE [kept exceptions] in training/stepping.py).
         traceback.clear_frames(err.__traceback__)
         del err
         assert all(p.grad is None for p in model.parameters())

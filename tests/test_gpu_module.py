@@ -274,3 +274,63 @@ def test_a_failed_adoption_leaves_nothing_behind(monkeypatch):
     assert t.budget is None and getattr(model, "_tiermem_handle", None) is None
     with torch.no_grad():
         assert torch.equal(model(ids).logits, want)
+
+
+@pytest.mark.parametrize("max_group", [None, 64 * MiB], ids=["default_groups", "layer_groups"])
+def test_a_tied_table_bigger_than_the_budget_leaves_the_rest_of_the_plan(max_group):
+    """issue 57: a tied 256k table bigger than the budget made every group read in place ("0 of
+    67 groups resident ... read in place, zero-copy"). Here a 268 MB tied table against a 126 MB
+    budget, on a GPU made really small: the layers still stream through slots with some resident
+    (NOTE [no plan collapse]), the head reads the table in parts or in place (in parts where the
+    slots are a layer's 30 MB, NOTE [split groups]), and the tokens are the resident model's."""
+    import gc
+
+    import torch
+
+    import tiermem
+    from tiermem.planning import weight_bytes
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.Qwen2Config(hidden_size=1024, intermediate_size=4096, num_hidden_layers=8, num_attention_heads=16,
+                                   num_key_value_heads=2, vocab_size=131072, max_position_embeddings=512,
+                                   tie_word_embeddings=True)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = transformers.Qwen2ForCausalLM(cfg).half().eval()     # requires_grad=True, as users get it
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    model.generation_config.pad_token_id = 0
+    ids = torch.randint(0, cfg.vocab_size, (1, 64), device="cuda", generator=torch.Generator("cuda").manual_seed(2))
+    with torch.no_grad():
+        want_logits = model(ids).logits
+        want = model.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=None)
+    budget = weight_bytes(model) // 4
+    assert model.lm_head.weight.numel() * 2 > budget
+    model.cpu()
+    gc.collect()
+    torch.cuda.empty_cache()
+    blob = _take_device(budget + 1024 * MiB)
+    try:
+        t = tiermem.Tier(0)                       # the default cap: the memory free now
+        h = t.wrap_module(model, budget=budget, max_group_bytes=max_group)
+        plan = h.plan
+        assert not plan.zero_copy_only and plan.window > 0 and plan.lookahead >= 2, plan.table()
+        assert plan.pinned and any(g not in plan.pinned | plan.split | plan.oversized | plan.in_place
+                                   for g, _ in plan.sizes)       # layers resident and streamed whole
+        assert "model.embed_tokens" in plan.split | plan.oversized
+        if max_group:
+            assert plan.split == {"model.embed_tokens"} and len(h._groups["model.embed_tokens"].pieces) > 1
+        with torch.no_grad():
+            for _ in range(2):
+                got = model(ids).logits
+            # the head over parts of rows sums in its own order: the tokens are equal
+            assert torch.equal(got.argmax(-1), want_logits.argmax(-1))
+            if not plan.split:
+                assert torch.equal(got, want_logits)
+            assert torch.equal(model.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=None), want)
+        h.drain()
+        assert t.stats()["resident_bytes.all.peak"] <= h.budget
+        h.unwrap()
+        assert all(p.device.type == "cpu" for p in model.parameters())
+        t.close()
+    finally:
+        del blob
+        torch.cuda.empty_cache()

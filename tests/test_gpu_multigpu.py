@@ -1,6 +1,6 @@
 """Several GPUs of one host: FSDP2 with tiermem holding the shards against plain FSDP2 under NCCL
 (NOTE [FSDP2 composition] in tiermem/training/fsdp.py), a module's layers over two GPUs against
-the resident module (NOTE [layers across GPUs] in tiermem/inference/split.py), and two replicas
+the resident module (NOTE [layers across GPUs] in tiermem/inference/multidevice.py), and two replicas
 reading one pinned home (NOTE [one home for replicas] in tiermem/inference/transport.py). Each
 needs two GPUs and skips with fewer; NCCL runs with NVLink multicast off (NCCL_NVLS_ENABLE=0).
 Data parallel under wrap_training is tests/test_gpu_train_dp.py."""

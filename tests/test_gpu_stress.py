@@ -2,7 +2,7 @@
 with a checksum on every read and the accounting checked all along. Managed use stays < 1 GiB.
 
 Under the budget, shadow evictions park their pages and refills trade ranges (NOTE [parked pages]
-in core/engine.py); "trim" and "release" give parked pages back, so every path is taken. The staged
+in core/parking.py); "trim" and "release" give parked pages back, so every path is taken. The staged
 runs send every shadow copy the budget has room for through an 8 MiB staging ring (NOTE [staging
 ring] in cuda/staging.py), whose second stream writes managed pages that later discards drop."""
 from __future__ import annotations
@@ -27,7 +27,7 @@ def test_ten_thousand_random_operations_under_a_budget(seed, staging):
 
     import tiermem
     t = tiermem.Tier(0, cap="1GiB", budget=BUDGET, staging=staging)
-    t._staging.min_bytes = 1              # every shadow copy, however small, when the ring is on
+    t.staging.min_bytes = 1              # every shadow copy, however small, when the ring is on
     rng = random.Random(seed)
     weights = torch.randint(-(2**62), 2**62, (SIZES[-1] // 8,), dtype=torch.int64, device="cuda")
 

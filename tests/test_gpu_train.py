@@ -366,7 +366,7 @@ def test_writes_between_steps_reach_the_next_steps_as_in_a_resident_run():
 
 
 def test_an_evaluation_between_steps_streams_and_gives_the_resident_logits():
-    """NOTE [evaluation between steps] in tiermem/training/handle.py: after 4 steps under the tight budget,
+    """NOTE [evaluation between steps] in tiermem/training/hooks.py: after 4 steps under the tight budget,
     a forward under torch.no_grad() gives the resident run's logits bitwise, brings each streamed
     block's parameters in once over the link (it read them in place before), stays within the
     budget, and training goes on with the resident losses."""

@@ -147,7 +147,9 @@ def test_adopting_twice_or_an_empty_module_is_refused(tier):
 def test_a_budget_of_zero_reads_everything_in_place(tier):
     m = _model()
     ref = copy.deepcopy(m)
-    h = tier.wrap_module(m, budget=0)
+    with pytest.raises(tiermem.errors.ConfigError, match="pass mode='zero_copy' if that is meant"):
+        tier.wrap_module(m, budget=0)        # most likely a share that rounded down: said, not assumed
+    h = tier.wrap_module(m, budget=0, mode="zero_copy")
     assert h.plan.zero_copy_only and h.plan.pinned == frozenset()
     x = torch.randn(8, 256)
     assert torch.equal(m(x), ref(x)) and h._fwd_mode == "zero_copy"
@@ -183,10 +185,11 @@ def test_an_embedding_is_read_in_place_and_never_takes_a_slot(tier, fake):
         assert torch.equal(m(ids), ref(ids))
     assert tier.stats()["moved_bytes.all.h2d"] - before == h.plan.moved_bytes
     h.unwrap()
-    # Tied to the head, the table is read whole: it streams like any group.
+    # Tied to the head, the table is read whole by the head: it is planned as the head's (it
+    # streams, or is cut by rows: tests/test_split.py), and the lookup reads its rows in place.
     tied = _LM(tied=True)
     h = tier.wrap_module(tied, budget=share(tied, 30), max_group_bytes=1 * MiB, mode="stream")
-    assert h.plan.in_place == frozenset()
+    assert h.plan.in_place == frozenset() and h._groups["emb"].cut.gathers == (tied.emb,)
     h.unwrap()
 
 

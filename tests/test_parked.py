@@ -1,4 +1,4 @@
-"""Parked pages (NOTE [parked pages] in core/engine.py): under a budget, a shadow eviction keeps its
+"""Parked pages (NOTE [parked pages] in core/parking.py): under a budget, a shadow eviction keeps its
 device pages, and a refill copies into kept pages with no discard, its own or another buffer's.
 
 The fake backend poisons a discarded range with 0xDB, so data read back after a refill into

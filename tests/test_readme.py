@@ -1,8 +1,8 @@
 """README stays short and true: its code compiles (and, on a GPU, its quickstart runs as pasted),
-its test command is the one CI runs, and every file the docs link to exists."""
+and its test command is the one CI runs. Its links: tests/test_docs_links.py; its figures:
+tests/test_report.py."""
 from __future__ import annotations
 
-import glob
 import os
 import re
 
@@ -30,7 +30,7 @@ def test_readme_python_blocks_compile():
 
 def test_readme_is_short():
     n = len(_read(README).splitlines())
-    assert n < 250, f"README.md has {n} lines; the long material belongs in docs/"
+    assert n <= 200, f"README.md has {n} lines; the long material belongs in docs/"
 
 
 def test_readme_test_command_is_what_ci_runs():
@@ -40,23 +40,6 @@ def test_readme_test_command_is_what_ci_runs():
     ci = [line.strip() for line in _read(os.path.join(ROOT, ".ci", "run")).splitlines()
           if line.startswith("pip install")]
     assert ci == [commands[1]]
-
-
-def _doc_pages() -> list[str]:
-    return [README, *glob.glob(os.path.join(ROOT, "docs", "*.md")), *glob.glob(os.path.join(ROOT, "bench", "*", "README.md"))]
-
-
-@pytest.mark.parametrize("page", _doc_pages(), ids=lambda p: os.path.relpath(p, ROOT))
-def test_doc_links_point_at_files(page):
-    """Result files get pruned; a page must not keep linking to one that is gone."""
-    missing = []
-    for target in re.findall(r"\]\(([^)\s]+)\)", _read(page)):
-        if re.match(r"[a-z]+:", target) or target.startswith("#"):
-            continue
-        path = os.path.normpath(os.path.join(os.path.dirname(page), target.split("#")[0]))
-        if not os.path.exists(path):
-            missing.append(target)
-    assert not missing, f"{os.path.relpath(page, ROOT)} links to missing files: {missing}"
 
 
 @pytest.mark.gpu

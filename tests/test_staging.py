@@ -126,7 +126,7 @@ def test_the_side_stream_ends_after_all_of_the_second_streams_work():
     sess.add(dst.ctypes.data, src.ctypes.data, src.nbytes)
     sess.close()
     marker = {"at": None}
-    sim.record(marker, side)       # what Tier._finish's end event sees
+    sim.record(marker, side)       # what SideStreams.finish's end event sees
     # run the side stream as far as it can go, holding the second stream back where allowed:
     # it cannot pass the marker before the second stream has done every copy
     for seed in range(20):
@@ -195,7 +195,7 @@ def _kinds(fake, start=0):
 
 def _rings(t):
     """(refills' ring allocated, evictions' ring allocated)"""
-    return tuple(t._staging.ring(d) is not None and t._staging.ring(d).allocated for d in ("h2d", "d2h"))
+    return tuple(t.staging.ring(d) is not None and t.staging.ring(d).allocated for d in ("h2d", "d2h"))
 
 
 def test_megabytes_go_through_a_ring_each_way_and_a_small_move_goes_direct():
@@ -361,7 +361,7 @@ def test_a_refill_into_a_parked_victims_pages_waits_for_its_eviction_on_the_othe
     t.synchronize()                   # a's eviction is over: the refill has nothing of its own to wait for
     fake.events_pending = True        # moves look unfinished, as they are on a GPU
     t.prefetch(a)                     # b is the victim: copied out and parked; a takes its pages
-    out_side, in_side = t._streams["um_d2h"], t._streams["um_h2d"]
+    out_side, in_side = t.streams.named["um_d2h"], t.streams.named["um_h2d"]
     assert (b.location, b.parked, a.location) == (Location.HOST, False, Location.DEVICE)
     assert (in_side, out_side) in fake.waits       # the refill waited for b's eviction
     fake.events_pending = False

@@ -396,3 +396,82 @@ def test_a_captured_step_that_saves_other_tensors_than_its_trace_fails_as_a_refu
         with train.step():
             loss_of(model, ids).backward()
     assert train.plan is not None and train.settled
+
+
+def test_a_captured_step_is_refused_in_its_forward_before_it_queues_more_than_its_eager_steps(monkeypatch):
+    """NOTE [another path under capture]: the first save that differs from the trace while the
+    step is captured refuses the step there, in forward, before the swap takes anything the eager
+    steps never took (a new piece of the pinned arena is a cudaHostAlloc, which CUDA refuses while
+    a stream captures: the capture failed with cudaErrorStreamCaptureUnsupported on a transformers
+    Mistral under autocast). The plan stays, and the next eager steps train under it."""
+    import contextlib
+
+    fake, _, model, _, train = tiered(recompute="never")
+    monkeypatch.setattr(train.tier.backend, "capturing", contextlib.nullcontext, raising=False)
+    for ids in batches(10):
+        with train.step():
+            loss_of(model, ids).backward()
+    assert train.settled
+    plan = train.plan
+    longer = torch.cat([batches(1)[0]] * 2)          # a larger batch: more to save than any step before
+    seen_backward = []
+    with fake.counting() as calls:
+        with pytest.raises(tiermem.TierMemError, match="another path under a CUDA graph capture"):
+            with train.capturing():
+                with train.step():
+                    loss = loss_of(model, longer)
+                    seen_backward.append(True)
+                    loss.backward()
+    assert not seen_backward                     # refused in forward
+    assert "host_alloc" not in calls, calls      # the arena did not grow
+    for ids in batches(3, seed=2):
+        with train.step():
+            loss_of(model, ids).backward()
+    assert train.plan is plan and train.settled  # no new trace: the eager steps never diverged
+
+
+def test_the_swap_never_grows_its_pinned_arena_while_a_step_is_captured(monkeypatch):
+    """A captured step that would swap more than the arena holds is refused before it asks for
+    pinned memory (NOTE [another path under capture]); eagerly the arena grows as before."""
+    import contextlib
+    fake, _, model, _, train = tiered(recompute="never")
+    monkeypatch.setattr(train.tier.backend, "capturing", contextlib.nullcontext, raising=False)
+    for ids in batches(10):
+        with train.step():
+            loss_of(model, ids).backward()
+    assert train.settled and train.plan.swapped_bytes > 0
+    train.swap.arena.release()                   # as if the eager steps had swapped less than this one
+    with fake.counting() as calls:
+        with pytest.raises(tiermem.TierMemError, match="another path"):
+            with train.capturing():
+                with train.step():
+                    loss_of(model, batches(1)[0]).backward()
+    assert "host_alloc" not in calls, calls
+    with fake.counting() as calls:
+        with train.step():
+            loss_of(model, batches(1)[0]).backward()
+    assert "host_alloc" in calls                 # eagerly it grows again
+
+
+def test_autocast_caches_no_cast_inside_a_step_and_its_setting_comes_back_after():
+    """NOTE [autocast in a step] in tiermem/training/casts.py."""
+    model, _, train = _tiered()
+    assert torch.is_autocast_cache_enabled()
+    with train.step():
+        assert not torch.is_autocast_cache_enabled()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert not torch.is_autocast_cache_enabled()   # a region made inside reads the step's setting
+            loss = loss_of(model, batches(1)[0])
+        loss.backward()
+    assert torch.is_autocast_cache_enabled()
+    with pytest.raises(RuntimeError, match="inside"):
+        with train.step():
+            raise RuntimeError("inside")
+    assert torch.is_autocast_cache_enabled()
+    torch.set_autocast_cache_enabled(False)
+    try:
+        with train.step():
+            loss_of(model, batches(1)[0]).backward()
+        assert not torch.is_autocast_cache_enabled()       # the caller's own setting, kept
+    finally:
+        torch.set_autocast_cache_enabled(True)

@@ -1,5 +1,5 @@
 """Forwards outside train.step() under wrap_training (NOTE [evaluation between steps] in
-tiermem/training/handle.py), on the CPU over the fake backend: once a step has been traced, an evaluation
+tiermem/training/hooks.py), on the CPU over the fake backend: once a step has been traced, an evaluation
 streams the blocks through the slots instead of reading their pinned homes in place. Its logits
 are the plain model's, bitwise; it moves each streamed block's parameters in once; nothing stays
 bound to a slot after it; a forward stopped part-way, a block called alone and a write between

@@ -5,8 +5,9 @@ no other module's private members (tests/test_layers.py holds the code to it):
   - base: errors, dtypes, sizes and limits, roles, the default tier's slot;
   - CUDA: the raw calls (cuda/runtime.py), the backend protocol (cuda/backend.py) with its books of events
     across a CUDA graph capture (cuda/capture.py), the staging rings;
-  - core: the engine (core/engine.py) with its tensor, transfer, stats, leases and report, and the
-    streaming primitive every mover shares (core/stream.py: ordered copies, a ring of device slots,
+  - core: the engine (core/engine.py), composed of its parts (books, budget, side streams,
+    advice, parking, moves, eviction, placement), with its tensor, transfer, stats, leases and
+    report, and the streaming primitive every mover shares (core/stream.py: ordered copies, a ring of device slots,
     a pinned arena);
   - adapters: torch (wrap, module offload, training and its whole-step graphs, activation swap,
     the torch allocator),
@@ -22,6 +23,7 @@ from .core.tensor import TieredTensor
 from .cupy.allocator import make_allocator
 from .cupy.scoped import residency
 from .inference.module import wrap_module
+from .inference.options import ModuleOptions
 from .pytorch.wrap import unwrap, wrap
 from .roles import Role
 from .training.fsdp import wrap_fsdp
@@ -41,18 +43,25 @@ class Tier(Engine):
         """Give a wrapped tensor plain memory again (see tiermem.unwrap)."""
         return unwrap(self, tensor)
 
-    def wrap_module(self, module: Any, budget: int | str | None = None, **kwargs: Any) -> Any:
-        """Adopt a whole nn.Module within a budget (see tiermem.wrap_module)."""
-        return wrap_module(self, module, budget, **kwargs)
+    def wrap_module(self, module: Any, budget: int | str | None = None, *, options: ModuleOptions | None = None,
+                    **kwargs: Any) -> Any:
+        """Adopt a whole nn.Module within a budget (see tiermem.wrap_module; the options:
+        :class:`tiermem.handles.ModuleOptions`)."""
+        return wrap_module(self, module, budget, options=options, **kwargs)
 
     def wrap_training(self, model: Any, optimizer: Any, budget: int | str, **kwargs: Any) -> Any:
         """Train a model within a device budget (see tiermem.wrap_training)."""
         return wrap_training(self, model, optimizer, budget, **kwargs)
 
-    def wrap_fsdp(self, model: Any, optimizer: Any, **kwargs: Any) -> Any:
+    def wrap_fsdp(self, model: Any, optimizer: Any, budget: int | str | None = None, **kwargs: Any) -> Any:
         """Hold a fully_shard model's shards and optimizer states in pinned host memory (see
         tiermem.wrap_fsdp)."""
-        return wrap_fsdp(self, model, optimizer, **kwargs)
+        return wrap_fsdp(self, model, optimizer, budget, **kwargs)
+
+    def kv_cache(self, config: Any, max_tokens: int, kv_budget: int | str | None = None, **kwargs: Any) -> Any:
+        """A transformers KV cache in tiers on this Tier (see tiermem.kv_cache)."""
+        from .inference.kvcache import TieredKVCache   # imports transformers: only when asked for
+        return TieredKVCache(config, max_tokens, kv_budget, tier=self, **kwargs)
 
     def allocator(self, role: Role | str | None = None) -> Any:
         """A CuPy allocator (size -> MemoryPointer) serving tiered managed memory (see

@@ -5,11 +5,10 @@ A role names how a buffer is used in a training or inference step. Each role map
 engine never looks at module or type names: it looks a role up in a :class:`PolicyTable`.
 
 NOTE [default policies]
-    The defaults follow each role's access pattern, the link figures measured on the H100 machine
-    (docs/facts.md, bench/results/probe_paths*.json) and, for the four roles a training step
-    has, bench/advice_study.py (bench/results/advice_study-*.json: ResNet-50 and a GPT-2-style
-    model, one advice on one role at a time, under a budget of half the footprint, where data
-    comes back by page faults):
+    The defaults follow each role's access pattern, the link figures (docs/facts.md) and, for the
+    four roles a training step has, bench/advice_study.py (docs/advice-study.md, with its runs:
+    ResNet-50 and a GPT-2-style model, one advice on one role at a time, under a budget of half
+    the footprint, where data comes back by page faults):
 
     - prefetching a large range in runs at ~50 GB/s, page faults at ~7 GB/s, so whatever the next
       step needs is prefetched, never faulted in;
@@ -56,10 +55,10 @@ from collections.abc import Iterator, Mapping
 from types import MappingProxyType
 from typing import Any
 
-from .errors import RoleError
+from .errors import ConfigError, RoleError
 
-__all__ = ["Role", "Location", "Prefetch", "Evict", "Policy", "DEFAULT_POLICIES", "PolicyTable", "as_role", "check_policy",
-           "advice_plan"]
+__all__ = ["Role", "Location", "Prefetch", "Evict", "Policy", "DEFAULT_POLICIES", "PolicyTable", "as_role", "as_location",
+           "check_policy", "advice_plan"]
 
 
 class Role(str, enum.Enum):
@@ -175,6 +174,14 @@ def as_role(role: Role | str) -> Role:
         return Role(role)
     except ValueError:
         raise RoleError(f"unknown role {role!r}; roles are {[r.value for r in Role]}") from None
+
+
+def as_location(to: Location | str) -> Location:
+    """The :class:`Location` named by ``to``; anything else raises :class:`ConfigError`."""
+    try:
+        return Location(to)
+    except ValueError:
+        raise ConfigError(f"location must be 'device' or 'host', got {to!r}") from None
 
 
 def check_policy(role: Role | str, policy: Policy | None = None, changes: Mapping[str, Any] | None = None) -> Role:

@@ -22,7 +22,7 @@ import time
 
 import _path  # noqa: F401 - bench/ and the repository root on sys.path
 import torch
-from _common import median
+from _common import median, provenance
 
 
 def main():
@@ -142,7 +142,7 @@ def main():
                         + ("-clip" if a.max_grad_norm is not None else "") + ("-speculate" if a.speculate else "")
                         + ".json")
     with open(path, "w") as fh:
-        json.dump({"device": torch.cuda.get_device_name(0), "commit": os.environ.get("TIERMEM_COMMIT", ""),
+        json.dump({"device": torch.cuda.get_device_name(0), **provenance(),
                    "results": out}, fh, indent=1)
     print("wrote", path)
 

@@ -20,12 +20,12 @@ import statistics
 import time
 
 import torch
-from _common import progress
-from _path import RESULTS  # bench/ and the repository on sys.path
+from _path import RESULTS  # first: puts bench/ and the repository on sys.path
+from _common import device_view, progress, provenance  # noqa: E402
 
 from tiermem import Location
 from tiermem.cuda import runtime as _cuda
-from tiermem.cuda.backend import CudaBackend, _ArrayInterface
+from tiermem.cuda.backend import CudaBackend
 
 GiB, MiB = 1 << 30, 1 << 20
 N = GiB
@@ -36,7 +36,7 @@ D = be.new_stream()
 M = be.allocate(N, "probe/large").ptr
 P = be.host_alloc(N)
 torch.cuda.set_stream(torch.cuda.Stream())
-view = torch.as_tensor(_ArrayInterface(M, N, None), device="cuda")
+view = device_view(M, N)
 ref = torch.randint(0, 256, (N,), dtype=torch.uint8, device="cuda")
 _cuda.prefetch(M, N, Location.DEVICE, 0, C)
 _cuda.stream_synchronize(C)
@@ -140,4 +140,4 @@ for piece in (64 * MiB, 128 * MiB, 256 * MiB, 512 * MiB):
 R["device"] = torch.cuda.get_device_name()
 dest = os.environ.get("OUT") or RESULTS
 with open(os.path.join(dest, "probe_discard_cost.json"), "w") as f:
-    json.dump(R, f, indent=1)
+    json.dump({**provenance(), **R}, f, indent=1)

@@ -23,12 +23,12 @@ import time
 import cupy as cp
 import numpy as np
 import torch
-from _common import progress
-from _path import RESULTS  # bench/ and the repository on sys.path
+from _path import RESULTS  # first: puts bench/ and the repository on sys.path
+from _common import device_view, progress, provenance  # noqa: E402
 
 from tiermem import Location
 from tiermem.cuda import runtime as _cuda
-from tiermem.cuda.backend import CudaBackend, _ArrayInterface
+from tiermem.cuda.backend import CudaBackend
 
 GiB, MiB = 1 << 30, 1 << 20
 N = GiB
@@ -41,8 +41,8 @@ M2 = be.allocate(N, "probe/large").ptr       # the range that gets copied
 P2 = be.host_alloc(N)
 torch.cuda.set_stream(torch.cuda.Stream())
 dev = torch.randint(0, 256, (N,), dtype=torch.uint8, device="cuda")
-mv = torch.as_tensor(_ArrayInterface(M, N, None), device="cuda")
-m2v = torch.as_tensor(_ArrayInterface(M2, N, None), device="cuda")
+mv = device_view(M, N)
+m2v = device_view(M2, N)
 for p in (M, M2):
     _cuda.prefetch(p, N, Location.DEVICE, 0, X)
 _cuda.stream_synchronize(X)
@@ -177,4 +177,4 @@ for how in ("ce", "sm"):
 
 dest = os.environ.get("OUT") or RESULTS
 with open(os.path.join(dest, "probe_discard_overlap.json"), "w") as f:
-    json.dump(R, f, indent=1)
+    json.dump({**provenance(), **R}, f, indent=1)

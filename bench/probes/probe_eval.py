@@ -18,7 +18,7 @@ import time
 
 import _path  # noqa: F401 - bench/ and the repository root on sys.path
 import torch
-from _common import cuda_times, median
+from _common import cuda_times, median, provenance
 
 
 def timed(run, n):
@@ -89,7 +89,7 @@ def main():
     dev = torch.cuda.get_device_name(0).split()[1].lower()
     path = os.path.join(os.environ.get("OUT") or _path.RESULTS, f"probe_eval-{dev}-{time.strftime('%Y%m%d')}.json")
     with open(path, "w") as fh:
-        json.dump({"device": torch.cuda.get_device_name(0), "commit": os.environ.get("TIERMEM_COMMIT", ""),
+        json.dump({"device": torch.cuda.get_device_name(0), **provenance(),
                    "results": out}, fh, indent=1)
     print("wrote", path)
 

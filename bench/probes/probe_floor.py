@@ -27,7 +27,7 @@ def main():
     a = ap.parse_args()
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True, warn_only=True)
-    from _common import commit, device_name, device_slug
+    from _common import device_name, device_slug, provenance
     from train_budget import build_gpt, gpt_loss
 
     import tiermem
@@ -36,7 +36,7 @@ def main():
     g = torch.Generator(device="cuda").manual_seed(1)
     batches = [torch.randint(0, cfg.vocab, (4, 513), device="cuda", generator=g) for _ in range(a.steps)]
     tier = tiermem.Tier(0, cap="12GiB")
-    out = {"device": device_name(), "commit": commit(), "runs": {}}
+    out = {"device": device_name(), **provenance(), "runs": {}}
     for ratio in (float(x) for x in a.ratios.split(",")):
         torch.cuda.empty_cache()
         model = build_gpt(torch, cfg)

@@ -20,6 +20,7 @@ import statistics
 import time
 
 import _path  # noqa: F401 - bench/ and the repository root on sys.path
+from _common import provenance  # noqa: E402
 import torch
 
 GiB, MiB = 1 << 30, 1 << 20
@@ -78,7 +79,7 @@ def main():
 
     cases = {"h2d": lambda: on([(s_in, h2d)]), "d2h": lambda: on([(s_out, d2h)]),
              "both": lambda: on([(s_in, h2d), (s_out, d2h)]), "both_chained": chained}
-    out = {"device": torch.cuda.get_device_name(), "commit": os.environ.get("TIERMEM_COMMIT", ""),
+    out = {"device": torch.cuda.get_device_name(), **provenance(),
            "date": time.strftime("%Y-%m-%d"), "piece_bytes": piece, "bytes_each_way": n, "GBps": {}}
 
     def timed(fn):

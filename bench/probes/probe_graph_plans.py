@@ -25,6 +25,7 @@ import time
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 import _path  # noqa: F401 - bench/ and the repository root on sys.path
+from _common import provenance  # noqa: E402
 import torch
 from _recompute_study import causal_mask, hf_graph_loss, probe_model
 from train_budget import link_rates
@@ -134,7 +135,7 @@ def main():
     rate = min(h2d, d2h)
     print(f"link {h2d} / {d2h} GB/s, both ways {duplex}", flush=True)
     tier = tiermem.Tier(0, cap="12GiB")
-    result = {"device": torch.cuda.get_device_name(), "commit": os.environ.get("TIERMEM_COMMIT", ""),
+    result = {"device": torch.cuda.get_device_name(), **provenance(),
               "date": time.strftime("%Y-%m-%d"), "link": {"h2d": h2d, "d2h": d2h, "duplex": duplex}, "runs": []}
     path = os.path.join(a.out, f"probe_graph_plans-{a.models.replace(',', '-')}{a.tag}.json")
     for name in a.models.split(","):

@@ -18,6 +18,7 @@ import os
 import time
 
 import _path  # noqa: F401 - bench/ and the repository root on sys.path
+from _common import provenance  # noqa: E402
 import torch
 
 MB = 1e6
@@ -100,7 +101,7 @@ def main():
     path = os.path.join(os.environ.get("OUT", os.path.join(_path.RESULTS)),
                         f"probe_graph_pool-{dev}-{time.strftime('%Y%m%d')}.json")
     with open(path, "w") as fh:
-        json.dump({"device": torch.cuda.get_device_name(0), "results": res}, fh, indent=1)
+        json.dump({"device": torch.cuda.get_device_name(0), **provenance(), "results": res}, fh, indent=1)
     print("wrote", path)
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import sys
 
 import _path  # noqa: F401  (bench/ and the repository on sys.path)
-from _common import gbps, median, progress, table, write_results
+from _common import device_view, gbps, median, progress, table, write_results
 
 GiB = 1 << 30
 
@@ -25,14 +25,13 @@ def main() -> None:
 
     from tiermem import Location
     from tiermem.cuda import runtime as _cuda
-    from tiermem.cuda.backend import _ArrayInterface
 
     N = GiB
     dev = torch.empty(N, dtype=torch.uint8, device="cuda")
     man = _cuda.managed_alloc(N, 0)
-    mv = torch.as_tensor(_ArrayInterface(man.ptr, N, None), device="cuda")
+    mv = device_view(man.ptr, N)
     pin_ptr = _cuda.host_alloc(N)
-    pv = torch.as_tensor(_ArrayInterface(pin_ptr, N, None), device="cuda")   # UVA view of pinned
+    pv = device_view(pin_ptr, N)   # UVA view of pinned
     ref = torch.randint(0, 256, (N,), dtype=torch.uint8, device="cuda")
     pv.copy_(ref)
     streams = [torch.cuda.Stream() for _ in range(4)]

@@ -23,7 +23,7 @@ import time
 import _path  # noqa: F401 - bench/ and the repository root on sys.path
 import torch
 import torch.nn.functional as F
-from _common import host_us_per_call
+from _common import host_us_per_call, provenance
 
 import tiermem
 from tiermem.cuda import runtime as _cuda
@@ -147,7 +147,7 @@ def main():
     path = (os.path.join(out, f"probe_host_calls-{a.model}.json") if out else
             os.path.join(_path.RESULTS, f"probe_host_calls-{a.model}-{datetime.date.today():%Y%m%d}.json"))
     with open(path, "w") as fh:
-        json.dump(R, fh, indent=1)
+        json.dump({**provenance(), **R}, fh, indent=1)
     print("wrote", path)
 
 

@@ -1,5 +1,5 @@
 """Where load_pretrained's time and host memory go (issue: load at 0.072 of the warm read rate,
-peak host 1.28x the host budget, bench/results/offload_disk-h200-20261123.json).
+peak host 1.28x the host budget, bench/offload_disk.py on the H200 at b8b73ed).
 
 Sections, each timed on its own:
   pin          ways to get N bytes of pinned host memory ready to hold data: cudaHostAlloc; an
@@ -32,6 +32,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import _path  # noqa: F401
+from _common import provenance  # noqa: E402
 import torch
 from _probe import R, section
 from cuda.bindings import runtime as rt
@@ -345,7 +346,7 @@ def main():
     shutil.rmtree(args.dir, ignore_errors=True)
     out = os.environ.get("OUT") or _path.RESULTS
     with open(os.path.join(out, "probe_load.json"), "w") as f:
-        json.dump(R, f, indent=1, default=str)
+        json.dump({**provenance(), **R}, f, indent=1, default=str)
 
 
 if __name__ == "__main__":

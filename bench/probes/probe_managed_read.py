@@ -11,12 +11,11 @@ import statistics
 import time
 
 import torch
-from _common import progress
-from _path import RESULTS  # bench/ and the repository on sys.path
+from _path import RESULTS  # first: puts bench/ and the repository on sys.path
+from _common import device_view, progress, provenance  # noqa: E402
 
 from tiermem import Location
 from tiermem.cuda import runtime as _cuda
-from tiermem.cuda.backend import _ArrayInterface
 
 GiB, MiB = 1 << 30, 1 << 20
 N = GiB
@@ -74,7 +73,7 @@ def populate(how):
         _cuda.advise(p, N, "preferred_location", True, Location.DEVICE, 0)
     if how in ("accessed_by", "pref_and_accessed"):
         _cuda.advise(p, N, "accessed_by", True, Location.DEVICE, 0)
-    v = torch.as_tensor(_ArrayInterface(p, N, None), device="cuda")
+    v = device_view(p, N)
     if how == "first_touch":
         pass
     elif how == "discard_prefetch":
@@ -119,4 +118,4 @@ for how in ("prefetch", "first_touch", "discard_prefetch", "pref_device", "acces
 
 dest = os.environ.get("OUT") or RESULTS
 with open(os.path.join(dest, "probe_managed_read.json"), "w") as f:
-    json.dump(R, f, indent=1)
+    json.dump({**provenance(), **R}, f, indent=1)

@@ -1,6 +1,6 @@
 """Probe: with the staging ring, do an eviction and a refill overlap across the two directions?
 
-tiermem runs every move on one stream (UM_STREAM in tiermem/core/engine.py), because moves that touch
+tiermem runs every move on one stream (UM_STREAMS in tiermem/core/sidestreams.py), because moves that touch
 managed memory never overlapped across directions (probe_paths2). Through the ring (NOTE [staging
 ring] in tiermem/cuda/staging.py) the link copies touch only pinned memory and cudaMalloc slots; only
 the device-side copies touch managed pages. This times 1 GiB out of managed pages and 1 GiB into
@@ -21,7 +21,7 @@ from __future__ import annotations
 import sys
 
 import _path  # noqa: F401  (bench/ and the repository on sys.path)
-from _common import gbps, median, progress, table, write_results
+from _common import device_view, gbps, median, progress, table, write_results
 
 GiB = 1 << 30
 
@@ -32,12 +32,12 @@ def main() -> None:
 
     from tiermem import Location
     from tiermem.cuda import runtime as _cuda
-    from tiermem.cuda.backend import CudaBackend, _ArrayInterface
+    from tiermem.cuda.backend import CudaBackend
     from tiermem.cuda.staging import StagingRing
 
     N = GiB
     be = CudaBackend(0, cap="3GiB")
-    view = lambda p: torch.as_tensor(_ArrayInterface(p, N, None), device="cuda")  # noqa: E731
+    view = lambda p: device_view(p, N)  # noqa: E731
     m_in, m_out = _cuda.managed_alloc(N, 0), _cuda.managed_alloc(N, 0)
     p_in, p_out = _cuda.host_alloc(N), _cuda.host_alloc(N)
     dev_a, dev_b = torch.empty(N, dtype=torch.uint8, device="cuda"), torch.empty(N, dtype=torch.uint8, device="cuda")

@@ -8,6 +8,7 @@ eviction, and how the CUDA range/pointer queries answer. Managed memory stays at
     python bench/probes/probe_paths.py  ->  $OUT/probe_paths.json (or bench/results/)
 """
 from _path import RESULTS  # bench/ and the repository on sys.path
+from _common import provenance  # noqa: E402
 from _probe import *  # noqa: F401,F403  (shared helpers and R)
 from _probe import R, section
 
@@ -267,4 +268,4 @@ def _():
 dest = os.environ.get("OUT") or RESULTS
 os.makedirs(dest, exist_ok=True)
 with open(os.path.join(dest, "probe_paths.json"), "w") as f:
-    json.dump(R, f, indent=1, default=str)
+    json.dump({**provenance(), **R}, f, indent=1, default=str)

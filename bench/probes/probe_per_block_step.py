@@ -129,8 +129,8 @@ def main():
                     times[n].append(e0.elapsed_time(e1))
             print(f"round {r + 1}/{a.rounds} {n:24s} median {statistics.median(times[n][-a.steps:]):7.1f} ms", flush=True)
     res = {n: round(statistics.median(t), 1) for n, t in times.items()}
-    from _common import commit
-    out = {"device": torch.cuda.get_device_name(0), "commit": commit(), "date": time.strftime("%Y-%m-%d"),
+    from _common import provenance
+    out = {"device": torch.cuda.get_device_name(0), **provenance(), "date": time.strftime("%Y-%m-%d"),
            "model": a.model, "rounds": a.rounds, "steps": a.steps,
            "median_ms": res, "over_resident": {n: round(v / res["resident"], 3) for n, v in res.items()},
            "per_block_cost_ms": {"checkpoint": round(res["checkpoint, per block"] - res["checkpoint"], 1),

@@ -8,12 +8,12 @@ import json
 import os
 
 import torch
-from _common import cuda_times, gbps, median, progress
-from _path import RESULTS  # bench/ and the repository on sys.path
+from _path import RESULTS  # first: puts bench/ and the repository on sys.path
+from _common import cuda_times, gbps, median, progress, provenance  # noqa: E402
 
 import tiermem
 from tiermem import Location
-from tiermem.core.engine import coalesce
+from tiermem.core.ranges import coalesce
 from tiermem.cuda import runtime as _cuda
 
 GiB, MiB = 1 << 30, 1 << 20
@@ -54,7 +54,7 @@ for t in A:
     t.torch().copy_(torch.randn(t.shape, device="cuda", dtype=torch.float16))
 refs = [t.torch(writable=False).clone() for t in A]
 gc.collect()
-bufs = [t._b for t in A]
+bufs = [t.buffer for t in A]
 
 
 def shadow_evict():
@@ -133,7 +133,7 @@ tier.evict(W, _path="um")
 sync()
 R["um_group_prefetch_in"] = med(lambda: tier.prefetch(W), lambda: (tier.evict(W, _path="um"), sync()))
 R["um_group_evict_um"] = med(lambda: tier.evict(W, _path="um"), lambda: (tier.prefetch(W), sync()))
-wb = [t._b for t in W]
+wb = [t.buffer for t in W]
 ptr, n = coalesce((b.block.alloc, b.ptr, b.span) for b in wb)[0]
 for t in W:
     t.advise(read_mostly=True, preferred_location="host", accessed_by_device=True, read_only=True)
@@ -172,5 +172,5 @@ progress(f"zero-copy {R}")
 
 dest = os.environ.get("OUT") or RESULTS
 with open(os.path.join(dest, "probe_refill.json"), "w") as f:
-    json.dump(R, f, indent=1)
+    json.dump({**provenance(), **R}, f, indent=1)
 print(json.dumps(R, indent=1))

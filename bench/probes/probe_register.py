@@ -28,6 +28,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import _path  # noqa: F401
+from _common import provenance  # noqa: E402
 import numpy as np
 import torch
 from _probe import R, section
@@ -238,7 +239,7 @@ def main():
     out = os.environ.get("OUT") or os.path.join(_path.BENCH, "results")
     name = "probe_register.json" if os.environ.get("OUT") else f"probe_register-{time.strftime('%Y%m%d')}.json"
     with open(os.path.join(out, name), "w") as f:
-        json.dump(R, f, indent=1, default=str)
+        json.dump({**provenance(), **R}, f, indent=1, default=str)
 
 
 if __name__ == "__main__":

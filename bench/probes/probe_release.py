@@ -15,12 +15,11 @@ import statistics
 import time
 
 import torch
-from _common import progress
-from _path import RESULTS  # bench/ and the repository on sys.path
+from _path import RESULTS  # first: puts bench/ and the repository on sys.path
+from _common import device_view, progress, provenance  # noqa: E402
 
 from tiermem import Location
 from tiermem.cuda import runtime as _cuda
-from tiermem.cuda.backend import _ArrayInterface
 
 GiB, MiB = 1 << 30, 1 << 20
 N = GiB
@@ -30,7 +29,7 @@ P = _cuda.host_alloc(N)
 torch.cuda.set_stream(torch.cuda.Stream())
 ref = torch.randint(0, 256, (N,), dtype=torch.uint8, device="cuda")
 m = _cuda.managed_alloc(N, 0)
-v = torch.as_tensor(_ArrayInterface(m.ptr, N, None), device="cuda")
+v = device_view(m.ptr, N)
 R: dict = {"device": torch.cuda.get_device_name()}
 
 
@@ -73,4 +72,4 @@ for name, fn in release.items():
 
 dest = os.environ.get("OUT") or RESULTS
 with open(os.path.join(dest, "probe_release.json"), "w") as f:
-    json.dump(R, f, indent=1)
+    json.dump({**provenance(), **R}, f, indent=1)

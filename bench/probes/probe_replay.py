@@ -15,6 +15,7 @@ import os
 import statistics
 
 import _path  # noqa: F401 - bench/ and the repository root on sys.path
+from _common import provenance  # noqa: E402
 import torch
 
 
@@ -91,7 +92,7 @@ def main():
               flush=True)
     path = os.path.join(os.environ.get("OUT", "bench/results"), "probe_replay.json")
     with open(path, "w") as fh:
-        json.dump(out, fh, indent=1)
+        json.dump({**provenance(), **out}, fh, indent=1)
     print("wrote", path)
 
 

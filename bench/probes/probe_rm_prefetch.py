@@ -18,7 +18,7 @@ import gc
 import sys
 
 import _path  # noqa: F401  (bench/ and the repository on sys.path)
-from _common import cuda_times, gbps, median, progress, table, write_results
+from _common import cuda_times, device_view, gbps, median, progress, table, write_results
 
 GiB = 1 << 30
 
@@ -29,12 +29,11 @@ def main() -> None:
 
     from tiermem import Location
     from tiermem.cuda import runtime as _cuda
-    from tiermem.cuda.backend import _ArrayInterface
 
     N = GiB
     cur = lambda: torch.cuda.current_stream().cuda_stream  # noqa: E731
     m = _cuda.managed_alloc(N, 0)
-    v = torch.as_tensor(_ArrayInterface(m.ptr, N, None), device="cuda")
+    v = device_view(m.ptr, N)
     ref = torch.randint(0, 256, (N,), dtype=torch.uint8, device="cuda")
     _cuda.prefetch(m.ptr, N, Location.DEVICE, 0, cur())
     v.copy_(ref)

@@ -22,7 +22,7 @@ import statistics
 import _path  # noqa: F401 - bench/ and the repository root on sys.path
 import torch
 import torch.utils.checkpoint as cp
-from _common import cuda_times, host_us_per_call
+from _common import cuda_times, host_us_per_call, provenance
 
 
 def main():
@@ -76,7 +76,7 @@ def main():
     out = os.environ.get("OUT") or _path.RESULTS
     name = "probe_rng_cost.json" if os.environ.get("OUT") else f"probe_rng_cost-{datetime.date.today():%Y%m%d}.json"
     with open(os.path.join(out, name), "w") as f:
-        json.dump(R, f, indent=1)
+        json.dump({**provenance(), **R}, f, indent=1)
 
 
 if __name__ == "__main__":

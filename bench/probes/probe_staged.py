@@ -20,12 +20,11 @@ import time
 
 import numpy as np
 import torch
-from _common import progress
-from _path import RESULTS  # bench/ and the repository on sys.path
+from _path import RESULTS  # first: puts bench/ and the repository on sys.path
+from _common import device_view, progress, provenance  # noqa: E402
 
 from tiermem import Location
 from tiermem.cuda import runtime as _cuda
-from tiermem.cuda.backend import _ArrayInterface
 
 GiB, MiB = 1 << 30, 1 << 20
 N = GiB
@@ -37,7 +36,7 @@ torch.cuda.set_stream(torch.cuda.Stream())
 ref = torch.randint(0, 256, (N,), dtype=torch.uint8, device="cuda")
 m = _cuda.managed_alloc(N, 0)
 M = m.ptr
-v = torch.as_tensor(_ArrayInterface(M, N, None), device="cuda")
+v = device_view(M, N)
 staging = torch.empty(N, dtype=torch.uint8, device="cuda")
 S = staging.data_ptr()
 pinned = torch.from_numpy(np.ctypeslib.as_array(ctypes.cast(P, ctypes.POINTER(ctypes.c_uint8)), (N,)))
@@ -160,4 +159,4 @@ for slot in (64 * MiB, 128 * MiB, 256 * MiB):
 
 dest = os.environ.get("OUT") or RESULTS
 with open(os.path.join(dest, "probe_staged.json"), "w") as f:
-    json.dump(R, f, indent=1)
+    json.dump({**provenance(), **R}, f, indent=1)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import sys
 
 import _path  # noqa: F401  (bench/ and the repository on sys.path)
-from _common import gbps, median, progress, table, write_results
+from _common import device_view, gbps, median, progress, table, write_results
 
 GiB, MiB = 1 << 30, 1 << 20
 
@@ -34,18 +34,17 @@ def main() -> None:
 
     from tiermem import Location
     from tiermem.cuda import runtime as _cuda
-    from tiermem.cuda.backend import _ArrayInterface
 
     N = GiB
     dev = torch.empty(N, dtype=torch.uint8, device="cuda")
     man = _cuda.managed_alloc(N, 0)
-    mv = torch.as_tensor(_ArrayInterface(man.ptr, N, None), device="cuda")
+    mv = device_view(man.ptr, N)
     pin = _cuda.host_alloc(N)
-    pv = torch.as_tensor(_ArrayInterface(pin, N, None), device="cuda")   # UVA view of pinned
+    pv = device_view(pin, N)   # UVA view of pinned
     ref = torch.randint(0, 256, (N,), dtype=torch.uint8, device="cuda")
     pv.copy_(ref)
     pin_out = _cuda.host_alloc(N)
-    pov = torch.as_tensor(_ArrayInterface(pin_out, N, None), device="cuda")
+    pov = device_view(pin_out, N)
     dev.copy_(ref)
     main_s = torch.cuda.current_stream()
     X, Y = torch.cuda.Stream(), torch.cuda.Stream()

@@ -21,6 +21,7 @@ import statistics
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 import _path  # noqa: F401 - bench/ and the repository root on sys.path
+from _common import provenance  # noqa: E402
 import torch
 from _recompute_study import causal_mask, hf_graph_loss, probe_model
 
@@ -123,7 +124,7 @@ def main():
     a = ap.parse_args()
     torch.use_deterministic_algorithms(True, warn_only=True)
     tier = tiermem.Tier(0, cap="12GiB")
-    result = {"device": torch.cuda.get_device_name(), "ratio": a.ratio, "commit": os.environ.get("TIERMEM_COMMIT", "")}
+    result = {"device": torch.cuda.get_device_name(), "ratio": a.ratio, **provenance()}
     for name in (["gpt", "hf"] if a.model == "both" else [a.model]):
         result[name] = run(name, a, tier)
     path = os.path.join(a.out, f"probe_step_graph-{a.model}.json")

@@ -20,6 +20,7 @@ import sys
 import time
 
 from _path import RESULTS  # bench/ and the repository on sys.path
+from _common import provenance, tier_staging_everything  # noqa: E402
 
 KiB, MiB = 1 << 10, 1 << 20
 SIZES = [4 * KiB, 64 * KiB, 1 * MiB, 2 * MiB, 3 * MiB + 8, 8 * MiB]
@@ -44,9 +45,8 @@ def run_seed(seed: int, variant: dict, log_limit: int = 200_000) -> dict:
     import torch
 
     import tiermem
-    t = tiermem.Tier(0, cap="1GiB", budget=BUDGET, staging=variant.get("staging", "auto"))
-    if "staging" in variant:
-        t._staging.min_bytes = 1
+    kw = dict(device=0, cap="1GiB", budget=BUDGET, staging=variant.get("staging", "auto"))
+    t = tier_staging_everything(tiermem, **kw) if "staging" in variant else tiermem.Tier(**kw)
     be = t.backend
     calls: list[tuple] = []     # (step, what, ranges, stream)
     step_box = [0]
@@ -108,7 +108,7 @@ def run_seed(seed: int, variant: dict, log_limit: int = 200_000) -> dict:
         fenced("discard")
         fenced("discard_and_prefetch")
     if variant.get("no_discard"):
-        t._evict_path = lambda b, park=False, _orig=t._evict_path: "um" if _orig(b, park) in ("discard", "copy") else _orig(b, park)
+        t.moves.evict_path = lambda b, park=False, _orig=t.moves.evict_path: "um" if _orig(b, park) in ("discard", "copy") else _orig(b, park)
 
     rng = random.Random(seed)
     weights = torch.randint(-(2**62), 2**62, (SIZES[-1] // 8,), dtype=torch.int64, device="cuda")
@@ -124,7 +124,7 @@ def run_seed(seed: int, variant: dict, log_limit: int = 200_000) -> dict:
     blocking = variant.get("blocking", False)
 
     def describe(x, e, got) -> dict:
-        b = x._b
+        b = x.buffer
         exp = e[3]
         diff = (got != exp).nonzero().flatten()
         lo, hi = int(diff[0]), int(diff[-1])
@@ -175,7 +175,7 @@ def run_seed(seed: int, variant: dict, log_limit: int = 200_000) -> dict:
         return info
 
     def state(x) -> str:
-        b = x._b
+        b = x.buffer
         return (f"{b.where} shadow={b.in_shadow} sv={b.shadow_valid} hv={b.host_valid} "
                 f"foreign={b.foreign_views()} pend={'-' if b.pending is None or b.pending.done() else 'busy'}")
 
@@ -266,7 +266,7 @@ def main() -> None:
     out = {"variant": variant_name, "seeds": seeds, "mismatches": bad}
     d = os.environ.get("OUT", RESULTS)
     with open(os.path.join(d, f"probe_stress-{variant_name}.json"), "w") as f:
-        json.dump(out, f, indent=1, default=str)
+        json.dump({**provenance(), **out}, f, indent=1, default=str)
     print(f"{variant_name}: {len(bad)} mismatches in {len(seeds)} seeds x 10,000 ops")
 
 

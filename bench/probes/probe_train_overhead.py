@@ -457,8 +457,8 @@ def main():
     path = os.path.join(os.environ.get("OUT", "bench/results"),
                         f"probe_train_overhead-{a.model}-{a.adamw}-{time.strftime('%Y%m%d')}.json")
     with open(path, "w") as fh:
-        from _common import commit
-        json.dump({"device": torch.cuda.get_device_name(0), "commit": commit(), "date": time.strftime("%Y-%m-%d"),
+        from _common import provenance
+        json.dump({"device": torch.cuda.get_device_name(0), **provenance(), "date": time.strftime("%Y-%m-%d"),
                    "results": out}, fh, indent=1)
     print("wrote", path)
 

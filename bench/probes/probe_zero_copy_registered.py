@@ -13,7 +13,7 @@ import statistics
 
 import _path  # noqa: F401
 import torch
-from _common import cuda_times
+from _common import cuda_times, provenance
 from cuda.bindings import runtime as rt
 
 from tiermem.base import hostpages as _hostpages
@@ -66,7 +66,7 @@ def main():
         ok(rt.cudaHostUnregister(ptr))
         _hostpages.unmap_pages(ptr, N)
     with open(os.path.join(os.environ.get("OUT") or _path.RESULTS, "probe_zero_copy_registered.json"), "w") as fh:
-        json.dump(R, fh, indent=1)
+        json.dump({**provenance(), **R}, fh, indent=1)
 
 
 if __name__ == "__main__":

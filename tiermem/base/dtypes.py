@@ -10,7 +10,7 @@ from typing import Any
 
 from ..errors import ViewError
 
-__all__ = ["canonical", "itemsize", "to_torch", "to_numpy"]
+__all__ = ["canonical", "names", "itemsize", "to_torch", "to_numpy"]
 
 _ITEMSIZE = {
     "bool": 1, "uint8": 1, "int8": 1, "int16": 2, "uint16": 2, "int32": 4, "uint32": 4,
@@ -37,6 +37,11 @@ def canonical(dtype: Any) -> str:
         if name not in _ITEMSIZE:
             raise ViewError(f"unsupported dtype {dtype!r}; tiermem knows {sorted(_ITEMSIZE)}")
     return name
+
+
+def names() -> list[str]:
+    """The canonical names tiermem holds, smallest items first."""
+    return sorted(_ITEMSIZE, key=lambda n: (_ITEMSIZE[n], n))
 
 
 def itemsize(name: str) -> int:

@@ -11,7 +11,7 @@ import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
-__all__ = ["available", "map_pages", "unmap_pages"]
+__all__ = ["available", "available_bytes", "map_pages", "unmap_pages"]
 
 MADV_HUGEPAGE = 14       # <asm-generic/mman-common.h>; Python's mmap module names it only for its own objects
 MADV_DONTFORK = 10
@@ -40,6 +40,19 @@ def _lib():
 def available() -> bool:
     """Whether this platform maps anonymous memory through libc (Linux)."""
     return os.name == "posix" and hasattr(mmap, "MAP_ANONYMOUS")
+
+
+def available_bytes() -> int | None:
+    """Host memory the kernel says a new allocation can get without swapping (``MemAvailable``
+    in /proc/meminfo), in bytes; None where there is no such figure."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
 
 
 def map_pages(nbytes: int, threads: int = 8, touch: bool = True) -> int:

@@ -15,7 +15,7 @@ from typing import NoReturn
 
 from .. import __version__
 from ..base.limits import ENV_BUDGET, ENV_CAP, ENV_OVERSUBSCRIBE, check_bytes
-from ..errors import ConfigError, TierMemError
+from ..errors import CheckpointError, ConfigError, TierMemError
 
 # The dry run lists every decoder layer, and a real run builds the model: past this the command
 # would only run out of memory or time.
@@ -154,11 +154,12 @@ def main(argv: list[str] | None = None) -> int:
         return demo(weights_gb=args.weights_gb, budget=args.budget, dry_run=args.dry_run)
     except TierMemError as e:
         # tiermem's errors say what to do in their message; a traceback would only hide it. A bad
-        # setting (TIERMEM_BUDGET, say) is the user's, so it exits 2 like a bad option; anything
-        # else (no memory left, a CUDA failure) exits 1. Other exceptions are bugs: they keep
-        # their traceback.
-        print(f"{ap.prog}: error: {e}", file=sys.stderr)
-        return 2 if isinstance(e, ConfigError) else 1
+        # setting (TIERMEM_BUDGET, say) or input (a checkpoint load_pretrained would refuse) is
+        # the user's, so it exits 2 like a bad option; anything else (no memory left, a CUDA
+        # failure, a package missing) exits 1. Other exceptions are bugs: they keep their traceback.
+        text = " ".join(str(e).split("\n"))      # one line, whatever a message quoted
+        print(f"{ap.prog}: error: {text}", file=sys.stderr)
+        return 2 if isinstance(e, (ConfigError, CheckpointError)) else 1
     except KeyboardInterrupt:
         print(f"{ap.prog}: interrupted", file=sys.stderr)
         return 130

@@ -21,7 +21,7 @@ peaks are peaks of the sum, not sums of peaks):
     ops.ROLE.{evict_park,refill_reuse,park_release}   evictions that kept their device pages;
                                                       refills into kept pages (no discard, no fresh
                                                       pages); kept pages given back to the driver
-                                                      (NOTE [parked pages] in core/engine.py)
+                                                      (NOTE [parked pages] in core/parking.py)
     staged_bytes.ROLE.{h2d,d2h}                       of moved bytes, those that went through the
                                                       staging ring (NOTE [staging ring])
     advice.ROLE.{applied,skipped}                     cudaMemAdvise calls made, and skipped because

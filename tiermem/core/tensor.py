@@ -7,16 +7,16 @@ NOTE [views and the fast paths]
     tiermem made them. Tensors that tiermem rebinds itself (a wrapped parameter's ``.data``) hold
     "internal" tokens; everything else is "foreign".
 
-    Unified Memory alone writes device pages back to the host at ~10 GB/s. tiermem's fast
-    eviction copies them to a pinned shadow at link rate and then discards the managed range
-    (bench/results/probe_paths2.json), so the data lives at another address until it is brought
-    back. That is only safe when tiermem can re-point every tensor that refers to the range; so the
+    Unified Memory alone writes device pages back to the host at a fraction of the link's rate.
+    tiermem's fast eviction copies them to a pinned shadow at link rate and then discards the
+    managed range (NOTE [eviction paths] in core/moves.py), so the data lives at another address
+    until it is brought back. That is only safe when tiermem can re-point every tensor that refers to the range; so the
     fast path runs only when no foreign view is alive and, after re-pointing, no other reference to
     the old storage remains (an autograd graph that saved the tensor, a ``.detach()`` kept by the
     user). Otherwise the eviction goes through Unified Memory, which is slower but keeps every
     pointer valid. A view asked for while the data sits in the shadow first brings it back.
     Under a budget the range keeps its device pages meanwhile, and a refill may trade ranges with
-    another shadowed buffer (NOTE [parked pages] in core/engine.py); the same rules make that safe.
+    another shadowed buffer (NOTE [parked pages] in core/parking.py); the same rules make that safe.
 
 NOTE [dlpack]
     A managed CuPy array exports DLPack device type 13 (kDLCUDAManaged), which torch.from_dlpack
@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from ..base import dtypes as _dtypes
 from ..cuda.backend import LARGE
-from ..errors import TierMemError, ViewError
+from ..errors import ConfigTypeError, TierMemError, ViewError
 from ..roles import Location, Policy, Role
 
 if TYPE_CHECKING:
@@ -42,7 +42,7 @@ if TYPE_CHECKING:
     from ..cuda.backend import Block, HostBlock
     from .transfer import Transfer
 
-__all__ = ["TieredTensor"]
+__all__ = ["TieredTensor", "tiered_list"]
 
 log = logging.getLogger("tiermem")
 
@@ -88,7 +88,7 @@ class Buffer:
         self.shadow_valid = False           # the pinned shadow holds the current data
         self.in_shadow = False              # the data lives in the shadow, not the managed range
         self.parked = False                 # in the shadow, but the range's device pages are kept
-                                            # for the next refill (NOTE [parked pages] in core/engine.py)
+                                            # for the next refill (NOTE [parked pages] in core/parking.py)
         self.host_valid = False             # a read-mostly host copy in the managed range is current
         self.read_mostly_while_resident = False   # lent read-mostly by a read-only scope: its
                                             # collapse unsets it (NOTE [read-only scopes], cupy/scoped.py)
@@ -99,7 +99,7 @@ class Buffer:
         self.last_use = 0
         self.pending: Transfer | None = None
         self.freed = False
-        self.gone = False                   # its memory went back (NOTE [finalizer race] in core/engine.py)
+        self.gone = False                   # its memory went back (NOTE [finalizer race] in core/placement.py)
 
     @property
     def owns_pages(self) -> bool:
@@ -179,7 +179,7 @@ class TieredTensor:
         """Address of the managed range that holds the data on the device. Stable while a foreign
         view (``.torch()``, ``.cupy()``, DLPack) is alive; otherwise a refill may give the tensor
         the device pages another tensor left behind, at another address (NOTE [parked pages] in
-        core/engine.py). tiermem re-points the tensors it bound itself (wrapped parameters)."""
+        core/parking.py). tiermem re-points the tensors it bound itself (wrapped parameters)."""
         return self._b.ptr
 
     @property
@@ -199,7 +199,7 @@ class TieredTensor:
     @property
     def parked(self) -> bool:
         """True while evicted to the shadow with its device pages kept, under the budget, for the
-        next refill (NOTE [parked pages] in core/engine.py)."""
+        next refill (NOTE [parked pages] in core/parking.py)."""
         return self._b.parked
 
     @property
@@ -280,3 +280,26 @@ class TieredTensor:
         buf, self._buf = self._buf, None
         if buf is not None:
             buf.tier.release_buffer(buf)
+
+
+def tiered_list(tensors: Any, call: str, also: tuple[type, ...] = ()) -> list[Any]:
+    """``tensors``, one TieredTensor or an iterable of them, as a list; anything else raises
+    :class:`ConfigTypeError` naming ``call`` and what it got (``also``: other types let through,
+    the engine's own Buffers). Needs no Tier, so the module-level prefetch and evict check their
+    argument before they look for one."""
+    kinds = (TieredTensor, *also)
+    if isinstance(tensors, kinds):
+        return [tensors]
+    # A string is iterable, and so is a torch tensor (over its rows): neither is what is meant.
+    if isinstance(tensors, (str, bytes)) or not hasattr(tensors, "__iter__") or hasattr(tensors, "__dlpack__"):
+        raise ConfigTypeError(f"{call} takes a TieredTensor or an iterable of them, got {_kind(tensors)}")
+    out = list(tensors)
+    for t in out:
+        if not isinstance(t, kinds):
+            raise ConfigTypeError(f"{call} takes TieredTensors, got {_kind(t)} among them")
+    return out
+
+
+def _kind(x: Any) -> str:
+    text = repr(x)
+    return f"{type(x).__name__} {text if len(text) <= 40 else text[:37] + '...'}"

@@ -7,8 +7,9 @@ __all__ = ["Transfer"]
 
 
 class Owner(Protocol):
-    """What a transfer needs of the tier that enqueued it (the Engine): named here rather than
-    imported, so imports point one way, from the engine down to its transfers."""
+    """What a transfer needs of what enqueued it (the engine's side streams, core/sidestreams.py,
+    or an adapter's tier): named here rather than imported, so imports point one way, from the
+    engine down to its transfers."""
 
     backend: Any
     accounting: Any

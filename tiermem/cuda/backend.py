@@ -6,9 +6,9 @@ and zero-copy views for torch and CuPy. Tests pass a fake backend with the same 
 policy, budget, accounting and error logic run on a CPU.
 
 NOTE [size classes]
-    The driver packs small managed allocations together (a 4 KiB cudaMallocManaged came back at
-    an offset of 512 bytes into a page), while allocations of 2 MiB multiples come back 2 MiB
-    aligned (bench/results/probe_paths.json). Advice and migration work on whole pages, so a
+    The driver packs small managed allocations together, while allocations of 2 MiB multiples
+    come back 2 MiB aligned (docs/facts.md, "API behaviour tiermem depends on"). Advice and
+    migration work on whole pages, so a
     buffer that shares a page with another one is advised and moved with it. Requests of 2 MiB
     and more are therefore rounded up to 2 MiB multiples and served from a per-role pool that
     holds nothing else; they own their pages. Smaller requests share pages within a per-role
@@ -16,21 +16,21 @@ NOTE [size classes]
 
 NOTE [discard fence]
     cudaMemDiscardBatchAsync and cudaMemDiscardAndPrefetchBatchAsync are stream-ordered on paper,
-    but on the H100 (driver 580.159.04) a range that was copied out, discarded and refilled while
-    other managed-memory work was still queued on the stream sometimes came back as zeros: the
-    pinned copy was right, the refilled device pages were not (bench/probes/probe_stress.py, "bounce":
-    about 5 bad reads in 10,000 operations; tests/test_gpu_stress.py saw 1 in ~20 runs). Draining
-    the stream on the host before and after each discard removed every one of them (0 in 8
-    seeds against ~40 expected; waiting only after the discard, or only after the refill, did
-    not). The driver documents that a discard racing any other access to the range is undefined;
-    the drain makes sure none can. It costs little more than the discard itself: called on an
-    idle stream, the discard waits for all work on the device anyway and takes ~3.7 ms/GiB of the
-    host's time (bench/results/probe_discard_overlap-*.json). The host waits by
-    cudaStreamSynchronize, which spins under CUDA's default scheduling: a blocking-sync event woke
-    up ~0.4 ms later per wait (probe_managed_read-*.json). Since tiermem's stream first waits for
-    the caller's stream, the drain also waits for compute the caller queued before the eviction.
-    tiermem moves managed memory on two streams, one per direction (UM_STREAMS in core/engine.py); the
-    Tier drains the other one too before each discard (``Tier._quiesce``), so no move of tiermem's
+    but a range that was copied out, discarded and refilled while other managed-memory work was
+    still queued on the stream sometimes came back as zeros: the pinned copy was right, the
+    refilled device pages were not (bench/probes/probe_stress.py, "bounce"; tests/test_gpu_stress.py
+    found it). Draining the stream on the host before and after each discard removed every one
+    of them; waiting only after the discard, or only after the refill, did not (docs/data-paths.md,
+    "The data-loss bug (resolved)", has the rates, the runs and the driver). The driver documents
+    that a discard racing any other access to the range is undefined; the drain makes sure none
+    can. It costs little more than the discard itself: called on an idle stream, the discard
+    waits for all work on the device anyway, and takes host time in the driver (docs/data-paths.md,
+    "Why copy plus discard stopped at ~0.78"). The host waits by cudaStreamSynchronize, which spins
+    under CUDA's default scheduling: a blocking-sync event wakes later (same section). Since
+    tiermem's stream first waits for the caller's stream, the drain also waits for compute the
+    caller queued before the eviction.
+    tiermem moves managed memory on two streams, one per direction (UM_STREAMS in core/sidestreams.py); the
+    Tier drains the other one too before each discard (``SideStreams.quiesce``), so no move of tiermem's
     runs on any stream around it.
 """
 from __future__ import annotations
@@ -291,8 +291,8 @@ class CudaBackend:
         _cuda.advise(ptr, nbytes, advice.kind, advice.set, advice.location, self.device)
 
     def prefetch(self, ranges: Sequence[tuple[int, int]], location: Location, stream: int) -> None:
-        # The batched call refuses ranges that are not whole pages (cudaErrorInvalidValue, seen on
-        # the H100 with small buffers); those go one call each, as does a batch of one.
+        # The batched call refuses ranges that are not whole pages (cudaErrorInvalidValue, with
+        # small buffers: docs/facts.md); those go one call each, as does a batch of one.
         whole = [(p, n) for p, n in ranges if p % PAGE == 0 and n % PAGE == 0]
         single = [(p, n) for p, n in ranges if p % PAGE or n % PAGE]
         if len(whole) > 1 and self._caps.supports("batch_prefetch"):

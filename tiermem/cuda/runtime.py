@@ -136,7 +136,7 @@ def current_device() -> int:
 def on_device(device: int | None) -> Iterator[None]:
     """``device`` is the runtime's current device inside (None: leave it), the caller's again
     after. Streams, events and cudaMalloc belong to the current device; a Tier on another GPU
-    than the caller's (NOTE [layers across GPUs] in inference/split.py) must not move the caller's
+    than the caller's (NOTE [layers across GPUs] in inference/multidevice.py) must not move the caller's
     current device, which torch reads for every ``device="cuda"``."""
     if device is None:
         yield
@@ -245,12 +245,12 @@ def device_malloc(nbytes: int, device: int) -> DeviceMemory:
 
 
 # NOTE [pinned by registration]
-# cudaHostAlloc makes large pinned blocks slowly: 3.4 GB took 1.94 s (1.76 GB/s) on the H100
-# machine (bench/probes/probe_load.py, bench/results/probe_load-h100-20261123-8a1d2cf.json), and loading a
+# cudaHostAlloc makes large pinned blocks slowly, a fraction of the link's rate, and loading a
 # checkpoint's pinned home spent most of its time there. The same bytes as anonymous memory in
-# transparent huge pages, written by 8 threads (0.145 s) and then page-locked with
-# cudaHostRegister (0.109 s), were ready in 0.25 s, 13.5 GB/s. Registering untouched memory
-# instead faults every page in inside the driver, on one thread: 0.70 s. Registered memory is
+# transparent huge pages, written by 8 threads and then page-locked with cudaHostRegister, were
+# ready several times sooner. Registering untouched memory instead faults every page in inside
+# the driver, on one thread, several times slower than writing it first (docs/inference.md,
+# "Loading a checkpoint", has the figures and their JSON). Registered memory is
 # pinned memory to the copy engines and, mapped (cudaHostRegisterMapped) on a machine with
 # unified addressing, the GPU reads it at the same address, as it does cudaHostAlloc's.
 # So large host blocks are made this way; small ones keep CuPy's pinned pool, which reuses
@@ -259,14 +259,13 @@ def device_malloc(nbytes: int, device: int) -> DeviceMemory:
 #
 # NOTE [filled before pinning]
 # Memory that is about to be filled from a file (a checkpoint's pinned home) need not be zeroed
-# first: the reads themselves fault its pages in. On the H100 machine, 3.4 GB of a warm
-# checkpoint read on 16 threads into fresh huge-page memory ran at 20.5 GB/s, and registering it
-# afterwards at 31 GB/s (bench/probes/probe_load.py), where zeroing, registering and then reading
-# cost the load 0.46 s for its 3.86 GB home. ``host_register(fill=...)`` maps the memory
+# first: the reads themselves fault its pages in, at a rate near the warm page cache's, and
+# registering written memory afterwards is fast; zeroing, registering and then reading cost a
+# load more (docs/inference.md, "Loading a checkpoint"). ``host_register(fill=...)`` maps the memory
 # untouched, lets ``fill`` write it, then page-locks it. Pages ``fill`` leaves alone are faulted
 # in (as zeros) by the registration, on one thread: correct, only slower, so ``fill`` should
 # write most of the block. With this, all of a load's reads ran at the page cache's warm rate
-# on the H100 (docs/inference.md, "Loading a checkpoint"); registering is what is left.
+# (docs/inference.md, "Loading a checkpoint"); registering is what is left.
 class RegisteredHost(_Owned):
     """Host memory from :func:`_hostpages.map_pages`, page-locked and mapped for every device
     (NOTE [pinned by registration]). ``free()`` (or collection) unpins and unmaps it."""

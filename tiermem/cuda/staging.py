@@ -1,22 +1,22 @@
 """The staging rings: shadow copies at the link's full rate (NOTE [staging ring]).
 
 NOTE [staging ring]
-    A copy between pinned host memory and device-resident managed pages runs at 0.92-0.93 of
-    the same copy to or from cudaMalloc memory on the H100 (47.5-50.8 against 51.7-54.7 GB/s in,
-    52.2 against 55.1 out; bench/results/probe_staged_in-*.json). Splitting it over streams, or
-    pulling it in with a kernel, did not close the gap (bench/probes/probe_h2d_split.py). A copy between
-    cudaMalloc memory and managed pages on the device runs at ~1.4 TB/s, though. So the shadow
-    copies go through a ring of cudaMalloc slots (two of 32 MiB): on the way in, tiermem's stream
+    A copy between pinned host memory and device-resident managed pages runs measurably slower
+    than the same copy to or from cudaMalloc memory, and splitting it over streams, or pulling it
+    in with a kernel, did not close the gap. A copy between cudaMalloc memory and managed pages on
+    the device runs far faster than the link, though. So the shadow copies go through a ring of
+    cudaMalloc slots (two of 32 MiB): on the way in, tiermem's stream
     copies a slot's worth from the shadows into slot i over the link while a second stream copies
     slot i-1 on into the managed pages; on the way out the second stream fills the slots from the
     managed pages and tiermem's stream empties them over the link. The link never waits on a
-    managed page: 0.98-1.00 of the cudaMalloc rate in, 0.99 out, in the same probe.
+    managed page, and the copies run at the cudaMalloc rate both ways. The figures, with the
+    machine and the probes' JSON: docs/data-paths.md, "The staging rings".
 
     Two directions. Each direction has its own ring and its own tiermem stream (``um_h2d`` and
-    ``um_d2h`` in core/engine.py), so an eviction and a refill run at once: the link copies touch only
-    pinned memory and the slots, and the two directions together reached 92 GB/s, where direct
-    copies between pinned and managed memory on two streams reached 52, and both directions
-    through one ring on one stream 54 (bench/results/probe_overlap_ring-*.json).
+    ``um_d2h`` in core/sidestreams.py), so an eviction and a refill run at once: the link copies
+    touch only pinned memory and the slots, and the two directions together run at nearly twice
+    one direction's rate, where direct copies between pinned and managed memory on two streams,
+    or both directions through one ring on one stream, run at one direction's (same section).
 
     Ordering. The second stream starts after everything queued on tiermem's stream before the
     session (the caller's work, fresh pages, earlier moves). A slot is refilled only after its

@@ -17,13 +17,14 @@ NOTE [allocator arrays in place]
     An array from tiermem's CuPy allocator holds a foreign view of its buffer (its memory object
     owns a view token), so its address never changes and tiermem evicts it only through Unified
     Memory's write-back (NOTE [views and the fast paths] in core/tensor.py). Left at that, the next
-    kernel that touches it faults it back to the device (~6.8 GB/s on the H100), and tiermem's
-    books still say "host": the budget held only in the books (issue 21).
+    kernel that touches it faults it back to the device (at the fault rate, a fraction of the
+    link's: docs/facts.md), and tiermem's books still say "host": the budget held only in the
+    books (issue 21).
     So an evicted allocator array gets advice to live on the host and be used in place: preferred
     location host, accessed-by the device (and the host), no read-mostly (``IN_PLACE``). A kernel
-    that touches it then reads and writes the host pages over the link (~50 GB/s for reads)
-    without migrating them, and it stays where the books say. It comes back to the device when named in
-    :meth:`Tier.use` (or prefetched), at the prefetch rate (~49 GB/s in large calls). The advice
+    that touches it then reads and writes the host pages over the link (reads at about the
+    link's rate) without migrating them, and it stays where the books say. It comes back to the
+    device when named in :meth:`Tier.use` (or prefetched), at the prefetch rate. The advice
     stays: from its first eviction on, the array's home is the host.
     What can still bring it back behind tiermem's back, and what tiermem does about each:
       - another prefetch or advice (cupy.cuda.runtime.memPrefetchAsync, memAdvise): the range
@@ -33,8 +34,9 @@ NOTE [allocator arrays in place]
         ``residency.budget_overruns``.
       - the driver's access-counter migration, where it is enabled: no range attribute shows it.
         bench/cupy_budget.py measures whether it happens ("in_place_probe").
-      - GPU atomics on a device without host-native atomics (hostNativeAtomicSupported = 0 on the
-        H100): the driver migrates the pages an atomic touches. Not visible either.
+      - GPU atomics on a device without host-native atomics (hostNativeAtomicSupported = 0, as on
+        the devices in docs/facts.md): the driver migrates the pages an atomic touches. Not
+        visible either.
     Arrays under 2 MiB share pages with their neighbours (NOTE [size classes] in cuda/backend.py):
     their advice would change the neighbours' too, so they are left as they are, and a kernel
     may fault them back unseen (at most 2 MiB of pages each).
@@ -44,17 +46,15 @@ NOTE [allocator arrays in place]
     and (re-marking only, never moving memory) in :meth:`Tier.stats`.
 
 NOTE [retained pages]
-    The driver does not take a managed range's device pages back when its data leaves the device.
-    On the H100 (bench/cupy_budget.py's probe, bench/results/cupy_budget-h100-20261123.json):
-    a 256 MiB array placed, then prefetched to the host, left the driver's used memory
-    (cudaMemGetInfo) 256 MiB up, and a second array placed after it took 256 MiB more
-    (``driver_reuses_evicted_pages: false``); a discard gave nothing back either
-    (probe_release-*.json, ``free_gain_per_byte: 0.0``). The pages stay with the range: the same
-    array brought in again took none (the driver's figure stayed flat over every scoped pass). They
-    are not lost to other allocators: a cudaMalloc 1 GiB beyond free memory succeeded after an
-    eviction, and even with the data still resident, in 0.14-0.63 s (probe_paths2-*.json,
-    "reclaim"): the driver evicts managed pages on demand. And tiermem cannot give them back
-    itself: an allocator array's address is fixed (only cudaFree of the range would).
+    The driver does not take a managed range's device pages back when its data leaves the device:
+    an array placed, then prefetched to the host, leaves the driver's used memory (cudaMemGetInfo)
+    up by its size, a second array placed after it takes as much again, and a discard gives
+    nothing back either. The pages stay with the range: the same array brought in again takes
+    none. They are not lost to other allocators: a cudaMalloc beyond free memory succeeds after
+    an eviction, and even with the data still resident: the driver evicts managed pages on
+    demand (docs/data-paths.md, "CuPy arrays over the budget", has the figures). And tiermem
+    cannot give them back itself: an allocator array's address is fixed (only cudaFree of the
+    range would).
     So there are two honest figures, and tiermem keeps both:
       - ``resident_bytes``: live data tiermem placed on the device, what the budget limits;
       - ``residency.retained_bytes``: the spans of allocator arrays that have had device pages
@@ -65,13 +65,13 @@ NOTE [retained pages]
     caches for reuse (``managed.pool_cached_bytes`` bounds them), pages shared by arrays under
     2 MiB, and evicted TieredTensors' ranges (their discards leave pages too).
     What this means for the budget: it holds for live data; the driver's figure rises to every
-    byte that has ever been on the device, as it does for plain managed memory (bench
-    "managed" rows: 3 GiB for 3 GiB of arrays under a 1 GiB budget). Arrays read or written in
+    byte that has ever been on the device, as it does for plain managed memory (bench/cupy_budget.py's
+    "managed" rows). Arrays read or written in
     place (NOTE [touched once]) never take device pages, so they add nothing to it.
 
 NOTE [scoped moves]
     ``Tier.use(a, b)`` brings the named arrays in through :meth:`Tier.prefetch` (one batched
-    prefetch, ~49 GB/s) after making room in the budget through ``Tier.make_room``, which evicts
+    prefetch) after making room in the budget through ``Tier.make_room``, which evicts
     the coldest evictable buffers by their fastest safe path; arrays named by a live handle are
     never chosen. The moves of allocator arrays do not wait for the caller's stream: they go
     through Unified Memory, which keeps every address valid, so a kernel still running on one
@@ -84,8 +84,8 @@ NOTE [scoped moves]
     stream waits for the moves, on the device, when the handle is entered (or ``wait``-ed); the
     host never blocks, except where a TieredTensor's shadow move discards pages (NOTE [discard
     fence] in cuda/backend.py).
-    A dirty allocator array leaves the device through Unified Memory's write-back (~9-15 GB/s):
-    it must keep its address, and the fast eviction paths move data to a new one. For arrays a
+    A dirty allocator array leaves the device through Unified Memory's write-back, at a fraction
+    of the link's rate: it must keep its address, and the fast eviction paths move data to a new one. For arrays a
     pass touches once, leaving them in place is faster than naming them (NOTE [touched once]).
 
 NOTE [touched once]
@@ -93,18 +93,15 @@ NOTE [touched once]
     pass over an array set does. Arrays in place on the host then stay there: the block's kernels
     read and write them over the link, and nothing is moved, evicted or left on the device
     (NOTE [retained pages]). Resident ones are pinned as usual; TieredTensors in their shadow
-    still come in (their managed range holds no data). On the H100 at ce315cd
-    (bench/results/cupy_budget-h100-20261123.json, 12 arrays of 256 MiB, 1 GiB budget):
-      - update (``a *= 1.0001``): in place 57.6 ms a pass ("unhinted", 2.25 GiB each way over
-        the link); the same arrays brought in and written back 360 ms ("scoped"): Unified
-        Memory's write-back of dirty pages runs at ~9.5 GB/s (probe_refill-*.json,
-        ``um_group_evict_um``), so a dirty array at a fixed address costs ~5x its bytes at link
-        rate to leave, and no scoped move can reach 1.15x of the link bound. In place reads and
-        writes share the link both ways (~40 GB/s each way: the in-place write probe), which
-        is 1.2x the two-way bound at the measured 91 GB/s total.
-      - read (``a.sum()``): in place 48.6 ms for 2.25 GiB (1.23x the bound, which counts the
-        2 GiB beyond the budget); the read probe ran at 47.5 GB/s against ~53 for pinned copies,
-        so in-place reads land near 1.1x when exactly the bytes beyond the budget are read.
+    still come in (their managed range holds no data). Why that is faster for such a pass
+    (docs/data-paths.md, "CuPy arrays over the budget", has the figures):
+      - an update (``a *= 1.0001``): bringing the arrays in and writing them back costs several
+        times what updating them in place does, since Unified Memory's write-back of dirty pages
+        runs at a fraction of the link's rate: a dirty array at a fixed address costs several
+        times its bytes at link rate to leave, and no scoped move comes near the link bound.
+        In-place reads and writes share the link both ways.
+      - a read (``a.sum()``): in-place reads run near the rate of pinned copies, so a pass in
+        place lands near the link bound when exactly the bytes beyond the budget are read.
     Reading in place pays the link once per read, so for arrays a block reads several times
     (a blocked product's operand, the bench's "reuse") naming them without ``once`` is faster.
 
@@ -113,9 +110,9 @@ NOTE [read-only scopes]
     that live in place on the host come in as read-mostly duplicates: one advice call (the range
     already has IN_PLACE advice), then the prefetch. The host pages stay valid, and their later
     eviction is tiermem's "collapse" path, a host-side call that unsets read-mostly and moves
-    nothing over the link (~27 ms per GiB of host time: probe_refill-*.json,
-    ``rm_tiermem_evict_s``), where a write-back moves every byte at ~9.5 GB/s. Read-mostly is
-    lent for the stay on the device only (``Buffer.read_mostly_while_resident``): the collapse
+    nothing over the link (host time only: docs/data-paths.md, "CuPy arrays over the budget"),
+    where a write-back moves every byte at a fraction of the link's rate. Read-mostly is lent for
+    the stay on the device only (``Buffer.read_mostly_while_resident``): the collapse
     leaves plain IN_PLACE advice, since a read-mostly range that a later kernel writes in place
     would collapse onto the device behind the books, and ``_settle`` makes the books follow. A
     block that may write and names an array still resident as a read-only duplicate first
@@ -125,14 +122,14 @@ NOTE [read-only scopes]
     device (its last prefetch went there) and re-marks it resident.
 
 NOTE [collapse fence]
-    The collapse is a host-side driver call, not ordered on any stream. At ce315cd it ran as
-    soon as a budget check chose the victim, while the kernels that read it were often still
-    queued (the host runs ahead of the device). Those kernels then found no device copy,
-    faulted, and read-mostly duplicated the pages back one fault at a time, against the next
-    collapse: a read-only pipeline over 12 arrays of 256 MiB took 3.17 s a pass, 80x the link
-    bound (bench/results/cupy_budget-h100-20261123.json, "scoped/read"). Now a handle records an
-    event on its stream when it closes (``Buffer.fence``: every kernel the block enqueued
-    there is before it), and the collapse first waits for it on the host. In a pipeline the
+    The collapse is a host-side driver call, not ordered on any stream. Without a fence it runs
+    as soon as a budget check chose the victim, while the kernels that read it are often still
+    queued (the host runs ahead of the device). Those kernels then find no device copy, fault,
+    and read-mostly duplicates the pages back one fault at a time, against the next collapse: a
+    read-only pipeline ran dozens of times slower than the link bound (docs/data-paths.md, "CuPy
+    arrays over the budget"). So a handle records an event on its stream when it closes
+    (``Buffer.fence``: every kernel the block enqueued there is before it), and the collapse
+    first waits for it on the host. In a pipeline the
     victim is the block before last, so the wait is short; the host then collapses while the
     next block's prefetch runs on the link. Kernels that read an array outside any scope, or on
     another stream, are not covered: a collapse may still race them (values stay right; only
@@ -160,8 +157,8 @@ __all__ = ["ArrayUse", "ArrayResidency", "residency", "tier_of_array", "IN_PLACE
 log = logging.getLogger("tiermem")
 
 # The advice an evicted allocator array gets (NOTE [allocator arrays in place]). Accessed-by the
-# host too: Unified Memory's write-back of such a range ran at 14.6 GB/s on the H100 against
-# 9.0-9.4 without it (measured on the H100 machine), and every later eviction of the array is one.
+# host too: Unified Memory's write-back of such a range runs faster with it than without
+# (docs/facts.md, "Transfer ceilings"), and every later eviction of the array is one.
 IN_PLACE = {"preferred_location": Location.HOST, "accessed_by_device": True, "accessed_by_host": True,
             "read_mostly": False}
 
@@ -253,8 +250,8 @@ class ArrayResidency:
                 # Under 2 MiB it shares pages with its neighbours (NOTE [size classes]): advice
                 # would move theirs too, so it gets none, and a kernel may place it on the device
                 # unseen (at most a 2 MiB page). Advised in place, it was re-marked "faulted back"
-                # at every later check on the H100 (the page's last prefetch was the device's):
-                # nine budget overruns a pass in bench/results/cupy_budget-h100-20261123.json.
+                # at every later check (the page's last prefetch was the device's), a budget
+                # overrun each time (docs/data-paths.md, "CuPy arrays over the budget").
                 buf.where = Location.HOST
                 buf.host_valid = True
             self._settle()

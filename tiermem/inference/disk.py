@@ -7,7 +7,9 @@ NOTE [disk tier]
     safetensors files (their byte ranges are in the headers, NOTE [reading a checkpoint]), so
     nothing is written and no cache file is needed. A reader thread reads those groups in the
     order a forward uses them (learned on the first forward, like the slots' order) into
-    ``stages`` pinned staging buffers, each the size of the largest such group, and keeps reading
+    ``stages`` pinned staging buffers, each the size of the largest such group or part of one (a
+    group bigger than a slot is read a part at a time, NOTE [split groups] in
+    inference/split.py, so a staging buffer is never bigger than a slot), and keeps reading
     as long as a buffer is free, across forwards: while the GPU runs one layer and the link copies
     the next groups into their slots, the drive is already reading the groups after them. A
     staging buffer goes back to the reader once its copy into a slot is done (an event the reader
@@ -68,7 +70,8 @@ def make_reader(kind: str) -> Reader:
 
 class DiskTier:
     """Reads groups from files into ``stages`` pinned buffers of ``stage_bytes`` on a thread
-    (NOTE [disk tier]). ``files[g]`` is [(FileTensor, offset in the group)] for each group ``g``.
+    (NOTE [disk tier]). ``files[g]`` is [(FileTensor, from its byte, bytes, offset in the buffer)]
+    for each ``g`` read (a streamed group, or a part of one: NOTE [split groups] in inference/split.py).
     The consumer calls :meth:`take` then :meth:`give_back` from one thread; the reader thread is
     this object's own."""
 
@@ -228,7 +231,7 @@ class DiskTier:
                     self.be.synchronize(self._fence[i])     # its last copy into a slot is done
                 t0 = time.perf_counter()
                 base = self.stages[i].ptr
-                n = self.reader.read([(ft, host_bytes(base + off, ft.nbytes)) for ft, off in self.files[g]])
+                n = self.reader.read_parts([(ft, start, host_bytes(base + at, k)) for ft, start, k, at in self.files[g]])
                 dt = time.perf_counter() - t0
             except BaseException as e:   # the consumer reads g again, or raises it (NOTE [disk read errors])
                 with self._cv:

@@ -8,8 +8,8 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
-__all__ = ["MAX_GROUP", "module_groups", "weight_bytes", "span_of", "span_bytes", "home_layout", "gathered_groups",
-           "is_stacked"]
+__all__ = ["MAX_GROUP", "module_groups", "fit_groups", "fit_cap", "weight_bytes", "span_of", "span_bytes", "home_layout",
+           "gathered_groups", "enclosing_groups", "is_stacked"]
 
 MAX_GROUP = 160 << 20
 
@@ -81,12 +81,42 @@ def module_groups(module: Any, max_group_bytes: int = MAX_GROUP) -> list[tuple[s
     return out
 
 
+def fit_groups(module: Any, found: list, budget: int, lookahead: int) -> list:
+    """``found`` (module_groups at MAX_GROUP), or the module cut into smaller groups when the budget
+    is too small to stream groups that big: at most ``budget / (2 x lookahead)`` bytes each, so
+    that the window of ``lookahead`` slots takes at most half the budget and a small budget still
+    streams its layers a block at a time rather than reading them in place (NOTE [no plan
+    collapse] in inference/plan.py). A module that holds everything resident keeps its groups."""
+    cap = fit_cap(found, budget, lookahead)
+    return found if cap is None else module_groups(module, cap)
+
+
+def fit_cap(found: list, budget: int, lookahead: int) -> int | None:
+    """The group size :func:`fit_groups` cuts ``found`` to for ``budget``, or None where it
+    keeps them."""
+    cap = budget // (2 * max(1, lookahead))
+    sizes = [sum(span_of(t) for _, t in own) for _, _, own in found]
+    if budget <= 0 or budget >= sum(sizes) or cap >= MAX_GROUP or all(n <= cap for n in sizes):
+        return None
+    return max(1, cap)
+
+
 def is_stacked(tensors: list[Any]) -> bool:
     """Parameters stacked along one leading dimension, a slice per expert (a mixture-of-experts
     layer's expert weights): a forward of few tokens indexes the slices its router picked."""
     import torch
     ps = [t for t in tensors if isinstance(t, torch.nn.Parameter)]
     return bool(ps) and all(p.dim() >= 3 and p.shape[0] == ps[0].shape[0] > 1 for p in ps)
+
+
+def enclosing_groups(found: list) -> set[str]:
+    """The groups whose module encloses other groups' modules (a parent's own tensors, a Mamba
+    mixer's A_log beside its projections, an attention's sinks beside its q/k/v): the parent's
+    forward runs its children's while it holds its own tensors, so a slot of its own would be
+    taken by theirs while still in use. They are read in place, like embeddings' groups
+    (NOTE [streaming plan])."""
+    roots = {id(m) for _, m, _ in found}
+    return {name for name, m, _ in found if any(id(sub) in roots for sub in m.modules() if sub is not m)}
 
 
 def gathered_groups(module: Any, found: list) -> set[str]:
@@ -114,7 +144,7 @@ def home_layout(tensors: list[Any], align: int = 256) -> tuple[list[int], int]:
 
 def span_bytes(nbytes: int) -> int:
     """Device bytes a tensor of ``nbytes`` takes as a group member (see member_span)."""
-    from ..core.engine import member_span
+    from ..core.ranges import member_span
     return member_span(nbytes)[0]
 
 

@@ -30,9 +30,12 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any
 
 from ..base import dtypes as _dtypes
-from ..errors import CheckpointError, ConfigError, TierMemError
+from ..errors import CheckpointError, ConfigError, ConfigTypeError, TierMemError
+from .configs import check_causal, read_config, reason
+from .weights import check_weights
 
-__all__ = ["FileTensor", "Checkpoint", "Reader", "load_pretrained", "empty_weights", "model_weights"]
+__all__ = ["FileTensor", "Checkpoint", "Reader", "load_pretrained", "empty_weights", "model_weights", "build_model",
+           "checkpoint_weights", "weights_dtype", "check_dtype"]
 
 # safetensors' dtype names -> tiermem's canonical names
 _ST_DTYPES = {"F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64", "I64": "int64",
@@ -249,27 +252,49 @@ def _parse_header(path: str) -> dict[str, FileTensor]:
         if isinstance(e, CheckpointError):
             raise
         raise CheckpointError(f"{path}: the safetensors header is not valid JSON ({e})", path) from None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{path}: the safetensors header is JSON but not an object of tensors "
+                              f"(a {type(meta).__name__})", path)
     base = 8 + n
     out = {}
     for name, info in meta.items():
         if name == "__metadata__":
             continue
-        try:
-            dtype = _ST_DTYPES[info["dtype"]]
-            shape = tuple(int(x) for x in info["shape"])
-            begin, end = (int(x) for x in info["data_offsets"])
-        except (KeyError, TypeError, ValueError):
-            raise CheckpointError(f"{path}: tensor {name!r} has a malformed entry {info!r} "
-                                  f"(dtypes known: {sorted(_ST_DTYPES)})", path) from None
-        want = math.prod(shape) * _dtypes.itemsize(dtype)
-        if end - begin != want:
-            raise CheckpointError(f"{path}: tensor {name!r} ({dtype}, {list(shape)}) needs {want:,} bytes but its "
-                                  f"entry spans {end - begin:,}", path)
-        if base + end > size:
-            raise CheckpointError(f"{path} is {size:,} bytes but tensor {name!r} ends at byte {base + end:,}: "
-                                  "the file is truncated", path)
-        out[name] = FileTensor(name, path, base + begin, want, dtype, shape)
+        out[name] = _entry(path, name, info, base, size)
     return out
+
+
+def _entry(path: str, name: str, info: Any, base: int, size: int) -> FileTensor:
+    """One tensor's header entry, checked: a dtype tiermem reads, a shape of sizes, and a byte range
+    inside the file that is exactly the shape's bytes."""
+    if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= set(info):
+        raise CheckpointError(f"{path}: tensor {name!r} has a malformed entry {_short(info)} (a safetensors entry "
+                              "has dtype, shape and data_offsets)", path)
+    dtype = _ST_DTYPES.get(info["dtype"]) if isinstance(info["dtype"], str) else None
+    if dtype is None:
+        raise CheckpointError(f"{path}: tensor {name!r} has dtype {_short(info['dtype'])}, which tiermem cannot read "
+                              f"(it reads {', '.join(_ST_DTYPES)})", path)
+    shape, offsets = info["shape"], info["data_offsets"]
+    if not isinstance(shape, list) or not all(type(x) is int and x >= 0 for x in shape):
+        raise CheckpointError(f"{path}: tensor {name!r} has shape {_short(shape)}, not a list of sizes", path)
+    if (not isinstance(offsets, list) or len(offsets) != 2 or not all(type(x) is int for x in offsets)
+            or not 0 <= offsets[0] <= offsets[1]):
+        raise CheckpointError(f"{path}: tensor {name!r} has data_offsets {_short(offsets)}, not a [begin, end] byte "
+                              "range", path)
+    begin, end = offsets
+    want = math.prod(shape) * _dtypes.itemsize(dtype)
+    if end - begin != want:
+        raise CheckpointError(f"{path}: tensor {name!r} ({dtype}, {list(shape)}) needs {want:,} bytes but its "
+                              f"entry spans {end - begin:,}", path)
+    if base + end > size:
+        raise CheckpointError(f"{path} is {size:,} bytes but tensor {name!r} ends at byte {base + end:,}: the file "
+                              "is truncated, or its header's offsets point past its end", path)
+    return FileTensor(name, path, base + begin, want, dtype, tuple(shape))
+
+
+def _short(x: Any) -> str:
+    text = repr(x)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 class Checkpoint(Mapping):
@@ -286,10 +311,14 @@ class Checkpoint(Mapping):
             single = os.path.join(path, SINGLE)
             if os.path.exists(index):
                 try:
-                    with open(index) as f:
+                    with open(index, "rb") as f:
                         wmap = json.load(f)["weight_map"]
-                except (ValueError, KeyError) as e:
-                    raise CheckpointError(f"{index} is not a valid index ({e!r})", index) from None
+                except (ValueError, KeyError, TypeError) as e:
+                    why = "not valid JSON" if isinstance(e, ValueError) else "no weight_map"
+                    raise CheckpointError(f"{index} is not an index of shards: {why} ({e})", index) from None
+                if not isinstance(wmap, dict) or not all(isinstance(v, str) for v in wmap.values()):
+                    raise CheckpointError(f"{index}: its weight_map is not an object of tensor name -> shard file",
+                                          index)
                 shards = sorted(set(wmap.values()))
                 missing = [s for s in shards if not os.path.exists(os.path.join(path, s))]
                 if missing:
@@ -352,8 +381,8 @@ def empty_weights() -> Iterator[None]:
             p = module._parameters[name]
             meta = module._parameters[name] = type(p)(p.to("meta"), requires_grad=p.requires_grad)
             # transformers' init functions skip a tensor so marked, as they do one from_pretrained
-            # loaded; initializing meta tensors changes nothing and took 0.6 of the 0.8 s that
-            # building a 12.5 GB Qwen2 cost (bench/probes/probe_load.py on the H100).
+            # loaded; initializing meta tensors changes nothing and was most of the time that
+            # building a model on the meta device took (docs/inference.md, "Loading a checkpoint").
             meta._is_hf_initialized = True
 
     nn.Module.register_parameter = register
@@ -373,6 +402,18 @@ def _no_init(transformers: Any) -> Any:
         except (ImportError, AttributeError):
             continue
     return contextlib.nullcontext()
+
+
+def _tie(model: Any) -> None:
+    """NOTE [tied checkpoints]
+    transformers writes a tied weight once (a model with ``tie_word_embeddings=True`` has no
+    ``lm_head.weight`` in its files: docs/facts.md) and ties the two names after loading; with
+    weight initialization switched off (``_no_init``), building from the config leaves them two
+    meta tensors. Tied here, as from_pretrained does, they are one parameter under two names, and
+    NOTE [weight source] gives it the bytes of whichever name the checkpoint has."""
+    tie = getattr(model, "tie_weights", None)
+    if tie is not None:
+        tie()
 
 
 class Loaded(tuple):
@@ -396,7 +437,7 @@ def model_weights(ckpt: Mapping[str, FileTensor], model: Any) -> dict[str, FileT
         from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
         mapping = get_model_conversion_mapping(model)
     except Exception:        # a transformers without these rules reads the names as they are
-        return dict(ckpt)
+        return _tied_names(dict(ckpt), model)
     renames = [m for m in mapping if isinstance(m, WeightRenaming)]
     merges = [m for m in mapping if isinstance(m, WeightConverter)]
     meta = model.state_dict()
@@ -414,6 +455,23 @@ def model_weights(ckpt: Mapping[str, FileTensor], model: Any) -> dict[str, FileT
     for name, (conv, sources) in pending.items():
         m = meta.get(name)
         out[name] = _merged(name, conv, sources, None if m is None else tuple(m.shape), path)
+    return _tied_names(out, model)
+
+
+def _tied_names(out: dict[str, FileTensor], model: Any) -> dict[str, FileTensor]:
+    """``out`` with each tied name the checkpoint lacks given its partner's tensor: where tying
+    (NOTE [tied checkpoints]) still leaves two parameters, each takes the one saved tensor."""
+    tied = getattr(model, "all_tied_weights_keys", None)
+    if not isinstance(tied, Mapping):
+        try:
+            tied = model.get_expanded_tied_weights_keys(all_submodels=True)
+        except Exception:   # not a transformers model, or one without the mapping: nothing to add
+            return out
+    for target, source in tied.items():
+        if target not in out and source in out:
+            out[target] = out[source]
+        elif source not in out and target in out:
+            out[source] = out[target]
     return out
 
 
@@ -484,9 +542,81 @@ def to_torch_dtype(dt: Any) -> Any:
     return _dtypes.to_torch(str(dt))
 
 
+FLOATING = ("float16", "bfloat16", "float32", "float64")     # what a model's weights can be built in
+
+
+def check_dtype(dtype: Any, what: str = "dtype") -> str | None:
+    """The canonical name of a weight dtype (a torch dtype or its name; None or "auto": none
+    given), or :class:`ConfigError`. Needs no torch."""
+    if dtype is None or str(dtype) == "auto":
+        return None
+    try:
+        name = _dtypes.canonical(dtype)
+    except TierMemError:
+        name = None
+    if name not in FLOATING:
+        raise ConfigError(f"{what}={str(dtype).replace('torch.', '')!r} is not a dtype weights are built in: use "
+                          f"{', '.join(FLOATING)}")
+    return name
+
+
+def weights_dtype(dtype: Any, config: Any, ckpt: Checkpoint | None, fallback: str) -> Any:
+    """The torch dtype a model is built in: ``dtype`` if given, else its config's, else the
+    checkpoint's most common floating dtype, else ``fallback``."""
+    import torch
+    if isinstance(dtype, torch.dtype) or check_dtype(dtype) is not None:
+        return _dtypes.to_torch(check_dtype(dtype))
+    named = check_dtype(config_dtype(config), what=f"{type(config).__name__}'s dtype")
+    if named is not None:
+        return _dtypes.to_torch(named)
+    floating = {k: v for k, v in (ckpt.dtypes() if ckpt is not None else {}).items() if k in FLOATING}
+    return _dtypes.to_torch(max(floating, key=floating.get) if floating else fallback)
+
+
+def build_model(config: Any, dtype: Any, model_class: Any = None) -> Any:
+    """``model_class`` (default ``AutoModelForCausalLM``, for a causal LM's config only, which the
+    caller checks: :func:`check_causal`) built from ``config`` in ``dtype`` on the meta device
+    (:func:`empty_weights`), its tied weights tied (NOTE [tied checkpoints]); a config
+    transformers cannot build raises :class:`ConfigError`."""
+    import transformers
+    builder = model_class or transformers.AutoModelForCausalLM
+    try:
+        with empty_weights(), _no_init(transformers):
+            model = builder.from_config(config, dtype=dtype)
+    except (ValueError, TypeError, AttributeError, KeyError, IndexError, ZeroDivisionError, RuntimeError) as e:
+        # A config's values reach the model's __init__ unchecked where its class does not check
+        # them: a bad one fails there, in whatever way that layer fails.
+        raise ConfigError(f"transformers cannot build {getattr(config, 'model_type', 'a model')} from this config: "
+                          f"{reason(e)}") from e
+    _tie(model)
+    return model
+
+
+def checkpoint_weights(ckpt: Checkpoint, model: Any, cast: str | None = None,
+                       defaulted: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
+    """The checkpoint's tensors under ``model``'s names (:func:`model_weights`), floating ones of
+    another dtype converted to ``cast`` as they are read, checked against ``model`` built on the
+    meta device (inference/weights.py): a checkpoint that is not the model's raises
+    :class:`CheckpointError` before anything is allocated, naming the size fields its config left
+    to transformers' defaults (``defaulted``), the likely cause. Reads no tensor's bytes;
+    load_pretrained and the plan command share it."""
+    weights: dict[str, Any] = model_weights(ckpt, model)
+    if cast is not None:
+        weights = {k: (_Cast(v, cast) if v.dtype != cast and v.dtype.startswith(("float", "bfloat")) else v)
+                   for k, v in weights.items()}
+    try:
+        check_weights(model, weights)
+    except CheckpointError as e:
+        path = e.path or ckpt.path
+        note = (f"; {os.path.join(ckpt.path, 'config.json')} does not set {', '.join(defaulted)}, so transformers' "
+                "defaults were used" if defaulted else "")
+        raise CheckpointError(f"{path}: {e}{note}", path) from None
+    return weights
+
+
 def load_pretrained(path: str | os.PathLike, budget: int | str | None = None, host_budget: int | str | None = None,
                     dtype: Any = None, *, tier: Any = None, model_class: Any = None,
-                    make_tier: Any = None, **kwargs: Any) -> Loaded:
+                    make_tier: Any = None, options: Any = None, **kwargs: Any) -> Loaded:
     """A transformers causal LM from a local checkpoint folder (``config.json`` plus safetensors, as
     ``save_pretrained`` writes them), ready to run within ``budget`` bytes of device memory
     (bytes, "8GB", or a share of the device like "25%": NOTE [sizes]); returns ``(model, handle)``.
@@ -500,32 +630,30 @@ def load_pretrained(path: str | os.PathLike, budget: int | str | None = None, ho
     its config (else of the checkpoint) and a tensor of another dtype is refused. A bad
     checkpoint raises :class:`CheckpointError` (a ValueError) with nothing left allocated.
     ``model_class`` (default ``transformers.AutoModelForCausalLM``) builds the model from its
-    config; other keyword arguments go to :func:`tiermem.wrap_module` (``mode``, ``lookahead``,
-    ``disk_reader``: "posix" or "kvikio", NOTE [kvikio reader]...);
-    ``tier`` defaults to the default Tier.
+    config; ``options`` and other keyword arguments are :func:`tiermem.wrap_module`'s
+    (:class:`tiermem.handles.ModuleOptions`: ``mode``, ``lookahead``, ``disk_reader``...), but
+    for ``weights``, which the checkpoint gives, and ``host_budget``, an argument here, which
+    where given replaces the options'; ``tier`` defaults to the default Tier.
     """
-    import torch
+    if "weights" in kwargs or getattr(options, "weights", None) is not None:
+        raise ConfigTypeError("load_pretrained reads the weights from the checkpoint: it takes no weights option")
     try:
         import transformers
     except ImportError as e:
         raise TierMemError("load_pretrained needs transformers; pip install transformers") from e
+    check_dtype(dtype)
     path = os.fspath(path)
     ckpt = Checkpoint(path)
-    if not os.path.isdir(path) or not os.path.exists(os.path.join(path, "config.json")):
-        raise CheckpointError(f"{path} has no config.json: load_pretrained takes a folder as save_pretrained "
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{path} is a file: load_pretrained takes a folder with config.json as save_pretrained "
                               "writes it", path)
-    config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
-    floating = {k: v for k, v in ckpt.dtypes().items() if k.startswith(("float", "bfloat"))}
-    want = (to_torch_dtype(dtype) or to_torch_dtype(config_dtype(config))
-            or (_dtypes.to_torch(max(floating, key=floating.get)) if floating else torch.float32))
-    builder = model_class or transformers.AutoModelForCausalLM
-    with empty_weights(), _no_init(transformers):
-        model = builder.from_config(config, dtype=want)
+    config, _, unset = read_config(path)
+    if model_class is None:
+        check_causal(config, os.path.join(path, "config.json"))
+    want = weights_dtype(dtype, config, ckpt, fallback="float32")
+    model = build_model(config, want, model_class)
     model.eval()
-    weights: Mapping[str, Any] = model_weights(ckpt, model)
-    if dtype is not None:
-        name = _dtypes.canonical(want)
-        weights = {k: (_Cast(v, name) if v.dtype != name and v.dtype in floating else v) for k, v in weights.items()}
+    weights = checkpoint_weights(ckpt, model, _dtypes.canonical(want) if dtype is not None else None, unset)
     gen = os.path.join(path, "generation_config.json")
     if os.path.exists(gen):
         model.generation_config = transformers.GenerationConfig.from_pretrained(path, local_files_only=True)
@@ -534,12 +662,10 @@ def load_pretrained(path: str | os.PathLike, budget: int | str | None = None, ho
             raise ConfigError("load_pretrained needs a tier (tiermem.load_pretrained uses the default one)")
         tier = make_tier()
     try:
-        handle = tier.wrap_module(model, budget, weights=weights, host_budget=host_budget, **kwargs)
+        if host_budget is not None:      # given here, it replaces the options'
+            kwargs["host_budget"] = host_budget
+        handle = tier.wrap_module(model, budget, options=options, weights=weights, **kwargs)
     except CheckpointError as e:
-        unknown = sorted(set(weights) - set(model.state_dict()))
-        if unknown and "lack" in str(e):
-            raise CheckpointError(f"{e}; the checkpoint has {len(unknown)} name(s) the model does not "
-                                  f"({', '.join(unknown[:3])} ...): is it a checkpoint of this model?", path) from None
         e.path = e.path or path
         raise
     return Loaded(model, handle)

@@ -19,22 +19,26 @@ import weakref
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from ..base.limits import parse_bytes
+from ..base.limits import check_bytes, parse_bytes
 from ..errors import ConfigError, ConfigTypeError, DeviceFullError, TierMemError, WrapError
-from ..pytorch.held import CopyGuard
+from ..pytorch.held import CopyGuard, InstancePatch
 from ..roles import Evict, Role
-from .disk import READERS, STAGES
-from .groups import MAX_GROUP, gathered_groups, home_layout, is_stacked, module_groups, span_of
+from .disk import STAGES
+from .groups import (MAX_GROUP, enclosing_groups, fit_groups, gathered_groups, home_layout, is_stacked, module_groups,
+                     span_of)
 from .load import FileTensor
-from .plan import LOOKAHEAD, plan_host, plan_residency, stay_home
-from .sources import stand_ins, weight_sources, wrap_from
-from .transport import Group, PinnedTransport
+from .options import MODES, ModuleOptions
+from .plan import Plan, plan_host, plan_residency, stay_home
+from .sources import stand_ins, wrap_from
+from .split import chunked_forward, find_cuts
+from .transport import Group, Piece, PinnedTransport
+from .weights import weight_sources
 
 if TYPE_CHECKING:
     from ..core.engine import Engine as Tier  # what an adapter uses is the engine's interface
     from ..core.tensor import TieredTensor
 
-__all__ = ["TieredModule", "Part", "wrap_module"]
+__all__ = ["TieredModule", "Part", "wrap_module", "check_module", "check_module_options", "MODES"]
 
 log = logging.getLogger("tiermem")
 
@@ -46,66 +50,65 @@ MIN_FILL_ROOM = 64 << 20
 @dataclasses.dataclass(frozen=True)
 class Part:
     """The share of a module one :class:`TieredModule` adopts when several adopt it, one per GPU
-    (NOTE [layers across GPUs] in inference/split.py): the names of its groups (as
-    ``module_groups`` names them), and the stand-ins the caller gave the module's meta tensors
-    (NOTE [weight source]). The part's handle hooks the whole module's forward and leaves the
-    module's adoption mark and copy guard to the caller."""
+    (NOTE [layers across GPUs] in inference/multidevice.py): the names of its groups (as
+    ``module_groups`` names them at ``group_bytes``), and the stand-ins the caller gave the
+    module's meta tensors (NOTE [weight source]). The part's handle hooks the whole module's
+    forward and leaves the module's adoption mark and copy guard to the caller."""
 
     groups: frozenset[str]
+    group_bytes: int
     stand_ins: frozenset[int] = frozenset()
 
 
 class TieredModule:
     """Handle of a module adopted by :func:`wrap_module`: its plan, its mode, stats() and unwrap().
 
-    Keyword arguments beside the budget: ``mode`` ("auto", "stream", "zero_copy"), ``lookahead``
-    (streamed groups in flight), ``zero_copy_max_tokens`` (forwards of at most this many tokens
-    are decode steps), ``max_group_bytes``; ``weights``, a Mapping from state-dict names to the
-    tensors' bytes (NOTE [weight source] in inference/sources.py: a module built on the meta device
-    can be adopted); and ``host_budget``, the pinned host bytes allowed, beyond which streamed
-    groups are read from their checkpoint files ahead of use (NOTE [disk tier]; needs ``weights``
-    from a Checkpoint), by ``disk_reader``: "posix" (threads of ``os.preadv``) or "kvikio"
-    (NOTE [kvikio reader]).
+    ``options`` (a :class:`ModuleOptions`, in inference/options.py, which documents each), or
+    its fields as keyword arguments; ``options`` is the checked record the handle runs by.
     """
 
-    def __init__(self, tier: Tier, module: Any, budget: int | str | None, *, mode: str = "auto",
-                 lookahead: int = LOOKAHEAD, zero_copy_max_tokens: int = 16, max_group_bytes: int = MAX_GROUP,
-                 weights: Mapping[str, Any] | None = None, host_budget: int | str | None = None,
-                 disk_reader: str = READERS[0], part: Part | None = None,
-                 share_home: TieredModule | None = None):
-        if mode not in ("auto", "stream", "zero_copy"):
-            raise ConfigError(f"mode must be 'auto', 'stream' or 'zero_copy', got {mode!r}")
-        if disk_reader not in READERS:
-            raise ConfigError(f"disk_reader must be one of {', '.join(map(repr, READERS))}, got {disk_reader!r}")
-        self.disk_reader = disk_reader
-        if part is None and getattr(module, "_tiermem_handle", None) is not None:
-            raise WrapError("this module is already adopted by tiermem; unwrap it first")
+    def __init__(self, tier: Tier, module: Any, budget: int | str | None, *, options: ModuleOptions | None = None,
+                 part: Part | None = None, **kwargs: Any):
+        check_module(module)
+        opts = check_module_options(budget, kwargs, given=options)
+        if opts.devices is not None:
+            raise ConfigError(f"devices={list(opts.devices)!r} spreads a module over several GPUs, which "
+                              "tiermem.wrap_module(module, budget, devices=...) does; a Tier's wrap_module (and "
+                              "load_pretrained) adopts it on that Tier's device: leave devices out")
+        share = opts.share_home
+        if share is not None and not isinstance(share, TieredModule):
+            raise ConfigTypeError(f"share_home takes the TieredModule of another replica, got {type(share).__name__}")
+        self.options = opts
+        self.disk_reader = opts.disk_reader
         self.part = part
-        if share_home is not None and not isinstance(share_home, TieredModule):
-            raise ConfigTypeError(f"share_home takes the TieredModule of another replica, got {type(share_home).__name__}")
-        self._share = share_home
+        self._share = share
         self.tier = tier
         self.module = module
-        self.mode = mode
-        self.zero_copy_max_tokens = zero_copy_max_tokens
+        self.mode = opts.mode
+        self.zero_copy_max_tokens = opts.zero_copy_max_tokens
+        self.kv_tokens = opts.kv_tokens
+        self._kv_asked = opts.kv_budget
+        self._kv_live: Any = None      # the live cache kv_cache() made
+        weights = opts.weights
         # A meta tensor cannot be rebound to memory (torch refuses set_data across the two), so
         # the module gets a memory-less stand-in in its place first (NOTE [weight source]); a
         # failure puts the meta tensors back.
         swaps = stand_ins(module) if weights is not None and part is None else []
         made = {id(new) for *_, new in swaps} | (set(part.stand_ins) if part is not None else set())
         try:
-            self._setup(module, budget, lookahead, max_group_bytes, weights, made, host_budget)
+            self._setup(module, budget, opts.lookahead, opts.max_group_bytes, weights, made, opts.host_budget)
         except BaseException:
             for owner, name, old, _ in reversed(swaps):
                 owner[name] = old
             raise
 
-    def _setup(self, module: Any, budget: int | str | None, lookahead: int, max_group_bytes: int,
+    def _setup(self, module: Any, budget: int | str | None, lookahead: int, max_group_bytes: int | None,
                weights: Mapping[str, Any] | None, empty: set[int], host_budget: int | str | None) -> None:
         tier = self.tier
-        found = module_groups(module, max_group_bytes)
-        if self.part is not None:
-            found = [f for f in found if f[0] in self.part.groups]
+        if self.part is None:
+            found = module_groups(module, MAX_GROUP if max_group_bytes is None else max_group_bytes)
+        else:               # NOTE [layers across GPUs] in inference/multidevice.py
+            found = [f for f in module_groups(module, self.part.group_bytes) if f[0] in self.part.groups]
         if not found:
             raise WrapError("this module has no parameters or buffers to tier")
         from ..pytorch.wrap import check_tensor
@@ -120,10 +123,18 @@ class TieredModule:
         asked = total if budget is None else parse_bytes(budget, total=tier.backend.capabilities().total_memory,
                                                          what="module budget", max_percent=100)
         self.budget = self._within_device(asked, [t for _, _, own in found for _, t in own])
-        self.plan = plan_residency(sizes, self.budget, lookahead, in_place=gathered_groups(module, found))
+        if max_group_bytes is None:
+            fitted = fit_groups(module, found, self.budget, lookahead)
+            found = _within(fitted, found) if self.part is not None and fitted is not found else fitted
+            sizes = [(mname, sum(span_of(t) for _, t in own)) for mname, _, own in found]
+        cuts = find_cuts(module, found)            # NOTE [split groups] in inference/split.py
+        self.plan = self._plan_split(module, sizes, lookahead, gathered_groups(module, found) | enclosing_groups(found),
+                                     {g: c.unit for g, c in cuts.items()})
         self.lookahead = max(self.plan.lookahead, 1)
         self._groups = {mname: Group(mname, [t for _, t in own], n, pinned=mname in self.plan.pinned,
-                                      gathered=mname in self.plan.in_place, stacked=is_stacked([t for _, t in own]))
+                                      gathered=mname in self.plan.in_place, stacked=is_stacked([t for _, t in own]),
+                                      oversized=mname in self.plan.oversized, cut=cuts.get(mname),
+                                      split=mname in self.plan.split)
                         for (mname, _, own), (_, n) in zip(found, sizes)}
         self._unit_groups: dict[int, list[Group]] = {id(m): [self._groups[mname]] for mname, m, _ in found}
         self.host_budget = None if host_budget is None else parse_bytes(host_budget, what="host_budget")
@@ -131,7 +142,10 @@ class TieredModule:
             self.plan = plan_host(self.plan, [(g.name, home_layout(g.tensors)[1]) for g in self._groups.values()],
                                   self.host_budget, STAGES,
                                   keep=stay_home([(g.name, g.tensors) for g in self._groups.values()],
-                                                 lambda t: isinstance(self._sources.get(id(t)), FileTensor)))
+                                                 lambda t: isinstance(self._sources.get(id(t)), FileTensor))
+                                  | {g.name for g in self._groups.values() if g.cut is not None and g.cut.gathers})
+            for g in self._groups.values():     # plan_host streams from disk what it can cut
+                g.split, g.oversized = g.name in self.plan.split, g.name in self.plan.oversized
             if self.plan.on_disk and self.mode == "zero_copy":
                 raise TierMemError("mode='zero_copy' reads every weight in place, and a disk tier has weights with "
                                    "no place to read: raise host_budget or use mode='auto'")
@@ -146,6 +160,9 @@ class TieredModule:
         self._trace: list[int] = []
         self._recording = True
         self._pos = -1
+        self._cur = -1                # the last piece brought in, in this forward's sequence (_sequence)
+        self._seqs: dict[str, tuple[list[Piece], list[int]]] = {}
+        self._uses: dict[int, list[tuple[Group, str]]] = {}
         self._fwd_mode = "stream"
         self._lease: Any = None       # its share of the tier's budget (NOTE [budget leases])
         # NOTE [all or nothing]
@@ -160,6 +177,73 @@ class TieredModule:
         except BaseException:
             self._rollback(originals)
             raise
+
+    def _plan_split(self, module: Any, sizes: list[tuple[str, int]], lookahead: int, gathered: set[str],
+                    units: dict[str, int]) -> Plan:
+        """The weights' plan within the budget, less the KV cache's share (NOTE [kv plan]);
+        ``units`` are the groups that can be cut (NOTE [split groups] in inference/split.py)."""
+        asked = self._kv_asked
+        if asked is None:
+            return plan_residency(sizes, self.budget, lookahead, in_place=gathered, split=units)
+        from .kvplan import kv_shape, plan_kv, split_budget
+        if asked == "auto":
+            shape = kv_shape(self._config(), self._dtype())
+            weights, kv = split_budget(sizes, self.budget, shape, self.kv_tokens, lookahead=lookahead,
+                                       in_place=gathered, split=units)
+            return dataclasses.replace(weights, kv_budget=kv.device_bytes, kv=kv)
+        kvb = parse_bytes(asked, total=self.tier.backend.capabilities().total_memory, what="kv_budget",
+                          max_percent=100)
+        if kvb > self.budget:
+            raise ConfigError(f"kv_budget={kvb:,} bytes is more than the whole budget ({self.budget:,} bytes), which "
+                              "holds the weights and the KV cache together")
+        kv = None
+        if self.kv_tokens is not None:
+            kv = plan_kv(kv_shape(self._config(), self._dtype()), self.kv_tokens, kvb)  # refused here if it cannot
+        weights = plan_residency(sizes, self.budget - kvb, lookahead, in_place=gathered, split=units)
+        return dataclasses.replace(weights, kv_budget=kvb, kv=kv)
+
+    def _config(self) -> Any:
+        config = getattr(self.module, "config", None)
+        if config is None:
+            raise ConfigError(f"a KV cache is sized from the model's config, and this {type(self.module).__name__} has "
+                              "no .config; pass config= to kv_cache()")
+        return config
+
+    def _dtype(self) -> Any:
+        return getattr(self.module, "dtype", None)
+
+    def kv_cache(self, max_tokens: int | None = None, *, batch_size: int = 1, config: Any = None, fp8: bool = False,
+                 slots: int | None = None, host_budget: int | str | None = None) -> Any:
+        """A :class:`~tiermem.inference.kvcache.TieredKVCache` for this module within the budget's KV share
+        (``kv_budget``, NOTE [kv plan]), for ``max_tokens`` tokens a sequence (default
+        ``kv_tokens``); pass it to ``generate``. One at a time: ``close()`` it before asking for
+        another. Its home counts against ``host_budget`` (default: the module's, less its own
+        pinned home)."""
+        from .kvcache import TieredKVCache
+        from .kvplan import SLOTS
+        if not self._groups:
+            raise WrapError("this module was unwrapped; a KV cache needs the adopted module")
+        if not self.plan.kv_budget:
+            raise ConfigError("this module has no KV share of its budget: wrap_module(model, budget, kv_budget=...) "
+                              "sets it aside, or use tiermem.kv_cache() with a budget of its own")
+        if self._kv_live is not None:
+            raise TierMemError("this module's KV cache is still open: close() it before asking for another")
+        tokens = max_tokens if max_tokens is not None else self.kv_tokens
+        if tokens is None:
+            raise ConfigError("give max_tokens: the most tokens a sequence may reach, prompt and generated")
+        if host_budget is None and self.host_budget is not None:
+            host_budget = max(self.host_budget - (self._stream.pinned_bytes if self._stream is not None else 0), 0)
+        cache = TieredKVCache(config if config is not None else self._config(), tokens, self.plan.kv_budget,
+                              batch_size=batch_size, dtype=self._dtype(), slots=slots or SLOTS, fp8=fp8,
+                              host_budget=host_budget, tier=self.tier, _owner=self)
+        self._kv_live = cache
+        self.plan = dataclasses.replace(self.plan, kv=cache.plan)
+        return cache
+
+    def cache_closed(self, cache: Any) -> None:
+        """A cache :meth:`kv_cache` made was closed: another may be made."""
+        if self._kv_live is cache:
+            self._kv_live = None
 
     def stats(self) -> dict[str, Any]:
         """A flat dict of the module's host-side figures (bytes, seconds, counts):
@@ -179,7 +263,7 @@ class TieredModule:
             "pinned_bytes.home_shared": st.home.nbytes if st is not None and st.home is not None and st.shared else 0,
             "pinned_bytes.staging": disk.pinned_bytes if disk is not None else 0,
             "host_budget": -1 if self.host_budget is None else self.host_budget,
-            "disk_bytes.per_forward": sum(ft.nbytes for fs in disk.files.values() for ft, _ in fs) if disk else 0,
+            "disk_bytes.per_forward": sum(n for fs in disk.files.values() for _, _, n, _ in fs) if disk else 0,
         }
         for k in ("read_bytes", "read_seconds", "wait_seconds", "reads", "stage_reuse", "resyncs", "dropped",
                   "retries"):
@@ -262,6 +346,7 @@ class TieredModule:
         if pinned_tts:
             tier.prefetch(pinned_tts).synchronize()
         self._units = [m for m in module.modules() if id(m) in self._unit_groups]
+        self._uses = {id(m): [(g, _use(m, g)) for g in self._unit_groups[id(m)]] for m in self._units}
         self._hooks = [module.register_forward_pre_hook(self._root_pre, with_kwargs=True),
                        module.register_forward_hook(self._root_post)]
         for i, m in enumerate(self._units):
@@ -273,6 +358,10 @@ class TieredModule:
                     if t.requires_grad and hasattr(t, "register_post_accumulate_grad_hook"):
                         self._hooks.append(t.register_post_accumulate_grad_hook(
                             lambda p, g=g, i=i: self._stream.offload_grad(g, i, p)))
+                if g.split:                 # NOTE [split groups] in inference/split.py
+                    for m in g.cut.runs:
+                        self._hooks.append(InstancePatch(m, {"forward": chunked_forward(
+                            m, g.cut, g, self._runs_parts, self._enter, self._leave)}))
             self._stream.bind_home()       # the last step; it cannot fail
         if self.part is None:
             self._hooks.append(CopyGuard(module))   # NOTE [held modules]
@@ -329,22 +418,45 @@ class TieredModule:
     def _root_post(self, module: Any, args: tuple, out: Any) -> None:
         if self._recording and self._trace:
             self._recording = False
+            self._seqs = {}
             if self._stream is not None and self._stream.disk is not None:
-                self._stream.disk.set_sequence([g for i in self._trace for g in self._unit_groups[id(self._units[i])]
-                                                if g.on_disk])
+                # What a forward reads from disk, in order: the same in every mode that streams
+                # (a group on disk always takes a slot).
+                self._stream.disk.set_sequence([p for p in self._sequence("stream")[0] if p.group.on_disk])
         if self._fwd_mode != "zero_copy" and not self._recording and self._stream is not None:
-            self._pos = -1
-            self._stream.ahead(self._upcoming())   # the first streamed groups of the next forward
+            self._cur = -1
+            self._stream.ahead(self._upcoming())   # the first streamed pieces of the next forward
 
-    def _upcoming(self) -> list[Group]:
-        out: list[Group] = []
-        for j in range(self._pos + 1, len(self._trace)):
-            for g in self._unit_groups[id(self._units[self._trace[j]])]:
-                if not g.pinned and g.slot_in(self._fwd_mode):
-                    out.append(g)
-            if len(out) >= self.lookahead:
-                break
-        return out[: self.lookahead]
+    def _pieces(self, m: Any, mode: str) -> tuple[list[Piece], list[Piece]]:
+        """What unit ``m`` brings into slots in a forward in ``mode``: whole groups (its pre-hook
+        does) and parts of split groups (its chunked forward does, NOTE [split groups])."""
+        whole, parts = [], []
+        for g, use in self._uses[id(m)]:
+            if g.pinned or use == "rows" or not g.slot_in(mode):
+                continue
+            if use == "parts":
+                parts.extend(g.pieces)
+            else:
+                whole.append(g.pieces[0])
+        return whole, parts
+
+    def _sequence(self, mode: str) -> tuple[list[Piece], list[int]]:
+        """The pieces a forward in ``mode`` brings into slots, in order, and where each position
+        of the learned order starts in that list."""
+        got = self._seqs.get(mode)
+        if got is None:
+            flat: list[Piece] = []
+            starts: list[int] = []
+            for i in self._trace:
+                starts.append(len(flat))
+                whole, parts = self._pieces(self._units[i], mode)
+                flat += whole + parts
+            got = self._seqs[mode] = (flat, starts)
+        return got
+
+    def _upcoming(self) -> list[Piece]:
+        flat, _ = self._sequence(self._fwd_mode)
+        return flat[self._cur + 1:self._cur + 1 + self.lookahead]
 
     def _pre(self, i: int) -> None:
         if self._recording:
@@ -353,22 +465,39 @@ class TieredModule:
             self._pos += 1
             if self._pos >= len(self._trace) or self._trace[self._pos] != i:
                 # Another order than the one learned: learn it again on the next forward.
-                self._recording, self._trace = True, []
-        for g in self._unit_groups[id(self._units[i])]:
-            if g.pinned:
-                if not all(t.is_resident for t in g.tiered):
-                    self.tier.prefetch(g.tiered)
-            elif g.slot_in(self._fwd_mode):
-                self._stream.ensure(g)
-        if self._fwd_mode != "zero_copy" and not self._recording and self._stream is not None:
+                self._recording, self._trace, self._seqs = True, [], {}
+        ahead = self._fwd_mode != "zero_copy" and not self._recording and self._stream is not None
+        if ahead:
+            self._cur = self._sequence(self._fwd_mode)[1][self._pos] - 1
+        for g, _ in self._uses[id(self._units[i])]:
+            if g.pinned and not all(t.is_resident for t in g.tiered):
+                self.tier.prefetch(g.tiered)
+        for p in self._pieces(self._units[i], self._fwd_mode)[0]:
+            self._stream.ensure(p)
+            self._cur += 1
+        if ahead:
             self._stream.ahead(self._upcoming())
 
     def _post(self, i: int) -> None:
         if self._fwd_mode == "zero_copy":
             return
-        for g in self._unit_groups[id(self._units[i])]:
-            if not g.pinned and g.slot_in(self._fwd_mode):
-                self._stream.release(g)
+        for p in self._pieces(self._units[i], self._fwd_mode)[0]:
+            self._stream.release(p)
+
+    def _runs_parts(self, g: Group) -> bool:
+        """Whether this forward streams ``g`` in parts (else its user runs as it would unsplit)."""
+        return self._stream is not None and self._stream.nslots > 0 and g.slot_in(self._fwd_mode)
+
+    def _enter(self, p: Piece) -> list[Any]:
+        """Bring part ``p`` into its slot, for a chunked forward (NOTE [split groups]); its views."""
+        views = self._stream.ensure(p)
+        self._cur += 1
+        if self._fwd_mode != "zero_copy" and not self._recording:
+            self._stream.ahead(self._upcoming())
+        return views
+
+    def _leave(self, p: Piece) -> None:
+        self._stream.release(p)
 
     # -- lifecycle ------------------------------------------------------------------------------------
     def drain(self) -> None:
@@ -444,7 +573,9 @@ class TieredModule:
 
     def _give_back(self) -> None:
         """Free what the adoption took once the tensors no longer point at it: the resident
-        groups, the streaming window and pinned home, and the budget lease."""
+        groups, the streaming window and pinned home, the KV cache, and the budget lease."""
+        if self._kv_live is not None:
+            self._kv_live.close()     # its device bytes are inside the module's lease
         for g in self._groups.values():
             for tt in g.tiered:
                 tt.buffer.bindings = []
@@ -476,14 +607,78 @@ class TieredModule:
         return f"<TieredModule {type(self.module).__name__} ({self.transport}): {self.plan.table(limit=0)}>"
 
 
+def _use(m: Any, g: Group) -> str:
+    """How unit ``m`` uses group ``g``: "rows" (an embedding: reads the rows of its tokens in
+    place), "parts" (runs over the parts of a split group) or "whole" (a slot holds it whole)."""
+    cut = g.cut
+    if cut is not None and any(m is x for x in cut.gathers):
+        return "rows"
+    if g.split and cut is not None and any(m is x for x in cut.runs):
+        return "parts"
+    return "whole"
+
+
 def _wrap_group(tier: Tier, tensors: list[Any], names: list[str], on_host: bool, policy: Any) -> list[TieredTensor]:
     from ..pytorch.wrap import wrap_group
     return wrap_group(tier, tensors, Role.WEIGHT, names=names, on_host=on_host, policy=policy)
 
 
-def wrap_module(tier: Tier, module: Any, budget: int | str | None = None, **kwargs: Any) -> TieredModule:
+def _within(finer: list, coarse: list) -> list:
+    """The groups of ``finer`` (module_groups of the whole module at a smaller size) that hold
+    the tensors of ``coarse`` (a part's groups: NOTE [layers across GPUs] in
+    inference/multidevice.py). A smaller size only cuts a group into groups inside it, so none
+    holds tensors of both."""
+    mine = {id(t) for _, _, own in coarse for _, t in own}
+    out = []
+    for name, m, own in finer:
+        inside = [id(t) in mine for _, t in own]
+        if all(inside):
+            out.append((name, m, own))
+        elif any(inside):
+            raise WrapError(f"group {name} holds tensors of two devices' runs; give max_group_bytes")
+    return out
+
+
+def check_module(module: Any) -> None:
+    """Raise :class:`ConfigTypeError` for what is not an ``nn.Module``, :class:`WrapError` for a
+    module already adopted. Needs no Tier: tiermem.wrap_module calls it before it looks for one."""
+    try:
+        import torch
+    except ImportError as e:
+        raise WrapError("wrap_module needs torch; pip install 'tiermem[torch]'") from e
+    if not isinstance(module, torch.nn.Module):
+        raise ConfigTypeError(f"wrap_module takes a torch.nn.Module, got {type(module).__name__}")
+    if getattr(module, "_tiermem_handle", None) is not None:
+        raise WrapError("this module is already adopted by tiermem; unwrap it first")
+
+
+def check_module_options(budget: Any, options: Mapping[str, Any], call: str = "wrap_module",
+                         taken: tuple[str, ...] = (), given: ModuleOptions | None = None) -> ModuleOptions:
+    """The checked :class:`ModuleOptions` of ``given`` with the keyword ``options`` changing its
+    fields, once ``budget`` and they are known to be what :class:`TieredModule` takes, as far as
+    that needs no Tier: an unknown keyword (:class:`ConfigTypeError`; ``taken`` names those
+    ``call`` sets itself), each option's type and range (ModuleOptions checks itself), a budget
+    that is not a size or is more than the device, a budget of 0 outside mode="zero_copy"
+    (:class:`ConfigError`). The module-level wrap_module and load_pretrained call it before they
+    look for a GPU, and TieredModule when it is made."""
+    opts = ModuleOptions.of(given, call, taken, **options)
+    mode = opts.mode
+    if budget is not None:
+        check_bytes(budget, what="module budget", max_percent=100)
+        if mode != "zero_copy":
+            try:
+                check_bytes(budget, what="module budget", positive=True)
+            except ConfigError:
+                raise ConfigError(f"module budget={budget!r} keeps no weight on the device, so every forward would "
+                                  "read them all over the link: pass mode='zero_copy' if that is meant, else a budget "
+                                  "above 0") from None
+    return opts
+
+
+def wrap_module(tier: Tier, module: Any, budget: int | str | None = None, *, options: ModuleOptions | None = None,
+                **kwargs: Any) -> TieredModule:
     """Adopt every parameter and buffer of ``module``; see :class:`TieredModule` and NOTE
     [streaming plan] in inference/plan.py. ``budget`` is bytes, "8GB", or a share of the device like
     "25%" (NOTE [sizes] in base/limits.py); :func:`weight_bytes` (inference/groups.py) sizes a share of the
-    module's weights."""
-    return TieredModule(tier, module, budget, **kwargs)
+    module's weights. ``options`` and ``kwargs``: :class:`ModuleOptions`."""
+    return TieredModule(tier, module, budget, options=options, **kwargs)

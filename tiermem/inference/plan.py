@@ -17,30 +17,56 @@ NOTE [streaming plan]
     point at their home again, which moves nothing.
 
     Streaming moves each streamed byte once per forward, at the link rate. Reading in place,
-    zero-copy, moves only what kernels read, at ~51 GB/s (docs/facts.md), and batch-1 GEMV
-    kernels reading host pages reached only 1.18-1.24x the link bound on five architectures
-    (bench/results/offload_infer-*.json, first run of this design), so dense groups stream in
-    every forward. Two kinds of group are read in place instead: groups that only embeddings use
-    (a lookup reads the rows of its tokens; they take no slot and are pinned only with the budget
-    left once the rest is planned), and, in a forward of few tokens (``zero_copy_max_tokens``,
-    a decode step), groups of stacked expert weights, of which a decode reads only the experts
-    its router picked. mode="zero_copy" reads every streamed group in place.
+    zero-copy, moves only what kernels read, at about the link rate (docs/facts.md), but batch-1
+    GEMV kernels reading host pages ran well above the link bound (docs/history.md, "Inference"),
+    so dense groups stream in every forward. Some groups are read in place instead: groups that
+    only embeddings use (a lookup reads the rows of its tokens), and the own tensors of a module
+    that encloses other groups (groups.enclosing_groups: a Mamba mixer's A_log, an attention's
+    sinks), which its forward holds while its children take the slots; these take no slot and
+    are pinned only with the budget left once the rest is planned. In a forward of few tokens
+    (``zero_copy_max_tokens``, a decode step), groups of stacked expert weights are read in
+    place, of which a decode reads only the experts its router picked. mode="zero_copy" reads
+    every streamed group in place.
 
     The execution order is learned on the first forward (and again whenever a forward runs the
     modules in another order); until then groups come in on demand.
+
+NOTE [no plan collapse]
+    One tensor bigger than the budget once made the whole plan read in place: the window was
+    sized by the largest streamed group, so a 1.57 GB tied embedding against a 1.45 GB budget
+    left no room for even one slot, and all 67 groups of that model were read in place
+    (issue 57). So the slot is chosen, not taken from the largest group: for each number of
+    slots, from ``lookahead`` down, and each slot size among the groups' sizes (and their parts'),
+    the groups that fit a slot stream whole; a group bigger than the slot must be pinned if
+    slots of its own size would fit the budget (so that a model with no big tensor keeps its
+    plan); one too big for that is streamed in parts if it can be cut (``split``: by rows for an
+    embedding or head, by expert for stacked experts, inference/split.py), and any other is read
+    in place whole (``oversized``). The pins that save the most are kept, as before. A plan is scored in streamed bytes: a byte read in place
+    counts IN_PLACE_COST (batch-1 GEMV kernels reading host pages ran 1.18-1.24x the link
+    bound: docs/history.md, "Inference"), and each part beyond a group's first PART_COST (a copy
+    call, a chunk's kernel launches and a host sync in an experts loop: taken as ~0.1 ms, not
+    measured yet), so a group too big for the slots is read in place instead where its parts would cost more (a
+    small model's head: many parts of a few KiB). The most slots whose best plan reads in place
+    no group that slots could hold whole wins, as the most slots that fit won before; where every
+    number of slots reads one, the cheapest plan does. So the plan reads the whole model in place only when the
+    budget cannot hold one slot of the smallest piece that could stream.
 """
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from ..errors import ConfigError, TierMemError
 
-__all__ = ["Plan", "plan_residency", "plan_host", "stay_home", "LINK_GBPS", "LOOKAHEAD"]
+__all__ = ["Plan", "plan_residency", "plan_host", "stay_home", "LINK_GBPS", "LOOKAHEAD", "IN_PLACE_COST",
+           "PART_COST"]
 
-LINK_GBPS = 55.0  # pinned H2D on the H100 machine (docs/facts.md); plans quote time at this rate
+LINK_GBPS = 55.0  # pinned H2D, as measured in docs/facts.md ("Transfer ceilings"); plans quote time at this rate
 LOOKAHEAD = 3     # groups in flight by default (the window's slots)
+IN_PLACE_COST = 1.2   # a byte read in place, in streamed bytes (NOTE [no plan collapse])
+PART_COST = 4 << 20   # one more part of a split group, in streamed bytes: ~0.1 ms at the link rate (an estimate)
+MAX_SLOT_SIZES = 16   # slot sizes tried per number of slots (the groups' sizes, thinned)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +86,12 @@ class Plan:
     stage_bytes: int = 0                    # one staging buffer (the largest group on disk)
     stages: int = 0                         # staging buffers
     host_sizes: tuple[tuple[str, int], ...] = ()   # (streamed group, bytes in the pinned home's layout)
+    slot: int = 0                           # bytes of one slot: the window is ``lookahead`` of them
+    split: frozenset[str] = frozenset()     # streamed in parts of at most ``slot`` bytes (NOTE [no plan collapse])
+    oversized: frozenset[str] = frozenset()  # bigger than a slot and not cut: read in place whole
+    units: tuple[tuple[str, int], ...] = ()  # (group that can be cut, bytes of its smallest part)
+    kv_budget: int = 0                      # device bytes beside ``budget`` kept for the KV cache (NOTE [kv plan])
+    kv: Any = None                          # the KV cache's KVPlan (inference/kvplan.py), once it is known
 
     @property
     def pinned_bytes(self) -> int:
@@ -72,8 +104,9 @@ class Plan:
 
     @property
     def moved_bytes(self) -> int:
-        """Bytes a forward moves over the link: the streamed groups, less those read in place
-        (an embedding reads only the rows of its tokens)."""
+        """Bytes a forward moves over the link: the streamed groups (whole, in parts, or read in
+        place whole when too big for a slot), less those only embeddings read (a lookup reads
+        only the rows of its tokens)."""
         return sum(n for g, n in self.sizes if g not in self.pinned and g not in self.in_place)
 
     @property
@@ -109,9 +142,18 @@ class Plan:
         how = ("(read in place, zero-copy)" if self.zero_copy_only else
                f"through a {gb(self.window).strip()} window of {self.lookahead} slot(s)")
         here = self.streamed_bytes - self.moved_bytes
-        lines = [f"budget {gb(self.budget)} of {gb(self.total)} weights: {len(self.pinned)} of {len(self.sizes)} groups "
+        lines = [] if not self.kv_budget else [
+            f"one budget of {gb(self.budget + self.kv_budget).strip()}: {gb(self.budget).strip()} for the weights, "
+            f"{gb(self.kv_budget).strip()} for the KV cache"]
+        if self.kv is not None:
+            lines.append(self.kv.table(link_GBps))
+        lines += [f"budget {gb(self.budget)} of {gb(self.total)} weights: {len(self.pinned)} of {len(self.sizes)} groups "
                  f"resident ({gb(self.pinned_bytes)}), {gb(self.moved_bytes)} streamed per forward {how}"
-                 + (f", {gb(here).strip()} read in place (embeddings)" if here else "")]
+                 + (f", {gb(here).strip()} read in place (embeddings)" if here else "")
+                 + (f"; {len(self.split)} group(s) bigger than a slot streamed in parts of {gb(self.slot).strip()}"
+                    if self.split else "")
+                 + (f"; {len(self.oversized)} group(s) bigger than a slot read in place whole "
+                    f"({gb(sum(n for g, n in self.sizes if g in self.oversized)).strip()})" if self.oversized else "")]
         if self.on_disk:
             lines.append(f"host budget {gb(self.host_budget or 0).strip()}: {gb(self.home_bytes).strip()} in the pinned home, "
                          f"{gb(self.disk_bytes).strip()} in {len(self.on_disk)} groups read from disk through "
@@ -119,14 +161,14 @@ class Plan:
         else:
             lines.append(f"predicted transfer time per forward at {link_GBps:.1f} GB/s: "
                          f"{self.predicted_seconds(link_GBps) * 1e3:.1f} ms")
-        rows = [(g, n, "resident" if g in self.pinned else "in place" if g in self.in_place else
-                 "disk" if g in self.on_disk else "streamed") for g, n in self.sizes]
+        rows = [(g, n, "resident" if g in self.pinned else "in place" if g in self.in_place | self.oversized else
+                 "disk" if g in self.on_disk else "parts" if g in self.split else "streamed") for g, n in self.sizes]
         for g, n, what in rows[:limit]:
             lines.append(f"  {what:<9}{gb(n)}  {g}")
         if len(rows) > limit:
             rest = rows[limit:]
             lines.append(f"  ... {len(rest)} more groups: {sum(1 for r in rest if r[2] == 'resident')} resident, "
-                         f"{sum(1 for r in rest if r[2] == 'streamed')} streamed"
+                         f"{sum(1 for r in rest if r[2] in ('streamed', 'parts'))} streamed"
                          + (f", {sum(1 for r in rest if r[2] == 'disk')} on disk" if self.on_disk else ""))
         return "\n".join(lines)
 
@@ -135,15 +177,19 @@ class Plan:
 
 
 def plan_residency(sizes: Iterable[tuple[str, int]], budget: int, lookahead: int = 2,
-                   in_place: Iterable[str] = ()) -> Plan:
+                   in_place: Iterable[str] = (), split: Mapping[str, int] | None = None,
+                   part_cost: int | None = None) -> Plan:
     """Choose the resident groups for ``budget`` bytes (NOTE [streaming plan]). Pure; no GPU.
 
-    The window holds ``lookahead`` slots the size of the largest streamed group. For each k, the
-    k largest groups are pinned, the window is sized for the rest, and smaller groups fill what
-    budget is left; the k that pins the most bytes wins. If no window of ``lookahead`` slots fits,
-    fewer slots are tried before nothing streams and every group is read in place. Groups named
-    in ``in_place`` (gathered from, like an embedding) need no slot: they are pinned last, with
-    the budget left over.
+    The window holds ``lookahead`` slots; the slot size is chosen (NOTE [no plan collapse]):
+    groups that fit a slot stream whole, groups named in ``split`` (group -> bytes of its smallest
+    part, a row or an expert) stream in parts of at most a slot, others bigger than a slot are
+    read in place whole. For each slot size the costliest groups are pinned first (the k largest,
+    then smaller ones into what is left, for each k), and the cheapest plan wins. Fewer slots are
+    tried while every plan reads something in place; nothing streams (what fits is pinned, the
+    rest read in place) only when no slot fits. Groups named in ``in_place`` (gathered from, like an
+    embedding) need no slot: they are pinned last, with the budget left over. ``part_cost``
+    defaults to PART_COST, read at call time.
     """
     sizes = tuple((str(g), int(n)) for g, n in sizes)
     gathered = frozenset(in_place)
@@ -153,43 +199,120 @@ def plan_residency(sizes: Iterable[tuple[str, int]], budget: int, lookahead: int
     if budget >= total:
         return Plan(budget, total, sizes, frozenset(g for g, _ in sizes), 0, False, 0, gathered)
     moving = [x for x in sizes if x[0] not in gathered]
-    plan = _plan_moving(sizes, moving, budget, lookahead, total)
+    units = {str(g): max(1, int(u)) for g, u in (split or {}).items()}
+    plan = _plan_moving(sizes, moving, budget, lookahead, total, units, PART_COST if part_cost is None else part_cost)
     room = budget - plan.pinned_bytes - plan.window
     extra = []
     for g, n in sorted((x for x in sizes if x[0] in gathered), key=lambda x: -x[1]):
         if n <= room:
             extra.append(g)
             room -= n
-    return dataclasses.replace(plan, pinned=plan.pinned | frozenset(extra), in_place=gathered)
+    return dataclasses.replace(plan, pinned=plan.pinned | frozenset(extra), in_place=gathered,
+                               units=tuple(sorted(units.items())))
 
 
-def _plan_moving(sizes: tuple, moving: list[tuple[str, int]], budget: int, lookahead: int, total: int) -> Plan:
+def _slot_sizes(moving: list[tuple[str, int]], units: dict[str, int], most: int) -> list[int]:
+    """The slot sizes worth trying, largest first: every group's size and every split group's
+    part, thinned evenly to ``most`` (the largest and smallest kept)."""
+    got = sorted({n for _, n in moving} | {u for g, u in units.items() if any(g == h for h, _ in moving)},
+                 reverse=True)
+    if len(got) <= most:
+        return got
+    step = (len(got) - 1) / (most - 1)
+    return sorted({got[round(i * step)] for i in range(most)}, reverse=True)
+
+
+def _plan_moving(sizes: tuple, moving: list[tuple[str, int]], budget: int, lookahead: int, total: int,
+                 units: dict[str, int], part_cost: int) -> Plan:
     if not moving:
         return Plan(budget, total, sizes, frozenset(), 0, False, 0)
     if budget >= sum(n for _, n in moving):
         return Plan(budget, total, sizes, frozenset(g for g, _ in moving), 0, False, 0)
-    order = sorted(moving, key=lambda x: -x[1])
+    slots = _slot_sizes(moving, units, MAX_SLOT_SIZES)
+    cheapest: tuple[float, Plan] | None = None
     for la in range(lookahead, 0, -1):
-        best: tuple[int, list[str], int] | None = None
-        for k in range(len(order)):
-            head, rest = order[:k], order[k:]
-            window = la * rest[0][1]
-            room = budget - window - sum(n for _, n in head)
-            if room < 0:
+        best: tuple[tuple[float, int], Plan] | None = None
+        for s in slots:
+            if la * s > budget:
                 continue
-            pinned = [g for g, _ in head]
-            got = sum(n for _, n in head)
-            for g, n in rest[1:]:          # the largest streamed group sets the window: it stays out
-                if n <= room:
-                    pinned.append(g)
-                    room -= n
-                    got += n
-            if best is None or got > best[0]:
-                best = (got, pinned, window)
-        if best is not None:
-            return Plan(budget, total, sizes, frozenset(best[1]), best[2], False, la)
-    # Not even one slot fits: nothing streams; every group is read in place.
-    return Plan(budget, total, sizes, frozenset(), 0, True, 0)
+            got = _pins(moving, budget, la, s, units, part_cost)
+            if got is None:
+                continue
+            key, pinned, split, oversized, forced, slot = got
+            plan = Plan(budget, total, sizes, pinned, la * slot, False, la, slot=slot, split=split,
+                        oversized=oversized)
+            if best is None or (forced, key) < (best[2], best[0]):
+                best = (key, plan, forced)
+        if best is None:
+            continue
+        if not best[2]:
+            return best[1]
+        if cheapest is None or best[0][0] < cheapest[0]:
+            cheapest = (best[0][0], best[1])
+    if cheapest is not None:
+        return cheapest[1]
+    # No slot fits beside what must stay: nothing streams. What the budget holds is pinned,
+    # largest first, and the rest is read in place.
+    pinned, room = set(), budget
+    for g, n in sorted(moving, key=lambda x: -x[1]):
+        if n <= room:
+            pinned.add(g)
+            room -= n
+    return Plan(budget, total, sizes, frozenset(pinned), 0, True, 0)
+
+
+def _pins(moving: list[tuple[str, int]], budget: int, la: int, s: int, units: dict[str, int], part_cost: int) -> Any:
+    """The best pins within ``budget`` less ``la`` slots of ``s`` bytes: ((cost, -pinned bytes),
+    pinned, split, oversized, whether a group is read in place that slots could hold whole,
+    slot actually needed), or None when nothing would stream. A group bigger than the slot must
+    be pinned if ``la`` slots of its size would fit the budget; one too big for that is streamed
+    in parts if it can be cut and its parts cost less than reading it in place, else read in
+    place."""
+    cost: dict[str, float] = {}
+    fate: dict[str, tuple[str, int]] = {}       # group -> (how it moves, bytes it needs in a slot)
+    for g, n in moving:
+        u = units.get(g)
+        whole = IN_PLACE_COST * n
+        if n <= s:
+            cost[g], fate[g] = n, ("whole", n)
+        elif la * n <= budget:
+            # Slots of its own would fit: a smaller slot leaves it no way but pinned (or read in
+            # place, which a plan with bigger slots avoids). It is never cut, so a model with
+            # no big tensor keeps the plan (and the bitwise results) it had.
+            cost[g], fate[g] = whole, ("forced", 0)
+        elif u is not None and u <= s:
+            per = (s // u) * u
+            parts = n + part_cost * (-(-n // per) - 1)
+            cost[g], fate[g] = (parts, ("split", per)) if parts <= whole else (whole, ("oversized", 0))
+        else:
+            cost[g], fate[g] = whole, ("forced" if n <= budget else "oversized", 0)
+    room0 = budget - la * s
+    order = sorted(moving, key=lambda x: -cost[x[0]])        # pin what costs the most first
+    best = None
+    prefix = 0
+    for k in range(len(order) + 1):
+        if k:
+            prefix += order[k - 1][1]
+        if prefix > room0:
+            break
+        room = room0 - prefix
+        pinned = {g for g, _ in order[:k]}
+        for g, n in order[k:]:
+            if n <= room:
+                pinned.add(g)
+                room -= n
+        rest = [g for g, _ in moving if g not in pinned]
+        slot = max((fate[g][1] for g in rest), default=0)
+        if not slot and any(units.get(g, s + 1) <= s for g in rest):
+            slot = s                 # kept for the parts a disk tier would stream (plan_host)
+        if not slot:
+            continue                 # everything left is read in place: the window would be wasted
+        key = (sum(cost[g] for g in rest), -(room0 - room))
+        if best is None or key < best[0]:
+            best = (key, frozenset(pinned), frozenset(g for g in rest if fate[g][0] == "split"),
+                    frozenset(g for g in rest if fate[g][0] in ("oversized", "forced")),
+                    any(fate[g][0] == "forced" for g in rest), slot)
+    return best
 
 
 def plan_host(plan: Plan, host_sizes: Iterable[tuple[str, int]], host_budget: int | None, stages: int = 3,
@@ -199,7 +322,9 @@ def plan_host(plan: Plan, host_sizes: Iterable[tuple[str, int]], host_budget: in
     in the home's layout, in execution order; groups in ``keep`` (and those read in place) must
     stay in the home. The rest are kept in the home spread evenly along the order, so that reads
     from disk alternate with copies from the home, as far as the budget left after ``stages``
-    staging buffers (each the size of the largest group that may go to disk) allows.
+    staging buffers allows. A staging buffer holds what a slot does: the largest group that may
+    go to disk, or one part of a split group, so a layer of stacked experts bigger than a slot
+    is staged a part at a time.
     Raises :class:`OutOfBudgetError` when even that cannot fit."""
     from ..errors import HostBudgetError
     streamed = [(str(g), int(n)) for g, n in host_sizes if g not in plan.pinned]
@@ -207,15 +332,21 @@ def plan_host(plan: Plan, host_sizes: Iterable[tuple[str, int]], host_budget: in
     plan = dataclasses.replace(plan, host_budget=host_budget, host_sizes=tuple(streamed))
     if host_budget is None or total <= host_budget:
         return plan
-    fixed = set(keep) | set(plan.in_place)
+    # A group read in place has to stay in the home; one that can be cut streams its parts from
+    # disk instead (NOTE [no plan collapse]: in place was chosen over parts only by their cost).
+    cut = {g for g, u in plan.units if g in plan.oversized and u <= plan.slot}
+    plan = dataclasses.replace(plan, split=plan.split | cut, oversized=plan.oversized - cut)
+    fixed = set(keep) | set(plan.in_place) | set(plan.oversized)
     movable = [(g, n) for g, n in streamed if g not in fixed]
     kept = sum(n for g, n in streamed if g in fixed)
-    stage = max((n for _, n in movable), default=0)
+    # A staging buffer holds what a slot holds: a whole group, or one part of a split one.
+    piece = {g: min(n, plan.slot) if g in plan.split else n for g, n in movable}
+    stage = max(piece.values(), default=0)
     # A pinned block may take up to a page more than asked (the driver pins whole pages).
     room = host_budget - stages * stage - kept - (stages + 1) * 4096
     if plan.zero_copy_only:
-        raise TierMemError(f"{total:,} streamed bytes do not fit host_budget={host_budget:,}, and groups on disk "
-                           "must stream through a window the device budget has no room for; raise the budget")
+        raise ConfigError(f"{total:,} streamed bytes do not fit host_budget={host_budget:,}, and groups on disk "
+                          "must stream through a window the device budget has no room for; raise the budget")
     if not movable or room < 0:
         raise HostBudgetError(kept + stages * stage, 0, host_budget,
                                hint=f"host_budget is too small for a disk tier: the groups that must stay in pinned "
@@ -232,7 +363,7 @@ def plan_host(plan: Plan, host_sizes: Iterable[tuple[str, int]], host_budget: in
             home.add(g)
             got += n
     disk = frozenset(g for g, _ in movable if g not in home)
-    stage = max((n for g, n in movable if g in disk), default=0)
+    stage = max((piece[g] for g in disk), default=0)
     return dataclasses.replace(plan, on_disk=disk, stage_bytes=stage, stages=stages if disk else 0)
 
 

@@ -1,14 +1,13 @@
 """Where an adopted module's bytes come from (NOTE [weight source]): stand-ins for its meta
-tensors (:func:`stand_ins`), each tensor's source in ``weights=`` checked against the module
-(:func:`weight_sources`), and resident groups filled from their sources, a checkpoint's tensors
-read through a few pinned buffers (:func:`wrap_from`)."""
+tensors (:func:`stand_ins`), and resident groups filled from their sources, a checkpoint's tensors
+read through a few pinned buffers (:func:`wrap_from`). Each source is checked against the module
+first, in inference/weights.py."""
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ..core.stream import Lane
-from ..errors import CheckpointError
 from ..roles import Location, Policy, Role
 from .load import FileTensor, Reader, host_bytes
 
@@ -16,7 +15,7 @@ if TYPE_CHECKING:
     from ..core.engine import Engine as Tier  # what an adapter uses is the engine's interface
     from ..core.tensor import TieredTensor
 
-__all__ = ["stand_ins", "weight_sources", "origin", "materialize", "wrap_from", "FILL_CHUNK", "FILL_BUFFERS"]
+__all__ = ["stand_ins", "origin", "materialize", "wrap_from", "FILL_CHUNK", "FILL_BUFFERS"]
 
 
 # NOTE [weight source]
@@ -56,45 +55,6 @@ def stand_ins(module: Any) -> list[tuple[dict, str, Any, Any]]:
     return out
 
 
-def weight_sources(module: Any, found: list, weights: Mapping[str, Any] | None, empty: set[int]) -> dict[int, Any]:
-    """id(tensor) -> its source in ``weights`` (NOTE [weight source]); checked, allocates nothing."""
-    if weights is None:
-        return {}
-    names: dict[int, list[str]] = {}
-    for n, t in list(module.named_parameters(remove_duplicate=False)) + list(module.named_buffers(remove_duplicate=False)):
-        names.setdefault(id(t), []).append(n)
-    out: dict[int, Any] = {}
-    missing, bad = [], []
-    where = getattr(weights, "path", "")
-    for _, _, own in found:
-        for n, t in own:
-            aliases = names.get(id(t), [n])
-            name = next((a for a in aliases if a in weights), None)
-            if name is None:
-                if id(t) in empty:
-                    missing.append(" = ".join(aliases))
-                continue
-            src = weights[name]
-            shape, dtype = tuple(src.shape), _dtype_name(src.dtype)
-            if shape != tuple(t.shape) or dtype != _dtype_name(t.dtype):
-                bad.append(f"{name}: {dtype} {list(shape)} where the module has {_dtype_name(t.dtype)} {list(t.shape)}")
-                where = where or getattr(src, "path", "")
-                continue
-            out[id(t)] = src
-    if missing:
-        raise CheckpointError(f"the weights lack {len(missing)} tensor(s) the module needs (and has no data for): "
-                              f"{', '.join(missing[:6])}{' ...' if len(missing) > 6 else ''}", where)
-    if bad:
-        raise CheckpointError(f"{len(bad)} tensor(s) in the weights do not match the module: {'; '.join(bad[:4])}"
-                              f"{' ...' if len(bad) > 4 else ''}", where)
-    return out
-
-
-def _dtype_name(dt: Any) -> str:
-    from ..base.dtypes import canonical
-    return canonical(dt)
-
-
 def origin(t: Any) -> Any:
     """Where unwrap puts a tensor back by default: its own device (a meta tensor's stand-in is on
     the host)."""
@@ -116,9 +76,8 @@ class _Filler:
     FILL_CHUNK bytes taken in turn, so that one buffer is read from the files while the last one
     crosses the link, and the host never holds a whole tensor. Tensors are packed end to end
     into a buffer (a large one spans several), and each buffer is read in one go on the reader's
-    threads: read a tensor at a time, through 64 MiB buffers, 2 GB of resident groups took
-    0.29-0.31 s on the H100, most tensors too small to keep the 16 threads busy
-    (bench/probes/probe_load.py). ``close()`` reads what is queued, waits for the copies and
+    threads: read a tensor at a time, through 64 MiB buffers, most tensors were too small to keep
+    the reader's threads busy (docs/inference.md, "Loading a checkpoint"). ``close()`` reads what is queued, waits for the copies and
     gives the buffers back; call it in every case (``discard()`` after a failure)."""
 
     def __init__(self, tier: Tier, sources: list[Any], room: int | None = None):

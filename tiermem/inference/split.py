@@ -1,284 +1,205 @@
-"""One module's layers across several GPUs, each streaming its own over its own link:
-``tiermem.wrap_module(model, budget, devices=[0, 1])`` (:class:`SplitModule`).
+"""Groups bigger than a slot, streamed in parts (NOTE [split groups]): which groups can be cut
+(:func:`find_cuts`), how many rows a part takes (:func:`rows_per_part`), and the forwards that run a
+head or a layer of stacked experts one part at a time (:func:`chunked_forward`).
 
-NOTE [layers across GPUs]
-    A forward streams every weight that is not resident over one GPU's link. On a host whose
-    GPUs each have a link of their own, the module's groups (``module_groups``, in the order the
-    module registers them) are cut into as many contiguous runs of about equal bytes as there
-    are devices, and each run is adopted by a :class:`TieredModule` of its own (a
-    :class:`Part`) on that device's Tier, within ``budget`` there (the budget is per GPU): its
-    resident groups in that device's managed memory, its streamed ones in a pinned home of their
-    own, copied over that device's link into that device's slots, or read in place by it. The
-    runs partition the weights, so the host holds one copy of them in all.
-
-    The computation moves with the weights: each group's module gets a forward pre-hook that
-    brings the tensors it is given (positional and keyword, through tuples, lists and dicts;
-    other objects, such as transformers' KV cache, pass as they are) to its device. A tensor is
-    moved once per forward per device (the moved copy is kept until the forward ends), so the
-    hidden state crosses once at each boundary, and tensors the model computes once for every
-    layer (an attention mask, rotary cos/sin) once per device. The outputs go back to the device
-    of the model's first input tensor, as accelerate's ``io_same_device`` does: transformers'
-    ``generate`` then finds the logits where its ``input_ids`` are, and a KV cache keeps each
-    layer's keys and values on that layer's device (its layers are made lazily from the first
-    keys they are given). The devices' streams, events and slots are their Tiers' own; a Tier
-    on a GPU other than the caller's leaves the caller's current device alone
-    (``runtime.on_device``).
-
-    A single forward runs the devices one after the other, so with ``budget`` per GPU the
-    time a link-bound forward takes is about (W - n*budget) / link for n devices against
-    (W - budget) / link for one (W: the weight bytes), plus what the next device's lookahead
-    brings in while the one before computes.
-
-    Tied weights: a module that owns no group and uses another's tensor (a head tied to the
-    embedding, as small Llamas and Qwens ship) computes on the device of the run that holds
-    the tensor, so the last hidden state crosses back to the first device for the head. A
-    module that owns a group of its own and uses a tensor another run holds is refused: it
-    would be read by a device that does not hold it.
+NOTE [split groups]
+    A plan whose slot is smaller than a group streams that group in parts when it can be cut
+    (NOTE [no plan collapse] in inference/plan.py). Two kinds of group can:
+    - by rows: tensors of one leading length (a table of rows, with its bias) that only
+      embeddings and plain ``nn.Linear`` layers use, the group's root among them. An embedding
+      reads the rows of its tokens in place from the pinned home, whether the group streams or
+      not, so a tied embedding and head cross the link once per forward, for the head. A head
+      bigger than a slot runs over parts of rows: each part is copied into a slot, multiplied,
+      and written into its columns of the logits. A GEMM over fewer rows may sum in another
+      order than over all of them, so the logits are equal only to rounding (tokens were equal
+      in every test); a head that fits a slot is not cut.
+    - by expert: a module holding stacked experts (``num_experts``, every parameter with that
+      leading length), called as transformers' experts are, ``(hidden_states, top_k_index,
+      top_k_weights)``. Each part is a range of experts: the module runs once per part with its
+      parameters bound to the part in the slot, ``num_experts`` set to the part's count, and
+      the routing renumbered: a choice of an expert outside the part goes to the part's first
+      expert with a routing weight of zero, so it adds a zero. (transformers' "no expert"
+      index, one past the last, is not skipped by every version's loop: 5.17's one-hot has
+      no class for it.) The parts' outputs are summed in expert order. The result is the
+      unsplit one to rounding: the unsplit loop adds a token's experts one at a time where the
+      parts add their own sums, and a part's first expert multiplies more rows at once. The
+      zero-weighted choices cost compute (the first expert of each part runs on every token
+      routed elsewhere), not transfer. A forward of few tokens reads stacked experts in place
+      (NOTE [streaming plan]) and never runs the parts.
+    Any other group bigger than a slot is read in place whole. Parts of rows are whole multiples
+    of ROW_ALIGN rows where the slot allows (GEMM tiles); a part's tensors lie back to back in
+    the slot, each 256-byte aligned, as a group's do in its home.
 """
 from __future__ import annotations
 
-import weakref
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+import dataclasses
+import inspect
+from collections.abc import Callable
+from typing import Any
 
-from ..errors import ConfigError, ConfigTypeError, WrapError
-from ..pytorch.devmem import device_memory
-from ..pytorch.held import CopyGuard
-from .groups import MAX_GROUP, module_groups, span_of
-from .module import Part, TieredModule
-from .sources import stand_ins
+__all__ = ["Cut", "find_cuts", "rows_per_part", "part_bytes", "chunked_forward", "ROW_ALIGN", "EXPERT_ARGS"]
 
-if TYPE_CHECKING:
-    from ..core.engine import Engine as Tier
-
-__all__ = ["SplitModule", "split_runs", "check_devices"]
+ROW_ALIGN = 64
+ALIGN = 256     # a tensor's alignment in the home, a slot and a staging buffer (groups.home_layout)
+EXPERT_ARGS = ("hidden_states", "top_k_index", "top_k_weights")
 
 
-def check_devices(devices: Any) -> list[int]:
-    """``devices`` as a list of distinct device indices, at least two; ConfigError otherwise."""
-    if isinstance(devices, (str, bytes)) or not isinstance(devices, Sequence):
-        raise ConfigTypeError(f"devices must be a list of CUDA device indices, got {devices!r}")
-    out = []
-    for d in devices:
-        if isinstance(d, bool) or not isinstance(d, int) or d < 0:
-            raise ConfigError(f"devices must be CUDA device indices >= 0, got {devices!r}")
-        out.append(d)
-    if len(out) < 2 or len(set(out)) != len(out):
-        raise ConfigError(f"devices must name at least two distinct GPUs, got {devices!r}; for one, "
-                          "leave devices out")
+@dataclasses.dataclass(frozen=True, eq=False)
+class Cut:
+    """How a group can be cut (NOTE [split groups]): ``kind`` "rows" or "experts", ``length``
+    rows (or experts) in each of its ``members`` (the indices of its parameters; its buffers,
+    an embedding's scale say, stay at home), ``unit`` the bytes one row takes in a slot, and
+    ``runs`` the modules that run over its parts (the heads; the experts module)."""
+
+    kind: str
+    length: int
+    unit: int
+    runs: tuple[Any, ...]
+    members: tuple[int, ...]
+    gathers: tuple[Any, ...] = ()   # embeddings that read its rows in place
+
+
+def _row_bytes(t: Any) -> int:
+    return (t.numel() // max(1, t.shape[0])) * t.element_size()
+
+
+def part_bytes(tensors: list[Any], rows: int) -> int:
+    """Bytes ``rows`` rows of each of ``tensors`` take in a slot, back to back, each aligned."""
+    return sum(-(-max(rows * _row_bytes(t), 1) // ALIGN) * ALIGN for t in tensors)
+
+
+def rows_per_part(tensors: list[Any], cap: int, length: int, align: int = 1) -> int:
+    """The most rows whose part fits ``cap`` bytes (at least one), a multiple of ``align`` where
+    that leaves one or more."""
+    per = sum(_row_bytes(t) for t in tensors)
+    k = max(1, min(length, (cap - ALIGN * len(tensors)) // max(1, per)))
+    while k > 1 and part_bytes(tensors, k) > cap:
+        k -= 1
+    if k >= align > 1:
+        k -= k % align
+    return k
+
+
+def _linear(m: Any) -> bool:
+    import torch
+    return isinstance(m, torch.nn.Linear) and type(m).forward is torch.nn.Linear.forward
+
+
+def _expert_module(m: Any) -> bool:
+    try:
+        params = list(inspect.signature(type(m).forward).parameters)[1:4]
+    except (TypeError, ValueError):
+        return False
+    return tuple(params) == EXPERT_ARGS
+
+
+def find_cuts(module: Any, found: list) -> dict[str, Cut]:
+    """The groups of ``found`` (module_groups' output) that can be cut, and how (NOTE [split groups])."""
+    import torch
+    users: dict[int, list[tuple[Any, str]]] = {}
+    buffers: set[int] = set()
+    for m in module.modules():
+        for name, t in m._parameters.items():
+            if t is not None:
+                users.setdefault(id(t), []).append((m, name))
+        for t in m._buffers.values():
+            if t is not None:
+                buffers.add(id(t))
+    out: dict[str, Cut] = {}
+    for gname, root, own in found:
+        members = tuple(i for i, (_, t) in enumerate(own) if id(t) not in buffers)
+        ts = [own[i][1] for i in members]
+        if not ts or any(t.dim() < 1 for t in ts):
+            continue
+        length = ts[0].shape[0]
+        if length < 2 or any(t.shape[0] != length for t in ts):
+            continue
+        uses = [u for t in ts for u in users.get(id(t), [])]
+        unit = part_bytes(ts, 1)
+        mine = {id(t) for t in ts}
+        # A head runs over parts of its weight (and of its bias, if that is in the group too);
+        # an embedding reads its rows in place. Any other use, or a head whose weight is elsewhere, rules it out.
+        runs = tuple({id(m): m for m, name in uses if _linear(m) and id(m.weight) in mine}.values())
+        gathers = tuple({id(m): m for m, name in uses if isinstance(m, torch.nn.Embedding) and name == "weight"
+                         and m.max_norm is None}.values())
+        if (runs and {id(m) for m, _ in uses} == {id(m) for m in runs + gathers}
+                and any(root is m for m in runs + gathers) and all(t.dim() <= 2 for t in ts)):
+            out[gname] = Cut("rows", length, unit, runs, members, gathers)
+            continue
+        experts = getattr(root, "num_experts", None)
+        params = [p for p in root._parameters.values() if p is not None]
+        if (isinstance(experts, int) and experts == length and _expert_module(root) and all(t.dim() >= 2 for t in ts)
+                and all(m is root for m, _ in uses) and {id(p) for p in params} == mine and len(ts) == len(own)):
+            out[gname] = Cut("experts", length, unit, (root,), members)
     return out
 
 
-def split_runs(sizes: list[tuple[str, int]], n: int) -> list[list[str]]:
-    """``sizes`` ((group, bytes), in order) cut into ``n`` contiguous runs of about equal bytes:
-    a group goes to the run its middle byte falls in. Every run gets at least one group when
-    there are as many groups as runs."""
-    if len(sizes) < n:
-        raise ConfigError(f"{len(sizes)} groups cannot be spread over {n} devices: give fewer devices")
-    total = sum(b for _, b in sizes) or 1
-    at, runs = 0, [[] for _ in range(n)]
-    for name, b in sizes:
-        runs[min(n - 1, int((at + b / 2) * n // total))].append(name)
-        at += b
-    if any(not r for r in runs):            # a group larger than a device's share: cut by count
-        names, at = [g for g, _ in sizes], 0
-        runs = []
-        for i in range(n):
-            k = (len(names) - at) // (n - i)
-            runs.append(names[at:at + k])
-            at += k
-    flat = [g for r in runs for g in r]
-    if flat != [g for g, _ in sizes]:        # only ever a contiguous cut
-        raise AssertionError("split_runs broke the order")
-    return runs
+@dataclasses.dataclass(frozen=True)
+class _Ctl:
+    runs: Callable[[Any], bool]
+    enter: Callable[[Any], list[Any]]
+    leave: Callable[[Any], None]
 
 
-class SplitModule:
-    """Handle of a module adopted across several GPUs (NOTE [layers across GPUs]): ``parts`` (a
-    :class:`TieredModule` per device, in the module's order), ``devices``, ``plans``, stats(),
-    drain() and unwrap(). ``budget`` is per GPU; the other keyword arguments are wrap_module's
-    and apply to every part."""
+def chunked_forward(module: Any, cut: Cut, group: Any, runs: Callable[[Any], bool],
+                    enter: Callable[[Any], list[Any]], leave: Callable[[Any], None]) -> Callable[..., Any]:
+    """A forward for ``module`` (one of ``cut.runs``) that runs over ``group.pieces`` (its parts)
+    while ``runs(group)`` says they stream, and is the module's own forward otherwise.
+    ``enter(part)`` brings a part into a slot and returns its members' views there (in the
+    cut's order); ``leave(part)`` gives the slot back (NOTE [split groups])."""
+    own, ctl = module.forward, _Ctl(runs, enter, leave)
+    if cut.kind == "rows":
+        return _rows_forward(module, group, ctl, own)
+    return _experts_forward(module, cut, group, ctl, own)
 
-    def __init__(self, tiers: list[Tier], module: Any, budget: int | str | None, **kwargs: Any):
-        import torch
-        self.torch = torch
-        if getattr(module, "_tiermem_handle", None) is not None:
-            raise WrapError("this module is already adopted by tiermem; unwrap it first")
-        if len(tiers) < 2:
-            raise ConfigError("a SplitModule spreads a module over at least two tiers (devices)")
-        self.tiers = list(tiers)
-        self.devices = [t.device for t in tiers]
-        self.module = module
-        found = module_groups(module, kwargs.get("max_group_bytes", MAX_GROUP))
-        if not found:
-            raise WrapError("this module has no parameters or buffers to tier")
-        sizes = [(name, sum(span_of(t) for _, t in own)) for name, _, own in found]
-        runs = split_runs(sizes, len(tiers))
-        self.run_of = {g: i for i, r in enumerate(runs) for g in r}
-        users = _tied_users(module, found, self.run_of)
-        swaps = stand_ins(module) if kwargs.get("weights") is not None else []
-        made = frozenset(id(new) for *_, new in swaps)
-        self.parts: list[TieredModule] = []
-        self._hooks: list[Any] = []
-        self._moved: dict[tuple[int, Any], tuple[Any, Any]] = {}
-        self._home_device: Any = None
-        try:
-            for tier, run in zip(tiers, runs):
-                self.parts.append(TieredModule(tier, module, budget, part=Part(frozenset(run), made), **kwargs))
-            self.targets = [device_memory(torch, t.backend, t.device).device for t in tiers]
-            ref = weakref.ref(self)
-            for m, run in [(m, self.run_of[name]) for name, m, _ in found] + users:
-                dev = self.targets[run]
-                self._hooks.append(m.register_forward_pre_hook(
-                    lambda mod, args, kw, dev=dev: _call(ref, "_inputs", dev, args, kw), with_kwargs=True))
-            self._hooks.append(module.register_forward_pre_hook(
-                lambda mod, args, kw: _call(ref, "_begin", args, kw), with_kwargs=True, prepend=True))
-            self._hooks.append(module.register_forward_hook(lambda mod, args, out: _call(ref, "_end", out)))
-            self._hooks.append(CopyGuard(module))      # NOTE [held modules]
-        except BaseException:
-            for h in self._hooks:
-                h.remove()
-            for p in reversed(self.parts):
-                p.unwrap()
-            for owner, name, old, _ in reversed(swaps):
-                owner[name] = old
-            raise
-        module._tiermem_handle = weakref.ref(self)
 
-    # -- forward hooks -------------------------------------------------------------------------------
-    def _begin(self, args: tuple, kwargs: dict) -> None:
-        self._moved = {}
-        self._home_device = _first_device(self.torch, (args, kwargs))
+def _rows_forward(module: Any, group: Any, ctl: _Ctl, own: Callable[..., Any]) -> Callable[..., Any]:
+    import torch
+    F = torch.nn.functional
+    at = {id(group.tensors[i]): k for k, i in enumerate(group.cut.members)}   # a part's views: its members
 
-    def _inputs(self, dev: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        return self._to(args, dev), self._to(kwargs, dev)
-
-    def _end(self, out: Any) -> Any:
-        self._moved = {}                     # the crossed copies go with the forward
-        home = self._home_device
-        return out if home is None else self._to(out, home, keep=False)
-
-    def _to(self, x: Any, dev: Any, keep: bool = True) -> Any:
-        torch = self.torch
-        if torch.is_tensor(x):
-            if x.device == dev:
-                return x
-            key = (id(x), dev)
-            hit = self._moved.get(key)
-            if hit is not None and hit[0] is x:
-                return hit[1]
-            y = x.to(dev, non_blocking=True)
-            if keep:
-                self._moved[key] = (x, y)    # x kept too: its id is not reused while the entry lives
-            return y
-        if isinstance(x, tuple):
-            vals = [self._to(v, dev, keep) for v in x]
-            return type(x)(*vals) if hasattr(x, "_fields") else tuple(vals)
-        if isinstance(x, list):
-            return [self._to(v, dev, keep) for v in x]
-        if isinstance(x, dict):
-            if type(x) is dict:
-                return {k: self._to(v, dev, keep) for k, v in x.items()}
-            for k in list(x.keys()):         # a ModelOutput (an OrderedDict): its own type, in place
-                x[k] = self._to(x[k], dev, keep)
-            return x
-        return x
-
-    # -- the parts -------------------------------------------------------------------------------------
-    @property
-    def plans(self) -> list[Any]:
-        return [p.plan for p in self.parts]
-
-    @property
-    def budget(self) -> int:
-        """The per-GPU budget each part plans for (the smallest, where a device had less room)."""
-        return min(p.budget for p in self.parts)
-
-    def stats(self) -> dict[str, Any]:
-        """The parts' stats() summed (their flat keys), and ``devices``."""
-        out: dict[str, Any] = {}
-        for p in self.parts:
-            for k, v in p.stats().items():
-                if isinstance(v, (int, float)) and k != "host_budget":
-                    out[k] = out.get(k, 0) + v
-                else:
-                    out.setdefault(k, v)
-        out["devices"] = list(self.devices)
+    def forward(x: Any) -> Any:
+        if not ctl.runs(group):
+            return own(x)
+        w_at, b_at = at[id(module.weight)], at.get(id(module.bias)) if module.bias is not None else None
+        out = None
+        for part in group.pieces:
+            views = ctl.enter(part)
+            try:
+                bias = views[b_at] if b_at is not None else (
+                    module.bias[part.lo:part.hi] if module.bias is not None else None)
+                y = F.linear(x, views[w_at], bias)
+                if out is None:
+                    out = y.new_empty((*y.shape[:-1], module.out_features))
+                out[..., part.lo:part.hi] = y
+            finally:
+                ctl.leave(part)
         return out
-
-    def drain(self) -> None:
-        for p in self.parts:
-            p.drain()
-
-    @property
-    def moved_bytes(self) -> int:
-        return sum(p.moved_bytes for p in self.parts)
-
-    def unwrap(self, device: Any = None) -> Any:
-        """Every part's tensors in plain memory again (``device``: all there; default, where each
-        came from), hooks off; returns the module."""
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
-        for p in reversed(self.parts):
-            p.unwrap(device)
-        self.parts = []
-        self.module._tiermem_handle = None
-        return self.module
-
-    def __repr__(self) -> str:
-        return (f"<SplitModule {type(self.module).__name__} over devices {self.devices}: "
-                + "; ".join(p.plan.table(limit=0) for p in self.parts) + ">")
+    return forward
 
 
-def _tied_users(module: Any, found: list, run_of: dict[str, int]) -> list[tuple[Any, int]]:
-    """The modules outside every group that use a group's tensors (a head tied to the
-    embedding, with nothing of its own), with the run they then compute in: the run of the
-    tensors they use. Refused: such a module using tensors of two runs, and a module inside a
-    group using a tensor another run holds (it would be read by a device that does not hold
-    it)."""
-    owner: dict[int, str] = {}
-    for name, _, own in found:
-        for _, t in own:
-            owner.setdefault(id(t), name)
-    inside: dict[int, str] = {}
-    for name, m, _ in found:
-        for sub in m.modules():
-            inside.setdefault(id(sub), name)
-    out = []
-    for mname, m in module.named_modules():
-        here = inside.get(id(m))
-        runs = {run_of[g] for t in list(m._parameters.values()) + list(m._buffers.values())
-                if t is not None and (g := owner.get(id(t))) is not None}
-        label = mname or type(module).__name__
-        if here is not None and runs - {run_of[here]}:
-            raise ConfigError(f"{label} uses a tensor that goes to another device than its own (tied weights "
-                              "across the cut): untie them (tie_word_embeddings=False), or run the module on one "
-                              "device")
-        if here is None and len(runs) > 1:
-            raise ConfigError(f"{label} uses tensors that go to different devices (tied weights across the cut): "
-                              "untie them, or run the module on one device")
-        if here is None and runs:
-            out.append((m, runs.pop()))
-    return out
+def _experts_forward(module: Any, cut: Cut, group: Any, ctl: _Ctl, own: Callable[..., Any]) -> Callable[..., Any]:
+    import torch
 
-
-def _first_device(torch: Any, x: Any) -> Any:
-    if torch.is_tensor(x):
-        return x.device
-    if isinstance(x, (tuple, list)):
-        for v in x:
-            d = _first_device(torch, v)
-            if d is not None:
-                return d
-    if isinstance(x, dict):
-        for v in x.values():
-            d = _first_device(torch, v)
-            if d is not None:
-                return d
-    return None
-
-
-def _call(ref: Any, name: str, *args: Any) -> Any:
-    h = ref()
-    return None if h is None else getattr(h, name)(*args)
+    def forward(hidden_states: Any, top_k_index: Any, top_k_weights: Any, *args: Any, **kwargs: Any) -> Any:
+        if not ctl.runs(group):
+            return own(hidden_states, top_k_index, top_k_weights, *args, **kwargs)
+        out = None
+        try:
+            for part in group.pieces:
+                n = part.hi - part.lo
+                inside = (top_k_index >= part.lo) & (top_k_index < part.hi)
+                index = torch.where(inside, top_k_index - part.lo, torch.zeros_like(top_k_index))
+                weights = torch.where(inside, top_k_weights, torch.zeros_like(top_k_weights))
+                ctl.enter(part)
+                try:
+                    module.num_experts = n
+                    y = own(hidden_states, index, weights, *args, **kwargs)
+                finally:
+                    module.num_experts = cut.length
+                    ctl.leave(part)
+                out = y if out is None else out + y
+        finally:
+            module.num_experts = cut.length
+        return out
+    return forward

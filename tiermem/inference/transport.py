@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -17,11 +18,12 @@ from .groups import home_layout
 from .load import FileTensor, Reader, host_bytes
 from .plan import Plan
 from .sources import materialize, origin
+from .split import ALIGN, ROW_ALIGN, rows_per_part
 
 if TYPE_CHECKING:
     from ..core.engine import Engine as Tier  # what an adapter uses is the engine's interface
 
-__all__ = ["Group", "PinnedTransport", "SharedHome"]
+__all__ = ["Group", "Piece", "PinnedTransport", "SharedHome"]
 
 log = logging.getLogger("tiermem")
 
@@ -42,12 +44,76 @@ class Group:
     gathered: bool = False        # only embeddings read it: read in place, never given a slot
     stacked: bool = False         # one slice per expert: a decode reads it in place (routed experts only)
     on_disk: bool = False         # read from its files ahead of use (NOTE [disk tier]); it has no home
+    oversized: bool = False       # bigger than a slot and not cut: read in place whole (NOTE [no plan collapse])
+    cut: Any = None               # how it can be cut (inference/split.py's Cut), or None
+    split: bool = False           # streamed in parts (NOTE [split groups])
+    pieces: list[Piece] = dataclasses.field(default_factory=list)   # what slots hold of it: itself, or its parts
 
     def slot_in(self, mode: str) -> bool:
         """Whether a forward in ``mode`` brings this (streamed) group into a slot."""
-        if self.gathered or mode == "zero_copy":
+        if self.gathered or self.oversized or mode == "zero_copy":
             return False
         return mode == "stream" or not self.stacked or self.on_disk
+
+
+@dataclasses.dataclass(eq=False)
+class Piece:
+    """What one slot holds: a streamed group whole, or rows ``lo`` to ``hi`` of each of its
+    cut's members (a part, NOTE [split groups]). ``members`` are the indices of the group's
+    tensors it holds; ``ranges`` their bytes as (offset in the slot, offset in the group's home
+    layout, bytes) and ``shapes`` their shapes in the slot. A disk tier's staging buffer holds a
+    piece as the slot does."""
+
+    group: Group
+    nbytes: int
+    members: list[int]
+    ranges: list[tuple[int, int, int]]
+    shapes: list[tuple[int, ...]]
+    lo: int = 0
+    hi: int = 0                   # 0: the whole group
+
+    @property
+    def whole(self) -> bool:
+        return self.hi == 0
+
+    @property
+    def name(self) -> str:
+        return self.group.name if self.whole else f"{self.group.name}[{self.lo}:{self.hi}]"
+
+    def slot_offsets(self) -> list[int]:
+        """Where each tensor starts in the slot."""
+        if self.whole:
+            return list(self.group.member_offsets)
+        return [so for so, _, _ in self.ranges]
+
+
+def pieces_of(g: Group, cap: int) -> list[Piece]:
+    """``g`` whole, or, if it is split, its parts of at most ``cap`` bytes (NOTE [split groups])."""
+    if not g.split:
+        return [Piece(g, g.nbytes, list(range(len(g.tensors))), [(0, 0, g.nbytes)],
+                      [tuple(t.shape) for t in g.tensors])]
+    length, members = g.cut.length, list(g.cut.members)
+    ts = [g.tensors[i] for i in members]
+    rows = rows_per_part(ts, cap, length, ROW_ALIGN if g.cut.kind == "rows" else 1)
+    out = []
+    for lo in range(0, length, rows):
+        hi = min(length, lo + rows)
+        ranges, at = [], 0
+        for t, i in zip(ts, members):
+            per = (t.numel() // length) * t.element_size()
+            n = (hi - lo) * per
+            ranges.append((at, g.member_offsets[i] + lo * per, n))
+            at += -(-max(n, 1) // ALIGN) * ALIGN
+        out.append(Piece(g, at, members, ranges, [(hi - lo, *t.shape[1:]) for t in ts], lo, hi))
+    return out
+
+
+def _spans(p: Piece) -> list[tuple[int, int, int]]:
+    """(offset in the slot, offset in the group's home layout, bytes) per member of ``p``."""
+    if not p.whole:
+        return p.ranges
+    g = p.group
+    return [(o, o, t.numel() * t.element_size()) for t, o in zip(g.tensors, g.member_offsets)]
 
 
 def _versions(g: Group) -> tuple[int, ...]:
@@ -131,10 +197,12 @@ class PinnedTransport:
             g.in_slot = [isinstance(t, torch.nn.Parameter) for t in g.tensors]
             g.member_offsets, n = home_layout(g.tensors)
             g.nbytes = n
+            g.pieces = pieces_of(g, plan.slot)
             off += 0 if g.on_disk else n
         self.groups = groups
         self.size = max(off, 1)
-        self.slot_bytes = max((g.nbytes for g in groups if not g.gathered), default=0)
+        self.slot_bytes = max((p.nbytes for g in groups if not g.gathered and not g.oversized for p in g.pieces),
+                              default=0)
         # A plan with no room for the window never streams: everything is read in place.
         self.nslots = 0 if plan.zero_copy_only or not self.slot_bytes else plan.lookahead
         self.home: Any = None
@@ -148,7 +216,7 @@ class PinnedTransport:
         self.origin: dict[int, Any] = {id(t): origin(t) for g in groups for t in g.tensors}
         self.disk: DiskTier | None = None
         on_disk = [g for g in groups if g.on_disk]
-        stage = max((g.nbytes for g in on_disk), default=0)
+        stage = max((p.nbytes for g in on_disk for p in g.pieces), default=0)   # a piece: bounded by a slot
         hb = plan.host_budget
         if hb is not None and self.size + (plan.stages * stage if on_disk else 0) > hb:
             from ..errors import HostBudgetError  # plan_host's sizes are these: a bug if it happens
@@ -158,8 +226,10 @@ class PinnedTransport:
         # pinning] in cuda/runtime.py); other sources are copied in after, by the GPU over the link.
         files = [(sources[id(t)], g.offset + o) for g in groups if not g.on_disk
                  for t, o in zip(g.tensors, g.member_offsets) if isinstance(sources.get(id(t)), FileTensor)]
-        disk_files = {g: [(sources[id(t)], o) for t, o in zip(g.tensors, g.member_offsets)]
-                      for g in on_disk}
+        # A piece's bytes in its staging buffer lie as in its slot: (file tensor, from byte, bytes, at).
+        disk_files = {p: [(sources[id(g.tensors[i])], ho - g.member_offsets[i], n, so)
+                          for i, (so, ho, n) in zip(p.members, _spans(p))]
+                      for g in on_disk for p in g.pieces}
 
         def fill(base: int) -> None:  # straight from the file (NOTE [reading a checkpoint])
             jobs = [(src, host_bytes(base + o, src.nbytes)) for src, o in files]
@@ -197,23 +267,21 @@ class PinnedTransport:
 
     # NOTE [home beside the resident groups]
     # A checkpoint's load has two host-bound parts: the resident groups (read through pinned
-    # fill buffers and copied to the device) and the pinned home (read, then page-locked). On
-    # the H100 machine, for the 12.5 GB Qwen2 of bench/offload_disk.py, they took 0.23 s and
-    # 0.32 s of a 0.83 s load, one after the other (bench/results/probe_load-h100-20261124-68986dc.json).
+    # fill buffers and copied to the device) and the pinned home (read, then page-locked), of
+    # about the same length; one after the other, they were most of a load (docs/inference.md, "Loading a checkpoint").
     # So the home is filled and registered, and the disk tier's staging made, on a thread of its
     # own while the adopting thread loads the resident groups; ``finish`` waits for it. Only host
     # work runs there: its own memory, a thread-safe Reader, the backend's host_alloc. What
     # bench/probes/probe_register.py and probe_load.py found on the way:
-    # - The driver serializes a registration with other CUDA calls: 1.4 GB of copies took
-    #   0.025 s alone and 0.097 s beside one. Registering in pieces on several threads is no
-    #   faster (38-48 GB/s either way), and a copy may not span two registrations
+    # - The driver serializes a registration with other CUDA calls, registering in pieces on
+    #   several threads is no faster, and a copy may not span two registrations
     #   (cudaErrorInvalidValue), so the home stays one block, registered once its reads are done.
     # - The home therefore reads on a Reader of its own with half the shared reader's threads,
     #   so that the resident groups' reads and copies run beside its reads instead of queueing
-    #   behind them into the registration. With as many threads again, they starved: loads of
-    #   0.69-0.80 s against 0.58-0.64 s (probe_load-h100-20261125-16threads.json, -7e90d36.json).
+    #   behind them into the registration. With as many threads again, they starved, and the
+    #   load took longer (docs/inference.md, "Loading a checkpoint").
     # - The fill buffers are made before the thread starts: made beside a thread faulting in the
-    #   home's pages, their 140 MB took 0.12 s to map and 0.2 s to register.
+    #   home's pages, they took several times as long to map and to register (same section).
     # - Under a host budget the fill buffers live beside the home, so they get what the home and
     #   the staging leave of the budget; with less than MIN_FILL_ROOM (inference/module.py) left, the home is made
     #   after the resident groups, as before.
@@ -279,39 +347,66 @@ class PinnedTransport:
                 t.data = v
 
     def _views(self, g: Group, slot: int | None, base: Any = None) -> list[Any]:
-        # Made once per (group, place): a view costs ~20 us of host time, and a forward binds
+        """Views of ``g``'s tensors in their home (or ``base``, laid out as the home), or of
+        ``g.pieces[0]``'s in ``slot``."""
+        return self._piece_views(g.pieces[0], slot, base)
+
+    def _piece_views(self, p: Piece, slot: int | None, base: Any = None) -> list[Any]:
+        # Made once per (piece, place): a view costs ~20 us of host time, and a forward binds
         # every streamed group twice; on a model whose layers sync the host (a mixture of
         # experts) that time lands on the critical path.
-        key = (id(g), slot, base is not None)
+        key = (id(p) if slot is not None else id(p.group), slot, base is not None)
         got = self._view_cache.get(key)
         if got is None:
-            got = self._view_cache[key] = self._make_views(g, slot, base)
+            got = self._view_cache[key] = self._make_views(p, slot, base)
         return got
 
-    def _make_views(self, g: Group, slot: int | None, base: Any = None) -> list[Any]:
+    def _make_views(self, p: Piece, slot: int | None, base: Any = None) -> list[Any]:
         be = self.tier.backend
+        g = p.group
         if slot is None and base is None and g.on_disk:
-            slot = 0                 # no home: at rest it points at a slot (NOTE [disk tier])
-        block = base if base is not None else (self.home if slot is None else self.window)
-        start = block.ptr + g.offset if slot is None else block.ptr + slot * self.slot_bytes
+            # No home: at rest it points at a slot (NOTE [disk tier]); a split group does not fit
+            # one, so its tensors are one element of slot 0 seen at their shape (stride 0).
+            if g.split:
+                raw = be.torch_view(self.window.ptr, self.slot_bytes, self.window)
+                return [raw[:t.element_size()].view(t.dtype).expand(t.shape) for t in g.tensors]
+            slot, p = 0, g.pieces[0]
+        if slot is None:
+            block = base if base is not None else self.home
+            start, offsets, shapes = block.ptr + g.offset, g.member_offsets, [tuple(t.shape) for t in g.tensors]
+            tensors = g.tensors
+        else:
+            block = self.window
+            start, offsets, shapes = block.ptr + slot * self.slot_bytes, p.slot_offsets(), p.shapes
+            tensors = [g.tensors[i] for i in p.members]
         out = []
-        for t, o in zip(g.tensors, g.member_offsets):
-            n = t.numel() * t.element_size()
+        for t, o, shape in zip(tensors, offsets, shapes):
+            n = math.prod(shape) * t.element_size()
             raw = be.torch_view(start + o, n, block)
-            out.append(raw.view(t.dtype).view(t.shape))
+            out.append(raw.view(t.dtype).view(shape))
         return out
 
-    def _load(self, g: Group, slot: int, wait: bool = True) -> bool:
-        """Queue ``g``'s copy into ``slot``; False (nothing queued) when ``g`` is on disk, not read
+    def _copy_in(self, p: Piece, s: Any, stage: int | None) -> tuple[Any, Any]:
+        """Queue the copy of ``p``'s bytes into slot ``s``, from the pinned home or from a
+        staging buffer that holds them as the slot will; returns the copy's (start, end) events.
+        The one place where a streamed piece's bytes reach the device."""
+        if stage is None:
+            base = self.home.ptr + p.group.offset
+            parts = [(so, base + ho, n) for so, ho, n in p.ranges]
+        else:
+            parts = [(0, self.disk.stages[stage].ptr, p.nbytes)]
+        return self.ring.fill(self.lane, s, parts, timed=True)
+
+    def _load(self, p: Piece, slot: int, wait: bool = True) -> bool:
+        """Queue ``p``'s copy into ``slot``; False (nothing queued) when ``p`` is on disk, not read
         yet, and ``wait`` is off."""
         from ..core.transfer import Transfer
         tier = self.tier
         stage = None
-        if g.on_disk:
-            stage = self.disk.take(g, wait)
+        if p.group.on_disk:
+            stage = self.disk.take(p, wait)
             if stage is None:
                 return False
-        src = self.home.ptr + g.offset if stage is None else self.disk.stages[stage].ptr
         s = self.ring[slot]
         # The slot holds nothing from here until the copy is queued and its event recorded: a
         # failure in between must not leave the old occupant's name on new bytes (a later
@@ -319,47 +414,57 @@ class PinnedTransport:
         old = self.ring.vacate(s)
         if old is not None:
             self.slot_of.pop(id(old), None)
-        start, end = self.ring.fill(self.lane, s, [(0, src, g.nbytes)], timed=True)
+        start, end = self._copy_in(p, s, stage)
         if stage is not None:
             self.disk.give_back(stage, end)
-        tier.track(Transfer(tier, "h2d", self.lane.stream, start, end, [], g.nbytes, {self.role: g.nbytes}))
-        tier.accounting.on_move(self.role, "h2d", g.nbytes)
+        tier.track(Transfer(tier, "h2d", self.lane.stream, start, end, [], p.nbytes, {self.role: p.nbytes}))
+        tier.accounting.on_move(self.role, "h2d", p.nbytes)
         tier.accounting.count(self.role, "prefetch_ops")
-        s.occupant, s.held = g, _versions(g)
-        self.slot_of[id(g)] = slot
+        s.occupant, s.held = p, _versions(p.group)
+        self.slot_of[id(p)] = slot
         return True
 
-    def ensure(self, g: Group) -> None:
+    def ensure(self, p: Piece) -> list[Any]:
+        """Bring ``p`` into the next slot (if it is not there already) and make the compute
+        stream wait for it; returns its tensors' views there. A whole group's parameters are
+        bound to them, as are a part's of stacked experts (the experts module reads them by
+        name); a part of rows is read through the views (NOTE [split groups])."""
+        g = p.group
         slot = self.count % self.nslots
         self.count += 1
         now = _versions(g)
         # Not brought in ahead, or written at home since (an optimizer step between forwards).
-        if self.slot_of.get(id(g)) != slot or self.ring[slot].held != now:
-            self._load(g, slot)
+        if self.slot_of.get(id(p)) != slot or self.ring[slot].held != now:
+            self._load(p, slot)
         be = self.tier.backend
         be.wait(be.current_stream(), self.ring[slot].ready)
-        for t, v, s in zip(g.tensors, self._views(g, slot), g.in_slot):
-            if s:
-                t.data = v
-        self.in_use[id(g)] = now
+        views = self._piece_views(p, slot)
+        if p.whole or g.cut.kind == "experts":
+            for i, v in zip(p.members, views):
+                if g.in_slot[i]:
+                    g.tensors[i].data = v
+        self.in_use[id(p)] = now
+        return views
 
-    def ahead(self, upcoming: list[Group]) -> None:
-        for d, g in enumerate(upcoming[: self.nslots - 1], start=0):
+    def ahead(self, upcoming: list[Piece]) -> None:
+        for d, p in enumerate(upcoming[: self.nslots - 1], start=0):
             slot = (self.count + d) % self.nslots
             s = self.ring[slot]
-            if s.occupant is g and self.slot_of.get(id(g)) == slot and s.held == _versions(g):
+            if s.occupant is p and self.slot_of.get(id(p)) == slot and s.held == _versions(p.group):
                 continue
-            self._load(g, slot, wait=False)     # a group still being read from disk comes in at ensure()
+            self._load(p, slot, wait=False)     # a piece still being read from disk comes in at ensure()
 
-    def release(self, g: Group) -> None:
-        slot = self.slot_of.get(id(g))
+    def release(self, p: Piece) -> None:
+        slot = self.slot_of.get(id(p))
         if slot is None:
             return
         be = self.tier.backend
+        g = p.group
         home = self._views(g, None)
-        before = self.in_use.pop(id(g), None)
-        if before is not None and before != _versions(g) and g.on_disk:
-            log.warning("tiermem: a forward wrote to %s, which is read from disk; the write is not kept", g.name)
+        before = self.in_use.pop(id(p), None)
+        if before is not None and before != _versions(g) and (g.on_disk or not p.whole):
+            log.warning("tiermem: a forward wrote to %s, which is %s; the write is not kept", p.name,
+                        "read from disk" if g.on_disk else "streamed in parts")
         elif before is not None and before != _versions(g):
             # The forward wrote into the slot (a running-stat buffer, say): keep it at home. Later
             # loads of this group read home on tiermem's stream, which waits for this copy.
@@ -368,9 +473,10 @@ class PinnedTransport:
                     h.copy_(t.data)
             self.lane.after([now()])
         self.ring.release(self.ring[slot], be)
-        for t, v, s in zip(g.tensors, home, g.in_slot):
-            if s:
-                t.data = v                           # back to its home: correct to read, zero-copy
+        if p.whole or g.cut.kind == "experts":
+            for i in p.members:
+                if g.in_slot[i]:
+                    g.tensors[i].data = home[i]      # back to its home: correct to read, zero-copy
         self.tier.accounting.count(self.role, "evict_ops")
         self.tier.accounting.count(self.role, "evict_clean_ops")
 

@@ -44,7 +44,7 @@ class DeviceMemory:
 
     def reserved_without(self, ptrs: set[int]) -> int:
         """The device bytes torch's other tensors hold: its live blocks less the tensors whose
-        storages start at ``ptrs`` (NOTE [outside memory] in training/handle.py). Free space inside a
+        storages start at ``ptrs`` (NOTE [outside memory] in training/memory.py). Free space inside a
         segment is not counted: the step can use it, so its peak counts it."""
         total = 0
         for seg in self.torch.cuda.memory_snapshot():

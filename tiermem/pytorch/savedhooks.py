@@ -8,10 +8,10 @@ NOTE [saved tensor cycle]
     ``grad_fn`` is that node: a cycle that only backward breaks (it frees the saved tensors).
     A forward whose backward never runs (a step that raised after its forward, a CUDA graph
     capture that ran out of memory) leaves the cycle, the node's inputs and every upstream
-    node's saved tensors alive until the process ends: on the H100 at be881a5 a failed capture
-    left 22 MiB of one block's activations in its graph's private pool for the rest of the
-    session, and the recompute tests after it found too little room under their budgets
-    (bench/results/gpu_tests-h100-20261127-be881a5-memlog.txt). Handing autograd a detached alias
+    node's saved tensors alive until the process ends: a failed capture left one block's
+    activations in its graph's private pool for the rest of the session, and the tests after it
+    found too little room under their budgets (docs/training.md, "Whole-step graphs", has the run
+    and its memory log). Handing autograd a detached alias
     of the tensor instead (the same storage and version counter, no ``grad_fn``) breaks the
     cycle, and a forward that is dropped is freed like one without hooks
     (tests/test_savedhooks.py shows both on the CPU).

@@ -14,13 +14,13 @@ from typing import TYPE_CHECKING, Any
 
 from ..base import dtypes as _dtypes
 from ..core.tensor import TieredTensor
-from ..errors import OutOfBudgetError, WrapError
+from ..errors import OutOfBudgetError, ViewError, WrapError
 from ..roles import Location, Policy, Role, as_role, check_policy
 
 if TYPE_CHECKING:
     from ..core.engine import Engine as Tier  # what an adapter uses is the engine's interface
 
-__all__ = ["wrap", "wrap_group", "unwrap", "tiered_of", "check_wrap"]
+__all__ = ["wrap", "wrap_group", "unwrap", "tiered_of", "check_wrap", "check_unwrap"]
 
 TIERED_ATTR = "_tiermem"   # the TieredTensor a wrapped tensor belongs to; keeps it alive with the tensor
 
@@ -57,6 +57,14 @@ def _check_tensor(tensor: Any) -> None:
         raise WrapError(f"this tensor is already wrapped ({tiered_of(tensor)!r}); unwrap it first")
     if tensor.layout != torch.strided:
         raise WrapError(f"cannot wrap a {tensor.layout} tensor: tiermem holds dense (strided) tensors only")
+    if tensor.is_quantized:
+        raise WrapError(f"cannot wrap a quantized tensor ({tensor.dtype}): its scale and zero point live outside "
+                        "its bytes; wrap its int_repr() or the dequantized tensor")
+    try:
+        _dtypes.canonical(tensor.dtype)
+    except ViewError:
+        raise WrapError(f"cannot wrap a {str(tensor.dtype).replace('torch.', '')} tensor: tiermem holds "
+                        f"{', '.join(_dtypes.names())}") from None
     if tensor.is_meta:
         raise WrapError("cannot wrap a meta tensor: it has no data. Materialise it first "
                         "(e.g. module.to_empty(device='cuda') and load its weights)")
@@ -96,7 +104,7 @@ def wrap(tier: Tier, tensor: Any, role: Role | str = Role.WEIGHT, *, name: str |
 def _undone_on_error(tts: list[TieredTensor], tensors: list[Any]) -> Iterator[None]:
     """A wrap that fails (a CUDA error, an interrupt) leaves its tensors as they were: bound to
     their own memory again, not wrapped, and the tiered buffers freed (NOTE [failed moves] in
-    core/engine.py). Their own memory is untouched: a wrap copies out of it and only rebinds."""
+    core/moves.py). Their own memory is untouched: a wrap copies out of it and only rebinds."""
     old = [t.data for t in tensors]
     try:
         yield
@@ -153,17 +161,28 @@ def fill_and_bind(tier: Tier, tt: TieredTensor, tensor: Any) -> None:
     setattr(tensor, TIERED_ATTR, tt)
 
 
+def check_unwrap(x: Any) -> TieredTensor:
+    """The TieredTensor :func:`unwrap` would restore ``x`` from: ``x`` itself, or the one a wrapped
+    torch tensor belongs to. Anything else raises :class:`WrapError`. Needs no Tier, so
+    tiermem.unwrap calls it before it looks for one."""
+    if isinstance(x, TieredTensor):
+        return x
+    tt = tiered_of(x)
+    if tt is not None:
+        return tt
+    torch = _torch()
+    if isinstance(x, torch.Tensor):
+        raise WrapError(f"this tensor ({str(x.dtype).replace('torch.', '')}, {list(x.shape)}, on {x.device}) is not "
+                        "wrapped by tiermem: there is nothing to unwrap")
+    raise WrapError(f"unwrap takes a tensor tiermem wrapped or a TieredTensor, got {type(x).__name__}")
+
+
 def unwrap(tier: Tier, x: Any) -> Any:
     """Copy a wrapped tensor's data back to plain memory on its original device and rebind it
     there; returns the tensor. A TieredTensor that nothing is bound to comes back as a new plain
     tensor. The tiered buffer is freed."""
     torch = _torch()
-    if isinstance(x, TieredTensor):
-        tt = x
-    else:
-        tt = tiered_of(x)
-        if tt is None:
-            raise WrapError("this tensor is not wrapped by tiermem")
+    tt = check_unwrap(x)
     if tt.tier is not tier:
         raise WrapError("this tensor belongs to another Tier")
     buf = tt.buffer

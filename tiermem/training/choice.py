@@ -6,17 +6,16 @@ times the steps and decides; tiermem.training.handle runs them and applies the p
 NOTE [measured choice]
     The plan's model of a step (NOTE [recompute plan]) adds up measured compute and bytes over
     the link, but what it cannot see, the host's work in the swap's hooks and how the copies
-    share the link with the fills, made it wrong by 20-40%: on the H100 at 70cd840 it chose a
-    mixed plan for the GPT model at 1/2.5 of its state (predicted 269 ms, measured 226 ms) where
-    recomputing every block ran in 141 ms. So the model proposes, and a measurement decides, as
+    share the link with the fills, makes it wrong by tens of per cent, enough to choose a plan
+    slower than recomputing every block (docs/history.md, "Measurements behind the code's
+    notes"). So the model proposes, and a measurement decides, as
     cuDNN's benchmark mode does for kernels. After the trace, the probe's plan (recompute every
     block that can be) runs PROBE_STEPS steps: the first pays for its allocations, the second is
     metered (the plan's model reads its blocks' compute), and the fastest of the last two is the
     probe's time (their mean is what the model's compute is fitted to before the plan after it
     is made: NOTE [calibrated compute] in training/plan.py). The plan made after it runs
     VERIFY_STEPS steps and the fastest after the first
-    is timed too (one slow step of a host-bound run, 129 ms against the probe's 74, once
-    overturned an in-capacity plan on the H100 at acba90b). A plan in capacity, which moves and
+    is timed too (one slow step of a host-bound run can overturn a plan). A plan in capacity, which moves and
     recomputes nothing, is kept without the check: it does less than the probe. If the plan was
     more than VERIFY_SLACK slower than the probe, the steps go back to recomputing everywhere
     (planned again from the blocks now resident, if that still fits). A plan the check kept is
@@ -24,22 +23,13 @@ NOTE [measured choice]
     own events as they complete, no wait): more than LATE_SLACK slower than the probe, and the
     steps go back to recomputing everywhere. The model's plan is not even tried unless it predicts
     a step at least MIN_GAIN faster than the probe's plan does (from the same fitted times): the
-    model is optimistic about plans unlike the probe's (over ten bench runs, 2026-11-25 to 27,
-    its mixed plans ran a median 1.15x their prediction, where its prediction of the probe's own
-    plan is fitted to that plan's steps), and twice on the H100 (at 2b571d6 and 53e4cbd) a mixed
-    Qwen2 plan predicted 1.5-1.7% faster than recomputing everywhere passed the check and then
-    ran 12-14% slower than recomputing everywhere did in the next row of the same run
-    (bench/results/train_budget-h100-20261127-53e4cbd.json: 287.8 against 258.1 ms). A gain
-    smaller than the steps' own spread is not one the check can see. Two timed steps a side decide on a host whose
-    tiermem steps wander by 20-30% within one run (an H200 machine, 2026-11-26: one Qwen2 run's
-    steps under one plan took 225-327 ms), and there a run kept a mixed plan that took 290 ms
-    a step where recomputing everywhere took 208 ms in the same process
-    (bench/results/probe_train_overhead-hf-fused-h200-20261126-la1.json). ``train.plan.measured``
-    keeps the times (``checked_ms``, ``probe_ms``, ``late_ms``). The probe was once timed on its metered
-    step, but the meter's events cost the host's time: on the H100 at 11a9edf the GPT's metered
-    probe step took 206.5 ms where the same plan then ran in 145 ms, and at ac69f8f a mixed
-    plan that ran 161 ms was kept where recomputing everywhere ran 130 ms
-    (bench/probes/probe_train_overhead.py --model gpt --adamw fused).
+    model is optimistic about plans unlike the probe's, whose own prediction is fitted to the
+    probe's steps, and a gain smaller than the steps' own spread is not one the check can see.
+    Two timed steps a side decide on a host whose tiermem steps wander by tens of per cent
+    within one run, which is why a kept plan is checked again on a median. ``train.plan.measured``
+    keeps the times (``checked_ms``, ``probe_ms``, ``late_ms``). The probe is timed on its
+    unmetered steps: the meter's events cost the host's time. The runs behind each of these are
+    in docs/history.md, "Measurements behind the code's notes".
 
 NOTE [fewer slots]
     The traced step holds its floor within the budget, but the steps after it hold more:
@@ -49,23 +39,16 @@ NOTE [fewer slots]
     (one in use, one filling) or to the streamed blocks the traced step used at once plus
     one: each slot fewer is one block's parameters, gradients and states fewer, and one
     block fewer brought in ahead of use. If that is not enough, the step is refused with
-    what it needs, rather than torch's allocator running out in the next step. On the H100
-    the GPT of bench/train_budget.py at 1/4 of its state (0.875 GB) needed 0.925 GB with
-    three slots (bench/probes/probe_floor.py at e2aaa74).
+    what it needs, rather than torch's allocator running out in the next step (docs/history.md,
+    "Measurements behind the code's notes").
 
 NOTE [a slot for recompute]
     Recomputing a block holds its whole segment in its backward (NOTE [recompute plan]), so
     the plan recomputes only the blocks whose segment fits the room the floor leaves, and
     swaps the rest at twice their bytes over the link. A slot is a block's parameters,
-    gradients and optimizer states (200 MB for a layer of the bench's GPT); giving one up
-    costs a block of lookahead. Where it lets recomputing everywhere recompute more blocks,
-    the slot goes. On the H100 (bench/probes/probe_graph_plans.py, d16ed8c and 8f48977) the
-    GPT of bench/train_budget.py at 1/2.5 of its state, wrapped in a fresh process, traced a
-    floor of 1.049 GB: cuBLAS's workspaces and the first step's allocations came inside its
-    traced step (0.948 GB where a matmul had run before the wrap). With three slots the
-    room held no GPT segment: 2 of 18 blocks recomputed, 3.2 GB swapped each way, graph
-    replays of 257.6 ms. With two slots (lookahead=1) all 18 were recomputed and the
-    replays took 121.8 ms (113.7 ms with three slots after that matmul).
+    gradients and optimizer states; giving one up costs a block of lookahead. Where it lets
+    recomputing everywhere recompute more blocks, the slot goes (docs/history.md,
+    "Measurements behind the code's notes").
 """
 from __future__ import annotations
 
@@ -108,6 +91,7 @@ class PlanChoice:
         self._apply, self._timings, self._resident_bytes = take, timings, resident_bytes
         self.plan: TrainPlan | None = None
         self.trace: StepTrace | None = None
+        self.floor: Any = None                 # NOTE [the floor]: the training's Floor, once known
         self.no_recompute = False              # recompute moved other segments' saves: plan without it
         self.refine = 0                        # steps left under the probe's plan (NOTE [measured choice])
         self._calibrating = False              # ... measured only for its times (NOTE [calibrated compute])
@@ -145,9 +129,16 @@ class PlanChoice:
                                  clip=self.clip)
         return plan
 
+    def _floored(self, plan: TrainPlan) -> TrainPlan:
+        """``plan`` with the training's floor, for its table (NOTE [the floor])."""
+        f = self.floor
+        if f is None or (plan.budget_floor, plan.floor_what) == (f.bytes, f.what):
+            return plan
+        return dataclasses.replace(plan, budget_floor=f.bytes, floor_what=f.what)
+
     def take(self, plan: TrainPlan) -> None:
         """Make ``plan`` the one the next steps follow."""
-        old, self.plan = self.plan, plan
+        old, self.plan = self.plan, self._floored(plan)
         self._apply(old, plan)
 
     def replan(self, trace: StepTrace, floor: int, nesting: int) -> None:
@@ -187,11 +178,13 @@ class PlanChoice:
                 return
             least = max(2, nesting + 1)
             if st.nslots <= least:
+                at_least = max(need, self.floor.bytes if self.floor is not None else 0)
+                what = f"; this training's floor is {self.floor} (NOTE [the floor])" if self.floor is not None else ""
                 raise OutOfBudgetError(need, 0, self.budget, hint=(
                     f"the traced step held {floor:,} bytes with every block streamed and every "
                     f"activation moved, and its {st.nslots} slots must grow to {slot:,} bytes each to bring "
-                    f"the optimizer states in; raise the budget to at least {need:,} bytes, or wrap with a "
-                    "smaller block_bytes (NOTE [fewer slots])"))
+                    f"the optimizer states in{what}; raise the budget to at least {at_least:,} bytes, or wrap "
+                    "with a smaller block_bytes, or train on smaller batches (NOTE [fewer slots])"))
             log.warning("tiermem: a budget of %s bytes holds the step only with %d slots, not %d: lookahead "
                         "lowered to %d (NOTE [fewer slots])", f"{self.budget:,}", st.nslots - 1, st.nslots,
                         st.lookahead - 1)
@@ -349,7 +342,7 @@ class PlanChoice:
             # the same choices ("never", "always", nothing to recompute), predicted anew
             plan = evaluate(self.trace, self.plan)
             plan.measured.update(self.plan.measured)
-            self.plan = plan
+            self.plan = self._floored(plan)
             return
         plan = self.plan_for(self.trace)
         if (plan.resident_blocks, plan.recompute, plan.keep) != (self.plan.resident_blocks, self.plan.recompute,
@@ -358,14 +351,14 @@ class PlanChoice:
             if not plan.in_capacity and plan.predicted_seconds() > probe.predicted_seconds() * (1 - MIN_GAIN):
                 # NOTE [measured choice]: a gain this small is not worth trying
                 probe.measured.update(self.plan.measured, model_ms=plan.predicted_seconds() * 1e3)
-                self.plan = probe
+                self.plan = self._floored(probe)
                 return
             self._probe = (self.plan, probe_ms)
             self.verify, self._verify_ms = VERIFY_STEPS, []
             self.take(plan)
             self.restart_timing()
         else:
-            self.plan = plan
+            self.plan = self._floored(plan)
 
     # -- the graph's replays (NOTE [graph choice] in training/graphchoice.py) ------------------------------
     @property
@@ -441,8 +434,8 @@ class PlanChoice:
         """Finished steps' times on the compute stream, read once their end events have completed.
         The host runs ahead of the GPU, so the last step's has often not: it waits for a later
         step. (Read only when already complete, the times came from the steps the host had waited
-        for, and the plan's table showed 201 ms measured where CUDA events around the same steps
-        gave 132 ms: H100, 1132513, bench/probes/probe_accumulate.py.) Micro-batches that do not
+        for, longer than the steps themselves: docs/history.md, "Measurements behind the code's
+        notes".) Micro-batches that do not
         update are not what the plan predicts (NOTE [accumulation]): left out."""
         ev, self._step_events = self._step_events, None
         if ev is not None and ev[2]:

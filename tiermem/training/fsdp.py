@@ -73,10 +73,11 @@ from typing import TYPE_CHECKING, Any
 
 from ..base.limits import parse_bytes
 from ..core.stream import Lane, now
-from ..errors import ConfigError, ConfigTypeError, TierMemError, WrapError
+from ..errors import ConfigError, TierMemError, WrapError
 from ..pytorch.devmem import device_memory
 from ..roles import Role
 from . import fsdp_internals as fi
+from .options import FSDPOptions, check_fsdp_options
 
 if TYPE_CHECKING:
     from ..core.engine import Engine as Tier
@@ -127,21 +128,19 @@ class TieredFSDP:
     """Handle of a ``fully_shard`` model whose shards and optimizer states tiermem holds in
     pinned host memory (NOTE [FSDP2 composition]); made by :func:`wrap_fsdp`.
 
-    ``lookahead``: groups whose shards are brought in ahead of FSDP's all-gather (and in
-    backward their states ahead of their step). ``budget``: bytes (or "40GiB", "50%" of the
-    device) torch's caching allocator may hold on this rank's device (None: no cap): the
-    unsharded parameters FSDP gathers, the activations, and the shards and states in flight.
+    ``budget``: bytes (or "40GiB", "50%" of the device) torch's caching allocator may hold on
+    this rank's device (None: no cap): the unsharded parameters FSDP gathers, the activations,
+    and the shards and states in flight. ``options``: an :class:`FSDPOptions` (training/options.py,
+    which documents each: ``lookahead``), or its fields as keywords.
     The handle steps the optimizer itself, each parameter inside backward: drop
     ``optimizer.step()`` from the loop (it is refused) and keep ``zero_grad()`` or not."""
 
-    def __init__(self, tier: Tier, model: Any, optimizer: Any, *, budget: int | str | None = None,
-                 lookahead: int = 2):
+    def __init__(self, tier: Tier, model: Any, optimizer: Any, budget: int | str | None = None, *,
+                 options: FSDPOptions | None = None, **kwargs: Any):
         import torch
         self.torch = torch
-        if isinstance(lookahead, bool) or not isinstance(lookahead, int):
-            raise ConfigTypeError(f"lookahead must be an int, got {lookahead!r}")
-        if lookahead < 0:
-            raise ConfigError(f"lookahead must be at least 0, got {lookahead}")
+        self.options = check_fsdp_options(budget, options, **kwargs)
+        lookahead = self.options.lookahead
         if getattr(model, "_tiermem_handle", None) is not None:
             raise WrapError("this model is already adopted by tiermem; unwrap it first")
         fi.check(torch, model)
@@ -566,7 +565,8 @@ def _bound(handle: TieredFSDP, name: str) -> Any:
     return lambda: _call(ref, name)
 
 
-def wrap_fsdp(tier: Tier, model: Any, optimizer: Any, **kwargs: Any) -> TieredFSDP:
+def wrap_fsdp(tier: Tier, model: Any, optimizer: Any, budget: int | str | None = None, *,
+              options: FSDPOptions | None = None, **kwargs: Any) -> TieredFSDP:
     """Hold the shards of a ``fully_shard`` model and its optimizer's states in pinned host
     memory, and step inside backward (see :class:`TieredFSDP`, NOTE [FSDP2 composition])."""
-    return TieredFSDP(tier, model, optimizer, **kwargs)
+    return TieredFSDP(tier, model, optimizer, budget, options=options, **kwargs)

@@ -5,12 +5,9 @@ NOTE [graph choice]
     The measured choice (NOTE [measured choice] in training/choice.py) decides between the model's plan
     and recomputing everywhere on eager steps, and an eager step is host-bound: its time hides
     what the link costs under what the host costs. A replay has no host time; it costs the
-    GPU's compute and the link's bytes. On the H100 at 8c93331 the Qwen2 of
-    bench/train_budget.py at 1/2.5 of its state kept a mixed plan on its eager steps (6 of 22
-    blocks recomputed, 13.3 GB moved a step, against 6.8 GB recomputing everywhere), and the
-    graph replayed it at 281.5 ms, 2.22x resident, where recomputing everywhere had replayed at
-    139.5 and 142.7 ms in two earlier runs (docs/training.md, "Whole-step graphs").
-    So a graph's first REPLAYS_TIMED replays after the first are timed, the model's compute is
+    GPU's compute and the link's bytes, and a plan the eager steps kept can replay twice as
+    slow as recomputing everywhere does (docs/history.md, "Measurements behind the code's
+    notes"). So a graph's first REPLAYS_TIMED replays after the first are timed, the model's compute is
     fitted to their median (as NOTE [calibrated compute] fits it to eager steps; the link's
     terms stay at the measured rate), and the model predicts from the fitted times the other
     candidates: recomputing everywhere, and the model's own best plan. One predicted at least
@@ -26,22 +23,16 @@ NOTE [graph choice]
     adds none. So where the measured choice timed the model's plan, which recomputes fewer
     blocks than recomputing everywhere, slower on eager steps and went back to recomputing
     everywhere, the eager steps' verdict stands for an alternative that recomputes fewer blocks
-    still: it is not tried (``eager_refutes``). On the H100 at c8e3ad4 the GPT's eager steps
-    had timed the model's plan at 174.3 ms against 130.1 recomputing everywhere; the model
-    fitted to the replays (117.2 ms) predicted a plan recomputing fewer blocks at 107.7 ms; it
-    replayed at 154.8 ms and gave way, after ten slower steps. Recomputing everywhere, the
+    still: it is not tried (``eager_refutes``; docs/history.md, "Measurements behind the code's
+    notes"). Recomputing everywhere, the
     other way, is still tried: the eager steps' host time is what may have hidden its gain
     (the Qwen2 above).
 
     And it is tried whatever the model predicts for it, where it recomputes more blocks and
     swaps fewer bytes than the plan replayed: the model's compute is measured on eager steps,
     whose host time a recomputed block repeats, so it prices recomputing at what it costs an
-    eager step, not a replay, and one factor fitted to the replays does not undo that. On the
-    H100 at d16ed8c (bench/probes/probe_graph_plans.py, bench/results/probe_graph_plans-h100-20261127-d16ed8c.json)
-    the Qwen2 at 1/1.5 of its state kept, on its eager steps, a plan that recomputes nothing
-    and swaps 4.7 GB a step; its replays took 296 ms, and the model fitted to them predicted
-    400 ms for recomputing everywhere, which had replayed at 136 ms in the run before it, in
-    the same process. A wrong try costs its steps once: its replays are timed and the first plan comes
+    eager step, not a replay, and one factor fitted to the replays does not undo that
+    (docs/history.md, "Measurements behind the code's notes"). A wrong try costs its steps once: its replays are timed and the first plan comes
     back (``keep_tried``).
 """
 from __future__ import annotations

@@ -22,7 +22,49 @@ from typing import Any
 from ..errors import DeviceFullError
 from .slots import Block, BlockSlots
 
-__all__ = ["HostBuffers", "PlainCopies", "plain_copies", "check_room", "free_adopted"]
+__all__ = ["Cap", "HostBuffers", "PlainCopies", "plain_copies", "check_room", "free_adopted"]
+
+
+# NOTE [outside memory]
+#     What torch holds on the device when tiermem takes the model over (the caller's other
+#     tensors: a batch, a second model) is not the step's: the cap adds it to the budget and
+#     the step's peak leaves it out. It is the bytes of those tensors' blocks in torch's
+#     segments, not the segments: free space inside them is the step's to use, so its peak
+#     counts it. It is measured while the adoption still holds the parameters' old device
+#     memory (a failed adoption gives it back to them), that memory left out; the handle frees
+#     it once adopted. Counting it in let torch take the model's parameter bytes beyond the
+#     budget, and resident_peak() reported that much less than the step held
+#     (docs/training.md, "How it works").
+class Cap:
+    """torch's caching allocator capped at the budget less tiermem's resident managed bytes, plus
+    what torch held outside the training (``outside``, NOTE [outside memory]). Sizes are bytes."""
+
+    def __init__(self, mem: Any, tier: Any, budget: int, total: int):
+        self.mem, self.tier, self.budget, self.total = mem, tier, budget, total
+        self.outside = 0
+        self.old_fraction: float | None = None     # torch's fraction before the training set one
+
+    def room(self) -> int:
+        """What torch's allocator may hold."""
+        return max(self.budget - self.tier.resident_bytes, 0) + self.outside
+
+    def set(self) -> None:
+        """torch's allocator may use the budget minus tiermem's resident managed bytes."""
+        self.mem.set_fraction(min(self.room() / self.total, 1.0))
+
+    def graph_room(self, general_peak: int | None) -> int | None:
+        """Bytes the recomputed blocks' graphs' pool may take (NOTE [replayed recompute]): what
+        torch's allocator is capped at, less the last step's peak outside the pool
+        (``general_peak``; a step before any graph recomputed eagerly: its peak holds the working
+        set the pool now holds too, so this errs on the safe side), less 1/32 of the budget."""
+        if general_peak is None:
+            return None
+        return self.room() - self.budget // 32 - general_peak
+
+    def resident_peak(self, last_peak: int) -> int:
+        """Device bytes a step kept at its peak: tiermem's resident managed bytes plus torch's peak
+        reserved bytes (``last_peak``), less what torch held before wrap_training."""
+        return self.tier.resident_bytes + last_peak - self.outside
 
 
 class HostBuffers:

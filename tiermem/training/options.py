@@ -1,53 +1,194 @@
-"""wrap_training's options, checked before anything is adopted: the budget and the knobs'
-types and ranges (:func:`check_options`, which needs no GPU), the optimizer states' dtype, and
-the process group a ``process_group`` argument names."""
+"""wrap_training's options (:class:`TrainingOptions`) and wrap_fsdp's (:class:`FSDPOptions`),
+documented and checked here once, before anything is adopted and before a GPU is looked for; the
+process group a ``process_group`` names (:func:`averaging_group`), which needs
+torch.distributed, is resolved at adoption."""
 from __future__ import annotations
 
+import dataclasses
+import difflib
 from typing import Any
 
+from ..base.keywords import check_names
 from ..base.limits import check_bytes
 from ..errors import ConfigError, ConfigTypeError
 from .plan import RECOMPUTE_MODES
 
-__all__ = ["check_options", "states_dtype", "averaging_group"]
+__all__ = ["TrainingOptions", "FSDPOptions", "BLOCK_BYTES", "check_options", "check_fsdp_options", "check_subjects",
+           "states_dtype", "averaging_group"]
+
+BLOCK_BYTES = 64 << 20    # parameter bytes per block: a slot holds ~4x that (params, grads, Adam's two moments)
 
 
-def check_options(budget: int | str, *, lookahead: int = 2, recompute: str = "auto",
-                  link_GBps: float | None = None, state_dtype: Any = None, accumulate: int = 1,
-                  max_grad_norm: float | None = None, norm_type: float = 2.0, speculate: bool = False,
-                  graphs: bool = False, **_: Any) -> None:
-    """Raise :class:`ConfigError` for a bad budget, lookahead, recompute, link rate, state dtype,
-    accumulate, max_grad_norm, norm_type or speculate of :func:`wrap_training`. Needs no GPU, so
-    tiermem.wrap_training checks them before it looks for one; it takes all of wrap_training's
-    options, and the others are checked where they are used."""
+@dataclasses.dataclass(frozen=True)
+class TrainingOptions:
+    """How :func:`tiermem.wrap_training` trains (NOTE [training transport] in training/handle.py).
+    Pass one as ``options=``, or its fields as keywords; an unknown keyword is a
+    :class:`~tiermem.ConfigTypeError` that lists these. Every field is checked when the options
+    are made, so a bad one is refused before anything is adopted. Sizes are bytes.
+
+    lookahead: blocks brought into device slots ahead of use; the slots are ``lookahead + 1``
+        (NOTE [fewer slots] in training/choice.py: the plan may lower it). At least 1.
+    min_swap: saved storages smaller than this stay on the device (NOTE [activation swap]).
+    window: bytes of activation copies in flight each way; None: 1/32 of the budget.
+    swap: False never swaps activations (nor recomputes them): they stay on the device.
+    block_bytes: parameter bytes per module block, the unit that is resident or streamed
+        (a slot holds a block's parameters, gradients and optimizer states, ~4x that with Adam).
+    margin: bytes the plan leaves free for what the trace could not see; None: 1/8 of the budget.
+    process_group: None, True (torch.distributed's default group) or a group: data-parallel
+        replicas, each block's gradients averaged before its step (NOTE [data parallel]).
+    recompute: "auto" lets the plan choose per block between keeping, swapping and recomputing
+        its activations (NOTE [recompute plan] in training/plan.py), "never" keeps or swaps
+        only, "always" recomputes every block it can.
+    link_GBps: the host link's rate each way that the plan assumes, GB/s; None: 55, pinned
+        copies over PCIe Gen5 x16 (docs/facts.md).
+    state_dtype: None keeps optimizer states as the optimizer made them; ``torch.bfloat16`` (or
+        "bfloat16") holds streamed blocks' fp32 states as bf16 at home and over the link,
+        rounded stochastically, stepped in fp32 (NOTE [bf16 moments] in training/states.py).
+    accumulate: micro-batches per optimizer step, one per ``train.step()``; the optimizer
+        steps in every ``accumulate``-th (NOTE [accumulation]). At least 1.
+    max_grad_norm: clip the gradients to this global norm before each optimizer step, as
+        ``torch.nn.utils.clip_grad_norm_`` does; ``train.grad_norm`` is the norm it found
+        (NOTE [clipping] in training/clipping.py). None: no clipping.
+    norm_type: the clipping norm's order (2: Euclidean).
+    speculate: step the streamed blocks inside backward as if the clip will not bite, into a
+        second pinned home, kept when it did not (NOTE [speculative clipping]); doubles their
+        pinned bytes; needs ``max_grad_norm``, and Adam, AdamW or SGD.
+    graphs: replay each recomputed block's backward as a CUDA graph where the budget leaves room
+        for the graphs' pool (NOTE [replayed recompute] in training/replay.py); off by default.
+    """
+
+    lookahead: int = 2
+    min_swap: int = 1 << 20
+    window: int | None = None
+    swap: bool = True
+    block_bytes: int = BLOCK_BYTES
+    margin: int | None = None
+    process_group: Any = None
+    recompute: str = "auto"
+    link_GBps: float | None = None
+    state_dtype: Any = None
+    accumulate: int = 1
+    max_grad_norm: float | None = None
+    norm_type: float = 2.0
+    speculate: bool = False
+    graphs: bool = False
+
+    def __post_init__(self) -> None:
+        _int("lookahead", self.lookahead, least=1, unit="blocks ahead")
+        _int("min_swap", self.min_swap, least=0, unit="bytes")
+        if self.window is not None:
+            _int("window", self.window, least=1, unit="bytes")
+        _int("block_bytes", self.block_bytes, least=1, unit="bytes")
+        if self.margin is not None:
+            _int("margin", self.margin, least=0, unit="bytes")
+        _int("accumulate", self.accumulate, least=1, unit="micro-batches per optimizer step")
+        for name in ("swap", "speculate", "graphs"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigTypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.speculate and self.max_grad_norm is None:
+            raise ConfigError("speculate=True speculates that clipping leaves the gradients alone: it needs "
+                              "max_grad_norm")
+        for name in ("max_grad_norm", "norm_type"):
+            v = getattr(self, name)
+            if v is None and name == "max_grad_norm":
+                continue
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise ConfigTypeError(f"{name} must be a number, got {v!r}")
+            if not v > 0:
+                raise ConfigError(f"{name} must be positive, got {v!r}")
+        if self.recompute not in RECOMPUTE_MODES:
+            raise ConfigError(f"recompute must be one of {', '.join(map(repr, RECOMPUTE_MODES))}, "
+                              f"got {self.recompute!r}")
+        v = self.link_GBps
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0):
+            raise ConfigError(f"link_GBps must be a positive number of GB/s, got {v!r}")
+        states_dtype(self.state_dtype)
+
+    @classmethod
+    def of(cls, options: TrainingOptions | None = None, **kwargs: Any) -> TrainingOptions:
+        """``options`` (None: the defaults) with ``kwargs`` replacing its fields; an unknown
+        keyword raises :class:`~tiermem.ConfigTypeError` naming the valid ones."""
+        if options is not None and not isinstance(options, cls):
+            raise ConfigTypeError(f"options must be a tiermem TrainingOptions, got {type(options).__name__}")
+        names = [f.name for f in dataclasses.fields(cls)]
+        for k in kwargs:
+            if k not in names:
+                close = difflib.get_close_matches(k, names, n=1)
+                raise ConfigTypeError(f"wrap_training() got an unknown keyword argument {k!r}; "
+                                      + (f"did you mean {close[0]!r}? " if close else "")
+                                      + f"the options are: {', '.join(names)}")
+        if options is None:
+            return cls(**kwargs)
+        return dataclasses.replace(options, **kwargs) if kwargs else options
+
+
+@dataclasses.dataclass(frozen=True)
+class FSDPOptions:
+    """How :func:`tiermem.wrap_fsdp` holds a ``fully_shard`` model's shards and optimizer states
+    in pinned host memory (NOTE [FSDP2 composition] in training/fsdp.py). Pass one as
+    ``options=``, or its fields as keywords; an unknown keyword is a
+    :class:`~tiermem.ConfigTypeError` that lists these. Checked when made, before a GPU is looked
+    for. Data parallelism without sharding is wrap_training's ``process_group``
+    (:class:`TrainingOptions`).
+
+    lookahead: FSDP groups whose shards are brought in ahead of FSDP's all-gather, in the order
+        the first step recorded (and in backward their optimizer states ahead of their step).
+        0: each group's shards come in at its own all-gather.
+    """
+
+    lookahead: int = 2
+
+    def __post_init__(self) -> None:
+        _int("lookahead", self.lookahead, least=0, unit="FSDP groups ahead")
+
+    @classmethod
+    def of(cls, options: FSDPOptions | None = None, **kwargs: Any) -> FSDPOptions:
+        """``options`` (None: the defaults) with ``kwargs`` replacing its fields; an unknown
+        keyword raises :class:`~tiermem.ConfigTypeError` naming the valid ones."""
+        if options is not None and not isinstance(options, cls):
+            raise ConfigTypeError(f"options must be a tiermem.handles.FSDPOptions, got {type(options).__name__}")
+        check_names("wrap_fsdp", [f.name for f in dataclasses.fields(cls)], kwargs)
+        if options is None:
+            return cls(**kwargs)
+        return dataclasses.replace(options, **kwargs) if kwargs else options
+
+
+def _int(name: str, v: Any, *, least: int, unit: str) -> None:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ConfigTypeError(f"{name} must be an int ({unit}), got {v!r}")
+    if v < least:
+        raise ConfigError(f"{name} must be at least {least} ({unit}), got {v}")
+
+
+def check_options(budget: int | str, options: TrainingOptions | None = None, **kwargs: Any) -> TrainingOptions:
+    """The training budget (bytes, "2GiB" or a share of the device, "25%") and the options,
+    checked without a GPU: :class:`~tiermem.ConfigError` for a bad value, ConfigTypeError for a
+    bad type or an unknown option. Returns the options."""
     check_bytes(budget, what="training budget", max_percent=100, positive=True)
-    if isinstance(lookahead, bool) or not isinstance(lookahead, int):
-        raise ConfigTypeError(f"lookahead must be an int, got {lookahead!r}")
-    if lookahead < 1:
-        raise ConfigError(f"lookahead must be at least 1, got {lookahead}")
-    if isinstance(accumulate, bool) or not isinstance(accumulate, int):
-        raise ConfigTypeError(f"accumulate must be an int (micro-batches per optimizer step), got {accumulate!r}")
-    if accumulate < 1:
-        raise ConfigError(f"accumulate must be at least 1 (micro-batches per optimizer step), got {accumulate}")
-    if not isinstance(speculate, bool):
-        raise ConfigTypeError(f"speculate must be True or False, got {speculate!r}")
-    if not isinstance(graphs, bool):
-        raise ConfigTypeError(f"graphs must be True or False, got {graphs!r}")
-    if speculate and max_grad_norm is None:
-        raise ConfigError("speculate=True speculates that clipping leaves the gradients alone: it needs max_grad_norm")
-    for name, v in (("max_grad_norm", max_grad_norm), ("norm_type", norm_type)):
-        if v is None and name == "max_grad_norm":
-            continue
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise ConfigTypeError(f"{name} must be a number, got {v!r}")
-        if not v > 0:
-            raise ConfigError(f"{name} must be positive, got {v!r}")
-    if recompute not in RECOMPUTE_MODES:
-        raise ConfigError(f"recompute must be one of {', '.join(map(repr, RECOMPUTE_MODES))}, got {recompute!r}")
-    if link_GBps is not None and (isinstance(link_GBps, bool) or not isinstance(link_GBps, (int, float))
-                                  or not link_GBps > 0):
-        raise ConfigError(f"link_GBps must be a positive number of GB/s, got {link_GBps!r}")
-    states_dtype(state_dtype)
+    return TrainingOptions.of(options, **kwargs)
+
+
+def check_fsdp_options(budget: int | str | None, options: FSDPOptions | None = None, **kwargs: Any) -> FSDPOptions:
+    """wrap_fsdp's budget (None: no cap; bytes, "40GiB" or a share of the device) and options,
+    checked without a GPU, as :func:`check_options` does wrap_training's. Returns the options."""
+    if budget is not None:
+        check_bytes(budget, what="FSDP budget", max_percent=100, positive=True)
+    return FSDPOptions.of(options, **kwargs)
+
+
+def check_subjects(model: Any, optimizer: Any) -> None:
+    """Raise :class:`ConfigTypeError` unless ``model`` is an ``nn.Module`` and ``optimizer`` a
+    ``torch.optim.Optimizer``. Needs no GPU, so tiermem.wrap_training checks them before it
+    looks for one."""
+    try:
+        import torch
+    except ImportError as e:
+        raise ConfigError("wrap_training needs torch; pip install 'tiermem[torch]'") from e
+    if not isinstance(model, torch.nn.Module):
+        raise ConfigTypeError(f"wrap_training takes a torch.nn.Module to train, got {type(model).__name__}")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ConfigTypeError(f"wrap_training takes a torch.optim.Optimizer over the model's parameters, got "
+                              f"{type(optimizer).__name__}")
 
 
 def states_dtype(state_dtype: Any) -> Any:

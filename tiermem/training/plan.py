@@ -24,10 +24,9 @@ NOTE [training plan]
 
 NOTE [recompute plan]
     Swapping a saved activation costs its bytes twice over the link (out in forward, back in
-    backward); recomputing it costs the forward ops that made it, run again in backward. On an
-    H100 the forward of a GPT block of 1024 wide and 2048 tokens takes ~1 ms, and the 0.3 GB it
-    saves take ~11 ms over a 55 GB/s link each way: a swapped block is link-bound four times over.
-    So, as Capuchin (ASPLOS 2020) does per tensor, the plan chooses per *block segment* (the
+    backward); recomputing it costs the forward ops that made it, run again in backward, and a
+    transformer block's forward is several times shorter than its saves take over the link
+    (docs/history.md, "Measurements behind the code's notes"). So, as Capuchin (ASPLOS 2020) does per tensor, the plan chooses per *block segment* (the
     activations one module block saves; a block that contains no other block) between keeping
     them on the device, swapping them, and recomputing them in backward.
 
@@ -37,8 +36,7 @@ NOTE [recompute plan]
     step's forward and backward time with those waits taken out, and the bytes a recomputed
     block would still save (its inputs). What it cannot see is how long a block's forward
     takes when its saves do not go through the swap: the hooks' host work (events, copies, a
-    dozen CUDA calls per save) starves the GPU. On the H100 at 2ed0d69 a GPT block of 1024 wide
-    took 1.6 ms resident and 3-15 ms in the traced step, though no wait was left in it. So the
+    dozen CUDA calls per save) starves the GPU, by several times a block's own forward. So the
     next steps are a probe: every block that can be recomputed is, and its forward, now the
     forward alone, is timed again. The steps after follow the plan made from both (and a timed
     check of it, NOTE [measured choice] in training/choice.py): a block's
@@ -61,14 +59,12 @@ NOTE [recompute plan]
 
 NOTE [calibrated compute]
     The model's compute times come from a metered step: CUDA events at every block's edges and
-    around every wait, whose host work the GPU then waits for. On the H100 (11a9edf) the GPT's
-    metered probe step took 206.5 ms where the same plan then ran 145 ms. And the model misses
-    more than the meter: how the fills share the link with the swap, the host's work between
-    kernels. At 7252b7b it predicted recomputing everywhere at 176.3 ms (GPT) and 249.7 ms (Qwen2)
-    where the probe's own unmetered steps took 173.9 and 288.7 ms; on an H200 (48ad071) at 167.0
-    and 320.6 ms where they took 137-167 and 243-245 ms. So it errs both ways, by up to 30%.
+    around every wait, whose host work the GPU then waits for: a metered step is slower than
+    the same plan's steps. And the model misses more than the meter: how the fills share the
+    link with the swap, the host's work between kernels. So it errs both ways, by up to 30%
+    (docs/history.md, "Measurements behind the code's notes").
     The probe's plan runs two unmetered steps after its metered one (NOTE [measured choice] in
-    training/handle.py). Their mean is what the model should say for that plan, so every compute time of
+    training/choice.py). Their mean is what the model should say for that plan, so every compute time of
     the trace (the step's forward and backward, each block's forward with and without the swap)
     is multiplied by the one factor under which it does (:func:`fit_compute`, :func:`scaled`);
     the link's terms stay at the measured rate. Every plan after, the model's choice among them
@@ -86,7 +82,7 @@ from ..errors import ConfigError
 __all__ = ["SavedRecord", "StepTrace", "TrainPlan", "plan_training", "RECOMPUTE_MODES", "evaluate", "fit_compute",
            "scaled", "slots_for_recompute"]
 
-LINK_GBPS = 55.0   # pinned copies each way on the H100 machine (docs/facts.md)
+LINK_GBPS = 55.0   # pinned copies each way, PCIe Gen5 x16 (docs/facts.md)
 RECOMPUTE_MODES = ("auto", "never", "always")
 
 
@@ -169,6 +165,8 @@ class TrainPlan:
                                                     # resident block keeps on the device
     clip: bool = False                       # streamed blocks step in a pass after backward (NOTE [clipping])
     compute_scale: float = 1.0               # the trace's (NOTE [calibrated compute])
+    budget_floor: int = 0                    # the smallest budget every step runs at (NOTE [the floor]); 0: not known
+    floor_what: str = ""                     # what sets it
     measured: dict[str, float] = dataclasses.field(default_factory=dict, compare=False, hash=False)
 
     @property
@@ -244,6 +242,9 @@ class TrainPlan:
             f"  device peak      {gb(self.predicted_peak)} predicted (floor {gb(self.floor_peak)}, "
             f"margin {gb(self.margin)}" + (f", graphs' pool {gb(self.graph_pool)}" if self.graph_pool else "") + ")",
         ]
+        if self.budget_floor:
+            lines.append(f"  budget floor     {gb(self.budget_floor)}, the least budget every step runs at: "
+                         f"{self.floor_what} (NOTE [the floor])")
         if self.measured.get("model_ms"):
             lines.append(f"  not tried        the model's own plan, {self.measured['model_ms']:.1f} ms predicted: "
                          "not enough faster to try (NOTE [measured choice])")
@@ -541,7 +542,7 @@ def slots_for_recompute(trace: StepTrace, slot_bytes: int, spare: int,
     """How many of ``spare`` slots (each ``slot_bytes`` of the floor) to give up so that recomputing
     everywhere (``plan_everywhere``) recomputes the most blocks it can: the fewest slots that
     reach that most, 0 where giving up slots recomputes no more (NOTE [a slot for recompute] in
-    training/handle.py)."""
+    training/choice.py)."""
     best, give = len(plan_everywhere(trace).recompute), 0
     for k in range(1, max(int(spare), 0) + 1):
         got = len(plan_everywhere(dataclasses.replace(trace, floor_peak=max(trace.floor_peak - k * slot_bytes, 0)))

@@ -21,6 +21,7 @@ from contextlib import nullcontext
 from typing import Any
 
 from ..pytorch.savedhooks import as_saved
+from .unwind import ended, give_pool_back, unroute
 from .workspaces import own_workspaces
 
 __all__ = ["Replays", "MAX_GRAPHS_PER_BLOCK"]
@@ -31,10 +32,8 @@ MAX_GRAPHS_PER_BLOCK = 6     # a streamed block passes through lookahead + 1 slo
 # with the cache the step's other tensors use; a pool's estimate leaves room for one of each
 SEGMENTS = 22 << 20
 # Before any capture the pool's size is an estimate: the largest measured eager backward, this
-# share of it more, and SEGMENTS. It is not a bound. On the H200 at 1/2.5 of the state of
-# bench/train_budget.py's models the pools came to 438 MB (GPT) and 528 MB (Qwen2) against eager
-# backwards of 319 and 327 MB, 1.37x and 1.61x (bench/probes/probe_train_overhead.py, 'margin=0').
-# A pool that outgrows its room after a capture is given up cleanly, so too low an estimate costs
+# share of it more, and SEGMENTS. It is not a bound: pools came to 1.4-1.6x the eager backward
+# they replay (docs/history.md, "Measurements behind the code's notes"). A pool that outgrows its room after a capture is given up cleanly, so too low an estimate costs
 # captures that are thrown away; too high a one holds room from kept activations where it fits.
 RESERVE_MARGIN = 0.25
 
@@ -42,9 +41,9 @@ log = logging.getLogger("tiermem")
 
 # NOTE [replayed recompute]
 #     A recomputed block costs its forward twice on the GPU, and on the host its Python forward
-#     and checkpoint's hooks twice plus backward's launches. The host's part is what held the
-#     steps of bench/train_budget.py back: on the H100 one Qwen2 layer's forward takes 3.4 ms of
-#     host time against 1.4 ms of kernels, and in backward the GPU waits for it. A CUDA graph of
+#     and checkpoint's hooks twice plus backward's launches. The host's part is what holds a
+#     step back where a layer's forward takes more host time than kernel time, and in backward
+#     the GPU waits for it (docs/history.md, "Measurements behind the code's notes"). A CUDA graph of
 #     the block's recompute and backward launches the same kernels in one call, so the same
 #     bits come out (the GPU tests compare losses with the resident run's, bitwise).
 #
@@ -68,8 +67,8 @@ log = logging.getLogger("tiermem")
 #       the reserve counts them from then on, but they are made between steps, with the capture.
 #       Made by the ask, inside backward, they took memory no plan had left: a GPT split into
 #       its Linears (100 blocks) asked for buffers of every Linear's shapes, its head's 64 MiB
-#       output gradient among them, and every step after the first ran out of memory (H200,
-#       2026-11-27, docs/training.md).
+#       output gradient among them, and every step after the first ran out of memory
+#       (docs/training.md, "The graphs' static buffers, made between steps").
 #     - when: between steps (:meth:`capture_pending`), never inside one. Captured inside the
 #       step that measured, the pool's new segments and the eager backwards' cached ones were
 #       held at once, and a room that counted the working set once lost steps that way (a
@@ -410,19 +409,28 @@ class Replays:
                 p.data = data
                 p.grad = grad
             with torch.cuda.stream(side), own_workspaces(torch):   # NOTE [capture's cuBLAS workspace]
-                graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
                 try:
-                    xs = [s.detach().requires_grad_(r) for s, r in zip(static_in, rec.grad_in)]
-                    gin = _recompute_backward(torch, rec.call, xs, static_gout, rec.autocast)
-                    for s, g in zip(static_gin, gin):
-                        if s is not None:
-                            if g is None:
-                                s.zero_()
-                            else:
-                                s.copy_(g)
-                    del xs, gin
-                finally:
-                    graph.capture_end()
+                    graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+                    try:
+                        xs = [s.detach().requires_grad_(r) for s, r in zip(static_in, rec.grad_in)]
+                        gin = _recompute_backward(torch, rec.call, xs, static_gout, rec.autocast)
+                        for s, g in zip(static_gin, gin):
+                            if s is not None:
+                                if g is None:
+                                    s.zero_()
+                                else:
+                                    s.copy_(g)
+                        del xs, gin
+                    finally:
+                        graph.capture_end()
+                except BaseException:
+                    # a capture that did not end: its routing, the generator (NOTE [invalidated
+                    # capture]) and its hold on the shared pool (NOTE [failed capture's pool]),
+                    # undone; the other graphs give theirs back when give_up drops them
+                    if not ended(graph):
+                        unroute(torch, graph, self.pool, side)
+                        give_pool_back(torch, self.pool)
+                    raise
             hit = self.hit
         finally:
             self.capturing, self.hit = False, []

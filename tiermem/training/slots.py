@@ -314,7 +314,7 @@ class BlockSlots:
 
     def leave(self, b: Block) -> None:
         """An evaluation's forward is done with ``b``: its slot is free, and its parameters are
-        its home's again, the slot's copy forgotten (NOTE [evaluation between steps] in training/handle.py)."""
+        its home's again, the slot's copy forgotten (NOTE [evaluation between steps] in training/hooks.py)."""
         s = b.slot
         if s is not None and s.occupant is b and s.busy:
             self.slots.release(s, self.tier.backend)
@@ -361,7 +361,7 @@ class BlockSlots:
     def write_back_alt(self, b: Block) -> None:
         """Queue the copy of ``b``'s stepped parameters and states to its second home; its home
         keeps their values before the step until :meth:`commit` (NOTE [speculative clipping] in
-        training/handle.py). Frees the slot."""
+        training/clipping.py). Frees the slot."""
         be = self.tier.backend
         if b.alt_p is None:
             b.alt_p = be.host_alloc(b.p_bytes, pooled=False)

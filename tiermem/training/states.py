@@ -121,9 +121,10 @@ class OptimizerStates:
                 raise TierMemError(
                     "optimizer.step() was called by the caller, but wrap_training steps the optimizer itself, "
                     "each block inside train.step() (a second step would update the parameters twice): drop "
-                    "optimizer.step() and zero_grad() from the loop. For gradient clipping wrap with "
-                    "max_grad_norm=...; for accumulation, accumulate=N. An fp16 GradScaler, whose step() "
-                    "calls it, is not supported: train in bf16 or fp32")
+                    "optimizer.step() and zero_grad() from the loop, or give a loop that steps it itself "
+                    "train.stepped_optimizer(). For gradient clipping wrap with max_grad_norm=...; for "
+                    "accumulation, accumulate=N. An fp16 GradScaler, whose step() calls it, is not supported: "
+                    "train in bf16 or fp32")
         return out + [self.opt.register_load_state_dict_pre_hook(before),
                       self.opt.register_load_state_dict_post_hook(after),
                       self.opt.register_step_pre_hook(stepped)]
@@ -189,8 +190,8 @@ class OptimizerStates:
         step (NOTE [bf16 moments]); returns (fp32 tensor, bf16 slot memory) pairs to narrow back
         after it. When every state of the block is narrowed (AdamW's two moments), the slot's
         whole state region is widened at once and each state is a slice of it: two kernels a
-        block, where one widening and rounding per tensor launched a few thousand a step and
-        made the GPT step of bench/train_budget.py 1.4x slower (H100, e609e14)."""
+        block, not one widening and rounding per tensor, a few thousand launches a step
+        (docs/history.md, "Measurements behind the code's notes")."""
         pairs = [(st, v) for st, (dt, held), v in zip(b.states, b.s_dtypes, views) if dt != held]
         if not pairs:
             return []

@@ -52,6 +52,7 @@ from typing import Any
 
 from ..errors import ConfigError, TierMemError
 from .graphchoice import REPLAYS_TIMED
+from .unwind import ended, give_pool_back, unroute
 from .workspaces import let_go, own_workspaces
 
 __all__ = ["GraphedStep", "PLAN_CHANGED", "RELEASED", "capture_now", "why_invalid"]
@@ -99,9 +100,9 @@ class GraphedStep:
     def release(self) -> None:
         """Drop the graph and give its pool back to the budget: work between steps (an
         evaluation of a whole batch, say) then has what the pool held. Between replays the
-        pool stays reserved, and an evaluation beside it has the budget less the pool (4x512
-        tokens of the bench's GPT beside a 486 MiB pool ran out of memory on the H200 at
-        ee27da0). The steps after run eagerly until the plan has settled, then are captured
+        pool stays reserved, and an evaluation beside it has the budget less the pool (a whole
+        batch of the bench's GPT beside the pool ran out of memory: docs/history.md,
+        "Measurements behind the code's notes"). The steps after run eagerly until the plan has settled, then are captured
         again: a release costs SETTLED_STEPS + 1 eager steps and a capture."""
         self._drop(RELEASED)
 
@@ -189,10 +190,14 @@ class GraphedStep:
         prev = torch.cuda.current_stream()
         try:
             with own_workspaces(torch), t.capturing(), _capturable(t.opt), torch.cuda.graph(g, pool=pool):
-                with t.step():
-                    loss = self.fn(*self._static)
-                    loss.backward()
-                t.join_streams()
+                try:
+                    with t.step():
+                        loss = self.fn(*self._static)
+                        loss.backward()
+                finally:
+                    # Also when the step refused itself (NOTE [another path under capture]): the
+                    # capture then ends cleanly and leaves torch nothing to undo.
+                    t.join_streams()
         except BaseException:
             _unroute(torch, g, pool, prev)
             raise
@@ -232,9 +237,8 @@ class GraphedStep:
     def _judge(self) -> None:
         """NOTE [graph choice]: once the timed replays are queued, their median judges the plan.
         The host waits for the last of them, once a plan: read without a wait, the judgement
-        came as many replays late as the host ran ahead of the GPU (on the H100 at 42cd2fa a
-        learning-rate test's steps ran out before the plan that came back was captured again),
-        and every replay under a plan about to change is a step of the slower one."""
+        came as many replays late as the host ran ahead of the GPU (docs/history.md,
+        "Measurements behind the code's notes"), and every replay under a plan about to change is a step of the slower one."""
         if self._judged or len(self._timed) < REPLAYS_TIMED:
             return
         be = self.train.tier.backend
@@ -270,11 +274,11 @@ def _first_cause(e: BaseException) -> str:
 
 
 def _clear_frames(e: BaseException) -> None:
-    """NOTE [kept exceptions] in training/handle.py: a failure's traceback frames hold the failed step's
+    """NOTE [kept exceptions] in training/stepping.py: a failure's traceback frames hold the failed step's
     tensors (its forward's activations, in the graph's pool) for as long as the exception lives.
     A failed capture's exception is tiermem's own, handled and never raised, so tiermem lets go
-    of its frames itself: at 2bbf434 on the H200, 23 MiB of a failed capture's activations were
-    still in its pool after the eager steps that followed."""
+    of its frames itself, or a failed capture's activations stay in its pool through the eager
+    steps that follow (docs/history.md, "Measurements behind the code's notes")."""
     import traceback
     seen: set[int] = set()
     while e is not None and id(e) not in seen:
@@ -305,28 +309,9 @@ def why_invalid(*, stale: bool, settled: bool, layout: Any, captured_layout: Any
     return ""
 
 
-def _ended(g: Any) -> bool:
-    """Whether ``g``'s capture ended: torch's ``pool()`` refuses a graph whose capture did not."""
-    try:
-        g.pool()
-        return True
-    except Exception:  # noqa: BLE001 - RuntimeError from torch's check
-        return False
-
-
 def _unroute(torch: Any, g: Any, pool: Any, prev: Any) -> None:
-    """NOTE [invalidated capture]: a capture that an operation invalidated (a host sync inside
-    the step) makes torch.cuda.graph's exit raise before it stops routing allocations to the
-    graph's pool and before it gives the caller's stream back; every later allocation on that
-    stream would land in the dead pool (the eager step after such a failure ran out of memory
-    with 356 MiB held there, H200). Both are undone here: the stream with torch's public call,
-    the routing with the private one torch's own ``use_mem_pool`` ends with, where this torch
-    has it. A capture that ended cleanly ended its routing itself."""
-    torch.cuda.set_stream(prev)
-    end = getattr(torch._C, "_cuda_endAllocateToPool", None)
-    if end is None or _ended(g):
-        return
-    end(prev.device.index if prev.device.index is not None else torch.cuda.current_device(), pool)
+    """NOTE [invalidated capture] in training/unwind.py."""
+    unroute(torch, g, pool, prev)
 
 
 def _free_cache(torch: Any) -> None:
@@ -336,33 +321,20 @@ def _free_cache(torch: Any) -> None:
     torch.cuda.empty_cache()
 
 
-# NOTE [failed capture's pool]
-#     torch gives a graph's private pool back when the graph is reset or destroyed, but only a
-#     graph whose capture ended: a capture that failed in cudaStreamEndCapture (an invalidated
-#     one: a host sync inside the step) leaves its pool referenced for the life of the process,
-#     with every segment it took. Those segments count in torch's reserved bytes, so the next
-#     wrap_training on the device traced a step that "held" them: on the H100 a GPT of 251 MB of
-#     state was refused at 352 MiB, its traced step 3.6 GB, after a failed capture of the
-#     3.5 GB GPT (tests/test_gpu_stepgraph.py at d35d421). So the capture takes a pool handle of
-#     its own, and a capture that did not end gives that pool back with the private call
-#     torch's ``use_mem_pool`` gives its pools back with. cuBLAS keeps a workspace per stream,
-#     and the capture's stream took its workspace from the pool: those are let go too (NOTE
-#     [capture's cuBLAS workspace] in training/workspaces.py).
 def _release(torch: Any, g: Any, failed_pool: Any = None) -> None:
     """A dropped or failed capture's graph gives its pool back to torch's allocator, and the
     allocator its cached memory to the device (the eager steps' cache takes its place).
-    ``failed_pool``: the pool handle of a capture that failed (NOTE [failed capture's pool])."""
-    give_back = failed_pool is not None and not _ended(g)
+    ``failed_pool``: the pool handle of a capture that failed (NOTE [failed capture's pool] in
+    training/unwind.py)."""
+    give_back = failed_pool is not None and not ended(g)    # asked before the reset, which forgets it
     try:
         g.reset()
     except Exception:  # noqa: BLE001 - a capture that never began has nothing to reset
         pass
     del g
     if give_back:
-        release = getattr(torch._C, "_cuda_releasePool", None)
-        if release is not None:
-            release(torch.cuda.current_device(), failed_pool)
-    if failed_pool is not None:
+        give_pool_back(torch, failed_pool)
+    elif failed_pool is not None:
         let_go(torch)
     _free_cache(torch)
 

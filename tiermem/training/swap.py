@@ -20,6 +20,20 @@ NOTE [activation swap]
 
     A view of a resident block's parameter is saved as it is: it never leaves the device.
 
+    A parameter's low-precision cast (autocast's copy of an fp32 weight, which a matmul's backward
+    reads) is saved as the parameter and the dtype, and cast again from the parameter when
+    backward reads it (NOTE [saved casts]).
+
+NOTE [saved casts]
+    Under ``torch.autocast`` a linear layer saves the bf16 copy of its weight for backward. As
+    an activation it would cross the link twice a step, half the weight's bytes each way, for
+    a copy of bytes the block brings back into its slot for its own backward anyway. So the
+    swap knows a cast of one of the training's parameters by its autograd node (a ToCopy whose
+    input is the parameter's AccumulateGrad) and keeps only which parameter and dtype it was:
+    backward casts the parameter again. The parameter has not stepped by then (a block steps
+    once its gradients are complete, after the backward that read the cast), and a cast is
+    exact and deterministic, so the bits are the ones autocast made.
+
     Each saved storage is known by its *key*: the block whose forward saved it (its segment,
     -1 outside every block) and its place among that segment's saves. Keys, not places in the
     whole step, are what the plan names, so a segment that is recomputed (and saves only its
@@ -33,14 +47,21 @@ import collections
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
-from ..core.stream import Lane, PinnedArena, now
+from ..core.stream import ALIGN, Lane, PinnedArena, now
+from ..errors import TierMemError
 from ..pytorch.savedhooks import as_saved
 from ..roles import Role
 
 if TYPE_CHECKING:
     from ..core.engine import Engine as Tier  # what an adapter uses is the engine's interface
 
-__all__ = ["ActivationSwap"]
+__all__ = ["ANOTHER_PATH", "ActivationSwap"]
+
+# NOTE [another path under capture] in training/handle.py
+ANOTHER_PATH = ("the step saved other tensors while captured than in its eager steps: the model takes another "
+                "path under a CUDA graph capture (transformers' SDPA attention builds its mask only while "
+                "capturing, and with grouped-query attention that changes its kernels): pass the attention "
+                "mask as a 4-D tensor built once, or train with train.step()")
 
 @dataclasses.dataclass(eq=False)
 class _Saved:
@@ -72,6 +93,15 @@ class _ParamRef(_Ref):
     pass
 
 
+class _CastRef(_Ref):
+    """A view of parameter ``s`` cast to ``to`` (NOTE [saved casts])."""
+    __slots__ = ("to",)
+
+    def __init__(self, p: Any, t: Any):
+        super().__init__(p, t)
+        self.to = t.dtype
+
+
 class ActivationSwap:
     """The saved-tensor hooks of one training handle (NOTE [activation swap])."""
 
@@ -80,6 +110,7 @@ class ActivationSwap:
         self.device = device          # where the step's tensors live (NOTE [device memory] in pytorch/devmem.py)
         self.params = params          # storage address -> parameter, for streamed parameters
         self.fixed: set[int] = set()  # storage addresses of resident parameters: saved as they are
+        self.trained: dict[int, Any] = {}   # id -> the training's parameters, whose casts are saved as such
         self.min_swap = int(min_swap)
         self.window = int(window)
         self.arena = PinnedArena(tier.backend)
@@ -91,6 +122,7 @@ class ActivationSwap:
         self.need: list[tuple[int, int]] = []                   # swapped keys in backward-read order
         self.diverged = False
         self.segment: Any = lambda: -1      # the innermost block in forward (set by the training handle)
+        self.capturing: Any = lambda: False  # a CUDA graph captures the step (set by the training handle)
         self.meter: Any = None              # times the step's waits (the training handle's StallMeter)
         self._begin_fields()
 
@@ -148,6 +180,9 @@ class ActivationSwap:
             # A resident block's parameter: it stays on the device, and saving it as an
             # activation would swap a weight and give the step keys the trace never saw.
             return as_saved(t)
+        p = _cast_of(t, self.trained)
+        if p is not None:
+            return _CastRef(p, t)          # NOTE [saved casts]
         n = st.nbytes()
         if n < self.min_swap:
             return as_saved(t)
@@ -169,6 +204,11 @@ class ActivationSwap:
                 else:
                     self.diverged = True     # another step shape: swap everything, trace again
                     keep = False
+                    if self.capturing():
+                        # NOTE [another path under capture]: refused before the capture queues
+                        # anything the eager steps did not (a new piece of the pinned arena is a
+                        # cudaHostAlloc, which CUDA refuses while a stream captures)
+                        raise TierMemError(ANOTHER_PATH)
             s = _Saved(len(self.saved), n, keep, seg, k)
             self.saved.append(s)
             self.by_ptr[ptr] = s
@@ -191,6 +231,10 @@ class ActivationSwap:
             p = ref.s
             self.on_param(p)
             return torch.as_strided(p.data, ref.size, ref.stride, ref.offset)
+        if isinstance(ref, _CastRef):     # NOTE [saved casts]
+            p = ref.s
+            self.on_param(p)
+            return torch.as_strided(p.data.to(ref.to), ref.size, ref.stride, ref.offset)
         s = ref.s
         if s.use < 0:
             s.use = self.reads
@@ -227,6 +271,8 @@ class ActivationSwap:
     # -- moves -------------------------------------------------------------------------------------
     def _out(self, s: _Saved, st: Any, ptr: int) -> None:
         tier = self.tier
+        if self.capturing() and not _arena_holds(self.arena, s.nbytes):
+            raise TierMemError(ANOTHER_PATH)     # the same: the eager steps never swapped this much
         self.out_lane.after([now()])
         s.host = self.arena.take(s.nbytes, self.meter.host() if self.meter is not None else None)
         _, s.out_event = self.out_lane.run([(s.host, ptr, s.nbytes)], after=())
@@ -286,3 +332,44 @@ class ActivationSwap:
             if s.keep or s.dev is not None or s.reads >= s.refs:
                 continue
             self._in(s, cur)
+
+
+def _arena_holds(arena: PinnedArena, nbytes: int) -> bool:
+    """Whether ``arena`` hands out ``nbytes`` more from the chunks it has (no new allocation)."""
+    n = -(-nbytes // ALIGN) * ALIGN
+    c, off = arena.at
+    while c < len(arena.chunks) and off + n > arena.chunks[c].nbytes:
+        c, off = c + 1, 0
+    return c < len(arena.chunks)
+
+
+_TO_COPY: list[Any] = []
+
+
+def _cast_of(t: Any, params: dict[int, Any]) -> Any:
+    """The parameter of ``params`` whose dtype cast ``t`` is a view of, or None (NOTE [saved casts]).
+    A cast's autograd node is a ToCopy whose one input is the parameter's AccumulateGrad; its
+    type is read from a cast made once, not from a name."""
+    if not params:
+        return None
+    # torch's Tensor._base (what a view was made from), read by name: the package's own members
+    # named so are another matter (tests/test_layers.py)
+    base = getattr(t, "_base", None)  # noqa: B009
+    if base is None:
+        base = t
+    fn = base.grad_fn
+    if fn is None:
+        return None
+    if not _TO_COPY:
+        import torch
+        with torch.enable_grad():         # hooks run with autograd off
+            _TO_COPY.append(type(torch.zeros(1, requires_grad=True).to(torch.float64).grad_fn))
+    if type(fn) is not _TO_COPY[0]:
+        return None
+    nxt = fn.next_functions
+    acc = nxt[0][0] if len(nxt) == 1 else None
+    p = getattr(acc, "variable", None)
+    if p is None or params.get(id(p)) is not p or p.dtype == t.dtype or base.shape != p.shape \
+            or not base.is_contiguous() or base.storage_offset() != 0:
+        return None
+    return p

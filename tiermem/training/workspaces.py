@@ -6,9 +6,8 @@ NOTE [capture's cuBLAS workspace]
     of the process. A capture's first matmul makes them for the capture's stream, inside the
     graph's private pool. Resetting the graph does not let them go, so the pool keeps those
     segments (100 MiB reserved, 66 MiB of it live) after the graph is gone, and they count in
-    torch's reserved bytes under the next training's budget: on an H200 at c46e64a four
-    recompute tests that pass alone found no room to recompute after the step-graph tests had
-    run in the same process (bench/results/gpu_tests-h200-20261127-c46e64a-memlog.txt). And a
+    torch's reserved bytes under the next training's budget, which then finds no room to
+    recompute (docs/history.md, "Measurements behind the code's notes"). And a
     later capture on the same stream reuses the workspace that sits in an earlier graph's pool.
     So, as torch's inductor does around its own captures, the workspaces are let go before a
     capture (the capture makes its own, in its own pool) and after it (the block is then a

@@ -1,0 +1,178 @@
+"""The smallest budget at which every step of a tiered training runs (NOTE [the floor]).
+
+NOTE [the floor]
+    At or above its floor a training runs every step, the traced first one included; torch
+    running out of memory inside a step above the floor is a tiermem bug. The floor has two
+    parts, known at different times, and it is stated as soon as each is known:
+
+    * At wrap: the slots. A step streams its blocks through at least two slots (one in use,
+      one filling), or the nesting of blocks inside blocks plus one, each as large as the
+      largest streamed block's parameters, gradients and optimizer states. Before the first
+      step the states may not exist yet: their bytes are the optimizer's (Adam and AdamW keep
+      two moments of each parameter's dtype and size, SGD with momentum one, Adagrad one, any
+      other optimizer is counted as two; ``state_dtype=bfloat16`` holds fp32 ones in half).
+      With cuBLAS's workspaces (WORKSPACE_BYTES), that is the floor wrap_training checks: a
+      budget below it is refused at once with OutOfBudgetError naming the block.
+    * At the first step: the activations and temporaries. What the forward and the loss hold
+      at once (most often the logits and the loss over [batch, tokens, vocab]) depends on the
+      batch, which wrap_training does not see. The first step is traced under the most frugal
+      policy: every saved activation of ``min_swap`` bytes or more is swapped to the host,
+      autocast caches nothing (NOTE [autocast in a step]), and where the configured slots
+      would take more than half the budget the trace streams through the fewest slots (the
+      steps after get the rest back where the plan has room: NOTE [fewer slots]). Its peak of
+      torch's reserved bytes, less the slots it held, is the step's activations; the floor is
+      those, a FLOOR_SLACK share more (the allocator cuts a cache up differently from step to
+      step), the fewest slots grown to hold the states, and tiermem's resident bytes. A budget
+      below it ends the traced step with OutOfBudgetError (its update is kept; the next step
+      traces again), and the plan (``train.plan``) prints it beside what sets it. Where torch
+      runs out inside the traced step, before its peak is known, its OutOfMemoryError carries
+      a note that the floor is at least what torch held then plus what it asked for.
+    A step's activations are the caller's: a larger batch or sequence raises the floor, and
+    that step is traced again, as any step of another shape is. Where the loss sets the floor
+    (its fp32 log-probabilities over the vocabulary, and their gradient, are live at once in
+    backward) a smaller batch or a loss computed in chunks lowers it; tiermem does not chunk
+    a model's own loss.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Sequence
+from typing import Any
+
+from .slots import Block, aligned
+
+__all__ = ["FLOOR_SLACK", "WORKSPACE_BYTES", "Floor", "after_trace", "asked_bytes", "at_wrap", "nesting",
+           "state_bytes", "trace_slots"]
+
+WORKSPACE_BYTES = 64 << 20   # cuBLAS's and cuBLASLt's workspaces of the streams a step uses (docs/facts.md)
+FLOOR_SLACK = 1 / 32         # of the traced activations: a later step's cache is cut up otherwise
+
+# optimizer class name -> states of a parameter's size it keeps (NOTE [the floor])
+_STATES = {"Adam": 2, "AdamW": 2, "NAdam": 2, "RAdam": 2, "Adamax": 2, "SGD": 1, "Adagrad": 1, "RMSprop": 1,
+           "Adadelta": 2, "Rprop": 2, "ASGD": 2, "LBFGS": 2}
+
+
+@dataclasses.dataclass(frozen=True)
+class Floor:
+    """The smallest budget, in bytes, at which every step runs (NOTE [the floor]), and what sets it.
+    ``activations`` is None until the first step has been traced."""
+
+    bytes: int
+    slots: int                       # slots counted
+    slot_bytes: int                  # each: the largest streamed block's parameters, gradients, states
+    block: str                       # that block's name
+    workspace: int                   # cuBLAS's workspaces (at wrap; after the trace they are in activations)
+    resident: int = 0                # tiermem's resident managed bytes
+    activations: int | None = None   # the traced step's activations and temporaries
+    largest: int = 0                 # the largest activation the traced step saved
+    largest_where: str = ""          # ... and the block that saved it
+
+    @property
+    def what(self) -> str:
+        gb = _gb
+        parts = [f"{self.slots} slots of {gb(self.slot_bytes)} (block {self.block}: parameters, gradients and "
+                 "optimizer states)"]
+        if self.activations is None:
+            parts.append((f"{gb(self.workspace)} for cuBLAS's workspaces; " if self.workspace else "")
+                         + "the activations are known after the first step")
+        else:
+            act = f"{gb(self.activations)} of activations and temporaries at the traced step's peak"
+            if self.largest:
+                act += f" (the largest saved, {gb(self.largest)}, {self.largest_where})"
+            parts.append(act)
+        if self.resident:
+            parts.append(f"{gb(self.resident)} resident")
+        return " + ".join(parts)
+
+    def __str__(self) -> str:
+        return f"{self.bytes:,} bytes ({_gb(self.bytes)}): {self.what}"
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:.3f} GB"
+
+
+def nesting(blocks: Sequence[Block]) -> int:
+    """The most blocks whose forwards run at once: a block inside a block inside ..."""
+    inside: dict[int, list[int]] = {b.index: [] for b in blocks}
+    for a in blocks:
+        mods = {id(m) for m in a.module.modules()}
+        for b in blocks:
+            if b is not a and id(b.module) in mods:
+                inside[b.index].append(a.index)      # b runs inside a
+    depth: dict[int, int] = {}
+
+    def d(i: int) -> int:
+        if i not in depth:
+            depth[i] = 1 + max((d(j) for j in inside[i]), default=0)
+        return depth[i]
+    return max((d(b.index) for b in blocks), default=1)
+
+
+def state_bytes(optimizer: Any, b: Block, state_dtype: Any) -> int:
+    """Bytes of ``b``'s optimizer states in a slot: as held (``b.s_bytes``) once they exist, else
+    what the optimizer will make (NOTE [the floor])."""
+    if b.states:
+        return b.s_bytes
+    per = _STATES.get(type(optimizer).__name__, 2)
+    n = 0
+    for p in b.trainable:
+        size = p.element_size()
+        if state_dtype is not None and p.dtype.is_floating_point and size == 4:
+            size = state_dtype.itemsize       # NOTE [bf16 moments]: fp32 states held narrowed
+        n += per * aligned(p.numel() * size)
+    return n
+
+
+def at_wrap(blocks: Sequence[Block], optimizer: Any, state_dtype: Any, least: int,
+            workspace: int = WORKSPACE_BYTES) -> Floor:
+    """The floor before the first step: ``least`` slots of the largest block with its states, and
+    ``workspace`` bytes for cuBLAS (none where the step runs on the host)."""
+    need = {b.index: b.p_bytes + b.g_bytes + state_bytes(optimizer, b, state_dtype) for b in blocks if not b.resident}
+    if not need:
+        return Floor(workspace, 0, 0, "-", workspace)
+    big = max(need, key=lambda i: need[i])
+    slot = aligned(need[big])
+    return Floor(least * slot + workspace, least, slot, blocks[big].name, workspace)
+
+
+def after_trace(blocks: Sequence[Block], slot: int, least: int, peak: int, held: int, resident: int,
+                saved: Sequence[Any]) -> Floor:
+    """The floor once the first step is traced: its ``peak`` of torch's reserved bytes less the
+    ``held`` bytes of the slots it streamed through is its activations; ``least`` slots of
+    ``slot`` bytes (grown to hold the states) and ``resident`` bytes are added. ``saved``: the
+    trace's saved records, for the largest."""
+    act = max(peak - held, 0)
+    act += -(-int(act * FLOOR_SLACK) // 1)
+    streamed = [b for b in blocks if not b.resident]
+    big = max(streamed, key=lambda b: b.slot_need, default=None)
+    largest = max(saved, key=lambda r: r.nbytes, default=None)
+    where = ""
+    if largest is not None:
+        seg = largest.segment
+        where = f"saved in block {blocks[seg].name}" if 0 <= seg < len(blocks) else \
+            "saved outside every block (the loss, the logits: the model's own head and loss)"
+    n = least if big is not None else 0
+    return Floor(n * slot + act + resident, n, slot if big is not None else 0, big.name if big is not None else "-",
+                 0, resident, act, largest.nbytes if largest is not None else 0, where)
+
+
+def trace_slots(configured: int, least: int, slot_estimate: int, budget: int) -> int:
+    """How many slots the traced step streams through: the configured ones, or the fewest where
+    those would take more than half the budget (NOTE [the floor])."""
+    if configured * slot_estimate <= budget // 2:
+        return configured
+    return min(configured, least)
+
+
+_ASKED = re.compile(r"Tried to allocate ([0-9.]+) (B|KiB|MiB|GiB|TiB)")
+
+
+def asked_bytes(message: str) -> int:
+    """The bytes a torch OutOfMemoryError's message says were asked for (0 if it says none)."""
+    m = _ASKED.search(message)
+    if m is None:
+        return 0
+    unit = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}[m.group(2)]
+    return int(float(m.group(1)) * unit)

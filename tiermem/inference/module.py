@@ -356,8 +356,7 @@ class TieredModule:
             for g in streamed:
                 for i, t in enumerate(g.tensors):
                     if t.requires_grad and hasattr(t, "register_post_accumulate_grad_hook"):
-                        self._hooks.append(t.register_post_accumulate_grad_hook(
-                            lambda p, g=g, i=i: self._stream.offload_grad(g, i, p)))
+                        self._hooks.append(t.register_post_accumulate_grad_hook(_offload_grad_hook(self, g.name, i)))
                 if g.split:                 # NOTE [split groups] in inference/split.py
                     for m in g.cut.runs:
                         self._hooks.append(InstancePatch(m, {"forward": chunked_forward(
@@ -682,3 +681,16 @@ def wrap_module(tier: Tier, module: Any, budget: int | str | None = None, *, opt
     "25%" (NOTE [sizes] in base/limits.py); :func:`weight_bytes` (inference/groups.py) sizes a share of the
     module's weights. ``options`` and ``kwargs``: :class:`ModuleOptions`."""
     return TieredModule(tier, module, budget, options=options, **kwargs)
+
+
+def _offload_grad_hook(handle: TieredModule, group: str, i: int) -> Any:
+    """The post-accumulate-grad hook of tensor ``i`` of the streamed group named ``group``: it holds
+    the handle weakly and the group by name, since torch keeps these hooks where the garbage
+    collector cannot see them (NOTE [hooks gc cannot see] in training/hooks.py)."""
+    ref = weakref.ref(handle)
+
+    def hook(p: Any) -> None:
+        h = ref()
+        if h is not None:
+            h._stream.offload_grad(h._groups[group], i, p)
+    return hook

@@ -37,8 +37,9 @@ class BlockHooks:
         for b in self.blocks:
             self.handles.append(b.module.register_forward_pre_hook(lambda m, a, b=b: self.fwd_pre(b, a)))
             self.handles.append(b.module.register_forward_hook(lambda m, a, out, b=b: self.fwd_post(b, out)))
-            for p in b.trainable:
-                self.handles.append(p.register_post_accumulate_grad_hook(lambda p, b=b: self.grad_done(b, p)))
+        for k, b in enumerate(self.blocks):
+            for p in b.trainable:       # NOTE [hooks gc cannot see]
+                self.handles.append(p.register_post_accumulate_grad_hook(_grad_done_hook(self, k)))
 
     def guard(self, model: Any, optimizer: Any, extra: list[Any]) -> None:
         """The guards on ``model`` and ``optimizer`` (NOTE [zero_grad], NOTE [held modules]), after
@@ -317,3 +318,27 @@ def _first_grad_tensor(out: Any) -> Any:
             if t is not None:
                 return t
     return None
+
+
+def _grad_done_hook(hooks: BlockHooks, k: int) -> Any:
+    """The post-accumulate-grad hook of a trainable parameter of block ``k``: it holds the hooks
+    weakly and the block by its place (NOTE [hooks gc cannot see]).
+
+    NOTE [hooks gc cannot see]
+        torch keeps a tensor's post-accumulate-grad hooks (``register_post_accumulate_grad_hook``)
+        in C++, and a tensor's garbage-collector traversal does not visit them (a tensor's other
+        hooks and a module's are visited). A hook whose closure reaches the parameter it is
+        registered on is then a cycle the collector cannot free: a hook that held the training
+        (whose model holds the parameter) or the block (whose ``trainable`` list does) kept a
+        training dropped without unwrap alive for the rest of the process, with its model, its
+        optimizer's states, its tier and every byte the tier holds. So these hooks hold their owner
+        weakly; unwrap removes them as before. tests/test_release.py drops trainings and modules
+        without unwrap and checks that their tiers go.
+    """
+    ref = weakref.ref(hooks)
+
+    def hook(p: Any) -> None:
+        h = ref()
+        if h is not None:
+            h.grad_done(h.blocks[k], p)
+    return hook

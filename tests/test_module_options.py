@@ -80,6 +80,12 @@ BAD = [
     (dict(stream_dtype="int8", mode="zero_copy"), ConfigError, "mode='zero_copy' reads every streamed weight in place"),
     (dict(expert_cache="lots"), ConfigError, "expert_cache='lots' is not a size"),
     (dict(expert_cache="150%"), ConfigError, "expert_cache='150%' is more than 100%"),
+    (dict(devices=[0]), ConfigError, "devices must name at least two distinct GPUs"),
+    (dict(devices=[1, 1]), ConfigError, "devices must name at least two distinct GPUs"),
+    (dict(devices=[0, -1]), ConfigError, "devices must be CUDA device indices >= 0"),
+    (dict(devices="01"), ConfigTypeError, "devices must be a list of CUDA device indices"),
+    (dict(devices=[0, 1], kv_budget="1GiB"), ConfigError, "leave kv_budget out"),
+    (dict(share_home=nn.Linear(1, 1)), ConfigTypeError, "share_home takes the handle wrap_module returned"),
     (dict(colour="red"), ConfigTypeError, r"wrap_module\(\) got an unknown keyword argument 'colour'; it takes mode, "
                                           "lookahead"),
     (dict(lookahed=2), ConfigTypeError, "did you mean 'lookahead'"),
@@ -110,6 +116,26 @@ def test_load_pretrained_checks_its_options_before_the_files_and_the_gpu(tmp_pat
         tiermem.load_pretrained(tmp_path / "nowhere", "1GiB", weights={})
     with pytest.raises(ConfigTypeError, match="takes no weights option"):
         tiermem.load_pretrained(tmp_path / "nowhere", "1GiB", options=ModuleOptions(weights={}))
+    assert tiermem.base.default.peek() is None
+
+
+def test_devices_are_a_tuple_and_a_tier_and_load_pretrained_refuse_them(tier, fake, tmp_path):
+    """``devices`` is the module-level wrap_module's (a list given is kept as a tuple): a Tier's
+    wrap_module and load_pretrained adopt on one device and refuse it, before anything changes;
+    a module spread over devices shares no replica's home."""
+    assert ModuleOptions(devices=[1, 0]).devices == (1, 0)
+    other = _model()
+    h = tier.wrap_module(other, budget=share(other, 40))
+    with pytest.raises(ConfigError, match="leave share_home out"):
+        ModuleOptions(devices=[0, 1], share_home=h)
+    h.unwrap()
+    m = _model()
+    before = [p.data_ptr() for p in m.parameters()]
+    with pytest.raises(ConfigError, match="spreads a module over several GPUs"):
+        tier.wrap_module(m, budget=share(m, 40), devices=[0, 1])
+    assert [p.data_ptr() for p in m.parameters()] == before and not tier.leases
+    with pytest.raises(ConfigError, match="load_pretrained adopts the model on one GPU"):
+        tiermem.load_pretrained(tmp_path / "nowhere", "1GiB", devices=[0, 1])
     assert tiermem.base.default.peek() is None
 
 

@@ -28,11 +28,13 @@ def _rank(rank: int, world: int, init: str, out: str, accumulate: int, clip: flo
     import tiermem
     torch.use_deterministic_algorithms(True)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-    reduces = []
+    reduces, blocking = [], []
     all_reduce = dist.all_reduce
 
     def counted(t, *a, **kw):
         reduces.append(t.numel())
+        if not kw.get("async_op", False):
+            blocking.append(t.numel())
         return all_reduce(t, *a, **kw)
     dist.all_reduce = counted
     try:
@@ -57,7 +59,7 @@ def _rank(rank: int, world: int, init: str, out: str, accumulate: int, clip: flo
         train.unwrap()
         torch.save({"params": [p.detach().clone() for p in model.parameters()], "losses": losses, "plan": plan,
                     "streamed": streamed, "in_capacity": in_capacity,
-                    "reduced": sum(reduces)}, os.path.join(out, f"rank{rank}.pt"))
+                    "reduced": sum(reduces), "blocking": len(blocking)}, os.path.join(out, f"rank{rank}.pt"))
     finally:
         dist.all_reduce = all_reduce
         dist.destroy_process_group()
@@ -93,6 +95,8 @@ def test_two_ranks_train_as_one_process_averaging_their_gradients(tmp_path, accu
     # Each parameter's gradient is reduced once per optimizer step, whatever the micro-batches.
     n = sum(p.numel() for p in gpt()[0].parameters())
     assert ranks[0]["reduced"] == ranks[1]["reduced"] == STEPS * n
+    # issued with async_op, so on a GPU NCCL runs on tiermem's reduce stream beside the backward
+    assert ranks[0]["blocking"] == ranks[1]["blocking"] == 0
     # One process computing each half's gradients, summing them and halving, as the all-reduce
     # does, then stepping: bitwise the ranks' run. (Float addition of two is commutative, so the
     # order gloo sums in does not matter.)

@@ -25,6 +25,7 @@ from ._api import (
     unwrap,
     use,
     wrap,
+    wrap_fsdp,
     wrap_module,
     wrap_training,
 )
@@ -42,7 +43,8 @@ __version__ = "0.1.0"
 __all__ = [
     "Tier", "TieredTensor", "Role", "Policy", "Location",
     "configure", "default_tier", "policy_override",
-    "empty", "wrap", "unwrap", "tiered_of", "wrap_module", "wrap_training", "load_pretrained", "kv_cache",
+    "empty", "wrap", "unwrap", "tiered_of", "wrap_module", "wrap_training", "wrap_fsdp", "load_pretrained",
+    "kv_cache",
     "prefetch", "evict", "synchronize", "allocator", "using_role", "use", "torch_allocations",
     "stats", "memory_summary",
     "TierMemError", "ConfigError", "OutOfBudgetError", "CUDAError",

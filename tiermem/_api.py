@@ -18,12 +18,13 @@ from .base import default as _default
 from .base.keywords import check_keywords
 from .core.tensor import TieredTensor, tiered_list
 from .core.transfer import Transfer
-from .errors import ConfigTypeError
+from .errors import ConfigError, ConfigTypeError
 from .inference.options import ModuleOptions
 from .roles import Location, Policy, Role, as_location, as_role, check_policy
 
-__all__ = ["default_tier", "configure", "empty", "wrap", "wrap_module", "wrap_training", "unwrap", "prefetch", "evict", "allocator",
-           "stats", "memory_summary", "policy_override", "synchronize", "use", "load_pretrained", "kv_cache"]
+__all__ = ["default_tier", "configure", "empty", "wrap", "wrap_module", "wrap_training", "wrap_fsdp", "unwrap", "prefetch",
+           "evict", "allocator", "stats", "memory_summary", "policy_override", "synchronize", "use", "load_pretrained",
+           "kv_cache"]
 
 def default_tier() -> Tier:
     """The process-wide Tier, made on first use on the current CUDA device with settings from the
@@ -81,8 +82,27 @@ def wrap_training(model: Any, optimizer: Any, budget: int | str, options: Any = 
     return (tier or default_tier()).wrap_training(model, optimizer, budget, options=opts)
 
 
+def wrap_fsdp(model: Any, optimizer: Any, budget: int | str | None = None, options: Any = None, *,
+              tier: Tier | None = None, **kwargs: Any) -> Any:
+    """Hold the shards of a ``fully_shard`` model (torch FSDP2, the root module, after
+    ``fully_shard`` on each block and on the model, with no CPUOffloadPolicy) and its optimizer's
+    states in pinned host memory, one copy per host across the ranks, on the device only while
+    FSDP all-gathers them or the optimizer steps them; each parameter steps inside backward,
+    right after its reduce-scatter (NOTE [FSDP2 composition] in training/fsdp.py). ``budget``
+    caps torch's allocator on the rank's device (None: no cap). ``options``: a
+    :class:`tiermem.handles.FSDPOptions`, or its fields as keywords (``lookahead=``), checked
+    before a GPU is looked for. ``tier``: default, the default tier, on the current device.
+    Returns a :class:`tiermem.handles.TieredFSDP` (``materialized()`` for checkpoints,
+    ``unwrap()``). The handle steps the optimizer itself: a caller's ``optimizer.step()`` is
+    refused."""
+    from .training.options import check_fsdp_options
+    tier = _given(tier)
+    opts = check_fsdp_options(budget, options, **kwargs)
+    return (tier or default_tier()).wrap_fsdp(model, optimizer, budget, options=opts)
+
+
 def wrap_module(module: Any, budget: int | str | None = None, *, options: ModuleOptions | None = None,
-                tier: Tier | None = None, **kwargs: Any) -> Any:
+                tier: Tier | None = None, tiers: Any = None, **kwargs: Any) -> Any:
     """Adopt every parameter and buffer of ``module`` and run it within ``budget`` (bytes, "8GB",
     or a share of the device like "25%"; ``tiermem.planning.weight_bytes(module) // 4`` is a
     quarter of its weights: NOTE [sizes] in base/limits.py; 0, nothing resident, only with
@@ -91,13 +111,36 @@ def wrap_module(module: Any, budget: int | str | None = None, *, options: Module
     :class:`TieredModule` (its ``plan``; ``unwrap()`` restores the module). The options are the
     fields of :class:`tiermem.handles.ModuleOptions` (documented there: ``mode``, ``lookahead``,
     ``kv_budget`` and ``kv_tokens`` for a KV cache in the same budget, NOTE [kv plan] in
-    tiermem/inference/kvplan.py, ...), given as keyword arguments or as ``options=``, keywords
-    changing its fields; ``tier`` defaults to the default Tier."""
+    tiermem/inference/kvplan.py, ``share_home`` for a replica on another GPU reading this one's
+    pinned home, ...), given as keyword arguments or as ``options=``, keywords changing its
+    fields; ``tier`` defaults to the default Tier. ``devices=[0, 1]`` spreads the module's layers
+    over those GPUs, each within ``budget`` on its own (NOTE [layers across GPUs] in
+    tiermem/inference/multidevice.py), and returns a :class:`tiermem.handles.SplitModule`;
+    ``tiers`` may give the devices' Tiers instead (default: ``tier`` or the default Tier where it
+    is on one of the devices, a new Tier on each other)."""
     from .inference.module import check_module, check_module_options
     tier = _given(tier)
     options = check_module_options(budget, kwargs, given=options)
     check_module(module)
-    return (tier or default_tier()).wrap_module(module, budget, options=options)
+    if options.devices is None and tiers is None:
+        return (tier or default_tier()).wrap_module(module, budget, options=options)
+    from .inference.multidevice import SplitModule
+    return SplitModule(_device_tiers(options.devices, tiers, tier), module, budget, options=options)
+
+
+def _device_tiers(devices: tuple[int, ...] | None, tiers: Any, tier: Tier | None) -> list[Tier]:
+    """The Tiers a module spread over ``devices`` (checked by ModuleOptions) runs on: ``tiers``
+    as given, which must sit on ``devices`` where both are given, or ``tier`` (else the default
+    Tier, if made) where it is on one of them and a new Tier on each other."""
+    if tiers is None:
+        base = tier or _default.peek()
+        return [base if base is not None and base.device == d else Tier(d) for d in devices or ()]
+    if isinstance(tiers, (str, bytes)) or not all(isinstance(t, Tier) for t in tiers):
+        raise ConfigTypeError(f"tiers must be a list of tiermem.Tier, one per device, got {tiers!r}")
+    tiers = list(tiers)
+    if devices is not None and list(devices) != [t.device for t in tiers]:
+        raise ConfigError(f"devices {list(devices)!r} and tiers on {[t.device for t in tiers]} disagree")
+    return tiers
 
 
 def kv_cache(model: Any, max_tokens: int, kv_budget: int | str | None = None, **kwargs: Any) -> Any:
@@ -207,8 +250,11 @@ def load_pretrained(path: Any, budget: int | str | None = None, host_budget: int
     from .inference.load import load_pretrained as load
     from .inference.module import check_module_options
     opts = {k: v for k, v in kwargs.items() if k != "model_class"}
-    check_module_options(budget, {**opts, **({} if host_budget is None else {"host_budget": host_budget})},
-                         call="load_pretrained", taken=("weights",), given=options)
+    checked = check_module_options(budget, {**opts, **({} if host_budget is None else {"host_budget": host_budget})},
+                                   call="load_pretrained", taken=("weights",), given=options)
+    if checked.devices is not None:
+        raise ConfigError("load_pretrained adopts the model on one GPU: leave devices out; to spread a model over "
+                          "several, build it and call tiermem.wrap_module(model, budget, devices=..., weights=...)")
     return load(path, budget, host_budget, dtype, tier=_given(tier), make_tier=default_tier, options=options, **kwargs)
 
 

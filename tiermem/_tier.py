@@ -26,6 +26,7 @@ from .inference.module import wrap_module
 from .inference.options import ModuleOptions
 from .pytorch.wrap import unwrap, wrap
 from .roles import Role
+from .training.fsdp import wrap_fsdp
 from .training.handle import wrap_training
 
 __all__ = ["Tier", "check_empty"]
@@ -51,6 +52,11 @@ class Tier(Engine):
     def wrap_training(self, model: Any, optimizer: Any, budget: int | str, **kwargs: Any) -> Any:
         """Train a model within a device budget (see tiermem.wrap_training)."""
         return wrap_training(self, model, optimizer, budget, **kwargs)
+
+    def wrap_fsdp(self, model: Any, optimizer: Any, budget: int | str | None = None, **kwargs: Any) -> Any:
+        """Hold a fully_shard model's shards and optimizer states in pinned host memory (see
+        tiermem.wrap_fsdp)."""
+        return wrap_fsdp(self, model, optimizer, budget, **kwargs)
 
     def kv_cache(self, config: Any, max_tokens: int, kv_budget: int | str | None = None, **kwargs: Any) -> Any:
         """A transformers KV cache in tiers on this Tier (see tiermem.kv_cache)."""

@@ -343,7 +343,7 @@ class CudaBackend:
         _cuda.stream_destroy(stream)
 
     def new_event(self, timing: bool = False) -> Any:
-        return _cuda.event_create(timing)
+        return _cuda.event_create(timing, self.device)
 
     # Until a first capture (NOTE [events across a capture]) every event is itself: the calls
     # below take the direct path, as the eager steps' thousands of waits a step did before.
@@ -360,7 +360,7 @@ class CudaBackend:
             return
         how, ev = self.epochs.resolve(event)
         if how == "present":
-            ev = _cuda.event_create(False)
+            ev = _cuda.event_create(False, self.device)
             _cuda.event_record(ev, self.current_stream())
             self.epochs.stamp(ev)
         if ev is not None:
@@ -411,14 +411,14 @@ class CudaBackend:
         ``into`` does not wait for (a copy queued ahead and never waited on, say)."""
         for s in sorted(self.epochs.streams):
             if s != into and _cuda.stream_is_capturing(s):
-                ev = _cuda.event_create(False)
+                ev = _cuda.event_create(False, self.device)
                 _cuda.event_record(ev, s)
                 _cuda.stream_wait_event(into, ev)
 
     def replayed(self, stream: int) -> None:
         """A captured graph was just launched on ``stream``: events recorded in captures stand
         for this launch's end from now on."""
-        ev = _cuda.event_create(False)
+        ev = _cuda.event_create(False, self.device)
         _cuda.event_record(ev, stream)
         self.epochs.after_replay = ev
 

@@ -13,10 +13,11 @@ in as they are. Events are the cuda-bindings objects.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from ..base import hostpages as _hostpages
@@ -131,6 +132,25 @@ def current_device() -> int:
     return _check("cudaGetDevice", _runtime().cudaGetDevice())
 
 
+@contextlib.contextmanager
+def on_device(device: int | None) -> Iterator[None]:
+    """``device`` is the runtime's current device inside (None: leave it), the caller's again
+    after. Streams, events and cudaMalloc belong to the current device; a Tier on another GPU
+    than the caller's (NOTE [layers across GPUs] in inference/multidevice.py) must not move the caller's
+    current device, which torch reads for every ``device="cuda"``."""
+    if device is None:
+        yield
+        return
+    before = current_device()
+    if before != device:
+        set_device(device)
+    try:
+        yield
+    finally:
+        if before != device:
+            set_device(before)
+
+
 @functools.cache
 def capabilities(device: int) -> Capabilities:
     rt = _runtime()
@@ -159,8 +179,8 @@ def capabilities(device: int) -> Capabilities:
 
 def mem_get_info(device: int) -> tuple[int, int]:
     """(free, total) bytes on ``device``. Free does not rise when managed pages leave the device."""
-    set_device(device)
-    free, total = _check("cudaMemGetInfo", _runtime().cudaMemGetInfo())
+    with on_device(device):
+        free, total = _check("cudaMemGetInfo", _runtime().cudaMemGetInfo())
     return int(free), int(total)
 
 
@@ -216,8 +236,8 @@ class DeviceMemory(_Owned):
 def device_malloc(nbytes: int, device: int) -> DeviceMemory:
     """cudaMalloc on ``device``; raises CUDAOutOfMemoryError when the device is full."""
     rt = _runtime()
-    set_device(device)
-    err, ptr = rt.cudaMalloc(nbytes)
+    with on_device(device):
+        err, ptr = rt.cudaMalloc(nbytes)
     if int(err) == int(rt.cudaError_t.cudaErrorMemoryAllocation):
         raise CUDAOutOfMemoryError("cudaMalloc", int(err), _name(err))
     _check("cudaMalloc", (err,))
@@ -405,8 +425,8 @@ def memcpy_async(dst: int, src: int, nbytes: int, stream: int) -> None:
 def stream_create(device: int, priority: int = 0) -> int:
     """A non-blocking stream (it does not synchronise with the legacy default stream)."""
     rt = _runtime()
-    set_device(device)
-    s = _check("cudaStreamCreateWithPriority", rt.cudaStreamCreateWithPriority(rt.cudaStreamNonBlocking, priority))
+    with on_device(device):
+        s = _check("cudaStreamCreateWithPriority", rt.cudaStreamCreateWithPriority(rt.cudaStreamNonBlocking, priority))
     return int(s)
 
 
@@ -452,10 +472,13 @@ def _ev(event: Any) -> Any:
     return event.handle if isinstance(event, Event) else event
 
 
-def event_create(timing: bool = False) -> Event:
+def event_create(timing: bool = False, device: int | None = None) -> Event:
+    """An event of ``device`` (None: the current one); it can be recorded on that device's
+    streams only, and waited for on any."""
     rt = _runtime()
     flags = rt.cudaEventDefault if timing else rt.cudaEventDisableTiming
-    return Event(_check("cudaEventCreateWithFlags", rt.cudaEventCreateWithFlags(flags)))
+    with on_device(device):
+        return Event(_check("cudaEventCreateWithFlags", rt.cudaEventCreateWithFlags(flags)))
 
 
 def event_record(event: Any, stream: int) -> None:

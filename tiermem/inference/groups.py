@@ -8,7 +8,7 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
-__all__ = ["MAX_GROUP", "module_groups", "fit_groups", "weight_bytes", "span_of", "span_bytes", "home_layout",
+__all__ = ["MAX_GROUP", "module_groups", "fit_groups", "fit_cap", "weight_bytes", "span_of", "span_bytes", "home_layout",
            "gathered_groups", "enclosing_groups", "is_stacked"]
 
 MAX_GROUP = 160 << 20
@@ -87,11 +87,18 @@ def fit_groups(module: Any, found: list, budget: int, lookahead: int) -> list:
     that the window of ``lookahead`` slots takes at most half the budget and a small budget still
     streams its layers a block at a time rather than reading them in place (NOTE [no plan
     collapse] in inference/plan.py). A module that holds everything resident keeps its groups."""
+    cap = fit_cap(found, budget, lookahead)
+    return found if cap is None else module_groups(module, cap)
+
+
+def fit_cap(found: list, budget: int, lookahead: int) -> int | None:
+    """The group size :func:`fit_groups` cuts ``found`` to for ``budget``, or None where it
+    keeps them."""
     cap = budget // (2 * max(1, lookahead))
     sizes = [sum(span_of(t) for _, t in own) for _, _, own in found]
     if budget <= 0 or budget >= sum(sizes) or cap >= MAX_GROUP or all(n <= cap for n in sizes):
-        return found
-    return module_groups(module, max(1, cap))
+        return None
+    return max(1, cap)
 
 
 def is_stacked(tensors: list[Any]) -> bool:

@@ -40,13 +40,26 @@ if TYPE_CHECKING:
     from ..core.engine import Engine as Tier  # what an adapter uses is the engine's interface
     from ..core.tensor import TieredTensor
 
-__all__ = ["TieredModule", "wrap_module", "check_module", "check_module_options", "MODES"]
+__all__ = ["TieredModule", "Part", "wrap_module", "check_module", "check_module_options", "MODES"]
 
 log = logging.getLogger("tiermem")
 
 # Host bytes the fill buffers need beside a home being made (NOTE [home beside the resident groups]
 # in inference/transport.py); with less left of the host budget, the home is made after.
 MIN_FILL_ROOM = 64 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class Part:
+    """The share of a module one :class:`TieredModule` adopts when several adopt it, one per GPU
+    (NOTE [layers across GPUs] in inference/multidevice.py): the names of its groups (as
+    ``module_groups`` names them at ``group_bytes``), and the stand-ins the caller gave the
+    module's meta tensors (NOTE [weight source]). The part's handle hooks the whole module's
+    forward and leaves the module's adoption mark and copy guard to the caller."""
+
+    groups: frozenset[str]
+    group_bytes: int
+    stand_ins: frozenset[int] = frozenset()
 
 
 class TieredModule:
@@ -60,14 +73,23 @@ class TieredModule:
     """
 
     def __init__(self, tier: Tier, module: Any, budget: int | str | None, *, options: ModuleOptions | None = None,
-                 **kwargs: Any):
+                 part: Part | None = None, **kwargs: Any):
         check_module(module)
         opts = check_module_options(budget, kwargs, given=options)
+        if opts.devices is not None:
+            raise ConfigError(f"devices={list(opts.devices)!r} spreads a module over several GPUs, which "
+                              "tiermem.wrap_module(module, budget, devices=...) does; a Tier's wrap_module (and "
+                              "load_pretrained) adopts it on that Tier's device: leave devices out")
+        share = opts.share_home
+        if share is not None and not isinstance(share, TieredModule):
+            raise ConfigTypeError(f"share_home takes the TieredModule of another replica, got {type(share).__name__}")
         self.options = opts
         self.disk_reader = opts.disk_reader
         self.stream_dtype = opts.stream_dtype
         self.expert_cache = opts.expert_cache
         self._cache: ExpertCache | None = None
+        self.part = part
+        self._share = share
         self.tier = tier
         self.module = module
         self.mode = opts.mode
@@ -79,10 +101,10 @@ class TieredModule:
         # A meta tensor cannot be rebound to memory (torch refuses set_data across the two), so
         # the module gets a memory-less stand-in in its place first (NOTE [weight source]); a
         # failure puts the meta tensors back.
-        swaps = stand_ins(module) if weights is not None else []
+        swaps = stand_ins(module) if weights is not None and part is None else []
+        made = {id(new) for *_, new in swaps} | (set(part.stand_ins) if part is not None else set())
         try:
-            self._setup(module, budget, opts.lookahead, opts.max_group_bytes, weights, {id(new) for *_, new in swaps},
-                        opts.host_budget)
+            self._setup(module, budget, opts.lookahead, opts.max_group_bytes, weights, made, opts.host_budget)
         except BaseException:
             for owner, name, old, _ in reversed(swaps):
                 owner[name] = old
@@ -91,7 +113,10 @@ class TieredModule:
     def _setup(self, module: Any, budget: int | str | None, lookahead: int, max_group_bytes: int | None,
                weights: Mapping[str, Any] | None, empty: set[int], host_budget: int | str | None) -> None:
         tier = self.tier
-        found = module_groups(module, MAX_GROUP if max_group_bytes is None else max_group_bytes)
+        if self.part is None:
+            found = module_groups(module, MAX_GROUP if max_group_bytes is None else max_group_bytes)
+        else:               # NOTE [layers across GPUs] in inference/multidevice.py
+            found = [f for f in module_groups(module, self.part.group_bytes) if f[0] in self.part.groups]
         if not found:
             raise WrapError("this module has no parameters or buffers to tier")
         from ..pytorch.wrap import check_tensor
@@ -107,7 +132,8 @@ class TieredModule:
                                                          what="module budget", max_percent=100)
         self.budget = self._within_device(asked, [t for _, _, own in found for _, t in own])
         if max_group_bytes is None:
-            found = fit_groups(module, found, self.budget, lookahead)
+            fitted = fit_groups(module, found, self.budget, lookahead)
+            found = _within(fitted, found) if self.part is not None and fitted is not found else fitted
             sizes = [(mname, sum(span_of(t) for _, t in own)) for mname, _, own in found]
         cuts = find_cuts(module, found)            # NOTE [split groups] in inference/split.py
         units = {g: c.unit for g, c in cuts.items()}
@@ -288,7 +314,8 @@ class TieredModule:
         disk = st.disk if st is not None else None
         out: dict[str, Any] = {
             "pinned_bytes.current": st.pinned_bytes if st is not None else 0,
-            "pinned_bytes.home": st.home.nbytes if st is not None and st.home is not None else 0,
+            "pinned_bytes.home": st.home.nbytes if st is not None and st.home is not None and not st.shared else 0,
+            "pinned_bytes.home_shared": st.home.nbytes if st is not None and st.home is not None and st.shared else 0,
             "pinned_bytes.staging": disk.pinned_bytes if disk is not None else 0,
             "host_budget": -1 if self.host_budget is None else self.host_budget,
             "disk_bytes.per_forward": sum(n for fs in disk.files.values() for _, _, n, _ in fs) if disk else 0,
@@ -334,9 +361,12 @@ class TieredModule:
         pinned = [g for g in self._groups.values() if g.pinned]
         room, ready = self.plan.host_budget, None
         if streamed:
+            other = self._share._stream if self._share is not None else None
+            if self._share is not None and other is None:
+                raise ConfigError("share_home: that handle streams nothing, so it has no home to share")
             self._stream = PinnedTransport(tier, self.plan, streamed, self.lookahead,
                                            Role.WEIGHT if self._trainable else Role.FROZEN_WEIGHT,
-                                           self._sources, self.disk_reader)
+                                           self._sources, self.disk_reader, share=other)
             left = None if room is None else room - self._stream.host_planned
             if self._stream.reads_files and pinned and (left is None or left >= MIN_FILL_ROOM):
                 # NOTE [home beside the resident groups] in inference/transport.py
@@ -408,8 +438,9 @@ class TieredModule:
                     m = self._roots[id(g)]
                     self._hooks.append(InstancePatch(m, {"forward": cached_forward(m, g, self._serves, self._cache)}))
             self._stream.bind_home()       # the last step; it cannot fail
-        self._hooks.append(CopyGuard(module))   # NOTE [held modules]
-        module._tiermem_handle = weakref.ref(self)
+        if self.part is None:
+            self._hooks.append(CopyGuard(module))   # NOTE [held modules]
+            module._tiermem_handle = weakref.ref(self)
 
     def _rollback(self, originals: list[tuple[Any, Any]]) -> None:
         """Undo a failed adoption: the module's tensors get their original data back, and every
@@ -607,7 +638,8 @@ class TieredModule:
             h.remove()
         self._hooks = []
         self._rebind_plain(plain)
-        self.module._tiermem_handle = None
+        if self.part is None:
+            self.module._tiermem_handle = None
         return self.module
 
     def _rebind_plain(self, plain: list[tuple[Any, Any, Any]]) -> None:
@@ -714,6 +746,22 @@ def _use(m: Any, g: Group) -> str:
 def _wrap_group(tier: Tier, tensors: list[Any], names: list[str], on_host: bool, policy: Any) -> list[TieredTensor]:
     from ..pytorch.wrap import wrap_group
     return wrap_group(tier, tensors, Role.WEIGHT, names=names, on_host=on_host, policy=policy)
+
+
+def _within(finer: list, coarse: list) -> list:
+    """The groups of ``finer`` (module_groups of the whole module at a smaller size) that hold
+    the tensors of ``coarse`` (a part's groups: NOTE [layers across GPUs] in
+    inference/multidevice.py). A smaller size only cuts a group into groups inside it, so none
+    holds tensors of both."""
+    mine = {id(t) for _, _, own in coarse for _, t in own}
+    out = []
+    for name, m, own in finer:
+        inside = [id(t) in mine for _, t in own]
+        if all(inside):
+            out.append((name, m, own))
+        elif any(inside):
+            raise WrapError(f"group {name} holds tensors of two devices' runs; give max_group_bytes")
+    return out
 
 
 def check_module(module: Any) -> None:

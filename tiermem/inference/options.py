@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import numbers
 import textwrap
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ..base.keywords import check_names
@@ -21,7 +21,7 @@ from .groups import MAX_GROUP
 from .plan import LOOKAHEAD
 from .quant import FORMATS, check_format
 
-__all__ = ["ModuleOptions", "MODES"]
+__all__ = ["ModuleOptions", "MODES", "check_devices"]
 
 MODES = ("auto", "stream", "zero_copy")
 
@@ -87,6 +87,34 @@ def _mapping_or_none(name: str, value: Any) -> None:
                               f"tiermem.handles.Checkpoint), or None; got {type(value).__name__}")
 
 
+def check_devices(devices: Any, name: str = "devices") -> tuple[int, ...]:
+    """``devices`` as a tuple of distinct CUDA device indices, at least two; ConfigError (or
+    ConfigTypeError for what is no list of ints) otherwise."""
+    if isinstance(devices, (str, bytes)) or not isinstance(devices, Sequence):
+        raise ConfigTypeError(f"{name} must be a list of CUDA device indices, got {devices!r}")
+    out = []
+    for d in devices:
+        if isinstance(d, bool) or not isinstance(d, numbers.Integral) or d < 0:
+            raise ConfigError(f"{name} must be CUDA device indices >= 0, got {devices!r}")
+        out.append(int(d))
+    if len(out) < 2 or len(set(out)) != len(out):
+        raise ConfigError(f"{name} must name at least two distinct GPUs, got {devices!r}; for one, leave {name} out")
+    return tuple(out)
+
+
+def _devices(name: str, value: Any) -> None:
+    if value is not None:
+        check_devices(value, name)
+
+
+def _handle_or_none(name: str, value: Any) -> None:
+    """None, or a handle wrap_module returned for one device (its plan and its home; the
+    handle's own type is checked where the home is taken, in inference/module.py)."""
+    if value is not None and not (hasattr(value, "plan") and callable(getattr(value, "unwrap", None))):
+        raise ConfigTypeError(f"{name} takes the handle wrap_module returned for another replica of the same "
+                              f"weights on one GPU, got {type(value).__name__}")
+
+
 def _option(default: Any, check: Callable[[str, Any], None], doc: str, **field: Any) -> Any:
     return dataclasses.field(default=default, metadata={"check": check, "doc": doc}, **field)
 
@@ -146,6 +174,17 @@ class ModuleOptions:
         None, _device_bytes_or_none,
         "bytes, or a share of the device like '5%', taken from the budget: the experts a decode routes to are "
         "kept on the device (NOTE [expert cache] in inference/experts.py). None: no cache")
+    share_home: Any = _option(
+        None, _handle_or_none,
+        "the handle of a replica of the same weights on another GPU of this process, whose pinned home "
+        "this one reads instead of pinning its own, when its plan streams the same groups laid out alike "
+        "(refused otherwise; NOTE [one home for replicas] in inference/transport.py). None: a home of its own",
+        repr=False, compare=False)
+    devices: tuple[int, ...] | None = _option(
+        None, _devices,
+        "CUDA devices (at least two) to spread the module's layers over, in contiguous runs of about equal "
+        "bytes, each within the budget on its own GPU and streaming over its own link (tiermem.wrap_module "
+        "then returns a SplitModule; NOTE [layers across GPUs] in inference/multidevice.py). None: one device")
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -156,6 +195,15 @@ class ModuleOptions:
             raise ConfigError(f"mode='zero_copy' reads every streamed weight in place, and stream_dtype="
                               f"{self.stream_dtype!r} keeps them packed, with no copy in the model's dtype to read; "
                               "use mode='auto' or 'stream' (NOTE [quantized streaming])")
+        if self.devices is not None:
+            object.__setattr__(self, "devices", check_devices(self.devices))   # a list given: kept as a tuple
+            if self.share_home is not None:
+                raise ConfigError("share_home is for replicas on one GPU each; a module spread over devices has one "
+                                  "home already (its layers are split, not copied): leave share_home out")
+            if self.kv_budget is not None:
+                raise ConfigError("a KV share of the budget (kv_budget) is for a module on one GPU; spread over "
+                                  "devices, transformers' own cache keeps each layer's keys and values on that "
+                                  "layer's GPU: leave kv_budget out")
 
     @classmethod
     def names(cls) -> tuple[str, ...]:

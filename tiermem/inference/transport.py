@@ -24,7 +24,8 @@ from .split import ALIGN, ROW_ALIGN, rows_per_part
 if TYPE_CHECKING:
     from ..core.engine import Engine as Tier  # what an adapter uses is the engine's interface
 
-__all__ = ["Group", "Piece", "PinnedTransport", "packed_layout", "staging_bytes", "part_staging", "member_rows"]
+__all__ = ["Group", "Piece", "PinnedTransport", "SharedHome", "packed_layout", "staging_bytes", "part_staging",
+           "member_rows"]
 
 log = logging.getLogger("tiermem")
 
@@ -222,6 +223,39 @@ def _versions(g: Group) -> tuple[int, ...]:
 #     correct and never refuses.
 
 
+class SharedHome:
+    """A pinned home that several transports read (NOTE [one home for replicas]): given back
+    when the last of them releases it."""
+
+    def __init__(self, block: Any):
+        self.block, self.ptr, self.nbytes = block, block.ptr, block.nbytes
+        self.users = 1
+
+    def share(self) -> SharedHome:
+        self.users += 1
+        return self
+
+    def release(self) -> None:
+        self.users -= 1
+        if self.users == 0:
+            self.block.release()
+
+
+# NOTE [one home for replicas]
+#     Handles of the same weights on several GPUs of one process (a replica per GPU serving
+#     requests side by side) would each pin a home of their own: n copies of the streamed
+#     weights in host memory. With ``share_home=`` a handle whose plan streams the same groups
+#     laid out alike (the same budget on a device of the same size) reads the other's home
+#     instead: tiermem's pinned memory is portable and mapped for every device (cudaHostAlloc
+#     and cudaHostRegister with the Portable and Mapped flags, cuda/runtime.py), so each GPU
+#     copies from it over its own link, or reads it in place, and the host holds one copy. The
+#     caller says the weights are the same: the home is not filled again (a replica's own
+#     tensors are dropped once adopted). The home goes when the last handle lets go of it. A
+#     write through one replica's streamed weights (an optimizer's, a load) is seen by every
+#     replica. Not with a disk tier (host_budget). Ranks in separate processes do not share
+#     one: a home in shared memory registered in each process is not built.
+
+
 class PinnedTransport:
     """Streamed groups in one pinned host buffer (their home, in execution order) and
     ``lookahead`` device slots the size of the largest: the next groups are copied into free slots
@@ -231,7 +265,7 @@ class PinnedTransport:
     need no move at all (NOTE [trainable weights in the pinned home])."""
 
     def __init__(self, tier: Tier, plan: Plan, groups: list[Group], lookahead: int, role: Role,
-                 sources: dict[int, Any], disk_reader: str):
+                 sources: dict[int, Any], disk_reader: str, share: PinnedTransport | None = None):
         self.tier = tier
         self.role = role
         self.sources = sources         # id(tensor) -> its source (NOTE [weight source] in inference/sources.py)
@@ -267,6 +301,9 @@ class PinnedTransport:
                                                        default=0))
         self.window_bytes = self.slot_bytes * self.nslots + quant.QSTAGES * self.stage_bytes + self.scratch_bytes
         self.home: Any = None
+        self.shared = share is not None       # NOTE [one home for replicas]: the home is another's
+        if share is not None:
+            _check_same_layout(self, share)
         self.window: Any = None
         self.grad_home: Any = None
         self._view_cache: dict[tuple[int, int | None, bool], list[Any]] = {}
@@ -305,14 +342,17 @@ class PinnedTransport:
                 Reader.shared().account(own.bytes_read, own.seconds)
 
         def host_side() -> None:
-            self.home = be.host_alloc(self.size, pooled=False, fill=fill if files else None)
+            if share is not None:
+                self.home = share.home.share()
+                return
+            self.home = SharedHome(be.host_alloc(self.size, pooled=False, fill=fill if files else None))
             if on_disk:
                 self.disk = DiskTier(be, disk_files, stage, plan.stages, reader=disk_reader)
 
         self._host_fn: Callable[[], None] | None = host_side
         self._host_error: BaseException | None = None
         self._host_thread: threading.Thread | None = None
-        self.reads_files = bool(files)
+        self.reads_files = bool(files) and share is None
         self.host_planned = self.size + (plan.stages * stage if on_disk else 0)
 
     def start(self) -> None:
@@ -379,8 +419,8 @@ class PinnedTransport:
                 self.window = be.device_alloc(self._reserved, pooled=False)
             with torch.no_grad():
                 for g in self.groups:
-                    if g.on_disk:
-                        continue                          # its home is its file
+                    if g.on_disk or self.shared:
+                        continue                          # its home is its file, or another's
                     if g.packed:
                         self._pack_home(g)
                         continue
@@ -752,7 +792,8 @@ class PinnedTransport:
     @property
     def pinned_bytes(self) -> int:
         """Pinned host bytes held: the home, the disk tier's staging buffers, the gradients' home."""
-        return sum(b.nbytes for b in (self.home, self.grad_home) if b is not None) + (
+        home = self.home if not self.shared else None       # NOTE [one home for replicas]: the owner's
+        return sum(b.nbytes for b in (home, self.grad_home) if b is not None) + (
             self.disk.pinned_bytes if self.disk is not None else 0)
 
     def _in_grad_home(self, x: Any) -> bool:
@@ -787,3 +828,19 @@ class PinnedTransport:
                 block.release()
                 setattr(self, name, None)
         self.tier.backend.release_cached()   # the pinned pool keeps what it is given back
+
+
+def _check_same_layout(mine: PinnedTransport, other: PinnedTransport) -> None:
+    """Refuse to share ``other``'s home unless every streamed group sits there alike."""
+    from ..errors import ConfigError
+
+    def layout(t: PinnedTransport) -> list[tuple]:
+        return [(g.name, g.offset, g.nbytes, tuple(g.member_offsets),
+                 tuple((tuple(x.shape), x.dtype) for x in g.tensors)) for g in t.groups]
+    if other.home is None or other.disk is not None or any(g.on_disk for g in mine.groups):
+        raise ConfigError("share_home needs a handle with a pinned home of its own and no disk tier (host_budget)")
+    if mine.size != other.size or layout(mine) != layout(other):
+        a, b = [g.name for g in mine.groups], [g.name for g in other.groups]
+        raise ConfigError(f"share_home: this plan streams other groups than the shared handle's ({len(a)} against "
+                          f"{len(b)}, from {a[:1]} and {b[:1]}); give both the same budget on devices of one size")
+

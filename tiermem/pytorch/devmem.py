@@ -10,6 +10,7 @@ NOTE [device memory]
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 from ..errors import ConfigError
@@ -23,6 +24,7 @@ class DeviceMemory:
     def __init__(self, torch: Any, index: int):
         self.torch = torch
         self.device = torch.device("cuda", index)
+        self._streams: dict[int, Any] = {}      # backend handle -> its torch ExternalStream
 
     def synchronize(self) -> None:
         self.torch.cuda.synchronize(self.device)
@@ -65,6 +67,31 @@ class DeviceMemory:
     def set_fraction(self, fraction: float) -> None:
         self.torch.cuda.set_per_process_memory_fraction(fraction, self.device)
 
+    def stream(self, handle: int) -> Any:
+        """A context in which torch's current stream is the backend stream ``handle``: what the
+        caching allocator hands out inside is that stream's (and is reused in its order)."""
+        return self.torch.cuda.stream(self._ext(handle))
+
+    def _ext(self, handle: int) -> Any:
+        s = self._streams.get(handle)
+        if s is None:
+            s = self._streams[handle] = self.torch.cuda.ExternalStream(handle, device=self.device)
+        return s
+
+    def free_after(self, tensor: Any, handles: list[int]) -> None:
+        """``tensor``'s memory, once freed, is not handed out again before the work queued so far
+        on each stream of ``handles`` is done (torch's ``record_stream``: the allocator records an
+        event on each at the free and reuses the block once they have passed, never making a
+        stream wait)."""
+        for h in handles:
+            tensor.record_stream(self._ext(h))
+
+    @staticmethod
+    def handle_of(stream: Any) -> int | None:
+        """The backend handle of a torch stream (None for a stream that has none)."""
+        h = getattr(stream, "cuda_stream", None)
+        return None if h is None else int(h)
+
 
 class HostMemory:
     """The same controls where the Tier's device memory is host memory (NOTE [device memory])."""
@@ -102,6 +129,17 @@ class HostMemory:
         if not 0.0 <= fraction <= 1.0:
             raise ConfigError(f"a memory fraction is in [0, 1], got {fraction}")
         self._fraction = float(fraction)
+
+    def stream(self, handle: int) -> Any:
+        """Host work has no streams: everything runs in order."""
+        return contextlib.nullcontext()
+
+    def free_after(self, tensor: Any, handles: list[int]) -> None:
+        pass
+
+    @staticmethod
+    def handle_of(stream: Any) -> int | None:
+        return None
 
 
 def device_memory(torch: Any, backend: Any, index: int) -> DeviceMemory | HostMemory:

@@ -61,9 +61,23 @@ NOTE [data parallel]
     capacity (the gradients' tell when a block is complete). Every rank runs the same graph, so
     the blocks complete in the same order on every rank. DDP does not compose: its reducer
     averages gradients at the end of backward, after tiermem has stepped the blocks, so wrap the
-    bare replica and pass the group instead. Not handled: parameters that get a gradient on some
-    ranks only (data-dependent routing) would leave the all-reduces out of step, and a rank whose
-    step fails leaves the others waiting in theirs. tests/test_train_dp.py runs two ranks under
+    bare replica and pass the group instead.
+
+    The averages run on tiermem's reduce stream, beside the backward (training/stepping.py): it
+    first waits for the compute stream's work so far (the block's gradients), the all-reduces
+    are issued there with ``async_op`` and the stream (not the host) waits for each, and a
+    streamed block's division, optimizer step and write-back home are queued after them. So the
+    backward of the blocks that follow never waits for NCCL, and the link's copies wait only for
+    what they read: a slot is filled again after its write-back, which is after the step.
+    Before, each all-reduce held the compute stream, and with it the next block's backward and
+    the fills that wait for it. The compute stream joins the reduce stream where it reads the
+    averages: at the step's end, before the resident blocks step, with clipping after each
+    average (the norms are taken on the compute stream), and after a failed step. On the CPU
+    (gloo) the waits are the host's.
+
+    Not handled: parameters that get a gradient on some ranks only (data-dependent routing)
+    would leave the all-reduces out of step, and a rank whose step fails leaves the others
+    waiting in theirs. tests/test_train_dp.py runs two ranks under
     gloo on the CPU, with one budget, with two, and with one rank in capacity;
     tests/test_gpu_train_dp.py two GPUs under NCCL.
 
@@ -589,6 +603,13 @@ class TieredTraining:
                 "accumulate": self.accumulate, "updates": self.updates,
                 "graphs": len(self.replays.graphs), "replayed_backwards": self.replays.replayed,
                 "eager_recomputed_blocks": len(self.replays.eager), "graphs_off": self.replays.off}
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Pinned host bytes of the streamed blocks' homes: parameters, optimizer states, an
+        accumulation window's gradients, speculative second homes."""
+        return sum(h.nbytes for b in self.blocks for h in (b.home_p, b.home_s, b.home_g, b.alt_p, b.alt_s)
+                   if h is not None)
 
     @property
     def slot_bytes(self) -> int:

@@ -1,17 +1,20 @@
-"""wrap_training's options (:class:`TrainingOptions`), documented and checked here once, before
-anything is adopted and before a GPU is looked for; the process group a ``process_group``
-names (:func:`averaging_group`), which needs torch.distributed, is resolved at adoption."""
+"""wrap_training's options (:class:`TrainingOptions`) and wrap_fsdp's (:class:`FSDPOptions`),
+documented and checked here once, before anything is adopted and before a GPU is looked for; the
+process group a ``process_group`` names (:func:`averaging_group`), which needs
+torch.distributed, is resolved at adoption."""
 from __future__ import annotations
 
 import dataclasses
 import difflib
 from typing import Any
 
+from ..base.keywords import check_names
 from ..base.limits import check_bytes
 from ..errors import ConfigError, ConfigTypeError
 from .plan import RECOMPUTE_MODES
 
-__all__ = ["TrainingOptions", "BLOCK_BYTES", "check_options", "check_subjects", "states_dtype", "averaging_group"]
+__all__ = ["TrainingOptions", "FSDPOptions", "BLOCK_BYTES", "check_options", "check_fsdp_options", "check_subjects",
+           "states_dtype", "averaging_group"]
 
 BLOCK_BYTES = 64 << 20    # parameter bytes per block: a slot holds ~4x that (params, grads, Adam's two moments)
 
@@ -119,6 +122,37 @@ class TrainingOptions:
         return dataclasses.replace(options, **kwargs) if kwargs else options
 
 
+@dataclasses.dataclass(frozen=True)
+class FSDPOptions:
+    """How :func:`tiermem.wrap_fsdp` holds a ``fully_shard`` model's shards and optimizer states
+    in pinned host memory (NOTE [FSDP2 composition] in training/fsdp.py). Pass one as
+    ``options=``, or its fields as keywords; an unknown keyword is a
+    :class:`~tiermem.ConfigTypeError` that lists these. Checked when made, before a GPU is looked
+    for. Data parallelism without sharding is wrap_training's ``process_group``
+    (:class:`TrainingOptions`).
+
+    lookahead: FSDP groups whose shards are brought in ahead of FSDP's all-gather, in the order
+        the first step recorded (and in backward their optimizer states ahead of their step).
+        0: each group's shards come in at its own all-gather.
+    """
+
+    lookahead: int = 2
+
+    def __post_init__(self) -> None:
+        _int("lookahead", self.lookahead, least=0, unit="FSDP groups ahead")
+
+    @classmethod
+    def of(cls, options: FSDPOptions | None = None, **kwargs: Any) -> FSDPOptions:
+        """``options`` (None: the defaults) with ``kwargs`` replacing its fields; an unknown
+        keyword raises :class:`~tiermem.ConfigTypeError` naming the valid ones."""
+        if options is not None and not isinstance(options, cls):
+            raise ConfigTypeError(f"options must be a tiermem.handles.FSDPOptions, got {type(options).__name__}")
+        check_names("wrap_fsdp", [f.name for f in dataclasses.fields(cls)], kwargs)
+        if options is None:
+            return cls(**kwargs)
+        return dataclasses.replace(options, **kwargs) if kwargs else options
+
+
 def _int(name: str, v: Any, *, least: int, unit: str) -> None:
     if isinstance(v, bool) or not isinstance(v, int):
         raise ConfigTypeError(f"{name} must be an int ({unit}), got {v!r}")
@@ -132,6 +166,14 @@ def check_options(budget: int | str, options: TrainingOptions | None = None, **k
     bad type or an unknown option. Returns the options."""
     check_bytes(budget, what="training budget", max_percent=100, positive=True)
     return TrainingOptions.of(options, **kwargs)
+
+
+def check_fsdp_options(budget: int | str | None, options: FSDPOptions | None = None, **kwargs: Any) -> FSDPOptions:
+    """wrap_fsdp's budget (None: no cap; bytes, "40GiB" or a share of the device) and options,
+    checked without a GPU, as :func:`check_options` does wrap_training's. Returns the options."""
+    if budget is not None:
+        check_bytes(budget, what="FSDP budget", max_percent=100, positive=True)
+    return FSDPOptions.of(options, **kwargs)
 
 
 def check_subjects(model: Any, optimizer: Any) -> None:

@@ -28,6 +28,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from ..core.stream import Lane, now
 from .plan import evaluate
 from .slots import Block, BlockSlots
 from .stepstate import StepState
@@ -54,6 +55,7 @@ class StepRunner:
                                                                                  budget)
         self.swap: Any = None
         self.hooks: Any = None
+        self.reduce = Lane(tier.backend, lambda: tier.side_stream("reduce"))    # NOTE [data parallel]
         self.step_block: Callable[[Block], None] = self.step_streamed
         self.replan: Callable[[int], None] = lambda peak: None
         self.set_cap: Callable[[], None] = lambda: None
@@ -195,6 +197,7 @@ class StepRunner:
                 b.slot.busy = False
             if ok and st.updating and b.resident and self.group is not None:
                 self.average_resident(b)          # NOTE [data parallel]: in block order, with the streamed
+        self.join_reduce()          # NOTE [data parallel]: the averages before the resident steps
         res = [p for b in self.blocks if b.resident for p in b.trainable if p.grad is not None]
         if ok and st.updating and self.clipping is not None:
             ordered = [self.blocks[i] for i in st.order]
@@ -224,6 +227,10 @@ class StepRunner:
         took their optimizer step already, as in any step (NOTE [training transport])."""
         st = self.state
         st.failed = True
+        try:
+            self.join_reduce()      # the reduce stream may still use the gradients dropped below
+        except Exception as e:      # a broken device: the step's own error is the one to see
+            log.warning("tiermem: could not order the reduce stream after a failed step: %s", e)
         self.replays.drop_pending()
         self.stream.in_backward = False
         st.seg = []
@@ -270,10 +277,10 @@ class StepRunner:
         st = self.state
         if st.updating:
             got = [p for p in b.trainable if st.came(p)]
-            self.average(got)
             if self.clipping is None:
-                self.step_block(b)
+                self.average(got, step=lambda: self.step_block(b))
                 return
+            self.average(got, join=True)        # the norms are taken on the compute stream
             for p in b.trainable:
                 if not st.came(p):
                     p.grad = None
@@ -302,16 +309,36 @@ class StepRunner:
         for p in b.trainable:
             p.grad = None
 
-    def average(self, params: list[Any]) -> None:
-        """Average ``params``' gradients over the process group (NOTE [data parallel])."""
+    def average(self, params: list[Any], step: Callable[[], None] | None = None, join: bool = False) -> None:
+        """Average ``params``' gradients over the process group on tiermem's reduce stream, then
+        run ``step`` (a streamed block's optimizer step and write-back) there; with ``join`` the
+        compute stream waits for the averages (NOTE [data parallel]). Without a group, ``step``
+        runs on the compute stream."""
         if self.group is None:
+            if step is not None:
+                step()
             return
         import torch.distributed as dist
         size = dist.get_world_size(self.group)
-        for p in params:
-            if p.grad is not None:
-                dist.all_reduce(p.grad, group=self.group)
-                p.grad.div_(size)
+        grads = [p.grad for p in params if p.grad is not None]
+        lane = self.reduce
+        lane.after([now()])                 # the reduce stream after the gradients' backward
+        with self.mem.stream(lane.stream):
+            works = [dist.all_reduce(g, group=self.group, async_op=True) for g in grads]
+            for w in works:
+                w.wait()                    # the reduce stream (not the host) waits for NCCL
+            for g in grads:
+                g.div_(size)
+            if step is not None:
+                step()
+        if join:
+            self.join_reduce()
+
+    def join_reduce(self) -> None:
+        """The compute stream waits for the work queued on the reduce stream so far."""
+        if self.group is not None:
+            be = self.tier.backend
+            be.wait(be.current_stream(), self.reduce.mark())
 
     def resident_grad_done(self, b: Block, p: Any) -> None:
         """NOTE [data parallel]: a resident block's gradients are averaged as soon as they are

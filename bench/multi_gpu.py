@@ -1,0 +1,338 @@
+"""Two GPUs of one host: data parallel, FSDP2 with tiermem holding the shards, and inference across
+GPUs. One command, about 5 minutes on two H200s:
+
+    python bench/multi_gpu.py            (TIERMEM_COMMIT=<sha> names the commit of a copied tree)
+
+Writes bench/results/multi_gpu-<device>-<date>.json:
+  metrics
+    gpus                          GPUs used (2)
+    dp_scaling_2gpu               tokens/s of wrap_training(process_group=True) on two GPUs over one
+                                  GPU (a ~0.85B Llama-style transformers model, bf16 autocast over
+                                  fp32 masters, fused AdamW, 4x1024 tokens per rank, --dp-budget per rank)
+    fsdp2_offload_over_tiermem    FSDP2 CPUOffloadPolicy step time over FSDP2 under tiermem.wrap_fsdp
+                                  (same model, MixedPrecisionPolicy bf16/fp32, 4x1024 tokens per rank)
+    host_mem_over_state           pinned bytes of both ranks' homes over one copy of the training
+                                  state (fp32 parameters and AdamW's two moments)
+    infer_scaling_2gpu            the lower of prefill and decode tokens/s of the layers over two GPUs
+                                  (wrap_module(devices=[0, 1])) over one GPU, each at --infer-share of
+                                  the bf16 weights per GPU
+    host_mem_ratio_shared_home    pinned bytes of two replicas on two GPUs sharing one home over
+                                  one copy of the streamed weights
+  checks
+    losses_match                  wrap_fsdp's losses equal plain FSDP2's (bitwise where plain FSDP2
+                                  repeats itself bitwise, else within 1e-3 relative: raw says which)
+    tokens_equal                  greedy tokens across two GPUs equal the resident model's on one
+    resident_within_budget_all_ranks   every rank's (and device's) tiermem peak within its budget
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import os
+import statistics
+import tempfile
+import time
+
+from _common import progress, write_results
+
+GiB = 1 << 30
+TOKENS = (4, 1024)
+
+
+def llama_config():
+    import transformers
+    return transformers.LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,
+                                    num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=4096,
+                                    tie_word_embeddings=False, use_cache=False)
+
+
+def build(torch, device: str = "cuda", dtype=None):
+    import transformers
+    torch.manual_seed(0)
+    with torch.device(device):
+        m = transformers.LlamaForCausalLM(llama_config())
+    return m if dtype is None else m.to(dtype)
+
+
+def batch(torch, step: int, rank: int):
+    g = torch.Generator(device="cuda").manual_seed(1000 * (rank + 1) + step)
+    return torch.randint(0, 32000, TOKENS, device="cuda", generator=g)
+
+
+def state_bytes(model) -> int:
+    return sum(p.numel() * 12 for p in model.parameters())      # fp32 + AdamW's two moments
+
+
+def _free(torch):
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+
+
+def _timed(torch, fn) -> float:
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t
+
+
+# -- data parallel -------------------------------------------------------------------------------------
+def dp(torch, tiermem, tier, rank: int, world: int, budget: str, warm: int, timed: int) -> dict:
+    model = build(torch)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    train = tier.wrap_training(model, opt, budget, process_group=True if world > 1 else None)
+    times, peaks = [], []
+    for step in range(warm + timed):
+        ids = batch(torch, step, rank)
+
+        def one():
+            with train.step(), torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = model(input_ids=ids, labels=ids).loss
+                loss.backward()
+        t = _timed(torch, one)
+        peaks.append(train.resident_peak())
+        if step >= warm:
+            times.append(t)
+        if rank == 0:
+            progress(f"  dp world={world} step {step}: {t * 1e3:.0f} ms")
+    out = {"step_s": statistics.median(times), "peak": max(peaks), "budget": train.budget,
+           "plan": str(train.plan), "pinned": train.pinned_bytes}
+    train.unwrap()
+    del train, model, opt
+    _free(torch)
+    return out
+
+
+# -- FSDP2 ---------------------------------------------------------------------------------------------
+def fsdp_run(torch, tiermem, tier, rank: int, world: int, how: str, steps: int, warm: int) -> dict:
+    """``how``: "plain" (FSDP2 on the device, AdamW after backward), "offload" (CPUOffloadPolicy,
+    AdamW on the CPU), "tiermem" (wrap_fsdp)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+    model = build(torch)
+    kw = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}
+    if how == "offload":
+        kw["offload_policy"] = CPUOffloadPolicy(pin_memory=True)
+    for layer in model.model.layers:
+        fully_shard(layer, **kw)
+    fully_shard(model, **kw)
+    sb = state_bytes(model) // world
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=how != "offload")
+    handle = tier.wrap_fsdp(model, opt) if how == "tiermem" else None
+    _free(torch)
+    torch.cuda.reset_peak_memory_stats()
+    losses, times = [], []
+    for step in range(steps):
+        ids = batch(torch, step, rank)
+        box = []
+
+        def one():
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            if handle is None:
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            box.append(loss)
+        t = _timed(torch, one)
+        losses.append(float(box[0].detach()))
+        if step >= warm:
+            times.append(t)
+        if rank == 0:
+            progress(f"  fsdp {how} step {step}: {t * 1e3:.0f} ms, loss {losses[-1]:.6f}")
+    out = {"step_s": statistics.median(times) if times else None, "losses": losses,
+           "peak_reserved": torch.cuda.max_memory_reserved(), "state_share": sb,
+           "pinned": handle.pinned_bytes if handle is not None else 0}
+    if handle is not None:
+        handle.unwrap()
+    del handle, model, opt
+    _free(torch)
+    return out
+
+
+def rank_main(rank: int, world: int, init: str, outdir: str, a: argparse.Namespace) -> None:
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    import torch
+    import torch.distributed as dist
+
+    import tiermem
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))     # CPUOffloadPolicy's AdamW runs here
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=init, rank=rank, world_size=world)
+    tier = tiermem.Tier(rank)
+    res: dict = {}
+    try:
+        if rank == 0:
+            progress("data parallel, one GPU (the other waits)")
+            res["dp1"] = dp(torch, tiermem, tier, 0, 1, a.dp_budget, a.dp_warm, a.dp_steps)
+        dist.barrier()
+        if rank == 0:
+            progress("data parallel, two GPUs")
+        res["dp2"] = dp(torch, tiermem, tier, rank, world, a.dp_budget, a.dp_warm, a.dp_steps)
+        dist.barrier()
+        for how, steps, warm in (("plain", a.fsdp_steps, 1), ("plain_again", a.fsdp_steps, 1),
+                                 ("tiermem", a.fsdp_steps, 1), ("offload", a.offload_steps, 1)):
+            if rank == 0:
+                progress(f"FSDP2 {how}")
+            res[how] = fsdp_run(torch, tiermem, tier, rank, world, how.split("_")[0], steps, warm)
+            dist.barrier()
+    finally:
+        torch.save(res, os.path.join(outdir, f"rank{rank}.pt"))
+        tier.close()
+        dist.destroy_process_group()
+
+
+# -- inference -------------------------------------------------------------------------------------
+def weight_bytes(m) -> int:
+    return sum(t.numel() * t.element_size() for t in list(m.parameters()) + list(m.buffers()))
+
+
+def infer_times(torch, model, prompt, decode_ids, new: int) -> dict:
+    with torch.no_grad():
+        model(prompt)                                # learns the order
+        prefill = [_timed(torch, lambda: model(prompt)) for _ in range(3)]
+        kw = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0, use_cache=True)
+        model.generate(decode_ids, **kw)
+        gen = [_timed(torch, lambda: model.generate(decode_ids, **kw)) for _ in range(2)]
+        tokens = model.generate(decode_ids, **kw)
+    return {"prefill_tok_s": prompt.numel() / statistics.median(prefill),
+            "decode_tok_s": new / statistics.median(gen), "tokens": tokens.cpu()}
+
+
+def inference(torch, tiermem, a) -> dict:
+    ref = build(torch, "cuda:0", torch.bfloat16).eval()
+    w = weight_bytes(ref)
+    budget = int(w * a.infer_share)
+    g = torch.Generator(device="cuda").manual_seed(7)
+    prompt = torch.randint(0, 32000, (1, a.prefill), device="cuda:0", generator=g)
+    decode_ids = prompt[:, :64]
+    kw = dict(max_new_tokens=a.decode, min_new_tokens=a.decode, do_sample=False, pad_token_id=0, use_cache=True)
+    with torch.no_grad():
+        want = ref.generate(decode_ids, **kw).cpu()
+    cpu = ref.to("cpu")                               # the weights' source for every handle below
+    del ref
+    _free(torch)
+    tiers = [tiermem.Tier(0), tiermem.Tier(1)]
+    out: dict = {"weight_bytes": w, "budget_per_gpu": budget}
+
+    progress(f"inference, one GPU, {budget / 1e9:.2f} of {w / 1e9:.2f} GB resident")
+    one = copy.deepcopy(cpu)
+    h = tiers[0].wrap_module(one, budget)
+    out["one"] = infer_times(torch, one, prompt, decode_ids, a.decode)
+    out["one"]["peak_ok"] = tiers[0].stats()["resident_bytes.all.peak"] <= h.budget
+    h.unwrap("cpu")
+    del h, one
+    _free(torch)
+
+    progress("inference, layers over two GPUs")
+    two = copy.deepcopy(cpu)
+    h = tiermem.wrap_module(two, budget, devices=[0, 1], tiers=tiers)
+    out["two"] = infer_times(torch, two, prompt, decode_ids, a.decode)
+    out["two"]["peak_ok"] = all(t.stats()["resident_bytes.all.peak"] <= p.budget for t, p in zip(tiers, h.parts))
+    out["two"]["pinned"] = h.stats()["pinned_bytes.home"]
+    out["two"]["plans"] = [p.plan.table(limit=0) for p in h.parts]
+    h.unwrap("cpu")
+    del h, two
+    _free(torch)
+
+    progress("inference, two replicas sharing one home")
+    ra, rb = copy.deepcopy(cpu), copy.deepcopy(cpu)
+    ha = tiers[0].wrap_module(ra, budget)
+    hb = tiers[1].wrap_module(rb, budget, share_home=ha)
+    with torch.no_grad():
+        ta = ra.generate(decode_ids, **kw).cpu()
+        tb = rb.generate(decode_ids.to("cuda:1"), **kw).cpu()
+    sa, sb = ha.stats(), hb.stats()
+    out["replicas"] = {"pinned": sa["pinned_bytes.current"] + sb["pinned_bytes.current"],
+                       "one_home": sa["pinned_bytes.home"], "tokens_equal": bool(torch.equal(ta, want)
+                                                                                 and torch.equal(tb, want))}
+    hb.unwrap("cpu")
+    ha.unwrap("cpu")
+    out["want"] = want
+    for t in tiers:
+        t.close()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dp-budget", default="6GiB", help="wrap_training's budget per rank")
+    ap.add_argument("--dp-warm", type=int, default=10, help="steps before timing (the plan's trace, probe, check)")
+    ap.add_argument("--dp-steps", type=int, default=4)
+    ap.add_argument("--fsdp-steps", type=int, default=4)
+    ap.add_argument("--offload-steps", type=int, default=3)
+    ap.add_argument("--infer-share", type=float, default=1 / 3, help="weights resident per GPU, a share")
+    ap.add_argument("--prefill", type=int, default=2048)
+    ap.add_argument("--decode", type=int, default=32)
+    a = ap.parse_args()
+    import torch
+    import torch.multiprocessing as mp
+    world = 2
+    if torch.cuda.device_count() < world:
+        raise SystemExit(f"needs {world} GPUs, found {torch.cuda.device_count()}")
+    with tempfile.TemporaryDirectory() as d:
+        progress("training on two ranks (spawned)")
+        mp.spawn(rank_main, args=(world, f"file://{d}/rendezvous", d, a), nprocs=world, join=True)
+        ranks = [torch.load(os.path.join(d, f"rank{r}.pt")) for r in range(world)]
+    import tiermem
+    inf = inference(torch, tiermem, a)
+
+    r0 = ranks[0]
+    dp_scaling = (world * TOKENS[0] * TOKENS[1] / max(r["dp2"]["step_s"] for r in ranks)) / (
+        TOKENS[0] * TOKENS[1] / r0["dp1"]["step_s"])
+    plain_repeats = all(r["plain"]["losses"] == r["plain_again"]["losses"] for r in ranks)
+    if plain_repeats:
+        losses_match = all(r["tiermem"]["losses"] == r["plain"]["losses"] for r in ranks)
+    else:
+        losses_match = all(abs(x - y) <= 1e-3 * abs(y) for r in ranks
+                           for x, y in zip(r["tiermem"]["losses"], r["plain"]["losses"]))
+    offload_over = max(r["offload"]["step_s"] for r in ranks) / max(r["tiermem"]["step_s"] for r in ranks)
+    host_over_state = sum(r["tiermem"]["pinned"] for r in ranks) / sum(r["tiermem"]["state_share"] for r in ranks)
+    prefill_x = inf["two"]["prefill_tok_s"] / inf["one"]["prefill_tok_s"]
+    decode_x = inf["two"]["decode_tok_s"] / inf["one"]["decode_tok_s"]
+    streamed_one = inf["replicas"]["one_home"]
+    metrics = {
+        "gpus": world,
+        "dp_scaling_2gpu": round(dp_scaling, 3),
+        "fsdp2_offload_over_tiermem": round(offload_over, 3),
+        "host_mem_over_state": round(host_over_state, 3),
+        "infer_scaling_2gpu": round(min(prefill_x, decode_x), 3),
+        "host_mem_ratio_shared_home": round(inf["replicas"]["pinned"] / streamed_one, 3) if streamed_one else None,
+    }
+    tokens_equal = bool(torch.equal(inf["two"]["tokens"], inf["want"]) and torch.equal(inf["one"]["tokens"], inf["want"])
+                        and inf["replicas"]["tokens_equal"])
+    within = all(r["dp2"]["peak"] <= r["dp2"]["budget"] for r in ranks) and r0["dp1"]["peak"] <= r0["dp1"]["budget"] \
+        and inf["one"]["peak_ok"] and inf["two"]["peak_ok"]
+    checks = {"losses_match": bool(losses_match), "tokens_equal": tokens_equal,
+              "resident_within_budget_all_ranks": bool(within)}
+    raw = {
+        "model": "LlamaForCausalLM hidden 2048, 16 layers, ffn 5632, 16 heads / 4 kv, vocab 32000 (~0.85B)",
+        "tokens_per_rank": list(TOKENS), "args": vars(a),
+        "dp": {"one_gpu_step_s": r0["dp1"]["step_s"], "two_gpu_step_s": [r["dp2"]["step_s"] for r in ranks],
+               "peaks": [r["dp2"]["peak"] for r in ranks], "budget": r0["dp2"]["budget"],
+               "plans": [r["dp2"]["plan"] for r in ranks], "one_gpu_plan": r0["dp1"]["plan"]},
+        "fsdp": {how: {"step_s": [r[how]["step_s"] for r in ranks], "losses": [r[how]["losses"] for r in ranks],
+                       "peak_reserved": [r[how]["peak_reserved"] for r in ranks],
+                       "pinned": [r[how]["pinned"] for r in ranks]}
+                 for how in ("plain", "plain_again", "tiermem", "offload")},
+        "fsdp_plain_repeats_bitwise": plain_repeats,
+        "fsdp_tiermem_peak_over_offload_peak": max(r["tiermem"]["peak_reserved"] for r in ranks)
+        / max(r["offload"]["peak_reserved"] for r in ranks),
+        "infer": {"weight_bytes": inf["weight_bytes"], "budget_per_gpu": inf["budget_per_gpu"],
+                  "one": {k: v for k, v in inf["one"].items() if k != "tokens"},
+                  "two": {k: v for k, v in inf["two"].items() if k != "tokens"},
+                  "prefill_scaling": prefill_x, "decode_scaling": decode_x,
+                  # link-bound, one forward runs the GPUs in turn: (W - B) / (W - 2B)
+                  "ideal_link_bound_scaling": (1 - a.infer_share) / max(1 - 2 * a.infer_share, 1e-9),
+                  "split_pinned_over_weights": inf["two"]["pinned"] / inf["weight_bytes"],
+                  "replicas": inf["replicas"]},
+    }
+    progress(f"metrics {metrics}")
+    progress(f"checks {checks}")
+    write_results("multi_gpu", metrics, checks, raw)
+
+
+if __name__ == "__main__":
+    main()

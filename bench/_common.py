@@ -82,6 +82,16 @@ def device_name() -> str:
     return torch.cuda.get_device_name(0)
 
 
+def nvml_handle() -> Any:
+    """NVML's handle of the GPU this process's torch uses: NVML numbers the machine's GPUs and
+    ignores CUDA_VISIBLE_DEVICES, so a bench on one GPU of several finds its own by UUID."""
+    import pynvml
+    import torch
+    pynvml.nvmlInit()
+    uuid = str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
+    return pynvml.nvmlDeviceGetHandleByUUID(("GPU-" + uuid).encode())
+
+
 def device_slug(name: str) -> str:
     m = re.search(r"(H100|H200|A100|L40S|B200|GH200|[A-Z]\d{2,4})", name)
     return (m.group(1) if m else re.sub(r"\W+", "-", name)).lower()

@@ -31,7 +31,7 @@ import contextlib
 import gc
 import time
 
-from _common import cuda_times, device_view, gbps, median, plot_path, progress, table, write_results
+from _common import cuda_times, device_view, gbps, median, nvml_handle, plot_path, progress, table, write_results
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -79,8 +79,7 @@ def pcie_bytes():
     """(tx, rx) byte counters of the PCIe link from NVML, or None where the driver has none."""
     try:
         import pynvml
-        pynvml.nvmlInit()
-        h = pynvml.nvmlDeviceGetHandleByIndex(0)
+        h = nvml_handle()
         ids = [pynvml.NVML_FI_DEV_PCIE_COUNT_TX_BYTES, pynvml.NVML_FI_DEV_PCIE_COUNT_RX_BYTES]
         vals = pynvml.nvmlDeviceGetFieldValues(h, ids)
         if any(v.nvmlReturn != 0 for v in vals):

@@ -41,7 +41,7 @@ import threading
 import time
 
 import bounds
-from _common import cuda_times, embedding_bytes, gbps, median, plot_path, progress, table, write_results
+from _common import cuda_times, embedding_bytes, nvml_handle, gbps, median, plot_path, progress, table, write_results
 
 GiB, MiB = 1 << 30, 1 << 20
 
@@ -94,7 +94,7 @@ class FreeWatch:
         try:
             import pynvml
             pynvml.nvmlInit()
-            self.nvml, self.h = pynvml, pynvml.nvmlDeviceGetHandleByIndex(0)
+            self.nvml, self.h = pynvml, nvml_handle()
         except Exception:   # no NVML: the CUDA runtime's figure
             self.nvml = None
         self.low = None

@@ -60,7 +60,7 @@ def test_a_llama_streams_int8_fp8_and_int4_on_a_really_small_gpu():
     model.cpu()
     gc.collect()
     torch.cuda.empty_cache()
-    blob = _take_device(weights // 2 + 256 * MiB)    # half the model, and room for the activations
+    blob = _take_device(share(model, 25) + 128 * MiB)   # the budget, and room for the activations
     try:
         free = torch.cuda.mem_get_info()[0]
         assert free < weights

@@ -179,7 +179,7 @@ def test_ctrl_c_in_the_middle_of_a_decode_leaves_a_cache_that_goes_on_to_the_sam
     t = tiermem.Tier(0)
     gc.collect()
     torch.cuda.synchronize()
-    free0 = torch.cuda.mem_get_info()[0]
+    free0, torch0 = torch.cuda.mem_get_info()[0], torch.cuda.memory_reserved()
     for n in (3, 17, 40, 150, 700):          # calls of a fill, an append, a wait..., the last in the third step
         cache = t.kv_cache(model, 1024 + 12, 3 * layer)
         with torch.no_grad():
@@ -207,8 +207,7 @@ def test_ctrl_c_in_the_middle_of_a_decode_leaves_a_cache_that_goes_on_to_the_sam
     assert not t.leases and t.stats()["resident_bytes.all.current"] == 0
     t.close()                                                # once closed, the device has its memory back
     torch.cuda.synchronize()
-    import cupy
-    pool = cupy.get_default_memory_pool()
-    assert abs(free0 - torch.cuda.mem_get_info()[0]) <= 8 * MiB, (
-        f"torch reserves {torch.cuda.memory_reserved() / MiB:.0f} MiB, CuPy's pool holds {pool.total_bytes() / MiB:.0f} "
-        f"MiB ({pool.used_bytes() / MiB:.0f} used)")
+    # What the device lacks now is torch's own (the interrupted forwards' tracebacks keep tensors
+    # of transformers' alive: 1 GB on an H200), not tiermem's
+    torch_grew = torch.cuda.memory_reserved() - torch0
+    assert abs(free0 - torch.cuda.mem_get_info()[0] - torch_grew) <= 8 * MiB, torch_grew

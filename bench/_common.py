@@ -47,8 +47,8 @@ def provenance() -> dict[str, Any]:
     """Which code a result measured: ``{"commit": hash}`` where that is one commit, else
     ``{"commit": None, "commit_note": why}``; never a made-up name ("wip9", "abc1234-dirty").
 
-    $TIERMEM_COMMIT names the commit of a copied tree (it must be a hash, and one of this
-    repository's where git can tell); without it, git's HEAD, provided nothing under tiermem/
+    $TIERMEM_COMMIT names the commit of a copied tree (it must be a hash; where the copy's .git
+    cannot look it up, the result says so); without it, git's HEAD, provided nothing under tiermem/
     or bench/ (results aside) differs from it."""
     env = os.environ.get("TIERMEM_COMMIT")
     inside = _git("rev-parse", "--is-inside-work-tree") == "true"
@@ -57,7 +57,8 @@ def provenance() -> dict[str, Any]:
         if not _HASH.fullmatch(c):
             return {"commit": None, "commit_note": f"TIERMEM_COMMIT={env!r} is not a commit hash"}
         if inside and _git("cat-file", "-e", f"{c}^{{commit}}") is None:
-            return {"commit": None, "commit_note": f"TIERMEM_COMMIT={c} is not a commit of this repository"}
+            # a copied tree's .git may be older than the commit it holds (the device machine's is)
+            return {"commit": c, "commit_note": "set from TIERMEM_COMMIT; this copy's .git could not look it up"}
         return {"commit": c}
     if not inside:
         return {"commit": None, "commit_note": "no git repository and no TIERMEM_COMMIT: the code measured is unknown"}

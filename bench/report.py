@@ -73,6 +73,16 @@ ROWS: tuple[Row, ...] = (
     Row("the same, against the resident step as one CUDA graph", "train_budget",
         "**{gpt_graphed_over_resident_graphed:.2f}x; {hf_graphed_over_resident_graphed:.2f}x** the graphed resident step",
         optional=True),
+    Row("the same streamed as int8; as int4 (packed at home, dequantized on the device)", "offload_infer",
+        "prefill <= **{prefill_vs_bound_worst_int8:.2f}x; {prefill_vs_bound_worst_int4:.2f}x** the fp16 bound; logits "
+        "cosine >= {logits_cosine_min_int8:.3f}; {logits_cosine_min_int4:.3f} (random weights)", optional=True),
+    Row("a mixture of experts' decode with an expert cache of half the budget, skewed routing", "offload_infer",
+        "**{moe_decode_vs_dense_bound_skewed:.2f}x** the dense fp16 bound; hit rate {moe_cache_hit_rate_skewed:.0%}",
+        optional=True),
+    Row("fine-tuning a 1.1B Llama: bf16 autocast, fused AdamW, 4x2048 tokens, 1/2.5 of the state", "train_budget",
+        "eager **{finetune_eager_over_resident_2.5:.2f}x**, graphed {finetune_graphed_over_resident_2.5:.2f}x resident; "
+        "FSDP2 CPU offload {finetune_fsdp2_over_tiermem_2.5:.2f}x tiermem's time; every run ran: "
+        "{ok=finetune_all_steps_ran}", optional=True),
     Row("loading from a cold page cache, tiermem and accelerate", "offload_disk",
         "{load_cold_s:.2f} s; accelerate {accelerate_load_cold_s:.2f} s", device="H100", optional=True),
     Row("decode at 128k tokens of context (Llama-3-8B shape), a 2 GB KV cache budget", "long_context",

@@ -135,15 +135,16 @@ def test_a_made_up_commit_is_refused(monkeypatch, made_up):
     assert p["commit"] is None and "not a commit hash" in p["commit_note"]
 
 
-def test_a_hash_is_taken_and_checked_against_the_repository(monkeypatch):
+def test_a_hash_is_taken_and_looked_up_in_the_repository(monkeypatch):
     if not _in_git():
         pytest.skip("not a git checkout: the hash cannot be checked")
     head = _common._git("rev-parse", "--short", "HEAD")
     monkeypatch.setenv("TIERMEM_COMMIT", head)
     assert _common.provenance() == {"commit": head}
-    monkeypatch.setenv("TIERMEM_COMMIT", "0123456789abcdef0123")       # a hash, but none of ours
+    # a hash this copy's .git does not hold (the device's copy is older than what it runs): taken, and said
+    monkeypatch.setenv("TIERMEM_COMMIT", "0123456789abcdef0123")
     p = _common.provenance()
-    assert p["commit"] is None and "not a commit of this repository" in p["commit_note"]
+    assert p["commit"] == "0123456789abcdef0123" and "could not look it up" in p["commit_note"]
 
 
 def test_without_the_variable_git_head_unless_the_tree_differs(monkeypatch, tmp_path):

@@ -347,8 +347,17 @@ class CudaBackend:
 
     # Until a first capture (NOTE [events across a capture]) every event is itself: the calls
     # below take the direct path, as the eager steps' thousands of waits a step did before.
+    def _device_of(self, stream: int) -> Any:
+        """Where a call on ``stream`` must run. NOTE [the null stream is the current device's]:
+        handle 0, torch's default stream on every GPU, names the *current* device's legacy
+        stream, so a Tier on another GPU than the caller's records and waits on it with its own
+        device current (an event of GPU 1 recorded on GPU 0's null stream is
+        cudaErrorInvalidResourceHandle). Any other handle names its own device."""
+        return _cuda.on_device(self.device) if stream == 0 and self.device != 0 else contextlib.nullcontext()
+
     def record(self, event: Any, stream: int) -> None:
-        _cuda.event_record(event, stream)
+        with self._device_of(stream):
+            _cuda.event_record(event, stream)
         if self.epochs.count:
             self.epochs.stamp(event)
             if self.epochs.now:
@@ -356,15 +365,19 @@ class CudaBackend:
 
     def wait(self, stream: int, event: Any) -> None:
         if not self.epochs.count:
-            _cuda.stream_wait_event(stream, event)
+            with self._device_of(stream):
+                _cuda.stream_wait_event(stream, event)
             return
         how, ev = self.epochs.resolve(event)
         if how == "present":
             ev = _cuda.event_create(False, self.device)
-            _cuda.event_record(ev, self.current_stream())
+            cur = self.current_stream()
+            with self._device_of(cur):
+                _cuda.event_record(ev, cur)
             self.epochs.stamp(ev)
         if ev is not None:
-            _cuda.stream_wait_event(stream, ev)
+            with self._device_of(stream):
+                _cuda.stream_wait_event(stream, ev)
             if self.epochs.now:
                 self.epochs.streams.add(stream)
 

@@ -553,7 +553,9 @@ def test_a_file_cut_short_since_its_header_was_read_fails_the_adoption_with_noth
     os.truncate(path, os.path.getsize(path) // 2)
     stats = tier.stats()
     with pytest.raises(CheckpointError, match="truncated") as e:
-        tier.wrap_module(m, budget=share(m, pct), max_group_bytes=1 * MiB, weights=ck)
+        # a budget of 0 is for reading every weight in place, said as such
+        tier.wrap_module(m, budget=share(m, pct), max_group_bytes=1 * MiB, weights=ck,
+                         **({"mode": "zero_copy"} if pct == 0 else {}))
     where = {f.name for f in traceback.extract_tb(e.value.__traceback__)}
     assert ("_flush" in where) == (pct == 100) and ("fill" in where) == (pct != 100), where
     assert all(p.is_meta for p in m.parameters()) and _live(fake) == 0 and tier.budget is None

@@ -385,6 +385,7 @@ class PlanChoice:
             _, alt = graph_alternative(t, p, replay_ms, self.plan_for, MIN_GAIN)
             if alt is None:
                 return None
+            alt = self._floored(alt)          # the plan handed out is the one take() keeps
             if eager_refutes(p, alt):
                 p.measured["graph_refuted_ms"] = round(alt.predicted_seconds() * 1e3, 3)
                 log.info("tiermem: the model fitted to the graph's replays (%.1f ms) predicts %.1f ms for a plan "

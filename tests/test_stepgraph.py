@@ -249,7 +249,7 @@ class _Calls:
                      "event_elapsed_ms"):
             monkeypatch.setattr(_cuda, name, lambda *a, name=name: self.log.append((name, *a)) or (
                 True if name == "event_query" else 1.0 if name == "event_elapsed_ms" else None))
-        monkeypatch.setattr(_cuda, "event_create", lambda timing=False: _Ev())
+        monkeypatch.setattr(_cuda, "event_create", lambda timing=False, device=None: _Ev())
         monkeypatch.setattr(_cuda, "stream_is_capturing", lambda s: s in self.capturing)
 
 
@@ -257,6 +257,7 @@ def _backend():
     from tiermem.cuda.backend import CudaBackend
     be = object.__new__(CudaBackend)        # its event calls only: no device is opened
     be.epochs = CaptureEpochs()
+    be.device = 0
     be.current_stream = lambda: 7           # the capturing (compute) stream in these tests
     return be
 

@@ -48,7 +48,6 @@ __all__ = [
     "prefetch", "evict", "synchronize", "allocator", "using_role", "use", "torch_allocations",
     "stats", "memory_summary",
     "TierMemError", "ConfigError", "OutOfBudgetError", "CUDAError",
-    "__version__",
 ]
 
 # NOTE [public names]

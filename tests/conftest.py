@@ -41,14 +41,24 @@ def gpu_reason() -> str | None:
     return None
 
 
+@pytest.hookimpl(tryfirst=True)       # the sweep marks below before ``-m`` selects by them
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Cases marked ``sweep`` (NOTE [sampled sweeps] in helpers.py) run only when the marker
-    expression names them (``pytest -m sweep``); the default run leaves them out."""
+    expression names them (``pytest -m sweep``); the default run leaves them out. A long
+    parametrised set (marked ``long``) keeps its first ``keep`` cases (default 1) in the default
+    run; the rest are ``sweep`` cases (NOTE [long sets] in helpers.py)."""
     # Under pytest-xdist (README's test command), every GPU test runs on one worker, one after
     # another: they share the one GPU, and some take most of its memory on purpose.
+    taken: dict[tuple[str, str], int] = {}
     for it in items:
         if it.get_closest_marker("gpu") is not None:
             it.add_marker(pytest.mark.xdist_group("gpu"))
+        long = it.get_closest_marker("long")
+        if long is not None:
+            key = (str(it.path), getattr(it, "originalname", it.name))
+            taken[key] = taken.get(key, 0) + 1
+            if taken[key] > long.kwargs.get("keep", 1):
+                it.add_marker(pytest.mark.sweep)
     if "sweep" in (config.getoption("markexpr") or ""):
         return
     keep = [it for it in items if it.get_closest_marker("sweep") is None]

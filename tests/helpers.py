@@ -69,6 +69,12 @@ ALLOCATING = ("allocate", "host_alloc", "device_alloc")
 #     the whole sweep, each case once.
 SAMPLED = 5
 
+# NOTE [long sets]
+#     A parametrised test whose cases each train a model for several steps (data parallel ranks,
+#     precisions, optimizers, clipping modes) is marked ``long``: the default run keeps its first
+#     case (or ``keep`` of them), which exercises the path end to end, and the others carry the
+#     ``sweep`` marker (tests/conftest.py), so ``pytest -m sweep`` in .ci/run runs every case.
+
 
 def sampled_positions(seen: list[str], positions: list[int] | None = None, k: int = SAMPLED) -> set[int]:
     """The 1-based positions of ``seen`` (among ``positions``) the default run keeps."""

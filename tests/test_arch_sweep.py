@@ -80,6 +80,7 @@ def test_the_sweep_is_taken_from_the_mapping():
 
 
 @pytest.mark.parametrize("arch", _cases())
+@pytest.mark.long(keep=12)
 def test_a_tiny_checkpoint_loads_and_streams_with_the_models_logits(tier, fake, tmp_path, arch):
     torch.manual_seed(0)
     ref = transformers.AutoModelForCausalLM.from_config(tiny_config(arch)).eval()

@@ -187,6 +187,7 @@ def test_a_forward_of_few_tokens_chooses_by_the_cost_model(tier):
 @pytest.mark.parametrize("stream_dtype", [None, "int8"])
 @pytest.mark.parametrize("impl", ["eager", "batched_mm"])
 @pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
+@pytest.mark.long(keep=2)
 def test_greedy_tokens_through_the_cache_equal_the_uncached_path(tier, fake, monkeypatch, arch, impl, stream_dtype):
     # The tiny experts (tens of KiB) cost less whole than one by one by the plan's measure
     # (EXPERT_CALL_COST); this test is of the cache, so a decode goes one by one.

@@ -109,6 +109,7 @@ def one_rank(tmp_path):
 
 
 @pytest.mark.parametrize("mp, lookahead", [(False, 2), (True, 0)])
+@pytest.mark.long
 def test_one_rank_trains_as_plain_fsdp2(one_rank, mp, lookahead):
     """At world size 1 FSDP copies each shard into its unsharded parameter on the compute
     stream; the pinned homes hold the parameters and AdamW's two moments, nothing more."""
@@ -129,6 +130,7 @@ def _rank(rank: int, world: int, init: str, path: str, mp: bool, frozen: bool, a
 
 
 @pytest.mark.parametrize("mp, frozen, accumulate", [(False, False, 1), (True, True, 2)])
+@pytest.mark.long
 def test_two_ranks_train_as_plain_fsdp2(tmp_path, mp, frozen, accumulate):
     """Two gloo ranks, each holding half of every parameter (rank 1's embedding and head shards
     padded): bitwise the losses and parameters of plain FSDP2 on both ranks, with bf16

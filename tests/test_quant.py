@@ -29,6 +29,7 @@ def _packed(w: torch.Tensor, fmt: str) -> tuple[quant.Packing, torch.Tensor, tor
 @pytest.mark.parametrize("fmt", quant.FORMATS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", [(96, 256), (3, 40, 96), (7, 130)], ids=["linear", "experts", "short_rows"])
+@pytest.mark.long(keep=6)
 def test_dequantization_is_the_plain_formula_bitwise(fmt, dtype, shape):
     torch.manual_seed(0)
     w = (torch.randn(shape) * 0.05).to(dtype)

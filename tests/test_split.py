@@ -117,6 +117,7 @@ def _experts_groups(h):
 
 @pytest.mark.parametrize("impl", ["eager", "default"])
 @pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe"])
+@pytest.mark.long
 def test_stacked_experts_bigger_than_a_slot_run_a_range_of_experts_at_a_time(tier, fake, cheap_parts, kind, impl,
                                                                              monkeypatch):
     """A layer's stacked experts bigger than a slot stream in parts of whole experts, giving the

@@ -73,6 +73,7 @@ def _tiered(**kw):
     ({"accumulate": 2}, "accumulate"),
     ({"max_grad_norm": 1.0}, "clipping"),
 ])
+@pytest.mark.long
 def test_what_keeps_the_steps_eager_is_said_and_they_train_as_plain_ones(kw, why):
     bs = batches(5)
     want, want_params = plain_run(bs)

@@ -171,6 +171,7 @@ def _raising(model, ids, where: str):
 
 
 @pytest.mark.parametrize("where", ["start", "middle", "forward"])
+@pytest.mark.long
 def test_a_step_that_raises_leaves_no_gradient_and_training_goes_on(where):
     """Backward raising before any block's gradients ("start") leaves the run bitwise as if the
     step had never been; raising half-way ("middle": the blocks after it stepped already, as

@@ -251,6 +251,7 @@ def test_step_times_wait_for_their_events_and_come_from_updating_steps_only():
 
 @pytest.mark.parametrize("owner", ["optimizer", "model"])
 @pytest.mark.parametrize("budget", ["streamed", "in capacity"])
+@pytest.mark.long
 def test_zero_grad_before_backward_is_a_plain_loops_and_after_backward_is_refused(budget, owner):
     """A ported loop that keeps ``optimizer.zero_grad()`` (or transformers' Trainer's
     ``model.zero_grad()``) at the top of each iteration trains as the plain loop; one inside a

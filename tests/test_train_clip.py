@@ -45,6 +45,7 @@ def _tiered(bs, max_norm, norm_type=2.0, n=1, **kw):
 
 @pytest.mark.parametrize("max_norm, norm_type, n", [(0.05, 2.0, 1), (1e6, 2.0, 1), (0.05, 2.0, 2),
                                                     (0.01, float("inf"), 1)])
+@pytest.mark.long
 def test_clipping_gives_clip_grad_norm_then_step_bitwise(max_norm, norm_type, n):
     bs = batches(6)
     want, want_losses, want_norms = _plain(bs, max_norm, norm_type, n)
@@ -138,6 +139,7 @@ def _speculation_expected(torch, norms, clip):
 
 
 @pytest.mark.parametrize("regime", ["never bites", "always bites", "sometimes bites"])
+@pytest.mark.long
 def test_speculative_clipping_gives_the_same_bits_and_keeps_only_steps_that_did_not_clip(regime):
     bs = batches(10)
     if regime == "never bites":
@@ -170,6 +172,7 @@ def test_speculative_clipping_gives_the_same_bits_and_keeps_only_steps_that_did_
 
 
 @pytest.mark.parametrize("speculate", [False, True])
+@pytest.mark.long
 def test_a_step_failing_half_way_through_backward_steps_no_block_when_clipping(speculate):
     """With clipping no block may step before the total norm is known: a backward that raises
     half-way leaves the run bitwise as if the step had never been, speculating or not."""

@@ -68,6 +68,7 @@ def _rank(rank: int, world: int, init: str, out: str, accumulate: int, clip: flo
 @pytest.mark.parametrize("accumulate, clip, wider, capacity", [(1, None, 0, False), (2, None, 0, False),
                                                                (2, 0.05, 0, False), (1, None, 3, False),
                                                                (2, 0.05, 3, False), (2, None, 0, True)])
+@pytest.mark.long
 def test_two_ranks_train_as_one_process_averaging_their_gradients(tmp_path, accumulate, clip, wider, capacity):
     """With ``accumulate`` each rank's half of a batch is that many micro-batches, and the
     gradients are averaged once per optimizer step, in its last micro-batch (as DDP's no_sync);

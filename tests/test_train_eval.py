@@ -48,6 +48,7 @@ def test_an_evaluation_streams_the_blocks_and_gives_the_plain_logits():
 
 
 @pytest.mark.parametrize("how", ["stopped-part-way", "a-block-alone"])
+@pytest.mark.long
 def test_forwards_off_the_traced_order_change_nothing(how):
     bs, probe = batches(STEPS + 2), batches(1, seed=7)[0]
     plain, plain_opt = _plain_trained(bs[:STEPS])

@@ -64,6 +64,7 @@ def _tiered(kind, bs, n, clip, **kw):
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"accumulate{c['n']}-clip{c['clip']}")
 @pytest.mark.parametrize("kind", ["autocast", "autocast16", "bf16"])
+@pytest.mark.long(keep=2)
 def test_mixed_precision_trains_as_the_plain_loop_bitwise(kind, case):
     """fp16 autocast runs without a GradScaler here (a tiny model's gradients do not underflow):
     the scaler's step calls optimizer.step(), which the handle refuses (docs/training.md)."""

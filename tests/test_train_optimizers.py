@@ -35,6 +35,7 @@ def _hf_style(name: str):
 
 
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+@pytest.mark.long
 def test_a_ported_trainer_loop_gives_the_plain_loops_losses_and_parameters_bitwise(name):
     bs = batches(6)
     model, opt, sched = _hf_style(name)

@@ -31,6 +31,7 @@ def tiered_gpt(recompute: str, budget_times: int = 4):
 
 
 @pytest.mark.parametrize("recompute", ["always", "auto", "never"])
+@pytest.mark.long
 def test_recomputed_blocks_give_the_plain_runs_losses_and_parameters_bitwise(recompute):
     bs = batches(6)
     want, want_params = plain_run(bs)
@@ -159,6 +160,7 @@ def _losses_and_kinds(train, model, bs):
 
 
 @pytest.mark.parametrize("plan_slower", [True, False])
+@pytest.mark.long
 def test_a_plan_slower_than_the_probe_gives_way_to_recomputing_everywhere(plan_slower):
     # NOTE [measured choice]: the fake's clock says the probe's (recompute everywhere) timed
     # steps take 3 ms and then 1 ms, and, with plan_slower, 5 ms while a plan other than
@@ -201,6 +203,7 @@ def test_a_plan_slower_than_the_probe_gives_way_to_recomputing_everywhere(plan_s
 
 
 @pytest.mark.parametrize("gain", ["too_small", "enough"])
+@pytest.mark.long
 def test_a_plan_predicted_barely_faster_than_the_probe_is_not_tried(monkeypatch, gain):
     """NOTE [measured choice]: the model's plan is tried (and checked) only when it predicts a step
     at least MIN_GAIN faster than the probe's plan, from the same fitted times; else the steps stay
@@ -264,6 +267,7 @@ def test_the_plan_after_the_probe_is_predicted_from_times_fitted_to_the_probes_s
 
 
 @pytest.mark.parametrize("recompute", ["never", "always"])
+@pytest.mark.long
 def test_a_plan_with_no_choice_to_check_is_still_predicted_from_its_own_steps(monkeypatch, recompute):
     """NOTE [calibrated compute]: "never" and "always" have no probe to choose by, but their plan
     is metered and timed the same way, and its prediction fitted to its own steps; its choices
@@ -319,6 +323,7 @@ def test_a_plan_in_capacity_is_kept_however_slow_its_steps_were_timed():
 
 
 @pytest.mark.parametrize("later", ["slower", "as_fast"])
+@pytest.mark.long
 def test_a_kept_plan_whose_later_steps_run_slower_than_the_probe_gives_way_once(later):
     """NOTE [measured choice]: the check keeps the model's plan on two timed steps a side; the
     median of its next LATE_STEPS steps, read from the steps' own events, is checked against the
@@ -420,6 +425,7 @@ def test_a_transformers_model_with_its_default_kv_cache_recomputes_its_layers():
 
 
 @pytest.mark.parametrize("recompute", ["always", "auto"])
+@pytest.mark.long
 def test_a_mixture_of_experts_recomputes_and_gives_the_plain_losses_bitwise(recompute):
     """A transformers Mixtral: each expert sees a different, data-dependent share of the tokens
     at every step, and one that gets none has no gradient (the optimizer skips it, as it does in

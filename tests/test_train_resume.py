@@ -48,6 +48,7 @@ def params_of(model):
 
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32-states", "bf16-states"])
 @pytest.mark.parametrize("budget", BUDGETS)
+@pytest.mark.long
 def test_a_checkpoint_loaded_into_the_handle_that_trained_on_resumes_bitwise(budget, bf16):
     """Saved after 3 steps, 2 more taken, the checkpoint loaded back into the same model,
     optimizer and handle: the 4 steps after it are the uninterrupted run's, bits and all.
@@ -69,6 +70,7 @@ def test_a_checkpoint_loaded_into_the_handle_that_trained_on_resumes_bitwise(bud
 
 
 @pytest.mark.parametrize("when", ["before-wrapping", "before-the-first-step"])
+@pytest.mark.long
 def test_a_fresh_model_and_optimizer_resume_bitwise(when):
     want, want_params, _ = uninterrupted(BUDGETS["streamed"])
     bs = batches(STEPS)

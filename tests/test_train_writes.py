@@ -72,6 +72,7 @@ def _tiered(bs, between):
 
 
 @pytest.mark.parametrize("how", ["in-place", "through-data", "submodule-load", "init"])
+@pytest.mark.long
 def test_a_write_between_steps_reaches_the_next_steps_as_in_a_plain_run(how):
     bs = batches(STEPS)
 

@@ -20,6 +20,23 @@ sys.path.append(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__f
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 
+# NOTE [test threads]
+#     The CPU tests train tiny models (tests/test_train.py's GPT is 0.94 MB): each op is microseconds
+#     of work, and torch's intra-op threads only add hand-offs. Under ``-n auto`` every xdist worker
+#     would start a thread per core, so two workers on CI's two cores ran four busy threads and the
+#     training sweeps slowed down (6 cases of tests/test_train_faults.py on a loaded 2-core machine:
+#     50 s with two threads, 20.5 s with one). Each worker gets its share of the cores;
+#     subprocesses (tests/test_bad_input.py) inherit it through OMP_NUM_THREADS. A plain run keeps
+#     every core, as do the GPU tests (.ci/gpu_tests.py runs a process per file). The bitwise checks
+#     compare two runs of one process, which share the setting.
+def _threads() -> int:
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
+    return max(1, (os.cpu_count() or 1) // workers)
+
+
+os.environ.setdefault("OMP_NUM_THREADS", str(_threads()))
+
+
 @functools.cache
 def gpu_reason() -> str | None:
     """None when a GPU test can run here, else why not."""
@@ -42,6 +59,24 @@ def gpu_reason() -> str | None:
 
 
 @pytest.hookimpl(tryfirst=True)       # the sweep marks below before ``-m`` selects by them
+def pytest_configure(config: pytest.Config) -> None:
+    import torch
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))    # NOTE [test threads], if torch was in first
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    # NOTE [frozen collection]
+    #     Every test ends with a full gc.collect (_reset_global_state, the leak checks, a failed
+    #     training step's NOTE [kept exceptions]), and each one walked all that collection left
+    #     alive: torch, transformers, the test modules and their parameter lists, ~300k objects
+    #     and a third of a second a time on CI's cores, a fifth of a training sweep's time.
+    #     Freezing them moves them out of gc's generations, so a collection walks only what tests
+    #     made since. Frozen objects are never collected (they are the modules' own, alive to the
+    #     end anyway) and gc.get_objects leaves them out, which no test asks of them.
+    gc.collect()
+    gc.freeze()
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Cases marked ``sweep`` (NOTE [sampled sweeps] in helpers.py) run only when the marker
     expression names them (``pytest -m sweep``); the default run leaves them out. A long

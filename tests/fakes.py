@@ -143,7 +143,9 @@ class FakeBackend:
     def _new(self, nbytes: int, kind: str) -> tuple[int, np.ndarray]:
         # Large allocations come back 2 MiB-aligned, as the driver's do (probe_paths.json).
         align = 2 << 20 if nbytes >= 2 << 20 else 512
-        raw = np.resize(_NOISE, max(nbytes, 1) + align)  # uninitialised is not zero
+        size = max(nbytes, 1) + align
+        # uninitialised is not zero; np.resize copies all of _NOISE before it cuts, 1 MiB for 1 byte
+        raw = _NOISE[:size].copy() if size <= _NOISE.size else np.resize(_NOISE, size)
         off = (-raw.ctypes.data) % align
         arr = raw[off:off + max(nbytes, 1)]
         ptr = arr.ctypes.data

@@ -9,7 +9,8 @@ tiermem/inference/quant.py), for each of int8, fp8 and int4, timed with CUDA eve
 - link_ms: the packed layer's bytes from pinned host memory to the device (one copy per member);
   fp16_link_ms the same layer in fp16 (what the fp16 bound moves).
 - dequant_ms: quant.dequantize of every member from device memory into a device fp16 buffer, as
-  the dequantization lane runs it; dequant_over_link = dequant_ms / link_ms (it must stay well
+  the dequantization lane runs it (the fused Triton kernel where it runs, NOTE [one
+  dequantization kernel] in tiermem/inference/dequant_kernel.py; variants_ms has torch's ops too); dequant_over_link = dequant_ms / link_ms (it must stay well
   under 1 for the dequantization to hide behind the link), dequant_GBps = fp16 bytes written / time.
 - dequant_host_us: host time to queue that layer's dequantization (the forward's thread pays it).
 - variants_ms: other ways to write the same slot (scales in the model's dtype, two-pass, and with
@@ -98,6 +99,14 @@ def variants(pk: Packed, compile_: bool) -> dict[str, float]:
     views = [(p, *quant.views(p, dev), out) for p, _, dev, out, _ in pk.members]
     half = [(p, q, s.half(), out) for p, q, s, out in views]
     out: dict[str, float] = {}
+    # NOTE [one dequantization kernel]: dequant_ms is what the transport runs (the fused kernel
+    # where Triton is); these are each path alone.
+    for kernel in ("torch", "fused"):
+        try:
+            out[f"dequantize_{kernel}"] = _median_ms(
+                lambda k=kernel: [quant.dequantize(q, s, p, o, pk.scratch, kernel=k) for p, q, s, o in views])
+        except Exception as e:      # the fused kernel needs Triton: reported
+            out[f"dequantize_{kernel}_error"] = f"{type(e).__name__}: {e}"[:300]
     if pk.fmt == "int8":
         out["mul_scales_fp16"] = _median_ms(lambda: [torch.mul(q, s, out=o) for _, q, s, o in half])
         out["copy_then_mul_fp16"] = _median_ms(lambda: [(o.copy_(q), o.mul_(s)) for _, q, s, o in half])

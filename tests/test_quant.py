@@ -47,6 +47,49 @@ def test_dequantization_is_the_plain_formula_bitwise(fmt, dtype, shape):
     assert torch.equal(back, out)
 
 
+@pytest.fixture
+def interpreted_kernel(monkeypatch):
+    """The fused dequantization (NOTE [one dequantization kernel]) under Triton's CPU interpreter;
+    skipped where Triton is not installed (it comes with torch's CUDA wheels, not the CPU ones)."""
+    pytest.importorskip("triton")
+    from tiermem.inference import dequant_kernel
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    dequant_kernel._kernel.cache_clear()
+    yield dequant_kernel
+    dequant_kernel._kernel.cache_clear()
+
+
+@pytest.mark.parametrize("fmt", quant.FORMATS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("shape", [(5, 256), (3, 1030), (4, 2304), (2, 3, 128)], ids=str)
+def test_the_fused_kernel_writes_the_plain_formula_bitwise(interpreted_kernel, fmt, dtype, shape):
+    # Columns past a block (1030, 2304), one scale a row (int4 at 1030) and per group, stacked
+    # experts. bfloat16 is held to the bit on the GPU only: the interpreter truncates to it.
+    torch.manual_seed(0)
+    w = (torch.randn(shape) * 0.05).to(dtype)
+    p, q, s = _packed(w, fmt)
+    out = torch.full((p.rows, p.cols), float("nan"), dtype=dtype)
+    assert interpreted_kernel.dequantize(q, s, p, out)
+    assert torch.equal(out, quant.reference(q, s, p, dtype))
+    # a staged range of rows is its own launch
+    part = torch.full((2, p.cols), float("nan"), dtype=dtype)
+    assert interpreted_kernel.dequantize(q[1:3], s[1:3], p, part)
+    assert torch.equal(part, out[1:3])
+    # a view that is not contiguous is left to torch's ops
+    assert not interpreted_kernel.dequantize(q, s, p, torch.empty(p.cols, p.rows, dtype=dtype).t())
+
+
+def test_the_fused_kernel_is_asked_for_where_it_cannot_run():
+    p, q, s = _packed(torch.randn(4, 256), "int8")
+    out = torch.empty(4, 256)
+    with pytest.raises(tiermem.ConfigError, match="fused"):
+        quant.dequantize(q, s, p, out, kernel="fused")       # a CPU tensor
+    with pytest.raises(tiermem.ConfigError, match="kernel"):
+        quant.dequantize(q, s, p, out, kernel="triton")
+    quant.dequantize(q, s, p, out, kernel="auto")               # torch's ops, here
+    assert torch.equal(out, quant.reference(q, s, p, torch.float32))
+
+
 def test_int4_packs_two_values_a_byte_with_a_scale_per_group():
     w = torch.zeros(2, 256)
     w[0, :128] = torch.arange(128) % 15 - 7          # -7..7: exact multiples of the group's absmax / 7

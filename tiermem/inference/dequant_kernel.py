@@ -17,6 +17,7 @@ NOTE [one dequantization kernel]
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 from typing import Any
@@ -85,9 +86,13 @@ def dequantize(q: Any, s: Any, p: Any, out: Any) -> bool:
     if n == 0:
         return True
     grid = (n, -(-p.cols // BLOCK))
+    import torch
     try:
-        kernel[grid](q, s, out, p.cols, p.row_q, p.groups, p.group,
-                     INT4=p.fmt == "int4", PER_ROW=p.groups == 1, BLOCK=BLOCK)
+        # Triton launches on the current device's current stream: the slot's device, whose
+        # current stream the caller made the dequantization lane's.
+        with torch.cuda.device(out.device) if out.is_cuda else contextlib.nullcontext():
+            kernel[grid](q, s, out, p.cols, p.row_q, p.groups, p.group,
+                         INT4=p.fmt == "int4", PER_ROW=p.groups == 1, BLOCK=BLOCK)
     except Exception as e:     # Triton's compile errors have no common base; torch's ops do the same work
         _failed.add(key)
         log.warning("tiermem: the fused dequantization does not run for %s into %s here (%s: %s); torch's ops "

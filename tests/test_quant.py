@@ -12,7 +12,7 @@ import torch.nn as nn
 from helpers import share
 
 import tiermem
-from tiermem.inference import quant
+from tiermem.inference import quant, transport
 from tiermem.testing import logits_agreement
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
@@ -249,6 +249,49 @@ def test_streamed_windows_fit_the_budget_with_their_staging(tier, fake):
         model(torch.randint(0, cfg.vocab_size, (1, 8)))
     h.unwrap()
     assert fake.live()["device"] == 0
+
+
+@pytest.mark.parametrize("stage", [None, 40_000], ids=["whole", "chunked"])
+def test_a_group_crosses_in_as_few_chunks_as_its_staging_allows(tier, monkeypatch, stage):
+    """A packed group no bigger than a staging buffer crosses in one chunk (one copy, one
+    dequantization: the chunks were cut two alignments short, so every such group took two); a
+    bigger one in chunks that each fit, covering its rows once, in order."""
+    if stage is not None:
+        monkeypatch.setattr(quant, "QSTAGE_BYTES", stage)
+    model, cfg = _llama(torch.float16)
+    h = tier.wrap_module(model, budget=share(model, 40), stream_dtype="int8", max_group_bytes=GROUP)
+    st = h._stream
+    applied = []
+    real = st._unpack
+    monkeypatch.setattr(st, "_unpack", lambda g, raw, layout, dst: (applied.append(g), real(g, raw, layout, dst)))
+    streamed = [g for g in h._groups.values() if g.packed and not g.pinned]
+    split = 0
+    for g in streamed:
+        for piece in g.pieces:
+            rows = st._piece_rows(piece)
+            chunks = st._chunks(g, rows)
+            if stage is None or g.packed_nbytes <= st.stage_bytes:
+                assert len(chunks) == 1, g.name
+            split += len(chunks) > 1
+            for c in chunks:
+                assert sum(g.packing[i].rows_nbytes(hi - lo) if g.packing[i] is not None else
+                           transport._up((hi - lo) * transport._row_bytes(g.tensors[i]))
+                           for i, lo, hi in c) <= st.stage_bytes
+            flat = [r for c in chunks for r in c]
+            for i, lo, hi in rows:          # each member's rows, once, in order
+                mine = [(a, b) for j, a, b in flat if j == i]
+                assert mine[0][0] == lo and mine[-1][1] == hi
+                assert all(x[1] == y[0] for x, y in zip(mine, mine[1:]))
+    assert (split > 0) == (stage is not None)
+    ids = torch.randint(0, cfg.vocab_size, (1, 8))
+    with torch.no_grad():
+        model(ids)
+        applied.clear()
+        got = model(ids).logits
+    if stage is None:        # every streamed group came in once a forward: one dequantization each
+        assert sorted(id(g) for g in applied) == sorted(id(g) for g in streamed)
+    h.unwrap()
+    assert torch.isfinite(got).all()
 
 
 def test_a_forward_that_records_gradients_is_refused_and_unwrap_restores_the_dequantized_weights(tier):

@@ -542,14 +542,20 @@ class PinnedTransport:
         for i, lo, hi in ranges:
             t, p = g.tensors[i], g.packing[i]
             per = p.row_q + p.row_s if p is not None else _row_bytes(t)
+
+            def staged(n: int, p: Any = p, per: int = per) -> int:
+                return p.rows_nbytes(n) if p is not None else _up(n * per)
             while lo < hi:
-                n = min(hi - lo, max(0, (self.stage_bytes - used - 2 * quant.ALIGN) // per))
+                room = self.stage_bytes - used
+                # All that is left when it fits (a group no bigger than a staging buffer crosses
+                # in one chunk), else as many rows as surely fit beside their two alignments.
+                n = hi - lo if staged(hi - lo) <= room else min(hi - lo, max(0, (room - 2 * quant.ALIGN) // per))
                 if n == 0:
                     out.append([])
                     used = 0
                     continue
                 out[-1].append((i, lo, lo + n))
-                used += p.rows_nbytes(n) if p is not None else _up(n * per)
+                used += staged(n)
                 lo += n
         return [c for c in out if c]
 

@@ -263,7 +263,7 @@ def test_a_group_crosses_in_as_few_chunks_as_its_staging_allows(tier, monkeypatc
     st = h._stream
     applied = []
     real = st._unpack
-    monkeypatch.setattr(st, "_unpack", lambda g, raw, layout, dst: (applied.append(g), real(g, raw, layout, dst)))
+    monkeypatch.setattr(st, "_unpack", lambda g, jobs: (applied.append(g), real(g, jobs)))
     streamed = [g for g in h._groups.values() if g.packed and not g.pinned]
     split = 0
     for g in streamed:

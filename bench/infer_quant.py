@@ -21,11 +21,20 @@
                  and its tokens against the skewed model's without a cache (the batched_mm
                  experts: equal to the bit).
 
+Each Linear's output is also compared with its own fp16 weight's on the same input
+(tiermem.testing.linear_agreement): the error the packing adds, which the logits of random
+weights compound through the layers (docs/inference.md, "What it costs in accuracy"); stacked
+experts are not Linears and are not in it. A prefill is also set against its floor, the slower of
+the model's resident prefill and the plan's bytes at the link rate: where the resident prefill
+alone takes more of the fp16 bound than a format's goal, a note says so.
+
 Metrics it adds (offload_infer's JSON keeps its own keys beside them):
   prefill_vs_bound_worst_<fmt>, decode_vs_bound_worst_<fmt>, logits_cosine_min_<fmt>,
-  logits_top1_min_<fmt>, prefill_vs_bound.<arch>.<fmt>, decode_vs_bound.<arch>.<fmt>;
+  logits_top1_min_<fmt>, linear_cosine_min_<fmt>, prefill_vs_floor_worst_<fmt>,
+  prefill_vs_bound.<arch>.<fmt>, decode_vs_bound.<arch>.<fmt>, linear_cosine_min.<arch>.<fmt>,
+  prefill_vs_floor.<arch>.<fmt>;
   moe_decode_vs_dense_bound_uniform / _skewed, moe_cache_hit_rate_uniform / _skewed,
-  moe_skew_hot_share; checks quant_goal_<fmt>, logits_goal_<fmt>, moe_skewed_goal,
+  moe_skew_hot_share; checks quant_goal_<fmt>, logits_goal_<fmt>, linear_goal_<fmt>, moe_skewed_goal,
   moe_cache_tokens_equal.
 """
 from __future__ import annotations
@@ -79,8 +88,10 @@ def run_quantized(model, ids, args, budget: int, ref_logits, bound_s: float, lin
     import torch
 
     import tiermem
-    from tiermem.testing import logits_agreement
+    from tiermem.testing import linear_agreement, logits_agreement
     out: dict = {}
+    # Each Linear's own fp16 weight (host), for linear_agreement (docs/inference.md, "What it costs in accuracy").
+    weights = {n: m.weight.data for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
     for fmt in [f.strip() for f in args.stream_dtypes.split(",") if f.strip()]:
         progress(f"  tiermem, stream_dtype={fmt}")
         saved = _own_tensors(model)
@@ -96,7 +107,7 @@ def run_quantized(model, ids, args, budget: int, ref_logits, bound_s: float, lin
             continue
         try:
             pre, dec, tokens = measure(model, ids, args.forwards, args.reps, args.decode_tokens, 2)
-            with torch.no_grad():
+            with torch.no_grad(), linear_agreement(model, weights) as lin:
                 logits = model(ids, use_cache=False).logits
             hd.drain()
             s = tier.stats()
@@ -106,12 +117,14 @@ def run_quantized(model, ids, args, budget: int, ref_logits, bound_s: float, lin
                         "moved_GB_per_forward": hd.moved_bytes / 1e9, "window_GB": hd.plan.window / 1e9,
                         "pinned_groups": len(hd.plan.pinned), "groups": len(hd.plan.sizes),
                         "packed_groups": sum(1 for g in hd._groups.values() if g.packed),
-                        "logits": agree, "resident_peak_GB": s["resident_bytes.all.peak"] / 1e9,
+                        "logits": agree, "linear": {k: lin[k] for k in ("cosine_min", "worst", "linears")},
+                        "resident_peak_GB": s["resident_bytes.all.peak"] / 1e9,
                         "within": s["resident_bytes.all.peak"] <= hd.budget, "min_free_GB": watch.min_free / 1e9,
                         "tokens": tokens[0].tolist()[-args.decode_tokens:]}
             progress(f"  {fmt}: prefill {pre * 1e3:.1f} ms ({pre / bound_s:.2f} of the fp16 bound), decode "
                      f"{dec * 1e3:.1f} ms/token ({dec / bound_s:.2f}), logits cosine min {agree['cosine_min']:.5f}, "
-                     f"top-1 {agree['top1']:.3f}, {hd.moved_bytes / 1e9:.2f} GB a forward")
+                     f"top-1 {agree['top1']:.3f}, each Linear's cosine min {lin['cosine_min']:.5f} ({lin['worst']}), "
+                     f"{hd.moved_bytes / 1e9:.2f} GB a forward")
         finally:
             hd.unwrap()
             tier.close()
@@ -201,7 +214,7 @@ def add_metrics(archs: dict, metrics: dict, checks: dict, notes: list) -> list[l
     rows = []
     fmts = sorted({f for r in archs.values() for f in r.get("quant", {})})
     for fmt in fmts:
-        pv, dv, cos, top = {}, {}, {}, {}
+        pv, dv, cos, top, lin, floor = {}, {}, {}, {}, {}, {}
         for arch, r in archs.items():
             q = r.get("quant", {}).get(fmt)
             if q is None or "error" in q:
@@ -214,6 +227,18 @@ def add_metrics(archs: dict, metrics: dict, checks: dict, notes: list) -> list[l
             metrics[f"prefill_vs_bound.{arch}.{fmt}"] = pv[arch]
             metrics[f"decode_vs_bound.{arch}.{fmt}"] = dv[arch]
             metrics[f"prefill_vs_plan_bytes.{arch}.{fmt}"] = bounds.ratio(q["prefill_ms"], q["plan_bytes_ms"])
+            if "linear" in q:
+                lin[arch] = metrics[f"linear_cosine_min.{arch}.{fmt}"] = round(q["linear"]["cosine_min"], 6)
+            resident = r.get("resident", {}).get("prefill_ms")
+            if resident is not None:
+                # No streaming beats the model resident: the floor is the slower of its resident
+                # prefill and the plan's bytes at the link rate.
+                floor[arch] = metrics[f"prefill_vs_floor.{arch}.{fmt}"] = bounds.ratio(
+                    q["prefill_ms"], max(resident, q["plan_bytes_ms"]))
+                g = GOALS.get(fmt)
+                if g is not None and resident > g[0] * q["fp16_bound_ms"]:
+                    notes.append(f"{arch}: resident, its prefill takes {resident / q['fp16_bound_ms']:.2f} of the "
+                                 f"fp16 bound, above the {fmt} goal of {g[0]}: no {fmt} stream can meet that goal here")
             note = bounds.below_bound_note(f"prefill_vs_plan_bytes.{arch}.{fmt}",
                                            metrics[f"prefill_vs_plan_bytes.{arch}.{fmt}"])
             if note:
@@ -227,11 +252,17 @@ def add_metrics(archs: dict, metrics: dict, checks: dict, notes: list) -> list[l
         metrics[f"decode_vs_bound_worst_{fmt}"] = max(dv.values())
         metrics[f"logits_cosine_min_{fmt}"] = round(min(cos.values()), 6)
         metrics[f"logits_top1_min_{fmt}"] = round(min(top.values()), 4)
+        if lin:
+            metrics[f"linear_cosine_min_{fmt}"] = min(lin.values())
+        if floor:
+            metrics[f"prefill_vs_floor_worst_{fmt}"] = max(floor.values())
         g = GOALS.get(fmt)
         if g is not None:
             checks[f"quant_goal_{fmt}"] = (metrics[f"prefill_vs_bound_worst_{fmt}"] <= g[0]
                                            and metrics[f"decode_vs_bound_worst_{fmt}"] <= g[1])
             checks[f"logits_goal_{fmt}"] = metrics[f"logits_cosine_min_{fmt}"] >= g[2]
+            if lin:
+                checks[f"linear_goal_{fmt}"] = metrics[f"linear_cosine_min_{fmt}"] >= g[2]
     for arch, r in archs.items():
         c = r.get("moe_cache")
         if not c:

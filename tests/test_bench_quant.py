@@ -42,3 +42,21 @@ def test_metrics_take_the_worst_architecture_against_the_fp16_bound():
     assert metrics["moe_decode_vs_dense_bound_skewed"] == 0.2 and metrics["moe_cache_hit_rate_skewed"] == 0.9
     assert metrics["moe_cache_hit_rate_uniform"] == 0.1 and checks["moe_skewed_goal"] is True
     assert checks["moe_cache_tokens_equal"] is True and len(rows) == 3
+
+
+def test_each_linear_and_the_floor_of_the_resident_prefill_are_reported():
+    def q(pre, cos, lin):
+        return {**_q(pre, pre, 100, cos), "linear": {"cosine_min": lin, "worst": "lm_head", "linears": 3}}
+    archs = {"llama": {"resident": {"prefill_ms": 10}, "quant": {"int8": q(60, 0.998, 0.99995), "int4": q(40, 0.8, 0.995)}},
+             "phi": {"resident": {"prefill_ms": 40}, "quant": {"int8": q(70, 0.9995, 0.9999), "int4": q(45, 0.9, 0.989)}}}
+    metrics, checks, notes = {}, {}, []
+    infer_quant.add_metrics(archs, metrics, checks, notes)
+    assert metrics["linear_cosine_min_int8"] == 0.9999 and metrics["linear_cosine_min_int4"] == 0.989
+    assert checks["linear_goal_int8"] is True and checks["linear_goal_int4"] is False
+    assert checks["logits_goal_int8"] is False
+    # the floor: the resident prefill (phi: 40 ms) or the plan's bytes (llama: 50 ms), whichever is slower
+    assert metrics["prefill_vs_floor.llama.int8"] == 1.2 and metrics["prefill_vs_floor.phi.int4"] == 0.9
+    assert metrics["prefill_vs_floor_worst_int8"] == 1.4
+    # phi resident takes 0.4 of the fp16 bound: above int4's goal (0.32), not int8's (0.55)
+    assert any("phi" in n and "int4" in n and "resident" in n for n in notes)
+    assert not any("int8" in n and "resident" in n for n in notes)

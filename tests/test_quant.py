@@ -302,6 +302,50 @@ def test_a_group_crosses_in_as_few_chunks_as_its_staging_allows(tier, monkeypatc
     assert torch.isfinite(got).all()
 
 
+def test_each_chunk_is_dequantized_after_its_copy_and_its_buffer_refilled_after_that(tier, monkeypatch):
+    """NOTE [quantized streaming]'s order, chunk by chunk (the fake backend runs work at once, so
+    the events are what is checked): a chunk's dequantization runs on the dequantization lane
+    after its copy's end; a staging buffer is filled again only after the dequantization that
+    read it last; a slot is ready once its last chunk is dequantized."""
+    monkeypatch.setattr(quant, "QSTAGE_BYTES", 40_000)          # several chunks a group
+    model, cfg = _llama(torch.float16)
+    h = tier.wrap_module(model, budget=share(model, 40), stream_dtype="int4", max_group_bytes=GROUP)
+    st = h._stream
+    assert st.dq.stream != st.lane.stream
+    log = []
+    fill, transform = st.stages.fill, st.ring.transform
+
+    def spy_fill(lane, slot, parts, **kw):
+        before = slot.free
+        out = fill(lane, slot, parts, **kw)
+        log.append(("fill", slot.index, before, out[1]))
+        return out
+
+    def spy_transform(lane, slot, fn, *, after=(), reads=()):
+        reads = list(reads)
+        ready = [r.ready for r in reads]
+        end = transform(lane, slot, fn, after=after, reads=reads)
+        log.append(("dequant", [r.index for r in reads], ready, end, lane is st.dq, slot.index, slot.ready is end))
+        return end
+    monkeypatch.setattr(st.stages, "fill", spy_fill)
+    monkeypatch.setattr(st.ring, "transform", spy_transform)
+    with torch.no_grad():
+        model(torch.randint(0, cfg.vocab_size, (1, 8)))
+    assert sum(1 for e in log if e[0] == "fill") > 2 * len(st.stages)    # the buffers were reused
+    last_fill, last_read = {}, {}
+    for e in log:
+        if e[0] == "fill":
+            _, k, waited, end = e
+            assert waited is last_read.get(k), "a staging buffer was refilled before its dequantization ended"
+            last_fill[k] = end
+        else:
+            _, ks, ready, end, on_lane, _, became_ready = e
+            assert on_lane and became_ready
+            assert len(ks) == 1 and ready[0] is last_fill[ks[0]], "dequantized before its copy ended"
+            last_read[ks[0]] = end
+    h.unwrap()
+
+
 def test_a_forward_that_records_gradients_is_refused_and_unwrap_restores_the_dequantized_weights(tier):
     model, cfg = _llama()
     model.requires_grad_(True)

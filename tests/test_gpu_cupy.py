@@ -58,7 +58,9 @@ with cupy.cuda.using_allocator(tier.allocator("activation")):
                             "retained": s["residency.retained_bytes.current"],
                             "in_place": s["residency.in_place_bytes.current"],
                             "faulted_back": s["residency.faulted_back_bytes"],
-                            "overruns": s["residency.budget_overruns"]})
+                            "overruns": s["residency.budget_overruns"],
+                            # what CUDA says of each array: where a discrepancy sits, if any
+                            "ranges": [str(_cuda.range_info(int(x.data.ptr), x.nbytes)) for x in xs]})
     row("filled")
     for p in range(3):                             # unnamed: evicted arrays are used in place
         for x in xs:
@@ -103,13 +105,14 @@ def test_residency_stats_agree_with_the_driver_after_kernels_touch_evicted_array
                        f"+ retained {r['retained'] / MiB:.1f} (peak {r['peak'] / MiB:.1f}), in place "
                        f"{r['in_place'] / MiB:.1f}, faulted back {r['faulted_back'] / MiB:.1f}, overruns "
                        f"{r['overruns']}" for r in res["rows"])
+    ranges = "\n".join(f"{r['what']}:\n  " + "\n  ".join(r["ranges"]) for r in res["rows"])
     print(report)
     for r in res["rows"]:
         # NOTE [retained pages]: the driver's used memory is tiermem's live data plus the pages
         # the driver keeps for arrays whose data left the device. An array faulted back behind
         # the books, or retained pages not counted, would take it off that sum.
         books = r["resident"] + r["retained"]
-        assert abs(r["driver"] - books) <= max(0.05 * books, 64 * MiB), report
+        assert abs(r["driver"] - books) <= max(0.05 * books, 64 * MiB), report + "\n" + ranges
         assert r["resident"] <= r["peak"] <= res["budget"], report
         assert r["faulted_back"] == 0 and r["overruns"] == 0, report
 

@@ -244,6 +244,15 @@ def e2e(model, fmt: str | None, layers: int) -> dict:
             t.data = d
 
 
+def _link_GBps() -> float:
+    """Pinned host-to-device GB/s, 1 GiB copies, median of 7 (as offload_infer measures it)."""
+    import torch
+    n = 1 << 30
+    host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(n, dtype=torch.uint8, device="cuda")
+    return n / (statistics.median(cuda_times(lambda: dev.copy_(host, non_blocking=True), 7)) * 1e9)
+
+
 def main() -> None:
     import torch
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -255,11 +264,7 @@ def main() -> None:
     metrics: dict = {}
     checks: dict = {}
     raw: dict = {"layers": args.layers, "archs": {}}
-    g = 1 << 30
-    h = torch.empty(g, dtype=torch.uint8, pin_memory=True)
-    d = torch.empty(g, dtype=torch.uint8, device="cuda")
-    link = g / (statistics.median(cuda_times(lambda: d.copy_(h, non_blocking=True), 7)) * 1e9)
-    del h, d
+    link = _link_GBps()
     metrics["pinned_h2d_GBps"] = round(link, 2)
     progress(f"pinned H2D {link:.1f} GB/s")
     for arch in [a.strip() for a in args.archs.split(",") if a.strip()]:

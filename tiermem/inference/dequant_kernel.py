@@ -22,7 +22,7 @@ import functools
 import logging
 from typing import Any
 
-__all__ = ["available", "dequantize", "BLOCK"]
+__all__ = ["BLOCK", "available", "dequantize"]
 
 BLOCK = 1024      # columns a program writes
 log = logging.getLogger("tiermem")

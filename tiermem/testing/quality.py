@@ -8,7 +8,7 @@ import contextlib
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-__all__ = ["logits_agreement", "linear_agreement"]
+__all__ = ["linear_agreement", "logits_agreement"]
 
 
 def logits_agreement(reference: Any, logits: Any) -> dict[str, float]:

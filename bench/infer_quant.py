@@ -118,6 +118,7 @@ def run_quantized(model, ids, args, budget: int, ref_logits, bound_s: float, lin
                         "pinned_groups": len(hd.plan.pinned), "groups": len(hd.plan.sizes),
                         "packed_groups": sum(1 for g in hd._groups.values() if g.packed),
                         "logits": agree, "linear": {k: lin[k] for k in ("cosine_min", "worst", "linears")},
+                        "dequant_kernel": _kernel_ran(fmt),
                         "resident_peak_GB": s["resident_bytes.all.peak"] / 1e9,
                         "within": s["resident_bytes.all.peak"] <= hd.budget, "min_free_GB": watch.min_free / 1e9,
                         "tokens": tokens[0].tolist()[-args.decode_tokens:]}
@@ -132,6 +133,17 @@ def run_quantized(model, ids, args, budget: int, ref_logits, bound_s: float, lin
             del hd, tier
             gc.collect()
     return out
+
+
+def _kernel_ran(fmt: str) -> str:
+    """Which dequantization ran (NOTE [one dequantization kernel] in
+    tiermem/inference/dequant_kernel.py): "fused", or "torch" where Triton is missing or the
+    kernel did not compile for ``fmt``."""
+    import torch
+
+    from tiermem.inference import dequant_kernel
+    ok = dequant_kernel.available(torch.empty(0, device="cuda"))
+    return "fused" if ok and not any(f == fmt for f, _, _ in dequant_kernel.failed()) else "torch"
 
 
 def _hot_share(model, hot: int):

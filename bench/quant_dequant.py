@@ -255,6 +255,8 @@ def _link_GBps() -> float:
 
 def main() -> None:
     import torch
+
+    from tiermem.inference import dequant_kernel
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--archs", default="llama,qwen2,phi")
     ap.add_argument("--layers", type=int, default=8)
@@ -266,6 +268,7 @@ def main() -> None:
     raw: dict = {"layers": args.layers, "archs": {}}
     link = _link_GBps()
     metrics["pinned_h2d_GBps"] = round(link, 2)
+    checks["fused_kernel_available"] = dequant_kernel.available(torch.empty(0, device="cuda"))
     progress(f"pinned H2D {link:.1f} GB/s")
     for arch in [a.strip() for a in args.archs.split(",") if a.strip()]:
         shapes = LAYERS[arch]
@@ -296,6 +299,7 @@ def main() -> None:
             progress(f"{arch} {fmt}: link {x['link_ms']:.3f} ms, dequant {x['dequant_ms']:.3f} ms "
                      f"({x['dequant_GBps']} GB/s written, host {x['dequant_host_us']:.0f} us), pipelined "
                      f"{x['pipelined_over_link']}x the link, variants {x['variants_ms']}")
+            x["failed_to_compile"] = [f"{f} {d}" for f, d, _ in dequant_kernel.failed() if f == fmt]
             r[fmt] = x
             del pk
         if not args.no_e2e:

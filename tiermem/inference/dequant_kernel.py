@@ -22,7 +22,7 @@ import functools
 import logging
 from typing import Any
 
-__all__ = ["BLOCK", "available", "dequantize"]
+__all__ = ["BLOCK", "available", "dequantize", "failed"]
 
 BLOCK = 1024      # columns a program writes
 log = logging.getLogger("tiermem")
@@ -68,6 +68,12 @@ def available(out: Any) -> bool:
 
 
 _failed: set[tuple[str, Any, int]] = set()    # (format, slot dtype, device) the kernel did not compile for
+
+
+def failed() -> list[tuple[str, str, int]]:
+    """(format, slot dtype, device) the kernel did not compile for in this process: torch's ops
+    dequantize those (a bench reports which path ran)."""
+    return sorted((f, str(d), i) for f, d, i in _failed)
 
 
 def dequantize(q: Any, s: Any, p: Any, out: Any) -> bool:

@@ -79,6 +79,33 @@ def test_the_fused_kernel_writes_the_plain_formula_bitwise(interpreted_kernel, f
     assert not interpreted_kernel.dequantize(q, s, p, torch.empty(p.cols, p.rows, dtype=dtype).t())
 
 
+@pytest.mark.parametrize("values", ["*i8", "*fp8e4nv", "*u8"], ids=["int8", "fp8", "int4"])
+def test_the_fused_kernel_compiles_for_an_h200_and_rounds_once_to_nearest_even(values):
+    """Compiled ahead of time for sm_90 (Triton's wheel carries ptxas; no GPU needed): every
+    format into every slot dtype, a scale per row or per group; the PTX multiplies in fp32 with
+    no flush of subnormals and rounds to the slot's dtype to nearest even, as torch does."""
+    triton = pytest.importorskip("triton")
+    import re
+
+    from triton.backends.compiler import GPUTarget
+
+    from tiermem.inference import dequant_kernel
+    k = dequant_kernel._kernel()
+    at = {n: (k.arg_names.index(n),) for n in ("INT4", "PER_ROW", "BLOCK")}
+    for out, cvt in (("*fp16", "cvt.rn.f16.f32"), ("*bf16", "cvt.rn.bf16.f32"), ("*fp32", None)):
+        for per_row in (True, False):
+            sig = {"q_ptr": values, "s_ptr": "*fp32", "out_ptr": out, "cols": "i32", "row_q": "i32", "groups": "i32",
+                   "group": "i32", "INT4": "constexpr", "PER_ROW": "constexpr", "BLOCK": "constexpr"}
+            consts = {at["INT4"]: values == "*u8", at["PER_ROW"]: per_row, at["BLOCK"]: dequant_kernel.BLOCK}
+            c = triton.compile(triton.compiler.ASTSource(fn=k, signature=sig, constexprs=consts),
+                               target=GPUTarget("cuda", 90, 32))
+            ptx = c.asm["ptx"]
+            assert c.asm["cubin"] and "mul.f32" in ptx and ".ftz" not in ptx
+            assert not re.search(r"\bfma\.", ptx)                    # one product, rounded once
+            if cvt:
+                assert cvt in ptx
+
+
 def test_the_fused_kernel_is_asked_for_where_it_cannot_run():
     p, q, s = _packed(torch.randn(4, 256), "int8")
     out = torch.empty(4, 256)

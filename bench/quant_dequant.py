@@ -308,8 +308,8 @@ def main() -> None:
                 try:
                     e = e2e(model, fmt, args.layers)
                 except Exception as err:     # reported, the others still run
-                    r[f"e2e_{fmt}"] = {"error": f"{type(err).__name__}: {err}"[:300]}
-                    progress(f"{arch} e2e {fmt}: {err}")
+                    r[f"e2e_{fmt or 'fp16'}"] = {"error": f"{type(err).__name__}: {err}"[:300]}
+                    progress(f"{arch} e2e {fmt or 'fp16'}: {err}")
                     continue
                 e["forward_vs_plan_bytes"] = round(e["forward_ms"] / (e["moved_GB"] / link * 1e3), 3)
                 metrics[f"e2e_forward_vs_plan_bytes.{arch}.{fmt or 'fp16'}"] = e["forward_vs_plan_bytes"]

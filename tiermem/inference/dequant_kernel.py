@@ -5,9 +5,9 @@ NOTE [one dequantization kernel]
     torch's own ops dequantize a packed weight in one pass for int8 (``torch.mul(values, scales,
     out=slot)``), two for fp8 and five for int4, and each mixes dtypes (int8 or fp8 values, fp32
     scales, a half slot): torch runs such an op through its slow casting path, element by element,
-    and int4 writes its two nibbles' columns with a stride of two. On the device that made the
-    dequantization, not the link, set the time of a quantized forward (bench/quant_dequant.py
-    times the two; docs/inference.md). So on a GPU, where Triton is (torch's CUDA wheels bring
+    and int4 writes its two nibbles' columns with a stride of two. Quantized forwards took up to
+    5.6x the link's time for the bytes they moved (docs/inference.md; bench/quant_dequant.py
+    times each kernel against the link). So on a GPU, where Triton is (torch's CUDA wheels bring
     it, and torch.compile uses it), one Triton kernel per staged range of rows reads the packed
     values and their scales once and writes the slot once, in its dtype, contiguous: a program
     per row and block of columns, each value multiplied by its scale in fp32 and rounded once

@@ -10,8 +10,9 @@ tiermem/inference/quant.py), for each of int8, fp8 and int4, timed with CUDA eve
   fp16_link_ms the same layer in fp16 (what the fp16 bound moves).
 - dequant_ms: quant.dequantize of every member from device memory into a device fp16 buffer, as
   the dequantization lane runs it (the fused Triton kernel where it runs, NOTE [one
-  dequantization kernel] in tiermem/inference/dequant_kernel.py; variants_ms has torch's ops too); dequant_over_link = dequant_ms / link_ms (it must stay well
-  under 1 for the dequantization to hide behind the link), dequant_GBps = fp16 bytes written / time.
+  dequantization kernel] in tiermem/inference/dequant_kernel.py; variants_ms has torch's ops
+  too); dequant_over_link = dequant_ms / link_ms (it must stay well under 1 for the
+  dequantization to hide behind the link), dequant_GBps = fp16 bytes written / time.
 - dequant_host_us: host time to queue that layer's dequantization (the forward's thread pays it).
 - variants_ms: other ways to write the same slot (scales in the model's dtype, two-pass, and with
   --compile a torch.compile'd fused kernel), device time, so a faster kernel can be picked.
@@ -208,8 +209,8 @@ def e2e_model(shapes, layers: int):
     model = torch.nn.Sequential(*[_Layer.make(shapes) for _ in range(layers)])
     for m in model.modules():
         if isinstance(m, torch.nn.Linear):
-            m.weight = torch.nn.Parameter((torch.randn(m.weight.shape, device="cuda", dtype=torch.float16) * 0.02).cpu(),
-                                          requires_grad=False)
+            w = torch.randn(m.weight.shape, device="cuda", dtype=torch.float16) * 0.02
+            m.weight = torch.nn.Parameter(w.cpu(), requires_grad=False)
     return model.eval()
 
 

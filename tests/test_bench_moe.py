@@ -113,3 +113,49 @@ def test_a_plan_read_wholly_in_place_is_a_collapse_where_a_slot_would_fit():
     streams = offload_infer.plan_shape(_plan(window=300, slot=150, split=frozenset({"emb"}), units=(("emb", 100),),
                                              oversized=frozenset({"l0"})), 300)
     assert not streams["collapsed"] and streams["split"] == 1
+
+
+def test_the_cache_run_compares_decodes_of_one_length_on_the_fake_backend(monkeypatch):
+    """run_moe_cache end to end on a tiny Qwen2-MoE in fp16 (the bench's shape shrunk), its Tier
+    on the fake backend and generate() untimed: the skewed decode through the cache equals the
+    uncached one, tokens and every step's logits, and the figures it reports are there."""
+    import types
+
+    from fakes import FakeBackend
+    from helpers import share
+
+    import tiermem
+    import tiermem.inference.plan as planning
+    monkeypatch.setattr(planning, "EXPERT_CALL_COST", 0)
+    real = tiermem.Tier
+    monkeypatch.setattr(tiermem, "Tier", lambda *a, **k: real(backend=FakeBackend(total=1 << 30)))
+    cfg = tf.Qwen2MoeConfig(hidden_size=64, intermediate_size=128, moe_intermediate_size=48,
+                            shared_expert_intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+                            num_key_value_heads=4, vocab_size=256, num_experts=12, num_experts_per_tok=4,
+                            decoder_sparse_step=1, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float16)
+    try:
+        m = tf.AutoModelForCausalLM.from_config(cfg).eval()
+    finally:
+        torch.set_default_dtype(old)
+    m.generation_config.pad_token_id, m.generation_config.eos_token_id = 0, None
+    calls = []
+
+    def timed_generate(model, ids, new, reps):
+        calls.append(new)
+        with torch.no_grad():
+            out = model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False)
+        return 1e-3 * new, out
+
+    out = infer_moe.run_moe_cache(m, torch.randint(0, 256, (1, 16)), types.SimpleNamespace(decode_tokens=12),
+                                  share(m, 40), 0.05, timed_generate)
+    assert calls == [1, 13, 1, 13]
+    sk = out["skewed"]
+    assert sk["tokens_equal"] and sk["logits_equal"] and sk["tokens_equal_uncached"] and sk["steps"] == 13
+    assert sk["hot_share"] > out["uniform"]["hot_share"] and sk["slots"] > 0
+    for r in (out["uniform"], sk):
+        assert r["decode_ms_per_token"] == pytest.approx(1.0) and r["dense_bound_ms"] == 50
+        assert 0 <= r["hit_rate"] <= 1 and r["moved_experts_per_token"] >= 0 and r["calls"] > 0
+    assert [p.device.type for p in m.parameters()] == ["cpu"] * len(list(m.parameters()))

@@ -38,11 +38,11 @@ skips them).
     python bench/offload_infer.py [--archs llama,qwen2,...] [--quick] [--weights-gb 5.2]
                                   [--budget 25%] [--margin-gb 2] [--no-small-gpu] [--no-accelerate]
                                   [--reps 5] [--forwards 4] [--stream-dtypes int8,int4] [--moe-cache]
-                                  [--no-checkpoints] [--ckpt-dir DIR]
+                                  [--no-checkpoints] [--ckpt-dir DIR] [--tag NAME]
 --archs picks a subset of ARCHS; --quick runs QUICK_ARCHS (unless --archs names others) with
 fewer repetitions. --stream-dtypes adds quantized streaming (bench/infer_quant.py), --moe-cache
 the expert cache on each mixture of experts (bench/infer_moe.py). Writes
-bench/results/offload_infer-<device>-<date>.json and a plot of time against the bound.
+bench/results/offload_infer-<device>-<date>[-<tag>].json and a plot of time against the bound.
 """
 from __future__ import annotations
 
@@ -297,6 +297,7 @@ def main() -> None:
     ap.add_argument("--no-checkpoints", action="store_true", help="skip save_pretrained / load_pretrained of the tied "
                     "and mixture-of-experts architectures")
     ap.add_argument("--ckpt-dir", default=None, help="where those checkpoints are written (default: a temporary folder)")
+    ap.add_argument("--tag", default="", help="appended to the JSON's name: runs of parts of the matrix on one day")
     args = ap.parse_args()
     if args.quick:
         if args.archs == ",".join(ARCHS):
@@ -631,7 +632,7 @@ def finish(args, metrics, checks, raw, equal_all, small_all, within_all, min_fre
     print(table([[k, v] for k, v in metrics.items()], ["metric", "value"]))
     print(table([[k, v] for k, v in checks.items()], ["check", "ok"]))
     png = plot(raw["archs"])
-    write_results("offload_infer", metrics, checks, raw, extra_files=[png] if png else [], notes=notes)
+    write_results("offload_infer", metrics, checks, raw, extra_files=[png] if png else [], notes=notes, tag=args.tag)
 
 
 def plot(archs: dict) -> str | None:

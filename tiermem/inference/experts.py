@@ -221,7 +221,11 @@ class ExpertCache:
             self._views.append(raw.view(t.dtype).view(self.nslots + 1, *t.shape[1:]))
             at += _up((self.nslots + 1) * n)
         for v in self._views:
-            v[self.zero].zero_()         # on the current stream, before any call's compute on it
+            v[self.zero].zero_()
+        # Zeroed on the current stream: done before a forward on any stream reads it.
+        done = be.new_event()
+        be.record(done, be.current_stream())
+        be.synchronize(done)
 
     def release(self) -> None:
         self._views = []

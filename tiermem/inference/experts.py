@@ -350,7 +350,9 @@ class ExpertCache:
         if how == "router":
             self.stats["predicted"] += 1
         bonus = AHEAD_BONUS * right[how]
-        guess = guesses[how]
+        # The best scored first: the victims only score higher as the guess goes on (the lowest
+        # goes first), so where one guess stops the rest would too.
+        guess = sorted(guesses[how], key=lambda e: -self.score.get((id(nxt), e), 0.0))
         keep = [self.ring[self.where[(id(nxt), e)]] for e in guess if (id(nxt), e) in self.where]
         for e in guess:
             key = (id(nxt), e)
@@ -360,7 +362,7 @@ class ExpertCache:
             if slot is None:
                 return
             if slot.occupant is not None and self.score.get(slot.occupant, 0.0) >= self.score.get(key, 0.0) + bonus:
-                return                       # the rest of the guess weighs no more than this one
+                return
             self._evict_into(slot)
             self._load(nxt, e, slot)
             slot.occupant, slot.held = key, "ahead"

@@ -15,6 +15,7 @@ import offload_infer  # noqa: E402
 
 from tiermem.inference.experts import expert_module, router_of  # noqa: E402
 from tiermem.inference.plan import Plan  # noqa: E402
+from tiermem.testing import routers  # noqa: E402
 
 
 def _meta(cfg):
@@ -52,6 +53,7 @@ def test_the_mixtures_of_experts_are_ones_the_cache_serves(arch, experts, top_k,
         r = router_of(parent[id(x)], x)
         assert r is not None and r.top_k == top_k and r.weight.shape[0] == experts
     assert any("shared_expert" in n for n, _ in m.named_modules()) == shared
+    assert len(routers(m)) == len(found)           # what skew_router skews
 
 
 def test_a_decode_of_another_length_is_not_equal():

@@ -58,7 +58,6 @@ def gpu_reason() -> str | None:
     return None
 
 
-@pytest.hookimpl(tryfirst=True)       # the sweep marks below before ``-m`` selects by them
 def pytest_configure(config: pytest.Config) -> None:
     import torch
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))    # NOTE [test threads], if torch was in first
@@ -77,6 +76,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     gc.freeze()
 
 
+@pytest.hookimpl(tryfirst=True)       # the sweep marks below before ``-m`` selects by them
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Cases marked ``sweep`` (NOTE [sampled sweeps] in helpers.py) run only when the marker
     expression names them (``pytest -m sweep``); the default run leaves them out. A long

@@ -57,6 +57,15 @@ NOTE [recompute plan]
     is taken. A recomputed segment's activations are all alive at once in its backward: the
     predicted peak adds the largest of them.
 
+NOTE [bytes bound]
+    The fewest bytes a step within a budget moves, whatever its plan (``TrainPlan.bytes_bound``):
+    every activation recomputed or kept (none swapped), and the room the budget leaves above the
+    floor spent on resident blocks, those that save the most link bytes per device byte first,
+    the last one in part. A streamed block moves its parameters in twice and out once and its
+    optimizer states in and out (with clipping, its parameters and gradients twice more). It is
+    a lower bound, not a plan: recomputing costs compute and its inputs still cross the link, and
+    blocks are kept whole. A plan's bytes are judged against it (tests/test_train_finetune.py).
+
 NOTE [calibrated compute]
     The model's compute times come from a metered step: CUDA events at every block's edges and
     around every wait, whose host work the GPU then waits for: a metered step is slower than
@@ -79,7 +88,7 @@ from typing import Any
 
 from ..errors import ConfigError
 
-__all__ = ["SavedRecord", "StepTrace", "TrainPlan", "plan_training", "RECOMPUTE_MODES", "evaluate", "fit_compute",
+__all__ = ["SavedRecord", "StepTrace", "TrainPlan", "plan_training", "RECOMPUTE_MODES", "bytes_bound", "evaluate", "fit_compute",
            "scaled", "slots_for_recompute"]
 
 LINK_GBPS = 55.0   # pinned copies each way, PCIe Gen5 x16 (docs/facts.md)
@@ -204,6 +213,13 @@ class TrainPlan:
         return self._moved_out() + self.swapped_bytes + (self._params_in() if self.clip else 0)
 
     @property
+    def bytes_bound(self) -> int:
+        """The fewest bytes (in and out together) a step of this budget moves, whatever the plan
+        (NOTE [bytes bound])."""
+        return bytes_bound(self.block_param_bytes, self.block_state_bytes, self._states_moved,
+                           self.budget - self.margin - self.floor_peak, self.clip)
+
+    @property
     def predicted_peak(self) -> int:
         return self.floor_peak + self.kept_bytes + self.resident_block_bytes + self.recompute_peak
 
@@ -236,6 +252,9 @@ class TrainPlan:
             f"compute {self.fwd_ms:.1f} ms forward, {self.bwd_ms:.1f} ms backward, {self.recompute_ms:.1f} ms recomputed"
             + (f" (the metered step's times x{self.compute_scale:.2f}, fitted to the probe's own steps)"
                if self.compute_scale != 1.0 else ""),
+            f"  bytes bound      {gb(self.bytes_bound)} a step at the least, whatever the plan"
+            + (f" (this one moves {(self.h2d_bytes + self.d2h_bytes) / self.bytes_bound:.2f}x that)"
+               if self.bytes_bound else "") + " (NOTE [bytes bound])",
             f"  step time        {pred:.1f} ms predicted" + (" (with the clipping pass)" if self.clip else "") + (
                 f", {self.measured['step_ms']:.1f} ms measured ({self.measured['step_ms'] / pred:.2f}x)"
                 if self.measured.get("step_ms") and pred > 0 else ""),
@@ -286,6 +305,23 @@ class TrainPlan:
 
     def __str__(self) -> str:
         return self.table()
+
+
+def bytes_bound(param_bytes: Sequence[int], state_bytes: Sequence[int], state_moved: Sequence[int], room: int,
+                clip: bool = False) -> int:
+    """NOTE [bytes bound]: the bytes a step moves with ``room`` device bytes spent on the blocks
+    that save the most link bytes per device byte, a share of a block counted as its share of
+    the bytes, and no activation swapped."""
+    per = []
+    for p, s, m in zip(param_bytes, state_bytes, state_moved):
+        moved = 3 * p + 2 * m + (4 * p if clip else 0)     # in twice, out once; states in and out
+        per.append((moved / max(p + s, 1), p + s, moved))
+    left, total = max(int(room), 0), 0.0
+    for ratio, size, moved in sorted(per, key=lambda x: -x[0]):
+        kept = min(size, left)
+        left -= kept
+        total += moved - ratio * kept
+    return int(total)
 
 
 def _phases(fwd_ms: float, bwd_ms: float, params_in: int, out: int, swapped: int, rate: float,

@@ -29,7 +29,7 @@ from typing import Any
 
 from ..errors import ConfigError, ConfigTypeError
 
-__all__ = ["CHUNK_BYTES", "chunked_lm_loss", "chunk_tokens_for"]
+__all__ = ["CHUNK_BYTES", "chunk_tokens_for", "chunked_lm_loss"]
 
 CHUNK_BYTES = 64 << 20     # fp32 logits of one chunk, by default (NOTE [chunked loss])
 

@@ -9,6 +9,9 @@ Writes bench/results/multi_gpu-<device>-<date>.json:
     dp_scaling_2gpu               tokens/s of wrap_training(process_group=True) on two GPUs over one
                                   GPU (a ~0.85B Llama-style transformers model, bf16 autocast over
                                   fp32 masters, fused AdamW, 4x1024 tokens per rank, --dp-budget per rank)
+    dp_scaling_link_bound         the most a step that keeps both directions of its link busy can
+                                  scale: two GPUs' pinned copies both ways at once over one GPU's
+                                  alone (the host's memory is shared by the two links)
     fsdp2_offload_over_tiermem    FSDP2 CPUOffloadPolicy step time over FSDP2 under tiermem.wrap_fsdp
                                   (same model, MixedPrecisionPolicy bf16/fp32, 4x1024 tokens per rank)
     host_mem_over_state           pinned bytes of both ranks' homes over one copy of the training
@@ -184,6 +187,51 @@ def rank_main(rank: int, world: int, init: str, outdir: str, a: argparse.Namespa
         dist.destroy_process_group()
 
 
+# -- the links ------------------------------------------------------------------------------------
+def link_rates(torch, devices: list[int], reps: int = 4) -> dict:
+    """Pinned copies of 1 GiB both ways at once on each of ``devices`` together (threads, one per
+    GPU, two streams each), after a warm-up; GB/s per GPU, medians of three."""
+    import threading
+    bufs = {}
+    for d in devices:
+        with torch.cuda.device(d):
+            bufs[d] = (torch.empty(GiB, dtype=torch.uint8, device=d), torch.empty(GiB, dtype=torch.uint8, device=d),
+                       torch.empty(GiB, dtype=torch.uint8, pin_memory=True),
+                       torch.empty(GiB, dtype=torch.uint8, pin_memory=True), torch.cuda.Stream(d), torch.cuda.Stream(d))
+
+    def run(d, out):
+        dev, dev2, h, h2, s1, s2 = bufs[d]
+        torch.cuda.set_device(d)
+        cur = torch.cuda.current_stream(d)
+        cur.synchronize()
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record(cur)
+        s1.wait_stream(cur)
+        s2.wait_stream(cur)
+        for _ in range(reps):
+            with torch.cuda.stream(s1):
+                dev.copy_(h, non_blocking=True)
+            with torch.cuda.stream(s2):
+                h2.copy_(dev2, non_blocking=True)
+        cur.wait_stream(s1)
+        cur.wait_stream(s2)
+        e1.record(cur)
+        e1.synchronize()
+        out.setdefault(d, []).append(2 * reps * GiB / (e0.elapsed_time(e1) / 1e3) / 1e9)
+
+    out: dict = {}
+    for _ in range(4):
+        th = [threading.Thread(target=run, args=(d, out)) for d in devices]
+        for t in th:
+            t.start()
+        for t in th:
+            t.join()
+    rates = {d: statistics.median(v[1:]) for d, v in out.items()}
+    del bufs
+    _free(torch)
+    return rates
+
+
 # -- inference -------------------------------------------------------------------------------------
 def weight_bytes(m) -> int:
     return sum(t.numel() * t.element_size() for t in list(m.parameters()) + list(m.buffers()))
@@ -277,6 +325,9 @@ def main() -> None:
         mp.spawn(rank_main, args=(world, f"file://{d}/rendezvous", d, a), nprocs=world, join=True)
         ranks = [torch.load(os.path.join(d, f"rank{r}.pt")) for r in range(world)]
     import tiermem
+    progress("the links: both ways on one GPU, then on both at once")
+    alone = link_rates(torch, [0])
+    together = link_rates(torch, [0, 1])
     inf = inference(torch, tiermem, a)
 
     r0 = ranks[0]
@@ -296,6 +347,7 @@ def main() -> None:
     metrics = {
         "gpus": world,
         "dp_scaling_2gpu": round(dp_scaling, 3),
+        "dp_scaling_link_bound": round(sum(together.values()) / alone[0], 3),
         "fsdp2_offload_over_tiermem": round(offload_over, 3),
         "host_mem_over_state": round(host_over_state, 3),
         "infer_scaling_2gpu": round(min(prefill_x, decode_x), 3),
@@ -310,6 +362,7 @@ def main() -> None:
     raw = {
         "model": "LlamaForCausalLM hidden 2048, 16 layers, ffn 5632, 16 heads / 4 kv, vocab 32000 (~0.85B)",
         "tokens_per_rank": list(TOKENS), "args": vars(a),
+        "link_duplex_GBps": {"one_gpu_alone": alone[0], "each_of_two_at_once": together},
         "dp": {"one_gpu_step_s": r0["dp1"]["step_s"], "two_gpu_step_s": [r["dp2"]["step_s"] for r in ranks],
                "peaks": [r["dp2"]["peak"] for r in ranks], "budget": r0["dp2"]["budget"],
                "plans": [r["dp2"]["plan"] for r in ranks], "one_gpu_plan": r0["dp1"]["plan"]},

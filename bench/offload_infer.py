@@ -1,9 +1,11 @@
 """bench/offload_infer.py: transformers models bigger than a really small GPU, as users load them.
 
 For each architecture (Llama; Qwen2 with GQA and qkv bias; GPT-NeoX with fused QKV and parallel
-residual; Mixtral, a mixture of experts; Phi), a model of >= 5 GB fp16 is built from its config
-with random weights and transformers' default flags (requires_grad=True, eval mode), and run side
-by side in one process:
+residual; Mixtral, a mixture of experts; Phi; Gemma, whose tied 256k-vocabulary embedding is
+larger than the budget; Qwen2-MoE, many small experts and a shared expert; OLMoE, 64 experts and
+top-8: bench/infer_moe.py), a model of >= 5 GB fp16 is built from its config with random weights
+and transformers' default flags (requires_grad=True, eval mode), and run side by side in one
+process:
   resident     the model fully on the GPU (the ceiling, and the reference tokens)
   tiermem      tier.wrap_module(model, budget=<25% of its weights, in bytes>) on a GPU made really small: before tiermem
                starts, one cudaMalloc reservation takes all but budget + margin of the card, so
@@ -25,11 +27,22 @@ kept beside it as ``..._vs_plan_bytes``. For the mixture of experts, decode is a
 the routed bound: the weights a decode step reads (all but the experts its router did not pick,
 counted in the run) less the budget. A ratio below 0.98 of a bound prints why it cannot stand.
 
-    python bench/offload_infer.py [--archs llama,qwen2,gpt_neox,mixtral,phi] [--weights-gb 5.2]
+Checks of the plan and of checkpoints: ``no_plan_collapse``, no architecture read wholly in place
+while its budget could hold a slot (NOTE [no plan collapse] in tiermem/inference/plan.py); and
+for each architecture with a tied embedding (``tied_checkpoint_loads``) and each mixture of experts
+(``moe_checkpoint_loads``), the model saved with save_pretrained (which leaves out the tied copy)
+and read back by tiermem.load_pretrained within the same budget and a host budget of half its
+weights (the rest from disk), its prefill logits equal to the resident model's (--no-checkpoints
+skips them).
+
+    python bench/offload_infer.py [--archs llama,qwen2,...] [--quick] [--weights-gb 5.2]
                                   [--budget 25%] [--margin-gb 2] [--no-small-gpu] [--no-accelerate]
                                   [--reps 5] [--forwards 4] [--stream-dtypes int8,int4] [--moe-cache]
---stream-dtypes and --moe-cache add quantized streaming and the expert cache (bench/infer_quant.py).
-Writes bench/results/offload_infer-<device>-<date>.json and a plot of time against the bound.
+                                  [--no-checkpoints] [--ckpt-dir DIR] [--tag NAME]
+--archs picks a subset of ARCHS; --quick runs QUICK_ARCHS (unless --archs names others) with
+fewer repetitions. --stream-dtypes adds quantized streaming (bench/infer_quant.py), --moe-cache
+the expert cache on each mixture of experts (bench/infer_moe.py). Writes
+bench/results/offload_infer-<device>-<date>[-<tag>].json and a plot of time against the bound.
 """
 from __future__ import annotations
 
@@ -38,12 +51,14 @@ import gc
 import threading
 
 import bounds
+import infer_moe
 import infer_quant
 from _common import (STEADY, cuda_times, embedding_bytes, gbps, median, nvml_handle, plot_path, progress, steady_times, table,
                      write_results)
 
 GiB = 1 << 30
-ARCHS = ("llama", "qwen2", "gpt_neox", "mixtral", "phi")
+ARCHS = ("llama", "qwen2", "gpt_neox", "mixtral", "phi", "gemma", "qwen2_moe", "olmoe")
+QUICK_ARCHS = ("llama", "gemma", "qwen2_moe")    # --quick: a dense model, the tied embedding, the small experts
 
 
 def arch_config(arch: str, weights_gb: float):
@@ -81,10 +96,17 @@ def arch_config(arch: str, weights_gb: float):
         fixed = 2 * vocab * h
         make = lambda n: tf.PhiConfig(hidden_size=h, intermediate_size=i, num_hidden_layers=n,  # noqa: E731
                                       num_attention_heads=heads, vocab_size=vocab)
-    elif arch in infer_quant.EXTRA_ARCHS:
-        return infer_quant.EXTRA_ARCHS[arch](weights_gb)
+    elif arch == "gemma":     # Gemma-7B's shape: a 256k vocabulary, its embedding tied to the head
+        h, i, heads, hd, vocab = 3072, 24576, 16, 256, 256000
+        per = 4 * h * heads * hd + 3 * h * i
+        fixed = vocab * h
+        make = lambda n: tf.GemmaConfig(hidden_size=h, intermediate_size=i, num_hidden_layers=n,  # noqa: E731
+                                        num_attention_heads=heads, num_key_value_heads=heads, head_dim=hd,
+                                        vocab_size=vocab, tie_word_embeddings=True)
+    elif arch in infer_moe.MOE_ARCHS:
+        return infer_moe.MOE_ARCHS[arch](weights_gb)
     else:
-        raise SystemExit(f"unknown architecture {arch!r}; choose from {', '.join(ARCHS + tuple(infer_quant.EXTRA_ARCHS))}")
+        raise SystemExit(f"unknown architecture {arch!r}; choose from {', '.join(ARCHS)}")
     layers = max(2, round((weights_gb * 1e9 / 2 - fixed) / per))
     return make(layers)
 
@@ -269,8 +291,18 @@ def main() -> None:
     ap.add_argument("--stream-dtypes", default="", help="also run tiermem with these stream_dtypes (int8,fp8,int4): "
                     "bench/infer_quant.py")
     ap.add_argument("--moe-cache", action="store_true", help="also run each mixture of experts with an expert cache, "
-                    "routed uniformly and skewed: bench/infer_quant.py")
+                    "routed uniformly and skewed: bench/infer_moe.py")
+    ap.add_argument("--quick", action="store_true", help=f"{','.join(QUICK_ARCHS)} (unless --archs is given), "
+                    "--reps 2 --forwards 2 --decode-tokens 16")
+    ap.add_argument("--no-checkpoints", action="store_true", help="skip save_pretrained / load_pretrained of the tied "
+                    "and mixture-of-experts architectures")
+    ap.add_argument("--ckpt-dir", default=None, help="where those checkpoints are written (default: a temporary folder)")
+    ap.add_argument("--tag", default="", help="appended to the JSON's name: runs of parts of the matrix on one day")
     args = ap.parse_args()
+    if args.quick:
+        if args.archs == ",".join(ARCHS):
+            args.archs = ",".join(QUICK_ARCHS)
+        args.reps, args.forwards, args.decode_tokens = min(args.reps, 2), min(args.forwards, 2), min(args.decode_tokens, 16)
 
     import torch
 
@@ -382,6 +414,7 @@ def run_arch(arch, args, link, watch, raw, atomic):
                     "tokens_equal_resident": eq, "prefill_logits_equal_resident": logits_eq,
                     "min_free_GB": watch.min_free / 1e9}
     r["within"] = s["resident_bytes.all.peak"] <= hd.budget and tier.backend.guard.reserved <= tier.backend.guard.limit
+    r["tiermem"]["plan"] = plan_shape(hd.plan, budget)
     if routing.sets:
         steps = 4 * args.decode_tokens       # decode steps hooked: the warm-up and 3 timed generate() calls
         routed_per_token = routing.routed / steps
@@ -401,7 +434,12 @@ def run_arch(arch, args, link, watch, raw, atomic):
     if args.stream_dtypes:
         r["quant"] = infer_quant.run_quantized(model, ids, args, budget, ref_logits, bound, link, measure, watch)
     if args.moe_cache and "moe" in r["tiermem"]:
-        r["moe_cache"] = infer_quant.run_moe_cache(model, ids, args, budget, bound, timed_generate)
+        r["moe_cache"] = infer_moe.run_moe_cache(model, ids, args, budget, bound, timed_generate)
+    tied = model.get_output_embeddings() is not None and (model.get_output_embeddings().weight
+                                                           is model.get_input_embeddings().weight)
+    r["tied"] = tied
+    if not args.no_checkpoints and (tied or "moe" in r["tiermem"]):
+        r["checkpoint"] = checkpoint_round_trip(model, ids, budget, ref_logits, args, arch)
 
     if not args.no_accelerate:
         r["accelerate"] = run_accelerate(model, ids, args, arch)
@@ -411,6 +449,62 @@ def run_arch(arch, args, link, watch, raw, atomic):
     torch.cuda.empty_cache()
     raw["archs"][arch] = r
     return atomic
+
+
+def plan_shape(plan, budget: int) -> dict:
+    """What the plan does with the groups it streams: read wholly in place (``collapsed``) or
+    not, and whether the budget could hold a slot of the smallest streamed group or part
+    (NOTE [no plan collapse] in tiermem/inference/plan.py)."""
+    streamed = [(g, n) for g, n in plan.sizes if g not in plan.pinned and g not in plan.in_place]
+    parts = dict(plan.units)
+    smallest = min((min(n, parts.get(g, n)) for g, n in streamed), default=0)
+    collapsed = bool(streamed) and (plan.zero_copy_only or all(g in plan.oversized for g, _ in streamed))
+    return {"streamed_groups": len(streamed), "oversized": len(plan.oversized), "split": len(plan.split),
+            "slot_GB": plan.slot / 1e9, "zero_copy_only": plan.zero_copy_only, "collapsed": collapsed,
+            "smallest_streamed_GB": smallest / 1e9, "budget_holds_a_slot": 0 < smallest <= budget}
+
+
+def checkpoint_round_trip(model, ids, budget: int, ref_logits, args, arch) -> dict:
+    """``model`` (on the host) saved with save_pretrained and read back by load_pretrained within
+    ``budget`` and a host budget of half its weights; its prefill logits against ``ref_logits``."""
+    import os
+    import shutil
+    import tempfile
+    import time
+
+    import torch
+
+    import tiermem
+    W = tiermem.planning.weight_bytes(model)
+    base = args.ckpt_dir or tempfile.gettempdir()
+    os.makedirs(base, exist_ok=True)
+    path = tempfile.mkdtemp(prefix=f"offload_infer-{arch}-", dir=base)
+    out: dict = {"host_budget_GB": W / 2 / 1e9}
+    try:
+        progress(f"{arch}: save_pretrained, then load_pretrained with host_budget={W / 2 / 1e9:.2f} GB")
+        t0 = time.perf_counter()
+        model.save_pretrained(path)
+        out["save_s"] = round(time.perf_counter() - t0, 1)
+        tier = tiermem.Tier(0)
+        try:
+            t0 = time.perf_counter()
+            loaded, hd = tiermem.load_pretrained(path, budget=budget, host_budget=W // 2, tier=tier)
+            out["load_s"] = round(time.perf_counter() - t0, 1)
+            with torch.no_grad():
+                logits = loaded(ids, use_cache=False).logits
+            out.update(loads=True, logits_equal_resident=bool(torch.equal(logits, ref_logits)),
+                       on_disk_groups=len(hd.plan.on_disk), pinned_host_GB=hd.plan.pinned_host_bytes / 1e9)
+            hd.unwrap()
+            del loaded, hd
+        finally:
+            tier.close()
+    except Exception as e:        # reported; the rest of the run goes on
+        out.update(loads=False, error=f"{type(e).__name__}: {e}")
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+        gc.collect()
+    progress(f"{arch}: checkpoint round trip: {out}")
+    return out
 
 
 def run_accelerate(model, ids, args, arch) -> dict:
@@ -463,9 +557,11 @@ def finish(args, metrics, checks, raw, equal_all, small_all, within_all, min_fre
             metrics[f"accelerate_over_tiermem_decode.{arch}"] = round(a["decode_ms_per_token"] / t["decode_ms_per_token"], 2)
             for mode in ("pageable", "pinned"):
                 metrics[f"accelerate_{mode}_over_tiermem.{arch}"] = round(a[mode]["prefill_ms"] / t["prefill_ms"], 2)
-        if "moe" in t:
-            metrics["moe_decode_vs_dense_bound"] = bounds.ratio(t["decode_ms_per_token"], t["bound_ms"])
-            metrics["moe_decode_vs_routed_bound"] = dv[arch]
+        if "moe" in t:            # over the mixtures of experts: the worst
+            metrics[f"moe_decode_vs_dense_bound.{arch}"] = bounds.ratio(t["decode_ms_per_token"], t["bound_ms"])
+            metrics["moe_decode_vs_dense_bound"] = max(metrics.get("moe_decode_vs_dense_bound", 0),
+                                                       metrics[f"moe_decode_vs_dense_bound.{arch}"])
+            metrics["moe_decode_vs_routed_bound"] = max(metrics.get("moe_decode_vs_routed_bound", 0), dv[arch])
         rows.append([arch, r["weights_GB"], round(r["resident"]["prefill_ms"], 1), round(t["prefill_ms"], 1),
                      round(t["bound_ms"], 1), pv[arch], round(t["plan_bytes_ms"], 1),
                      round(r["resident"]["decode_ms_per_token"], 2), round(t["decode_ms_per_token"], 2), dv[arch],
@@ -506,6 +602,20 @@ def finish(args, metrics, checks, raw, equal_all, small_all, within_all, min_fre
     if "moe_decode_vs_dense_bound" in metrics:
         checks["moe_decode_goal"] = metrics["moe_decode_vs_dense_bound"] <= 0.6
     qrows = infer_quant.add_metrics(raw["archs"], metrics, checks, notes)
+    mrows = infer_moe.add_metrics(raw["archs"], metrics, checks)
+    collapsed = [a for a, r in raw["archs"].items()
+                 if r["tiermem"]["plan"]["collapsed"] and r["tiermem"]["plan"]["budget_holds_a_slot"]]
+    checks["no_plan_collapse"] = not collapsed
+    if collapsed:
+        notes.append(f"read wholly in place though the budget could hold a slot: {', '.join(collapsed)}")
+    for key, which in (("tied_checkpoint_loads", lambda r: r.get("tied")),
+                       ("moe_checkpoint_loads", lambda r: "moe" in r["tiermem"])):
+        trips = {a: r["checkpoint"] for a, r in raw["archs"].items() if which(r) and "checkpoint" in r}
+        if trips:
+            checks[key] = all(c.get("loads") and c.get("logits_equal_resident") for c in trips.values())
+            for a, c in trips.items():
+                if not c.get("loads"):
+                    notes.append(f"{a}: load_pretrained of its checkpoint failed: {c.get('error')}")
 
     print()
     print(table(rows, ["arch", "GB", "res pre ms", "tm pre ms", "bound ms", "pre/bound", "plan ms", "res dec ms",
@@ -513,13 +623,16 @@ def finish(args, metrics, checks, raw, equal_all, small_all, within_all, min_fre
     if qrows:
         print(table(qrows, ["arch", "stream", "pre ms", "fp16 bound", "pre/bound", "dec ms", "dec/bound", "cos min",
                             "top-1", "GB/fwd"]))
+    if mrows:
+        print(table(mrows, ["arch", "routing", "dec ms", "dense bound", "dec/bound", "hit rate", "moved/token", "slots",
+                            "equal"]))
     print(f"\nprefill timing: {raw['prefill_timing']}\nbound: {raw['bound']}\n")
     for n in notes:
         print("BELOW THE BOUND: " + n)
     print(table([[k, v] for k, v in metrics.items()], ["metric", "value"]))
     print(table([[k, v] for k, v in checks.items()], ["check", "ok"]))
     png = plot(raw["archs"])
-    write_results("offload_infer", metrics, checks, raw, extra_files=[png] if png else [], notes=notes)
+    write_results("offload_infer", metrics, checks, raw, extra_files=[png] if png else [], notes=notes, tag=args.tag)
 
 
 def plot(archs: dict) -> str | None:

@@ -1,5 +1,6 @@
-"""bench/infer_quant.py on the CPU: its mixture of many small experts, and the metrics and checks
-it derives from offload_infer's per-architecture figures (against the fp16 bound). No GPU."""
+"""bench/infer_quant.py on the CPU: the metrics and checks it derives from offload_infer's
+per-architecture figures (against the fp16 bound). No GPU. (The mixtures of experts and the
+expert cache's figures: tests/test_bench_moe.py.)"""
 from __future__ import annotations
 
 import pytest
@@ -7,16 +8,6 @@ import pytest
 tf = pytest.importorskip("transformers")
 
 import infer_quant  # noqa: E402
-import offload_infer  # noqa: E402
-
-
-def test_the_moe_of_many_small_experts_is_sized_by_its_weights():
-    cfg = offload_infer.arch_config("qwen2_moe", 5.2)
-    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size) == (60, 4, 1408)
-    assert cfg.shared_expert_intermediate_size > 0 and cfg._experts_implementation == "batched_mm"
-    per = 4 * 2048 * 2048 + 60 * 3 * 2048 * 1408 + 3 * 2048 * 5632 + 2048 * 60 + 2048
-    total = 2 * (cfg.num_hidden_layers * per + 2 * cfg.vocab_size * 2048)
-    assert abs(total - 5.2e9) < 0.6 * 2 * per          # within half a layer of the size asked
 
 
 def _q(pre, dec, bound, cos, top1=1.0):
@@ -27,10 +18,7 @@ def _q(pre, dec, bound, cos, top1=1.0):
 def test_metrics_take_the_worst_architecture_against_the_fp16_bound():
     archs = {"llama": {"quant": {"int8": _q(50, 52, 100, 0.9995), "int4": _q(30, 33, 100, 0.95)}},
              "phi": {"quant": {"int8": _q(60, 50, 100, 0.9992), "int4": {"error": "TierMemError: no room"}}},
-             "qwen2_moe": {"quant": {}, "moe_cache": {
-                 "uniform": {"decode_ms_per_token": 40, "dense_bound_ms": 100, "hit_rate": 0.1},
-                 "skewed": {"decode_ms_per_token": 20, "dense_bound_ms": 100, "hit_rate": 0.9, "hot_share": 0.8,
-                            "tokens_equal_uncached": True}}}}
+             "qwen2_moe": {"quant": {}}}
     metrics, checks, notes = {}, {}, []
     rows = infer_quant.add_metrics(archs, metrics, checks, notes)
     assert metrics["prefill_vs_bound_worst_int8"] == 0.6 and metrics["decode_vs_bound_worst_int8"] == 0.52
@@ -39,6 +27,22 @@ def test_metrics_take_the_worst_architecture_against_the_fp16_bound():
     assert checks["quant_goal_int8"] is False and checks["logits_goal_int8"] is True
     assert checks["quant_goal_int4"] is True and checks["logits_goal_int4"] is False
     assert any("phi" in n and "int4" in n for n in notes)          # the run that did not happen is said
-    assert metrics["moe_decode_vs_dense_bound_skewed"] == 0.2 and metrics["moe_cache_hit_rate_skewed"] == 0.9
-    assert metrics["moe_cache_hit_rate_uniform"] == 0.1 and checks["moe_skewed_goal"] is True
-    assert checks["moe_cache_tokens_equal"] is True and len(rows) == 3
+    assert len(rows) == 3
+
+
+def test_each_linear_and_the_floor_of_the_resident_prefill_are_reported():
+    def q(pre, cos, lin):
+        return {**_q(pre, pre, 100, cos), "linear": {"cosine_min": lin, "worst": "lm_head", "linears": 3}}
+    archs = {"llama": {"resident": {"prefill_ms": 10}, "quant": {"int8": q(60, 0.998, 0.99995), "int4": q(40, 0.8, 0.995)}},
+             "phi": {"resident": {"prefill_ms": 40}, "quant": {"int8": q(70, 0.9995, 0.9999), "int4": q(45, 0.9, 0.989)}}}
+    metrics, checks, notes = {}, {}, []
+    infer_quant.add_metrics(archs, metrics, checks, notes)
+    assert metrics["linear_cosine_min_int8"] == 0.9999 and metrics["linear_cosine_min_int4"] == 0.989
+    assert checks["linear_goal_int8"] is True and checks["linear_goal_int4"] is False
+    assert checks["logits_goal_int8"] is False
+    # the floor: the resident prefill (phi: 40 ms) or the plan's bytes (llama: 50 ms), whichever is slower
+    assert metrics["prefill_vs_floor.llama.int8"] == 1.2 and metrics["prefill_vs_floor.phi.int4"] == 0.9
+    assert metrics["prefill_vs_floor_worst_int8"] == 1.4
+    # phi resident takes 0.4 of the fp16 bound: above int4's goal (0.32), not int8's (0.55)
+    assert any("phi" in n and "int4" in n and "resident" in n for n in notes)
+    assert not any("int8" in n and "resident" in n for n in notes)

@@ -86,6 +86,7 @@ def test_a_long_decode_on_a_really_small_gpu_gives_the_resident_caches_tokens_wi
     import torch
 
     import tiermem
+    from tiermem.inference.kvplan import pinned_map_bytes
     from tiermem.planning import kv_shape
     model, cfg = _model()
     ids = torch.randint(0, cfg.vocab_size, (1, PROMPT), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
@@ -97,7 +98,8 @@ def test_a_long_decode_on_a_really_small_gpu_gives_the_resident_caches_tokens_wi
     max_tokens = PROMPT + NEW
     layer = kv_shape(cfg, torch.float16).layer_bytes(max_tokens)
     whole = cfg.num_hidden_layers * layer
-    kv_budget = 3 * layer                                    # one layer resident, two slots
+    # one layer resident, two slots, and the driver's mapping of the home (NOTE [pinned mapping])
+    kv_budget = 3 * layer + pinned_map_bytes(whole)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     blob = _take_device(kv_budget + 768 * MiB)
     try:

@@ -130,6 +130,35 @@ def test_a_slot_holds_the_plain_formula_dequantization_to_the_bit(fmt, dtype):
     t.close()
 
 
+@pytest.mark.parametrize("fmt", ["int8", "fp8", "int4"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_the_fused_kernel_and_torchs_ops_write_the_plain_formula_to_the_bit(fmt, dtype):
+    # NOTE [one dequantization kernel]: the Triton kernel the transport runs on a GPU, and the
+    # torch ops it falls back on, against quant.reference; kernel="fused" raises where the
+    # kernel did not run (Triton missing, or it did not compile for this format and dtype).
+    import torch
+    pytest.importorskip("triton")
+
+    from tiermem.inference import quant
+    torch.manual_seed(0)
+    dt = getattr(torch, dtype)
+    for shape in [(96, 4096), (37, 1030), (5, 11008), (3, 4, 2048)]:
+        w = (torch.randn(shape, device="cuda") * 0.05).to(dt)
+        p = quant.packing(w, fmt)
+        raw = torch.zeros(p.nbytes, dtype=torch.uint8, device="cuda")
+        q, s = quant.views(p, raw)
+        quant.pack_into(w, p, q, s, torch.device("cuda"))
+        want = quant.reference(q, s, p, dt)
+        scratch = torch.empty(p.q_bytes, dtype=torch.uint8, device="cuda")
+        for kernel in ("fused", "torch"):
+            out = torch.full((p.rows, p.cols), float("nan"), dtype=dt, device="cuda")
+            quant.dequantize(q, s, p, out, scratch, kernel=kernel)
+            assert torch.equal(out, want), (kernel, shape)
+        part = torch.full((2, p.cols), float("nan"), dtype=dt, device="cuda")     # a staged range of rows
+        quant.dequantize(q[1:3], s[1:3], p, part, kernel="fused")
+        assert torch.equal(part, want[1:3])
+
+
 def _qwen2_moe():
     import torch
     tf = pytest.importorskip("transformers")
@@ -171,8 +200,9 @@ def test_a_skewed_router_keeps_its_experts_in_the_cache(stream_dtype):
         m = copy.deepcopy(model).cpu()
         sk1 = skew_router(m, hot=hot, bias=3.0) if skewed else None
         t = tiermem.Tier(0, cap="1GiB")
-        # 34 experts of 786 KB: the 8 hot ones of each of the 4 layers, and 2 more
-        cache = 34 * 3 * cfg.moe_intermediate_size * cfg.hidden_size * 2
+        # 35 experts of 786 KB: 34 slots (the 8 hot ones of each of the 4 layers, and 2 more) and
+        # the zero slot (NOTE [cached experts sum alike])
+        cache = 35 * 3 * cfg.moe_intermediate_size * cfg.hidden_size * 2
         h = t.wrap_module(m, budget=share(m, 45) + cache, stream_dtype=stream_dtype, expert_cache=cache,
                           max_group_bytes=4 * MiB)
         assert h._cache is not None and h._cache.nslots == 34 and h.plan.pinned == h0.plan.pinned

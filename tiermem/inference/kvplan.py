@@ -32,7 +32,18 @@ from typing import Any
 from ..errors import ConfigError, OutOfBudgetError
 from .plan import LINK_GBPS, Plan, plan_residency
 
-__all__ = ["KVShape", "KVPlan", "kv_shape", "plan_kv", "split_budget", "most_tokens", "SLOTS", "FP8_MAX"]
+# NOTE [pinned mapping]
+#     Pinning host memory for the GPU costs device memory: the driver's free memory fell by 2 MiB
+#     for every GiB pinned, whether through torch's pinned allocator, cudaHostAlloc or
+#     cudaHostRegister (docs/facts.md, "Pinned memory's cost on the device"). A long context's
+#     home is tens of GB, so its mapping is tens to hundreds of MiB of device memory, which the
+#     cache's device budget counts beside its resident layers and its ring: 2 MiB for each whole
+#     GiB of home (a home under a GiB is charged nothing; the driver's piece for it is within the
+#     slack every measurement of free memory needs).
+MAP_PER = 1 << 30               # pinned bytes...
+MAP_GRAIN = 2 << 20             # ...for each of which the driver took this much of the device
+
+__all__ = ["FP8_MAX", "SLOTS", "KVPlan", "KVShape", "kv_shape", "most_tokens", "pinned_map_bytes", "plan_kv", "split_budget"]
 
 SLOTS = 2          # ring slots for streamed layers (NOTE [kv plan]: the least that overlaps)
 ALIGN = 512        # every region of the device block and the home starts on this boundary (as in core/stream.py)
@@ -136,9 +147,15 @@ class KVPlan:
         return tuple(i for i in range(self.shape.layers) if i not in self.resident)
 
     @property
-    def device_bytes(self) -> int:
-        """Device bytes the plan holds: the resident layers and the ring."""
+    def held_bytes(self) -> int:
+        """Device bytes the cache allocates: the resident layers and the ring."""
         return len(self.resident) * self.layer_bytes + self.slots * self.slot_bytes
+
+    @property
+    def device_bytes(self) -> int:
+        """Device bytes the plan takes: what the cache allocates (:attr:`held_bytes`), and what the
+        driver takes on the device to map the pinned home (NOTE [pinned mapping])."""
+        return self.held_bytes + pinned_map_bytes(self.home_bytes)
 
     @property
     def home_layer_bytes(self) -> int:
@@ -189,6 +206,12 @@ def _spread(n: int, layers: int) -> frozenset[int]:
     return frozenset((2 * i + 1) * layers // (2 * n) for i in range(n)) if n else frozenset()
 
 
+def pinned_map_bytes(pinned: int) -> int:
+    """Device memory the driver takes to map ``pinned`` bytes of pinned host memory for the GPU
+    (NOTE [pinned mapping])."""
+    return (max(0, int(pinned)) // MAP_PER) * MAP_GRAIN
+
+
 def _fits(shape: KVShape, max_tokens: int, resident: int, slots: int, fp8: bool) -> int:
     """Device bytes of ``resident`` layers plus the ring the rest need."""
     p = KVPlan(0, max_tokens, shape, _spread(resident, shape.layers), 0 if resident >= shape.layers else slots, fp8)
@@ -212,10 +235,13 @@ def plan_kv(shape: KVShape, max_tokens: int, budget: int, slots: int = SLOTS, fp
             return KVPlan(budget, max_tokens, shape, resident, ring, fp8)
     need = _fits(shape, max_tokens, 0, slots, fp8)
     ring = min(slots, shape.layers)
+    bare = KVPlan(0, max_tokens, shape, (), ring, fp8)
     fit = most_tokens(lambda t: _fits(shape, t, 0, slots, fp8), budget, max_tokens)
     raise OutOfBudgetError(need, 0, budget, hint=(
         f"a KV cache of {max_tokens:,} tokens x {shape.batch} streams its layers through {ring} device slots of "
-        f"{need // ring:,} bytes each; raise kv_budget to {need:,} bytes"
+        f"{bare.slot_bytes:,} bytes each, and mapping its {bare.home_bytes:,}-byte pinned home takes "
+        f"{pinned_map_bytes(bare.home_bytes):,} bytes of the device (NOTE [pinned mapping]); raise kv_budget to "
+        f"{need:,} bytes"
         + (f" or lower max_tokens to {fit:,}" if fit else "")))
 
 

@@ -24,7 +24,7 @@ from ..errors import ConfigError, ConfigTypeError, DeviceFullError, TierMemError
 from ..pytorch.held import CopyGuard, InstancePatch
 from ..roles import Evict, Role
 from .disk import STAGES
-from .experts import ExpertCache, cacheable, cached_forward, top_k_of
+from .experts import ExpertCache, cacheable, cached_forward, router_of, top_k_of
 from .groups import (MAX_GROUP, enclosing_groups, fit_groups, gathered_groups, home_layout, is_stacked, module_groups,
                      span_of)
 from .load import FileTensor
@@ -189,9 +189,11 @@ class TieredModule:
                 from .kvikio import require
                 require()                # refused before anything is allocated, with the reason
         self._cached = [g for g in self._cached if g.name not in self.plan.on_disk]
+        # Two experts at least: one slot and the zero slot (NOTE [cached experts sum alike]).
         if self._cached and self._cache_bytes // sum(t.numel() * t.element_size() // t.shape[0]
-                                                     for t in self._cached[0].tensors) < 1:
-            log.warning("tiermem: expert_cache=%r holds no expert (one takes %s bytes); it is not used", expert_cache,
+                                                     for t in self._cached[0].tensors) < 2:
+            log.warning("tiermem: expert_cache=%r holds fewer than two experts (one takes %s bytes, and one more "
+                        "holds zeros for its rounds); it is not used", expert_cache,
                         f"{sum(t.numel() * t.element_size() // t.shape[0] for t in self._cached[0].tensors):,}")
             self._cached = []
         # NOTE [experts by expert] in inference/plan.py: what a decode step's choice weighs.
@@ -389,7 +391,7 @@ class TieredModule:
         if self._stream is not None:
             self._stream.finish()
         if self._cached:
-            self._cache = ExpertCache(self._stream, self._cached, self._cache_bytes)
+            self._cache = ExpertCache(self._stream, self._cached, self._cache_bytes, self._routers(module))
             tier.reserve(self._cache.nbytes, self._stream.role)
             try:
                 self._cache.allocate()
@@ -441,6 +443,24 @@ class TieredModule:
         if self.part is None:
             self._hooks.append(CopyGuard(module))   # NOTE [held modules]
             module._tiermem_handle = weakref.ref(self)
+
+    def _routers(self, module: Any) -> dict[int, Any]:
+        """id(group) -> the router beside each cached group's experts module, where its weight can
+        be read between its own layer's turns (NOTE [expert cache] in inference/experts.py): resident,
+        or streamed whole from a home in the model's dtype (at rest its tensors point there)."""
+        parent = {id(c): m for m in module.modules() for c in m.children()}
+        owner = {id(t): g for g in self._groups.values() for t in g.tensors}
+        out = {}
+        for g in self._cached:
+            m = self._roots[id(g)]
+            r = router_of(parent[id(m)], m) if id(m) in parent else None
+            w = owner.get(id(getattr(r, "weight", None)))
+            if r is None or w is None:
+                continue
+            i = next(k for k, t in enumerate(w.tensors) if t is r.weight)
+            if w.pinned or not (w.on_disk or w.split or w.oversized or (w.packing and w.packing[i] is not None)):
+                out[id(g)] = r
+        return out
 
     def _rollback(self, originals: list[tuple[Any, Any]]) -> None:
         """Undo a failed adoption: the module's tensors get their original data back, and every

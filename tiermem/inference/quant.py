@@ -29,10 +29,13 @@ NOTE [quantized streaming]
     turns (QSTAGES), so a copy never waits for a dequantization but the one two copies back. A
     group bigger than QSTAGE_BYTES packed crosses a chunk of rows at a time (rows are
     independent), so the staging stays small beside a slot of a whole layer of experts; the
-    expert cache brings an expert's rows the same way. The dequantization multiplies in fp32 and rounds once to the model's dtype, which is
-    exactly :func:`reference`'s ``(values.float() * scale).to(dtype)``; its kernels make no
-    temporaries in torch's allocator (int4 unpacks its nibbles into a scratch region of the
-    window), so the window is all the device memory streaming takes.
+    expert cache brings an expert's rows the same way. The dequantization multiplies in fp32
+    and rounds once to the model's dtype, which is exactly :func:`reference`'s
+    ``(values.float() * scale).to(dtype)``; on a GPU one fused kernel per staged range of rows
+    does it (NOTE [one dequantization kernel] in inference/dequant_kernel.py), elsewhere
+    torch's ops, and neither makes temporaries in torch's allocator (torch's int4 unpacks its
+    nibbles into a scratch region of the window), so the window is all the device memory
+    streaming takes.
 
     Quantization is lossy, so the plan of a quantized module has no home of its weights in the
     model's dtype: a quantized weight is never read in place. mode="zero_copy", a plan with no
@@ -42,8 +45,8 @@ NOTE [quantized streaming]
     as the files hold them. Weights are quantized once, at adoption, from the module's own
     tensors or from the checkpoint's as they are read, one tensor at a time, on the device in
     pieces of at most QUANT_CHUNK elements, so no host or device copy of the model in fp16 is
-    made. torch's own ops do the work (torchao's primitives return new tensors in fp32 and
-    cannot write into a slot; docs/inference.md).
+    made. torchao's primitives return new tensors in fp32 and cannot write into a slot
+    (docs/inference.md).
 """
 from __future__ import annotations
 
@@ -52,7 +55,7 @@ from typing import Any
 
 from ..errors import ConfigError
 
-__all__ = ["FORMATS", "INT4_GROUP", "QSTAGES", "Packing", "packing", "pack_into", "dequantize", "reference",
+__all__ = ["FORMATS", "KERNELS", "INT4_GROUP", "QSTAGES", "Packing", "packing", "pack_into", "dequantize", "reference",
            "unpack", "check_format", "views", "QSTAGE_BYTES"]
 
 FORMATS = ("int8", "fp8", "int4")
@@ -204,14 +207,28 @@ def pack_into(src: Any, p: Packing, q_out: Any, s_out: Any, device: Any) -> None
         s_out[lo:hi].copy_(s)
 
 
-def dequantize(q: Any, s: Any, p: Packing, out: Any, scratch: Any = None) -> None:
+KERNELS = ("auto", "fused", "torch")
+
+
+def dequantize(q: Any, s: Any, p: Packing, out: Any, scratch: Any = None, kernel: str = "auto") -> None:
     """Write the weights of ``q`` and ``s`` (views of n packed rows) into ``out`` (n rows, in the
     model's dtype), on the current stream, making no temporaries on a GPU: each value is
-    multiplied by its scale in fp32 and rounded once, as :func:`reference` does. int4 needs
-    ``scratch``: a byte tensor of at least n x row_q bytes."""
+    multiplied by its scale in fp32 and rounded once, as :func:`reference` does. ``kernel``:
+    "fused" the one Triton kernel (NOTE [one dequantization kernel] in
+    inference/dequant_kernel.py; ConfigError where it cannot run), "torch" torch's ops (int4
+    needs ``scratch``: a byte tensor of at least n x row_q bytes), "auto" the first where it can."""
     import torch
+
+    from . import dequant_kernel
     n = q.shape[0]
     o = out.view(n, p.cols)
+    if kernel not in KERNELS:
+        raise ConfigError(f"kernel must be one of {', '.join(map(repr, KERNELS))}, got {kernel!r}")
+    if kernel != "torch" and dequant_kernel.available(o) and dequant_kernel.dequantize(q, s, p, o):
+        return
+    if kernel == "fused":
+        raise ConfigError("the fused dequantization needs a CUDA tensor, contiguous views and Triton importable; "
+                          "pass kernel='auto' to fall back on torch's ops")
     if p.fmt == "int8":
         torch.mul(q, s, out=o)              # int8 x fp32 per row -> the model's dtype
     elif p.fmt == "fp8":

@@ -307,6 +307,7 @@ class PinnedTransport:
         self.window: Any = None
         self.grad_home: Any = None
         self._view_cache: dict[tuple[int, int | None, bool], list[Any]] = {}
+        self._plans: dict[Any, Any] = {}     # NOTE [packed chunks made once]
         self._reserved = 0
         self.origin: dict[int, Any] = {id(t): origin(t) for g in groups for t in g.tensors}
         self.disk: DiskTier | None = None
@@ -542,62 +543,95 @@ class PinnedTransport:
         for i, lo, hi in ranges:
             t, p = g.tensors[i], g.packing[i]
             per = p.row_q + p.row_s if p is not None else _row_bytes(t)
+
+            def staged(n: int, p: Any = p, per: int = per) -> int:
+                return p.rows_nbytes(n) if p is not None else _up(n * per)
             while lo < hi:
-                n = min(hi - lo, max(0, (self.stage_bytes - used - 2 * quant.ALIGN) // per))
+                room = self.stage_bytes - used
+                # All that is left when it fits (a group no bigger than a staging buffer crosses
+                # in one chunk), else as many rows as surely fit beside their two alignments.
+                n = hi - lo if staged(hi - lo) <= room else min(hi - lo, max(0, (room - 2 * quant.ALIGN) // per))
                 if n == 0:
                     out.append([])
                     used = 0
                     continue
                 out[-1].append((i, lo, lo + n))
-                used += p.rows_nbytes(n) if p is not None else _up(n * per)
+                used += staged(n)
                 lo += n
         return [c for c in out if c]
 
     def stream_packed(self, g: Group, ranges: list[tuple[int, int, int]], ring: SlotRing, slot: Any,
-                      dst: Callable[[int, int, int], Any]) -> int:
+                      dst: Callable[[int, int, int], Any], key: Any = None) -> int:
         """Copy rows ``ranges`` ((member, first row, end row)) of packed group ``g`` from its home
         into the staging buffers a chunk at a time, each dequantized (or, for a member kept as it
         is, copied) into ``dst(member, first row, end row)`` on the dequantization lane; ``slot``
         of ``ring`` is ready once the last is (NOTE [quantized streaming]). Returns the bytes
-        that crossed the link."""
+        that crossed the link. With ``key`` (a piece and its slot, whose rows and ``dst`` are
+        the same every time), the chunks, their copies and their views are made once and kept
+        (NOTE [packed chunks made once])."""
         from ..core.transfer import Transfer
-        tier, home, moved = self.tier, self.home.ptr + g.offset, 0
-        for chunk in self._chunks(g, ranges):
+        tier, moved = self.tier, 0
+        chunks = self._plans.get(key) if key is not None else None
+        if chunks is None:
+            chunks = self._chunks(g, ranges)
+            if key is not None:
+                self._plans[key] = chunks
+        for c, chunk in enumerate(chunks):
             st = self.take_stage()
-            parts, layout, at = [], [], 0
-            for i, lo, hi in chunk:
-                p, off = g.packing[i], home + g.packed_offsets[i]
-                layout.append((i, lo, hi, at))
-                if p is not None:
-                    (qo, qn), (so, sn) = p.row_ranges(lo, hi)
-                    parts += [(at, off + qo, qn), (at + _up(qn), off + so, sn)]
-                    at += p.rows_nbytes(hi - lo)
-                else:
-                    per = _row_bytes(g.tensors[i])
-                    parts.append((at, off + lo * per, (hi - lo) * per))
-                    at += _up((hi - lo) * per)
-            n = sum(x for _, _, x in parts)
+            made = self._plans.get((key, c, st.index)) if key is not None else None
+            if made is None:
+                made = self._chunk_work(g, chunk, st.index, dst)
+                if key is not None:
+                    self._plans[(key, c, st.index)] = made
+            parts, n, jobs = made
             start, end = self.stages.fill(self.lane, st, parts, timed=True)
             tier.track(Transfer(tier, "h2d", self.lane.stream, start, end, [], n, {self.role: n}))
             tier.accounting.on_move(self.role, "h2d", n)
             moved += n
-            raw = self._stage_raw[st.index]
-            self.last_dq = ring.transform(self.dq, slot, lambda raw=raw, layout=layout: self._unpack(g, raw, layout, dst),
-                                          reads=[st])
+            self.last_dq = ring.transform(self.dq, slot, lambda jobs=jobs: self._unpack(g, jobs), reads=[st])
         tier.accounting.count(self.role, "prefetch_ops")
         return moved
 
-    def _unpack(self, g: Group, raw: Any, layout: list[tuple[int, int, int, int]],
-                dst: Callable[[int, int, int], Any]) -> None:
-        """The device work of one staged chunk: each range dequantized or copied into its place."""
-        for i, lo, hi, at in layout:
-            p, out = g.packing[i], dst(i, lo, hi)
+    # NOTE [packed chunks made once]
+    #     A packed piece streams the same rows into the same slot every forward, and a chunk's
+    #     bytes land in one of the two staging buffers: its copies (home address, offset in the
+    #     buffer, bytes) and the views its dequantization reads and writes are the same each time
+    #     it lands in that buffer. Making them took most of the host's time per chunk (a view costs
+    #     microseconds; a forward of a 30-layer model streams hundreds of chunks, on the thread
+    #     that also launches the forward's kernels), so they are made once per (piece, slot,
+    #     chunk, staging buffer) and kept with the transport's views. The expert cache's copies
+    #     (a varying set of experts into a varying slot) are made each time.
+
+    def _chunk_work(self, g: Group, chunk: list[tuple[int, int, int]], stage: int,
+                    dst: Callable[[int, int, int], Any]) -> tuple[list[tuple[int, int, int]], int, list[tuple]]:
+        """(copies (offset in the staging buffer, home address, bytes), bytes, jobs) of one chunk
+        of ``g`` landing in staging buffer ``stage``; a job is (packing, values, scales, out) or
+        (None, the staged rows as they are, None, out)."""
+        home, raw = self.home.ptr + g.offset, self._stage_raw[stage]
+        parts, jobs, at = [], [], 0
+        for i, lo, hi in chunk:
+            p, off, out = g.packing[i], home + g.packed_offsets[i], dst(i, lo, hi)
             if p is not None:
+                (qo, qn), (so, sn) = p.row_ranges(lo, hi)
+                parts += [(at, off + qo, qn), (at + _up(qn), off + so, sn)]
                 q, s = quant.views(p, raw[at:at + p.rows_nbytes(hi - lo)], hi - lo)
-                quant.dequantize(q, s, p, out, self._scratch)
+                jobs.append((p, q, s, out))
+                at += p.rows_nbytes(hi - lo)
             else:
                 t = g.tensors[i]
-                out.copy_(raw[at:at + (hi - lo) * _row_bytes(t)].view(t.dtype).view(out.shape))
+                per = _row_bytes(t)
+                parts.append((at, off + lo * per, (hi - lo) * per))
+                jobs.append((None, raw[at:at + (hi - lo) * per].view(t.dtype).view(out.shape), None, out))
+                at += _up((hi - lo) * per)
+        return parts, sum(x for _, _, x in parts), jobs
+
+    def _unpack(self, g: Group, jobs: list[tuple]) -> None:
+        """The device work of one staged chunk of ``g``: each range dequantized or copied into its place."""
+        for p, q, s, out in jobs:
+            if p is not None:
+                quant.dequantize(q, s, p, out, self._scratch)
+            else:
+                out.copy_(q)
 
     def _piece_rows(self, p: Piece) -> list[tuple[int, int, int]]:
         """(member, first row, end row) of the rows of a packed group's members that piece ``p``
@@ -685,7 +719,12 @@ class PinnedTransport:
         old = self.ring.vacate(s)          # as in _load: nothing names the slot's bytes until queued
         if old is not None:
             self.slot_of.pop(id(old), None)
-        self.stream_packed(p.group, self._piece_rows(p), self.ring, s, self.slot_rows(p, slot))
+        key = (id(p), slot)                # NOTE [packed chunks made once]: made the first times only
+        rows = self._piece_rows(p) if key not in self._plans else []
+
+        def dst(i: int, lo: int, hi: int) -> Any:
+            return self.slot_rows(p, slot)(i, lo, hi)
+        self.stream_packed(p.group, rows, self.ring, s, dst, key=key)
         s.occupant, s.held = p, _versions(p.group)
         self.slot_of[id(p)] = slot
 
@@ -813,6 +852,7 @@ class PinnedTransport:
             import torch
             torch.cuda.synchronize(self.tier.device)
         self._view_cache.clear()       # the views hold the blocks
+        self._plans.clear()
         if self.disk is not None:
             self.disk.close()
             self.disk = None

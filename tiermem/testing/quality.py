@@ -1,10 +1,14 @@
-"""How close a model's logits are to a reference's on the same inputs: what quantized streaming
-costs in accuracy (NOTE [quantized streaming] in tiermem/inference/quant.py)."""
+"""How close a model's logits are to a reference's on the same inputs, and each Linear's output to
+what its reference weight gives on the same input: what quantized streaming costs in accuracy
+(NOTE [quantized streaming] in tiermem/inference/quant.py; docs/inference.md, "What it costs in
+accuracy", says why random weights need the second)."""
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator, Mapping
 from typing import Any
 
-__all__ = ["logits_agreement"]
+__all__ = ["linear_agreement", "logits_agreement"]
 
 
 def logits_agreement(reference: Any, logits: Any) -> dict[str, float]:
@@ -20,3 +24,44 @@ def logits_agreement(reference: Any, logits: Any) -> dict[str, float]:
     top1 = (a.argmax(-1) == b.argmax(-1)).float()
     return {"cosine_min": float(cos.min()), "cosine_mean": float(cos.mean()), "top1": float(top1.mean()),
             "positions": int(a.shape[0])}
+
+
+@contextlib.contextmanager
+def linear_agreement(model: Any, reference: Mapping[str, Any]) -> Iterator[dict[str, Any]]:
+    """While open, every ``nn.Linear`` of ``model`` named in ``reference`` (module name -> its
+    reference weight, on any device) has each forward's output compared, per position, with
+    ``F.linear(input, reference weight, the module's bias)`` on the same input, in fp32: the
+    error the weight alone adds, whatever the layers before did to the input. The dict yielded
+    gets ``cosine_min`` (over every position of every Linear), ``worst`` (its module),
+    ``linears`` (how many were compared) and ``per_linear`` (name -> its smallest cosine).
+    A Linear's weight read where it is used (a part of a head, a slot) is what it compares."""
+    import torch
+    F = torch.nn.functional
+    out: dict[str, Any] = {"cosine_min": 1.0, "worst": None, "linears": 0, "per_linear": {}}
+    hooks = []
+
+    def hook(name: str) -> Any:
+        def after(mod: Any, args: tuple, y: Any) -> None:
+            x = args[0]
+            w = reference[name].to(x.device, x.dtype)
+            bias = mod.bias.to(x.dtype) if mod.bias is not None else None
+            with torch.no_grad():
+                want = F.linear(x, w, bias).float().reshape(-1, w.shape[0])
+                got = y.detach().float().reshape(-1, w.shape[0])
+                cos = float(F.cosine_similarity(want, got, dim=-1).min())
+            del w, want, got
+            if name not in out["per_linear"]:
+                out["linears"] += 1
+            out["per_linear"][name] = min(cos, out["per_linear"].get(name, 1.0))
+            if out["worst"] is None or cos < out["cosine_min"]:
+                out["cosine_min"], out["worst"] = cos, name
+        return after
+
+    for name, m in model.named_modules():
+        if isinstance(m, torch.nn.Linear) and name in reference:
+            hooks.append(m.register_forward_hook(hook(name)))
+    try:
+        yield out
+    finally:
+        for h in hooks:
+            h.remove()

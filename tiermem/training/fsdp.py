@@ -55,9 +55,13 @@ NOTE [freed after the readers]
     stream it was allocated on, with no wait for other streams. So before a shard's or state's
     storage is freed, the streams that read it are recorded on it (``record_stream``): the
     allocator reuses the block only once the work queued on them so far is done, and no stream
-    waits. The readers are the compute stream after forward (it waited for FSDP's all-gather,
-    which came after the copy-in stream's read), and tiermem's D2H stream after a step (the
-    write-back home was queued after the step on FSDP's reduce-scatter stream). Restored
+    waits. The readers are the stream current at the free (the compute stream after forward,
+    FSDP's reduce-scatter stream in a gradient's hook), tiermem's D2H stream after a step (the
+    write-back home), and FSDP's own copy-in and all-gather streams, always: the compute
+    stream's wait for the all-gather does not cover the copy-in's read of the shard. Recording
+    the compute stream alone let a block be handed out again while the copy-in still read it,
+    and the losses parted from plain FSDP2's from the first step on two H200s (bitwise equal
+    again with the copy-in and all-gather streams recorded, or with CUDA_LAUNCH_BLOCKING=1). Restored
     storage is allocated on tiermem's H2D stream, whose copy is the first to touch it. Making
     the H2D stream wait for the readers instead would hold every restore behind the last
     write-back, and the link's two directions would take turns instead of overlapping.
@@ -358,7 +362,8 @@ class TieredFSDP:
         their states', once the work queued so far on ``readers`` (default: the current stream;
         [] after a synchronisation) is done (NOTE [freed after the readers])."""
         be = self.tier.backend
-        readers = [be.current_stream()] if readers is None else readers
+        readers = [be.current_stream()] if readers is None else list(readers)
+        readers += [h for h in (self.mem.handle_of(x) for x in sg.view.comm_streams()) if h is not None]
         todo = [only] if only is not None else sg.shards
         for s in todo:
             for i, (t, _) in enumerate(self._tensors(s, states)):

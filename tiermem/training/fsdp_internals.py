@@ -12,6 +12,7 @@ reaches these, and :func:`check` refuses, naming the missing one, on a torch tha
     FSDPParamGroup.unshard                       wrapped per instance: every all-gather passes it
     FSDPParamGroup.fsdp_params, .modules         the group's parameters and modules
     FSDPParamGroup.comm_ctx.all_gather_copy_in_stream   the stream that reads the shards
+    FSDPParamGroup.comm_ctx.all_gather_stream    the all-gather's stream (a reader to record)
     FSDPParamGroup.is_unsharded, ._all_gather_result    whether unshard() will read the shards
     FSDPParamGroup._training_state, TrainingState       forward or backward
     FSDPParamGroup.reduce_grads                  gradient sync on (set_requires_gradient_sync)
@@ -143,6 +144,13 @@ class Group:
     def copy_in_stream(self) -> Any:
         """The stream FSDP reads the shards on at world size > 1 (None before its lazy init)."""
         return getattr(self.g.comm_ctx, "all_gather_copy_in_stream", None)
+
+    def comm_streams(self) -> list[Any]:
+        """FSDP's streams that read the shards or follow that read at world size > 1 (the
+        copy-in and the all-gather's; none before its lazy init or at world size 1)."""
+        ctx = self.g.comm_ctx
+        return [s for s in (getattr(ctx, "all_gather_copy_in_stream", None), getattr(ctx, "all_gather_stream", None))
+                if s is not None]
 
     def in_backward_state(self) -> bool:
         return self.g._training_state == self._backward

@@ -1,0 +1,107 @@
+"""The fused dequantization kernel of quantized streaming (NOTE [one dequantization kernel]):
+:func:`available` says whether it can run, :func:`dequantize` runs it.
+
+NOTE [one dequantization kernel]
+    torch's own ops dequantize a packed weight in one pass for int8 (``torch.mul(values, scales,
+    out=slot)``), two for fp8 and five for int4, and each mixes dtypes (int8 or fp8 values, fp32
+    scales, a half slot): torch runs such an op through its slow casting path, element by element,
+    and int4 writes its two nibbles' columns with a stride of two. Quantized forwards took up to
+    5.6x the link's time for the bytes they moved (docs/inference.md; bench/quant_dequant.py
+    times each kernel against the link). So on a GPU, where Triton is (torch's CUDA wheels bring
+    it, and torch.compile uses it), one Triton kernel per staged range of rows reads the packed
+    values and their scales once and writes the slot once, in its dtype, contiguous: a program
+    per row and block of columns, each value multiplied by its scale in fp32 and rounded once
+    (round to nearest even), which is exactly quant.reference's ``(values.float() *
+    scale).to(dtype)``, bit for bit. Where Triton is not importable (the CPU, the fake backend),
+    or a view is not contiguous, torch's ops run instead: the same bits, slower.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+from typing import Any
+
+__all__ = ["BLOCK", "available", "dequantize", "failed"]
+
+BLOCK = 1024      # columns a program writes
+log = logging.getLogger("tiermem")
+
+
+@functools.cache
+def _kernel() -> Any:
+    """The jitted kernel, or None where Triton cannot be imported."""
+    try:
+        import triton
+        import triton.language as tl
+    except Exception:          # ImportError, or a Triton that does not load with this torch
+        return None
+
+    @triton.jit
+    def dequant(q_ptr, s_ptr, out_ptr, cols, row_q, groups, group,
+                INT4: tl.constexpr, PER_ROW: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = c < cols
+        if INT4:
+            # Column 2j is the low nibble of byte j, column 2j + 1 the high one; each is a
+            # two's-complement value of -8..7.
+            b = tl.load(q_ptr + row * row_q + c // 2, mask=mask).to(tl.int32)
+            v = (b >> ((c % 2) * 4)) & 15
+            x = tl.where(v >= 8, v - 16, v).to(tl.float32)
+        else:
+            x = tl.load(q_ptr + row * row_q + c, mask=mask).to(tl.float32)
+        if PER_ROW:
+            s = tl.load(s_ptr + row)
+        else:
+            s = tl.load(s_ptr + row * groups + c // group, mask=mask, other=0.0)
+        # Rounded once to the slot's dtype, to nearest even (on a GPU; Triton's CPU interpreter
+        # truncates to bfloat16, so tests/test_quant.py holds it to the bit in fp16 and fp32 only).
+        tl.store(out_ptr + row * cols + c, (x * s).to(out_ptr.dtype.element_ty), mask=mask)
+
+    return dequant
+
+
+def available(out: Any) -> bool:
+    """Whether the kernel can write ``out``: a CUDA tensor, and Triton importable."""
+    return bool(getattr(out, "is_cuda", False)) and _kernel() is not None
+
+
+_failed: set[tuple[str, Any, int]] = set()    # (format, slot dtype, device) the kernel did not compile for
+
+
+def failed() -> list[tuple[str, str, int]]:
+    """(format, slot dtype, device) the kernel did not compile for in this process: torch's ops
+    dequantize those (a bench reports which path ran)."""
+    return sorted((f, str(d), i) for f, d, i in _failed)
+
+
+def dequantize(q: Any, s: Any, p: Any, out: Any) -> bool:
+    """Write ``out`` (n rows of ``p.cols``, the model's dtype) from ``q`` and ``s`` (views of n
+    packed rows, quant.views) with one kernel on torch's current stream; False (nothing
+    queued) where a view is not contiguous, or the kernel does not compile for this format and
+    dtype on this device (fp8 needs a GPU of compute capability 8.9 or more), for the caller's
+    torch path."""
+    kernel = _kernel()
+    n = int(q.shape[0])
+    if kernel is None or not (q.is_contiguous() and s.is_contiguous() and out.is_contiguous()):
+        return False
+    key = (p.fmt, out.dtype, out.device.index if out.device.index is not None else -1)
+    if key in _failed:
+        return False
+    if n == 0:
+        return True
+    grid = (n, -(-p.cols // BLOCK))
+    import torch
+    try:
+        # Triton launches on the current device's current stream: the slot's device, whose
+        # current stream the caller made the dequantization lane's.
+        with torch.cuda.device(out.device) if out.is_cuda else contextlib.nullcontext():
+            kernel[grid](q, s, out, p.cols, p.row_q, p.groups, p.group,
+                         INT4=p.fmt == "int4", PER_ROW=p.groups == 1, BLOCK=BLOCK)
+    except Exception as e:     # Triton's compile errors have no common base; torch's ops do the same work
+        _failed.add(key)
+        log.warning("tiermem: the fused dequantization does not run for %s into %s here (%s: %s); torch's ops "
+                    "dequantize instead (NOTE [one dequantization kernel])", p.fmt, out.dtype, type(e).__name__, e)
+        return False
+    return True

@@ -2,15 +2,17 @@
 fine-tuners train it (transformers' defaults, SDPA attention, ``labels=`` loss, fp32 masters under
 ``torch.autocast(dtype=torch.bfloat16)``, fused AdamW, 4x2048 tokens), resident, FSDP2's
 ``CPUOffloadPolicy`` (world size 1), tiermem eager and tiermem graphed, side by side in one process,
-at 1/2.5 and 1/4 of the training state, each tiermem run on a GPU made really small with one plain
+at 1/2.5, 1/4 and 1/6 of the training state (tiermem's runs compute the loss with
+``chunked_lm_loss``, NOTE [chunked loss]: the same loss, its logits never whole), each tiermem run on a GPU made really small with one plain
 cudaMalloc reservation (docs/facts.md).
 
     python bench/train_budget.py --only finetune            (about 5 minutes on an H200)
     python bench/train_budget.py --only finetune --quick    (a small model: a smoke run)
 
 Adds to the JSON's ``metrics``: finetune_eager_over_resident_2.5, finetune_graphed_over_resident_2.5,
-finetune_eager_over_resident_4, finetune_fsdp2_over_tiermem_2.5, finetune_vs_bytes_bound_2.5,
-finetune_floor_over_state; to ``checks``: finetune_all_steps_ran, finetune_losses_ok,
+finetune_eager_over_resident_4, finetune_eager_over_resident_6, finetune_fsdp2_over_tiermem_2.5,
+finetune_vs_bytes_bound_2.5, finetune_moved_over_bytes_bound_2.5 (NOTE [bytes bound]), finetune_floor_over_state
+(the floor traced at the tightest budget that ran); to ``checks``: finetune_all_steps_ran, finetune_losses_ok,
 finetune_within_budget, capture_failure_leaves_torch_usable. The bytes bound of a step is the larger
 of the resident step plus what the plan recomputes, and the bytes the step moved (in and out) over
 the duplex link rate measured in the same run.
@@ -49,6 +51,8 @@ def part_finetune(kit, torch, tiermem, a, rates, out):
     __main__."""
     import transformers
     from _recompute_study import _fsdp
+
+    from tiermem.training.lmloss import chunked_lm_loss
     m, checks, raw = out["metrics"], out["checks"], out["raw"].setdefault("finetune", {})
     z = _sizes(a.quick)
     cfg = transformers.LlamaConfig(hidden_size=z["hidden"], intermediate_size=z["ff"], num_hidden_layers=z["layers"],
@@ -76,6 +80,13 @@ def part_finetune(kit, torch, tiermem, a, rates, out):
         kw = {"attention_mask": mask} if with_mask else {}
         with torch.autocast("cuda", dtype=torch.bfloat16):
             return model(input_ids=ids, labels=ids, **kw).loss
+
+    def chunked_loss_fn(model, ids, with_mask=False):
+        # NOTE [chunked loss]: the same loss, its logits never whole; what sets the floor otherwise
+        kw = {"attention_mask": mask} if with_mask else {}
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            h = model.model(input_ids=ids, **kw).last_hidden_state
+            return chunked_lm_loss(model.lm_head, h, ids)
 
     ok = {"all": True}
 
@@ -139,7 +150,7 @@ def part_finetune(kit, torch, tiermem, a, rates, out):
             train = tier.wrap_training(model, opt, budget)
             label = f"tiermem {'graphed' if graphed else 'eager'} 1/{ratio}"
             progress(f"  {label}: budget {budget / 1e9:.2f} GB, floor at wrap {train.budget_floor}")
-            step = train.graphed(lambda ids: loss_fn(model, ids, True)) if graphed else None
+            step = train.graphed(lambda ids: chunked_loss_fn(model, ids, True)) if graphed else None
             times, losses, peaks, moved = [], [], [], []
             for i, ids in enumerate(batches[: z["graph_steps"] if graphed else z["steps"]]):
                 e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -148,7 +159,7 @@ def part_finetune(kit, torch, tiermem, a, rates, out):
                     v = step(ids)
                 else:
                     with train.step():
-                        v = loss_fn(model, ids)
+                        v = chunked_loss_fn(model, ids)
                         v.backward()
                 e1.record()
                 e1.synchronize()
@@ -164,7 +175,8 @@ def part_finetune(kit, torch, tiermem, a, rates, out):
             info = {"ms": round(ms, 2), "losses": losses, "peak_bytes": max(peaks), "budget_bytes": budget,
                     "moved_h2d": moved[-1]["h2d"], "moved_d2h": moved[-1]["d2h"], "floor": str(train.budget_floor),
                     "floor_bytes": train.budget_floor.bytes, "plan": plan.table() if plan is not None else None,
-                    "recompute_ms": plan.recompute_ms if plan is not None else 0.0}
+                    "recompute_ms": plan.recompute_ms if plan is not None else 0.0,
+                    "bytes_bound": plan.bytes_bound if plan is not None else None}
             if graphed:
                 info.update(captures=step.captures, replays=step.replays, off=step.off)
                 step.close()
@@ -186,21 +198,30 @@ def part_finetune(kit, torch, tiermem, a, rates, out):
             kit.free()
 
     runs = {}
-    for ratio, graphed in ((2.5, False), (2.5, True), (4, False)):
+    for ratio, graphed in ((2.5, False), (2.5, True), (4, False), (6, False)):
         key = f"{'graphed' if graphed else 'eager'}_{ratio:g}"
         runs[key] = guarded(key, lambda ratio=ratio, graphed=graphed: tiered(ratio, graphed))
     raw["tiermem"] = runs
-    e25, g25, e4 = runs.get("eager_2.5"), runs.get("graphed_2.5"), runs.get("eager_4")
+    e25, g25, e4, e6 = (runs.get(k) for k in ("eager_2.5", "graphed_2.5", "eager_4", "eager_6"))
     if e25:
         m["finetune_eager_over_resident_2.5"] = round(e25["ms"] / resident_ms, 3)
         bound = max(resident_ms + e25["recompute_ms"], (e25["moved_h2d"] + e25["moved_d2h"]) / duplex * 1e3)
         raw["bytes_bound_2.5_ms"] = round(bound, 2)
         m["finetune_vs_bytes_bound_2.5"] = round(e25["ms"] / bound, 3)
-        m["finetune_floor_over_state"] = round(e25["floor_bytes"] / state, 4)
+        if e25["bytes_bound"]:
+            # NOTE [bytes bound]: what the plan moved against the least any plan of that budget moves
+            m["finetune_moved_over_bytes_bound_2.5"] = round((e25["moved_h2d"] + e25["moved_d2h"])
+                                                             / e25["bytes_bound"], 3)
+    # the floor is the traced step's at the tightest budget that ran (a looser cap lets torch's cache hold more)
+    tight = next((r for r in (e6, e4, e25) if r), None)
+    if tight:
+        m["finetune_floor_over_state"] = round(tight["floor_bytes"] / state, 4)
     if g25 and g25.get("replays"):
         m["finetune_graphed_over_resident_2.5"] = round(g25["ms"] / resident_ms, 3)
     if e4:
         m["finetune_eager_over_resident_4"] = round(e4["ms"] / resident_ms, 3)
+    if e6:
+        m["finetune_eager_over_resident_6"] = round(e6["ms"] / resident_ms, 3)
     best = min((r["ms"] for r in (e25, g25) if r and (r is e25 or r.get("replays"))), default=None)
     if fsdp_ms and best:
         m["finetune_fsdp2_over_tiermem_2.5"] = round(fsdp_ms / best, 3)
@@ -214,23 +235,38 @@ def part_finetune(kit, torch, tiermem, a, rates, out):
 def _capture_failure(torch, tiermem, transformers) -> bool:
     """A capture refused (a small Llama with its defaults under autocast: transformers takes another
     path while captured, NOTE [another path under capture]), then torch as it was: no private pool
-    left, a seeded model built twice draws the same values."""
-    cfg = transformers.LlamaConfig(hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=4,
-                                   num_key_value_heads=2, vocab_size=2048, max_position_embeddings=128)
+    left, a seeded model built twice draws the same values. The budget is half the model's
+    training state, or a quarter above its floor where that is more: the floor is asked of a
+    training wrapped first with room and traced once (NOTE [the floor]); a budget guessed below it
+    is refused at wrap, and the capture never tried."""
+    cfg = transformers.LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
+                                   num_attention_heads=8, num_key_value_heads=2, vocab_size=8192,
+                                   max_position_embeddings=128)
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(cfg).cuda().train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     state = 16 * sum(p.numel() for p in model.parameters())
-    tier = tiermem.Tier(0, cap="4GiB")
-    train = tier.wrap_training(model, opt, int(state / 2), block_bytes=1 << 20)
     g = torch.Generator(device="cuda").manual_seed(2)
 
-    def loss(ids):
+    def ids():
+        return torch.randint(0, cfg.vocab_size, (2, 128), device="cuda", generator=g)
+
+    def loss(x):
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            return model(input_ids=ids, labels=ids).loss
+            return model(input_ids=x, labels=x).loss
+    tier = tiermem.Tier(0, cap="4GiB")
+    probe = tier.wrap_training(model, opt, 2 * state, block_bytes=1 << 20)
+    with probe.step():
+        loss(ids()).backward()
+    floor = probe.budget_floor.bytes
+    probe.unwrap()
+    probe = None
+    budget = max(state // 2, floor + floor // 4)
+    progress(f"  capture failure: state {state / 1e6:.0f} MB, floor {floor / 1e6:.0f} MB, budget {budget / 1e6:.0f} MB")
+    train = tier.wrap_training(model, opt, budget, block_bytes=1 << 20)
     step = train.graphed(loss)
     for _ in range(40):
-        step(torch.randint(0, cfg.vocab_size, (2, 128), device="cuda", generator=g))
+        step(ids())
         if step.off:
             break
     refused = step.graph is None and step.off.startswith("the capture failed")

@@ -104,3 +104,73 @@ def test_an_autocast_fine_tune_runs_every_step_at_its_floor_on_a_really_small_gp
     finally:
         del blob
         torch.cuda.empty_cache()
+
+
+def test_a_chunked_loss_fine_tune_at_a_quarter_of_its_state_runs_every_step():
+    """NOTE [chunked loss], NOTE [the floor]: a Llama of 150M parameters (its embedding and head 6%
+    each, as TinyLlama's) under bf16 autocast, its loss through chunked_lm_loss, on a GPU made
+    really small: at 1/4 of its training state every step runs, the traced one included, within
+    the budget, with losses close to the plain loop's with the same loss (SDPA's backward is not
+    bitwise repeatable: within 1e-2); the traced floor is below the budget, and each step moves
+    no more than twice its plan's bytes bound (NOTE [bytes bound])."""
+    from test_gpu_module import _take_device
+    torch = _setup()
+    import tiermem
+    from tiermem.training.lmloss import chunked_lm_loss
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=12,
+                                   num_attention_heads=8, num_key_value_heads=2, vocab_size=8192,
+                                   max_position_embeddings=512)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).train()          # on the host
+    init = {k: v.clone() for k, v in model.state_dict().items()}
+    g = torch.Generator(device="cuda").manual_seed(1)
+    batches = [torch.randint(0, cfg.vocab_size, (4, 512), device="cuda", generator=g) for _ in range(12)]
+
+    def loss(ids):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            h = model.model(input_ids=ids).last_hidden_state
+            return chunked_lm_loss(model.lm_head, h, ids, chunk_tokens=512)
+
+    model.cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    want = []
+    for ids in batches:
+        v = loss(ids)
+        v.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        want.append(float(v.detach()))
+    model.cpu()
+    model.load_state_dict(init)
+    del opt
+    _cleanup()
+    state = 16 * sum(p.numel() for p in model.parameters())
+    budget = state // 4
+    blob = _take_device(budget + (2 << 30))
+    try:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+        tier = tiermem.Tier(0)                      # the default cap: the memory free now
+        train = tier.wrap_training(model, opt, budget, block_bytes=8 * MiB)   # the embedding is the largest block
+        assert train.stream.slot_bytes == train.budget_floor.slot_bytes    # the trace's slots hold the states
+        base = torch.cuda.memory_reserved()
+        got, peaks = [], []
+        for ids in batches:
+            with train.step():
+                v = loss(ids)
+                v.backward()
+            got.append(float(v.detach()))
+            peaks.append(max(train.resident_peak(), torch.cuda.memory_reserved() - base))
+            if train.plan is not None:
+                moved = train.moved["h2d"] + train.moved["d2h"]
+                assert moved <= 2 * train.plan.bytes_bound, (moved, train.plan.table())
+        print(train.plan.table())
+        print("floor", train.budget_floor, "state", state)
+        assert all(abs(a - b) <= 1e-2 * abs(b) for a, b in zip(got, want)), (got, want)
+        assert max(peaks) <= budget, (max(peaks), budget)
+        assert train.budget_floor.bytes <= budget
+        train.unwrap("cpu")
+        _cleanup(tier)
+    finally:
+        del blob
+        torch.cuda.empty_cache()

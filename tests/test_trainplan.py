@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tiermem.planning import StepTrace, TrainPlan, plan_training
-from tiermem.training.plan import SavedRecord, evaluate, fit_compute, scaled
+from tiermem.training.plan import SavedRecord, evaluate, fit_compute, fit_link, scaled
 
 MiB = 1 << 20
 
@@ -328,3 +328,31 @@ def test_slots_for_recompute_gives_the_fewest_slots_that_recompute_the_most_bloc
     roomy = dataclasses.replace(t, floor_peak=50 * MiB)
     assert len(everywhere(roomy).recompute) == 4
     assert slots_for_recompute(roomy, 40 * MiB, 3, everywhere) == 0   # nothing more to recompute
+
+
+def test_a_step_slower_than_the_model_is_laid_to_the_link_first_and_then_recomputing_pays():
+    """NOTE [calibrated compute]: the swap plan's steps took 1.6x what the model says. Laid to the
+    compute (the metered times x1.6), recomputing looks dearer still and no block is recomputed;
+    laid to the link (its time x1.6, the compute as metered), the plan made at that rate
+    recomputes blocks rather than swap their saves. A compute-bound plan's slowness is not the
+    link's: fit_link gives 1 and the compute is scaled as before."""
+    t = seg_trace(act=64 * MiB, fwd_ms=2.0, compute=(2.0, 4.0))
+    budget = 100 * MiB + 80 * MiB
+    swap = plan_training(t, budget, margin=0, link_GBps=55, recompute="never")
+    assert not plan_training(t, budget, margin=0, link_GBps=55).recompute
+    want = swap.predicted_seconds() * 1e3 * 1.6
+    k = fit_link(swap, want)
+    assert k == pytest.approx(1.6)
+    assert swap.predicted_seconds(55 / k) * 1e3 == pytest.approx(want)
+    f = fit_compute(swap, want)
+    assert f > 1 and not plan_training(scaled(t, f), budget, margin=0, link_GBps=55).recompute
+    linked = plan_training(t, budget, margin=0, link_GBps=55 / k)
+    assert len(linked.recompute) >= 2 and linked.predicted_seconds() < evaluate(
+        t, dataclasses.replace(swap, link_GBps=55 / k)).predicted_seconds()
+    linked.measured["link_scale"] = k
+    assert "over 1.60, fitted to the probe's own steps" in linked.table()
+    # compute-bound: no stretch of the link explains it
+    c = plan_training(seg_trace(act=4 * MiB, compute=(10.0, 30.0)), 100 * MiB + 200 * MiB, margin=0,
+                      recompute="always")
+    assert fit_link(c, 66.0) == 1.0 and fit_compute(c, 66.0) == pytest.approx(1.5)
+    assert fit_link(swap, 0.0) == 1.0 and fit_link(swap, swap.predicted_seconds() * 1e3 * 0.5) == 1.0

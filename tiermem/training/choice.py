@@ -58,7 +58,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..errors import OutOfBudgetError
-from .plan import StepTrace, TrainPlan, evaluate, fit_compute, plan_training, scaled, slots_for_recompute
+from .plan import StepTrace, TrainPlan, evaluate, fit_compute, fit_link, plan_training, scaled, slots_for_recompute
 from .slots import Block, BlockSlots, aligned
 
 __all__ = ["PlanChoice", "PROBE_STEPS", "VERIFY_STEPS", "LATE_STEPS", "LATE_SLACK"]
@@ -87,6 +87,7 @@ class PlanChoice:
                  resident_bytes: Callable[[], int]):
         self.be, self.blocks, self.stream, self.replays = backend, blocks, stream, replays
         self.budget, self.mode, self.link_GBps, self.clip = budget, mode, link_GBps, clip
+        self.link_scale = 1.0                  # the link's time stretched to fit the steps (NOTE [calibrated compute])
         self.margin = budget // 8 if margin is None else margin
         self._apply, self._timings, self._resident_bytes = take, timings, resident_bytes
         self.plan: TrainPlan | None = None
@@ -135,6 +136,13 @@ class PlanChoice:
         if f is None or (plan.budget_floor, plan.floor_what) == (f.bytes, f.what):
             return plan
         return dataclasses.replace(plan, budget_floor=f.bytes, floor_what=f.what)
+
+    def _linked(self, plan: TrainPlan) -> TrainPlan:
+        """``plan`` with the link's fitted stretch in its measurements, for its table (NOTE
+        [calibrated compute])."""
+        if self.link_scale != 1.0:
+            plan.measured["link_scale"] = self.link_scale
+        return plan
 
     def take(self, plan: TrainPlan) -> None:
         """Make ``plan`` the one the next steps follow."""
@@ -335,19 +343,25 @@ class PlanChoice:
             return
         self.trace = dataclasses.replace(refined, resident_blocks=self._resident())
         if timed:
-            # NOTE [calibrated compute]: the model's times, fitted to the probe's own steps
-            factor = fit_compute(evaluate(self.trace, self.plan), sum(timed) / len(timed))
-            self.trace = scaled(self.trace, factor)
+            # NOTE [calibrated compute]: the model's times, fitted to the probe's own steps: the
+            # link's time stretched where that explains them, else the compute scaled
+            mean = sum(timed) / len(timed)
+            k = fit_link(evaluate(self.trace, self.plan), mean)
+            self.link_GBps /= k
+            self.link_scale *= k
+            now = dataclasses.replace(self.plan, link_GBps=self.link_GBps)
+            self.trace = scaled(self.trace, fit_compute(evaluate(self.trace, now), mean))
+        now = dataclasses.replace(self.plan, link_GBps=self.link_GBps)
         if calibrating:
             # the same choices ("never", "always", nothing to recompute), predicted anew
-            plan = evaluate(self.trace, self.plan)
+            plan = evaluate(self.trace, now)
             plan.measured.update(self.plan.measured)
-            self.plan = self._floored(plan)
+            self.plan = self._linked(self._floored(plan))
             return
-        plan = self.plan_for(self.trace)
+        plan = self._linked(self.plan_for(self.trace))
         if (plan.resident_blocks, plan.recompute, plan.keep) != (self.plan.resident_blocks, self.plan.recompute,
                                                                   self.plan.keep):
-            probe = evaluate(self.trace, self.plan)
+            probe = self._linked(evaluate(self.trace, now))
             if not plan.in_capacity and plan.predicted_seconds() > probe.predicted_seconds() * (1 - MIN_GAIN):
                 # NOTE [measured choice]: a gain this small is not worth trying
                 probe.measured.update(self.plan.measured, model_ms=plan.predicted_seconds() * 1e3)

@@ -19,10 +19,14 @@ NOTE [the floor]
       policy: every saved activation of ``min_swap`` bytes or more is swapped to the host,
       autocast caches nothing (NOTE [autocast in a step]), and where the configured slots
       would take more than half the budget the trace streams through the fewest slots (the
-      steps after get the rest back where the plan has room: NOTE [fewer slots]). Its peak of
-      torch's reserved bytes, less the slots it held, is the step's activations; the floor is
-      those, a FLOOR_SLACK share more (the allocator cuts a cache up differently from step to
-      step), the fewest slots grown to hold the states, and tiermem's resident bytes. A budget
+      steps after get the rest back where the plan has room: NOTE [fewer slots]). Its slots are
+      as large as the floor at wrap counted, the states the optimizer makes in that step
+      included: the steps after it hold them, and a trace through slots of the parameters and
+      gradients alone, grown after it, measured a peak below theirs (a 1.1B Llama at 1/4 of its
+      state traced within the budget, then could not grow its slots). Its peak of torch's
+      reserved bytes, less the slots it held, is the step's activations; the floor is those, a
+      FLOOR_SLACK share more (the allocator cuts a cache up differently from step to step), the
+      fewest slots of the largest block with its states, and tiermem's resident bytes. A budget
       below it ends the traced step with OutOfBudgetError (its update is kept; the next step
       traces again), and the plan (``train.plan``) prints it beside what sets it. Where torch
       runs out inside the traced step, before its peak is known, its OutOfMemoryError carries
@@ -30,8 +34,9 @@ NOTE [the floor]
     A step's activations are the caller's: a larger batch or sequence raises the floor, and
     that step is traced again, as any step of another shape is. Where the loss sets the floor
     (its fp32 log-probabilities over the vocabulary, and their gradient, are live at once in
-    backward) a smaller batch or a loss computed in chunks lowers it; tiermem does not chunk
-    a model's own loss.
+    backward) a smaller batch or a loss computed in chunks lowers it: a model's own loss is the
+    model's, and tiermem.training.lmloss.chunked_lm_loss is one to call in its place (NOTE
+    [chunked loss]).
 """
 from __future__ import annotations
 

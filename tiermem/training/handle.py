@@ -283,6 +283,9 @@ class TieredTraining:
                          "half the budget (NOTE [the floor])", k, self.stream.nslots)
                 self.stream.lookahead -= self.stream.nslots - k
                 self.stream.nslots = k
+            # NOTE [the floor]: the traced step streams through slots that hold the states the
+            # optimizer makes in it, so its peak is what the steps after it hold
+            self.stream.least_slot = floor.slot_bytes
         self.stream.alloc()
         self.cap.old_fraction = self.mem.fraction()
         self.cap.set()

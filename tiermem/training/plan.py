@@ -57,6 +57,15 @@ NOTE [recompute plan]
     is taken. A recomputed segment's activations are all alive at once in its backward: the
     predicted peak adds the largest of them.
 
+NOTE [bytes bound]
+    The fewest bytes a step within a budget moves, whatever its plan (``TrainPlan.bytes_bound``):
+    every activation recomputed or kept (none swapped), and the room the budget leaves above the
+    floor spent on resident blocks, those that save the most link bytes per device byte first,
+    the last one in part. A streamed block moves its parameters in twice and out once and its
+    optimizer states in and out (with clipping, its parameters and gradients twice more). It is
+    a lower bound, not a plan: recomputing costs compute and its inputs still cross the link, and
+    blocks are kept whole. A plan's bytes are judged against it (tests/test_train_finetune.py).
+
 NOTE [calibrated compute]
     The model's compute times come from a metered step: CUDA events at every block's edges and
     around every wait, whose host work the GPU then waits for: a metered step is slower than
@@ -66,10 +75,21 @@ NOTE [calibrated compute]
     The probe's plan runs two unmetered steps after its metered one (NOTE [measured choice] in
     training/choice.py). Their mean is what the model should say for that plan, so every compute time of
     the trace (the step's forward and backward, each block's forward with and without the swap)
-    is multiplied by the one factor under which it does (:func:`fit_compute`, :func:`scaled`);
-    the link's terms stay at the measured rate. Every plan after, the model's choice among them
+    is multiplied by the one factor under which it does (:func:`fit_compute`, :func:`scaled`),
+    where the link does not explain the difference (below). Every plan after, the model's choice among them
     too, is predicted from the fitted times, and ``train.plan`` shows the factor. One factor for
     all compute keeps what the probe measured about each block relative to the others.
+
+    A step slower than the model says is first laid to the link, not the compute
+    (:func:`fit_link`): the metered times are the compute with the meter's host work in it, so
+    more than they say, and a step that moves more than it computes waits on its copies (and
+    the swap's hooks between them), which the meter does not see. Laid to the compute, a 1.1B
+    Llama's swap-everything plan at 1/2.5 of its state read 469 ms of forward where its whole
+    resident step takes 192 ms, and recomputing looked dearer than swapping 20 GB (H200). So the
+    link's time is stretched, up to LINK_FIT_MAX times, until the probe's plan predicts its
+    steps with its compute as metered, and every plan after is made at that rate (the plan's
+    table shows it); only where that cannot explain the steps (a plan that moves too little) is
+    the compute scaled as above.
 """
 from __future__ import annotations
 
@@ -79,7 +99,7 @@ from typing import Any
 
 from ..errors import ConfigError
 
-__all__ = ["SavedRecord", "StepTrace", "TrainPlan", "plan_training", "RECOMPUTE_MODES", "evaluate", "fit_compute",
+__all__ = ["SavedRecord", "StepTrace", "TrainPlan", "plan_training", "RECOMPUTE_MODES", "bytes_bound", "evaluate", "fit_compute", "fit_link",
            "scaled", "slots_for_recompute"]
 
 LINK_GBPS = 55.0   # pinned copies each way, PCIe Gen5 x16 (docs/facts.md)
@@ -204,6 +224,13 @@ class TrainPlan:
         return self._moved_out() + self.swapped_bytes + (self._params_in() if self.clip else 0)
 
     @property
+    def bytes_bound(self) -> int:
+        """The fewest bytes (in and out together) a step of this budget moves, whatever the plan
+        (NOTE [bytes bound])."""
+        return bytes_bound(self.block_param_bytes, self.block_state_bytes, self._states_moved,
+                           self.budget - self.margin - self.floor_peak, self.clip)
+
+    @property
     def predicted_peak(self) -> int:
         return self.floor_peak + self.kept_bytes + self.resident_block_bytes + self.recompute_peak
 
@@ -232,10 +259,16 @@ class TrainPlan:
             f"  activations      {gb(self.saved_bytes)} saved: {gb(self.kept_bytes)} kept, "
             f"{gb(self.swapped_bytes)} swapped, {gb(self.recomputed_bytes)} recomputed "
             f"({len(self.keep)} storages kept, {len(self.recompute)} blocks recomputed)",
-            f"  per step         {gb(self.h2d_bytes)} in, {gb(self.d2h_bytes)} out at {self.link_GBps:.0f} GB/s; "
+            f"  per step         {gb(self.h2d_bytes)} in, {gb(self.d2h_bytes)} out at {self.link_GBps:.0f} GB/s"
+            + (f" (the link's {self.link_GBps * self.measured['link_scale']:.0f} GB/s over "
+               f"{self.measured['link_scale']:.2f}, fitted to the probe's own steps)"
+               if self.measured.get("link_scale", 1.0) != 1.0 else "") + "; "
             f"compute {self.fwd_ms:.1f} ms forward, {self.bwd_ms:.1f} ms backward, {self.recompute_ms:.1f} ms recomputed"
             + (f" (the metered step's times x{self.compute_scale:.2f}, fitted to the probe's own steps)"
                if self.compute_scale != 1.0 else ""),
+            f"  bytes bound      {gb(self.bytes_bound)} a step at the least, whatever the plan"
+            + (f" (this one moves {(self.h2d_bytes + self.d2h_bytes) / self.bytes_bound:.2f}x that)"
+               if self.bytes_bound else "") + " (NOTE [bytes bound])",
             f"  step time        {pred:.1f} ms predicted" + (" (with the clipping pass)" if self.clip else "") + (
                 f", {self.measured['step_ms']:.1f} ms measured ({self.measured['step_ms'] / pred:.2f}x)"
                 if self.measured.get("step_ms") and pred > 0 else ""),
@@ -286,6 +319,23 @@ class TrainPlan:
 
     def __str__(self) -> str:
         return self.table()
+
+
+def bytes_bound(param_bytes: Sequence[int], state_bytes: Sequence[int], state_moved: Sequence[int], room: int,
+                clip: bool = False) -> int:
+    """NOTE [bytes bound]: the bytes a step moves with ``room`` device bytes spent on the blocks
+    that save the most link bytes per device byte, a share of a block counted as its share of
+    the bytes, and no activation swapped."""
+    per = []
+    for p, s, m in zip(param_bytes, state_bytes, state_moved):
+        moved = 3 * p + 2 * m + (4 * p if clip else 0)     # in twice, out once; states in and out
+        per.append((moved / max(p + s, 1), p + s, moved))
+    left, total = max(int(room), 0), 0.0
+    for ratio, size, moved in sorted(per, key=lambda x: -x[0]):
+        kept = min(size, left)
+        left -= kept
+        total += moved - ratio * kept
+    return int(total)
 
 
 def _phases(fwd_ms: float, bwd_ms: float, params_in: int, out: int, swapped: int, rate: float,
@@ -571,6 +621,27 @@ def evaluate(trace: StepTrace, plan: TrainPlan) -> TrainPlan:
     mode = "always" if plan.recompute else "never"
     pl = _Planner(trace, plan.budget, plan.margin, None, mode, plan.link_GBps, plan.clip, plan.graph_pool)
     return _make(pl, _Choice(set(plan.resident_blocks), set(plan.recompute), set(plan.keep)), plan.kind)
+
+
+LINK_FIT_MAX = 4.0      # the most the link's time is stretched to explain a step (NOTE [calibrated compute])
+
+
+def fit_link(plan: TrainPlan, measured_ms: float, hi: float = LINK_FIT_MAX) -> float:
+    """The factor (at least 1) on ``plan``'s link time under which, its compute as measured, it
+    predicts ``measured_ms`` a step (NOTE [calibrated compute]); 1 where it predicts as much
+    already, or where no factor up to ``hi`` does (the compute is what is missing, not the link)."""
+    if not measured_ms > 0:
+        return 1.0
+
+    def ms(k: float) -> float:
+        return plan.predicted_seconds(plan.link_GBps / k) * 1e3
+    if ms(1.0) >= measured_ms or ms(hi) < measured_ms:
+        return 1.0
+    a, b = 1.0, hi
+    for _ in range(60):            # ms() never falls as the factor grows
+        m = (a * b) ** 0.5
+        a, b = (m, b) if ms(m) < measured_ms else (a, m)
+    return (a * b) ** 0.5
 
 
 def fit_compute(plan: TrainPlan, measured_ms: float, lo: float = 0.25, hi: float = 4.0) -> float:

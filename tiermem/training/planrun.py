@@ -59,9 +59,12 @@ class PlanRunner:
             and st.boundary.get(i, (0, 0))[1] <= sum(r.segment == i for r in saved))
         floor = max(floor - self.outside(), 0)
         st.floor = floor
+        self.stream.least_slot = 0           # NOTE [the floor]: the trace's slots were sized for states it made
         new_slot = aligned(self.stream.needed_slot_bytes())
         held = self.stream.nslots * self.stream.slot_bytes
-        floor += self.stream.nslots * max(new_slot - self.stream.slot_bytes, 0)     # the slots grow to hold states
+        # the slots are as large as the largest streamed block with its states from now on: grown
+        # where the optimizer made more than the floor at wrap counted, smaller where it made less
+        floor = max(floor + self.stream.nslots * (new_slot - self.stream.slot_bytes), 0)
         st.budget_floor = after_trace(self.blocks, new_slot, self.least, st.floor, held, self.tier.resident_bytes,
                                       saved)
         self.choice.floor = st.budget_floor

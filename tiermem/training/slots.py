@@ -111,6 +111,8 @@ class BlockSlots:
         self.slots: SlotRing | list[TrainSlot] = []
         self.slot_mem: Any = None
         self.slot_bytes = 0
+        self.least_slot = 0           # NOTE [the floor]: while the first step is traced, a slot holds the
+                                      # largest block's states too, before the optimizer has made them
         self._views_of: dict[tuple[int, int], tuple[list, list, list]] = {}
         self.h2d = Lane(tier.backend, lambda: tier.side_stream("h2d"))   # fills of the slots
         self.d2h = Lane(tier.backend, lambda: tier.side_stream("d2h"))   # write-backs home
@@ -204,7 +206,8 @@ class BlockSlots:
         self.slot_mem = None
         self.slots = []
         self._views_of = {}
-        self.slot_bytes = aligned(self.needed_slot_bytes()) if any(not b.resident for b in self.blocks) else 0
+        self.slot_bytes = (aligned(max(self.needed_slot_bytes(), self.least_slot))
+                           if any(not b.resident for b in self.blocks) else 0)
         if not self.slot_bytes:
             return
         self.slot_mem = torch.empty(self.nslots * self.slot_bytes, dtype=torch.uint8, device=self.dev)

@@ -1,0 +1,137 @@
+"""Training as fine-tuners run it (issue 55), on the CPU over the fake backend: a Llama-shaped
+transformers model under bf16 autocast over fp32 masters, its loss through the chunked head and
+cross-entropy (NOTE [chunked loss] in tiermem/training/lmloss.py), at 1/2.5 and 1/4 of its
+training state on a budget the fake enforces. Every step runs, the losses and parameters are the
+plain loop's bitwise, the traced step streams through slots that already hold the optimizer's
+states (NOTE [the floor]), and each step moves no more than a stated factor of the bytes bound its
+plan computes (NOTE [bytes bound] in tiermem/training/plan.py). The fake's clock reads 1 ms for
+every span, so the plan's choice is the same on every run."""
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+from fakes import FakeBackend
+from test_train import _deterministic  # noqa: F401 - the fixture, autouse here too
+
+import tiermem
+from tiermem.errors import ConfigError, ConfigTypeError
+from tiermem.training.lmloss import chunk_tokens_for, chunked_lm_loss
+from tiermem.training.plan import bytes_bound
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 512
+MOVED_OVER_BOUND = 1.5      # a step's bytes against its plan's bytes bound (NOTE [bytes bound])
+
+
+def _llama(seed: int = 0, vocab: int = VOCAB, layers: int = 4):
+    # TinyLlama's proportions, small: the embedding and the head are the largest blocks (7% of the
+    # parameters each), a decoder layer splits into its projections and norms at 32 KiB a block
+    cfg = transformers.LlamaConfig(hidden_size=128, intermediate_size=352, num_hidden_layers=layers,
+                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=vocab,
+                                   max_position_embeddings=64, use_cache=False)
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(cfg).train()
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def _loss(model, ids):
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        h = model.model(input_ids=ids).last_hidden_state
+        return chunked_lm_loss(model.lm_head, h, ids, chunk_tokens=16)
+
+
+def _batches(n: int):
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, VOCAB, (2, 32), generator=g) for _ in range(n)]
+
+
+def test_the_chunked_loss_is_transformers_loss_and_gradients():
+    model, _ = _llama(layers=1, vocab=300)
+    ids = torch.randint(0, 300, (2, 33), generator=torch.Generator().manual_seed(3))
+    labels = ids.clone()
+    labels[0, 5] = labels[1, -3] = -100                     # ignored labels count for nothing
+    for autocast, tol in ((False, 1e-6), (True, 5e-3)):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            want = model(input_ids=ids, labels=labels).loss
+        want.backward()
+        gw, ge = model.lm_head.weight.grad.clone(), model.model.embed_tokens.weight.grad.clone()
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            h = model.model(input_ids=ids).last_hidden_state
+            got = chunked_lm_loss(model.lm_head, h, labels, chunk_tokens=7)    # the last chunk is short
+        got.backward()
+        assert abs(float(got.detach()) - float(want.detach())) <= tol * abs(float(want.detach()))
+        assert torch.allclose(model.lm_head.weight.grad, gw, atol=tol * float(gw.abs().max()))
+        assert torch.allclose(model.model.embed_tokens.weight.grad, ge, atol=tol * float(ge.abs().max()))
+        model.zero_grad(set_to_none=True)
+
+
+def test_the_chunked_loss_refuses_what_it_cannot_take():
+    model, _ = _llama(layers=1)
+    h = torch.zeros(2, 8, 128)
+    y = torch.zeros(2, 8, dtype=torch.long)
+    with pytest.raises(ConfigTypeError, match="Linear"):
+        chunked_lm_loss(model.model.norm, h, y)
+    with pytest.raises(ConfigError, match="do not match"):
+        chunked_lm_loss(model.lm_head, h, y[:, :4])
+    with pytest.raises(ConfigError, match="chunk_tokens"):
+        chunked_lm_loss(model.lm_head, h, y, chunk_tokens=0)
+    assert chunk_tokens_for(32000) == (64 << 20) // (4 * 32000) and chunk_tokens_for(1 << 30) == 1
+
+
+def test_the_bytes_bound_spends_the_room_where_it_saves_the_most():
+    # two blocks: 10 B of parameters with 20 B of states (moves 70 B, 70/30 a byte), 10 B alone (30 B, 3 a byte)
+    assert bytes_bound([10, 10], [20, 0], [20, 0], room=0) == 100
+    assert bytes_bound([10, 10], [20, 0], [20, 0], room=10) == 70          # the second, whole: 3 a byte
+    assert bytes_bound([10, 10], [20, 0], [20, 0], room=25) == 35          # then half the first
+    assert bytes_bound([10, 10], [20, 0], [20, 0], room=1000) == 0
+    # bf16 moments: the states moved are half those kept
+    assert bytes_bound([10], [20], [10], room=0) == 50
+
+
+@pytest.mark.parametrize("ratio", [2.5, 4])
+def test_an_autocast_llama_at_a_share_of_its_state_runs_every_step_as_the_plain_loop(ratio):
+    bs = _batches(8)
+    model, opt = _llama()
+    want = []
+    for ids in bs:
+        loss = _loss(model, ids)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        want.append(float(loss.detach()))
+    want_params = [p.detach().clone() for p in model.parameters()]
+
+    model, opt = _llama()
+    state = 16 * sum(p.numel() for p in model.parameters())     # fp32 parameters, gradients, two moments
+    fake = FakeBackend(total=1 << 30, foreign_host=True)
+    fake.enforces_budget = True
+    tier = tiermem.Tier(backend=fake)
+    train = tier.wrap_training(model, opt, int(state / ratio), block_bytes=32 << 10, min_swap=4096)
+    f = train.budget_floor
+    assert f.block == "model.embed_tokens" and f.bytes <= state / 6
+    # NOTE [the floor]: the traced step's slots already hold the largest block's states
+    assert train.stream.slot_bytes == f.slot_bytes
+    got = []
+    for ids in bs:
+        with train.step():
+            loss = _loss(model, ids)
+            loss.backward()
+        got.append(float(loss.detach()))
+        assert train.stream.slot_bytes <= f.slot_bytes
+        if train.plan is not None:
+            moved = train.moved["h2d"] + train.moved["d2h"]
+            assert moved <= MOVED_OVER_BOUND * train.plan.bytes_bound, train.plan
+    assert got == want
+    p = train.plan
+    assert not p.in_capacity and p.streamed_blocks and p.predicted_peak <= train.budget
+    assert "bytes bound" in p.table()
+    train.unwrap()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), want_params))
+    del train
+    gc.collect()
+    tier.close()
+    assert fake.live() == {"managed": 0, "pinned": 0, "device": 0}

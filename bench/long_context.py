@@ -228,6 +228,7 @@ def main() -> None:
 
     import tiermem
     from tiermem.base.limits import parse_bytes
+    from tiermem.inference.kvplan import pinned_map_bytes
     from tiermem.planning import kv_shape, plan_kv
 
     stages = [int(x) for x in args.contexts.split(",") if x.strip()]
@@ -367,7 +368,9 @@ def main() -> None:
     if big and handle is not None:
         raw["skipped"]["tiermem_big"] = "--stream-weights plans one cache budget (the 128k one) with the weights"
     elif big:
-        ring = 2 * shape.layer_bytes(big + 64)
+        # the ring of two layers, and the device memory the driver takes to map the home of all 32
+        # (NOTE [pinned mapping]): the least budget a cache of this length runs in
+        ring = 2 * shape.layer_bytes(big + 64) + pinned_map_bytes(shape.layers * shape.layer_bytes(big + 64))
         big_budget = max(kv_budget, ring)
         home = plan_kv(shape, big + 64, big_budget).home_bytes
         avail = host_available()

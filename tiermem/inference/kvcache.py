@@ -343,7 +343,8 @@ class TieredKVCache(Cache):
                                       "not fit the device's free memory; lower kv_budget or max_tokens")
             tier.reserve(need, ROLE)
             held.reserved = need
-            held.device = be.device_alloc(max(need, 1), pooled=False)
+            # the lease counts the home's mapping too; the block holds the layers and the ring
+            held.device = be.device_alloc(max(plan.held_bytes, 1), pooled=False)
             if plan.home_bytes:
                 held.home = be.host_alloc(plan.home_bytes, pooled=False)
             self._lay_out(plan, shape)

@@ -147,10 +147,15 @@ class KVPlan:
         return tuple(i for i in range(self.shape.layers) if i not in self.resident)
 
     @property
+    def held_bytes(self) -> int:
+        """Device bytes the cache allocates: the resident layers and the ring."""
+        return len(self.resident) * self.layer_bytes + self.slots * self.slot_bytes
+
+    @property
     def device_bytes(self) -> int:
-        """Device bytes the plan holds: the resident layers, the ring, and what the driver takes
-        on the device to map the pinned home (NOTE [pinned mapping])."""
-        return len(self.resident) * self.layer_bytes + self.slots * self.slot_bytes + pinned_map_bytes(self.home_bytes)
+        """Device bytes the plan takes: what the cache allocates (:attr:`held_bytes`), and what the
+        driver takes on the device to map the pinned home (NOTE [pinned mapping])."""
+        return self.held_bytes + pinned_map_bytes(self.home_bytes)
 
     @property
     def home_layer_bytes(self) -> int:

@@ -617,8 +617,14 @@ class PinnedTransport:
     #     it lands in that buffer. Making them took most of the host's time per chunk (a view costs
     #     microseconds; a forward of a 30-layer model streams hundreds of chunks, on the thread
     #     that also launches the forward's kernels), so they are made once per (piece, slot,
-    #     chunk, staging buffer) and kept with the transport's views. The expert cache's copies
-    #     (a varying set of experts into a varying slot) are made each time.
+    #     chunk, staging buffer) and kept with the transport's views. So is each range's device
+    #     work (quant.prepare): the dequantization's views, checks and the fused kernel's grid
+    #     and arguments, so a forward runs prepared launches only. The copies of a chunk whose
+    #     ranges lie in the staging buffer as in the home (a whole member's values and scales,
+    #     and whole members back to back) are one copy (:func:`_merged`): a group that fits a
+    #     staging buffer crosses in one copy. tests/test_quant.py counts a forward's host calls
+    #     per streamed piece. The expert cache's copies (a varying set of experts into a varying
+    #     slot) are made each time.
 
     def _chunk_work(self, g: Group, chunk: list[tuple[int, int, int]], stage: int,
                     dst: Callable[[int, int, int], Any]) -> tuple[list[tuple[int, int, int]], int, list[Callable[[], Any]]]:

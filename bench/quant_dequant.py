@@ -23,7 +23,9 @@ tiermem/inference/quant.py), for each of int8, fp8 and int4, timed with CUDA eve
   such layers whose forward is one token (compute is next to nothing): per-forward time (steady
   state) against the bytes the forward moved at the measured link rate (forward_vs_plan_bytes, as offload_infer's
   prefill_vs_plan_bytes), so anything tiermem's path adds beside the link shows; host_ms is the
-  host's time to queue one forward (near forward_ms: the host, not the device, is the bound).
+  host's time to queue one forward (near forward_ms: the host, not the device, is the bound),
+  host_vs_plan_bytes the same against the link's time for the bytes moved (it must stay well
+  under 1 for the link to be the bound) and host_us_per_streamed_group per group that streams.
 
 Takes about a minute on an H200 (three architectures; --compile adds the compile time).
 Results: bench/results/quant_dequant-<device>-<date>.json.
@@ -322,6 +324,9 @@ def main() -> None:
                     continue
                 e["forward_vs_plan_bytes"] = round(e["forward_ms"] / (e["moved_GB"] / link * 1e3), 3)
                 metrics[f"e2e_forward_vs_plan_bytes.{arch}.{fmt or 'fp16'}"] = e["forward_vs_plan_bytes"]
+                e["host_vs_plan_bytes"] = round(e["host_ms"] / (e["moved_GB"] / link * 1e3), 3)
+                metrics[f"e2e_host_vs_plan_bytes.{arch}.{fmt or 'fp16'}"] = e["host_vs_plan_bytes"]
+                e["host_us_per_streamed_group"] = round(e["host_ms"] * 1e3 / max(1, e["groups"] - e["resident_groups"]), 1)
                 r[f"e2e_{fmt or 'fp16'}"] = e
                 progress(f"{arch} e2e {fmt or 'fp16'}: {e['forward_ms']:.2f} ms a forward ({e['host_ms']:.2f} ms of "
                          f"host time to queue it), {e['moved_GB']:.3f} GB moved: {e['forward_vs_plan_bytes']}x the "

@@ -563,3 +563,51 @@ def test_stacked_experts_bigger_than_a_slot_stream_packed_a_range_of_experts_at_
     assert h._fwd_mode == "decode"
     h.unwrap()
     assert "forward" not in vars(experts) and experts.num_experts == 16
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_a_forward_queues_few_host_calls_per_streamed_piece(tier, fake, monkeypatch, fmt):
+    """The host's work to queue a quantized forward (issue 57: it, not the link, bounded the
+    forwards): once the chunks are made (NOTE [packed chunks made once]), a forward makes no
+    views and prepares no dequantization, and a piece that crosses in one chunk costs one copy
+    (its members lie in the staging buffer as in their home), one dequantization job per
+    member, and four events."""
+    model, cfg = _llama(torch.float16)
+    h = tier.wrap_module(model, budget=share(model, 40), stream_dtype=fmt, max_group_bytes=GROUP, mode="stream")
+    st = h._stream
+    pieces = [p for g in h._groups.values() if g.packed and not g.pinned for p in g.pieces]
+    assert pieces and all(len(st._chunks(p.group, st._piece_rows(p))) == 1 for p in pieces)
+    calls: dict[str, int] = {}
+
+    def counting(obj, name):
+        real = getattr(obj, name)
+
+        def spy(*a, **k):
+            calls[name] = calls.get(name, 0) + 1
+            return real(*a, **k)
+        monkeypatch.setattr(obj, name, spy)
+    for name in ("copy", "new_event", "record", "wait"):
+        counting(fake, name)
+    for name in ("prepare", "views", "dequantize"):
+        counting(quant, name)
+    jobs = []
+    real_unpack = st._unpack
+    monkeypatch.setattr(st, "_unpack", lambda g, js: (jobs.append(len(js)), real_unpack(g, js)))
+    ids = torch.randint(0, cfg.vocab_size, (1, 1))
+    with torch.no_grad():
+        model(ids)
+        model(ids)
+        calls.clear()
+        jobs.clear()
+        model(ids)
+    n = len(pieces)
+    members = sum(len(st._piece_rows(p)) for p in pieces)
+    assert len(jobs) == n and sum(jobs) == members       # one dequantization lane run a piece, a job a member
+    assert "prepare" not in calls and "views" not in calls and "dequantize" not in calls, calls
+    # Values, scales and members: one copy a piece, as a piece kept as it is (the norms) takes.
+    slotted = [p for g in h._groups.values() if not g.pinned and g.slot_in("stream") for p in g.pieces]
+    assert calls["copy"] == len(slotted), calls
+    # The copy's start (timed) and end, the dequantization's end (or the compute stream's now for
+    # a piece kept as it is), the slot's release: four events and four waits a piece, at most.
+    assert calls["new_event"] <= 4 * len(slotted) and calls["wait"] <= 4 * len(slotted), (len(slotted), calls)
+    h.unwrap()

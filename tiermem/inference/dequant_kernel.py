@@ -20,9 +20,10 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+from collections.abc import Callable
 from typing import Any
 
-__all__ = ["BLOCK", "available", "dequantize", "failed"]
+__all__ = ["BLOCK", "available", "dequantize", "prepare", "failed"]
 
 BLOCK = 1024      # columns a program writes
 log = logging.getLogger("tiermem")
@@ -82,26 +83,41 @@ def dequantize(q: Any, s: Any, p: Any, out: Any) -> bool:
     queued) where a view is not contiguous, or the kernel does not compile for this format and
     dtype on this device (fp8 needs a GPU of compute capability 8.9 or more), for the caller's
     torch path."""
+    run = prepare(q, s, p, out)
+    return run is not None and run()
+
+
+def prepare(q: Any, s: Any, p: Any, out: Any) -> Callable[[], bool] | None:
+    """:func:`dequantize` of these views made once (NOTE [packed chunks made once] in
+    inference/transport.py): the checks, the grid and the launch's arguments are computed now,
+    and each call of what it returns launches the kernel and says whether it ran (False:
+    it does not compile here, for the caller's torch path). None where it cannot run at all."""
     kernel = _kernel()
-    n = int(q.shape[0])
     if kernel is None or not (q.is_contiguous() and s.is_contiguous() and out.is_contiguous()):
-        return False
+        return None
+    n = int(q.shape[0])
     key = (p.fmt, out.dtype, out.device.index if out.device.index is not None else -1)
-    if key in _failed:
-        return False
     if n == 0:
-        return True
-    grid = (n, -(-p.cols // BLOCK))
+        return lambda: key not in _failed
     import torch
-    try:
-        # Triton launches on the current device's current stream: the slot's device, whose
-        # current stream the caller made the dequantization lane's.
-        with torch.cuda.device(out.device) if out.is_cuda else contextlib.nullcontext():
-            kernel[grid](q, s, out, p.cols, p.row_q, p.groups, p.group,
-                         INT4=p.fmt == "int4", PER_ROW=p.groups == 1, BLOCK=BLOCK)
-    except Exception as e:     # Triton's compile errors have no common base; torch's ops do the same work
-        _failed.add(key)
-        log.warning("tiermem: the fused dequantization does not run for %s into %s here (%s: %s); torch's ops "
-                    "dequantize instead (NOTE [one dequantization kernel])", p.fmt, out.dtype, type(e).__name__, e)
-        return False
-    return True
+    launch = kernel[(n, -(-p.cols // BLOCK))]
+    args = (q, s, out, p.cols, p.row_q, p.groups, p.group)
+    consts = {"INT4": p.fmt == "int4", "PER_ROW": p.groups == 1, "BLOCK": BLOCK}
+    device = out.device
+
+    def run() -> bool:
+        if key in _failed:
+            return False
+        try:
+            # Triton launches on the current device's current stream: the slot's device, whose
+            # current stream the caller made the dequantization lane's.
+            with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+                launch(*args, **consts)
+        except Exception as e:     # Triton's compile errors have no common base; torch's ops do the same work
+            _failed.add(key)
+            log.warning("tiermem: the fused dequantization does not run for %s into %s here (%s: %s); torch's ops "
+                        "dequantize instead (NOTE [one dequantization kernel])", p.fmt, out.dtype,
+                        type(e).__name__, e)
+            return False
+        return True
+    return run

@@ -51,11 +51,12 @@ NOTE [quantized streaming]
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 from ..errors import ConfigError
 
-__all__ = ["FORMATS", "KERNELS", "INT4_GROUP", "QSTAGES", "Packing", "packing", "pack_into", "dequantize", "reference",
+__all__ = ["FORMATS", "KERNELS", "INT4_GROUP", "QSTAGES", "Packing", "packing", "pack_into", "dequantize", "prepare", "reference",
            "unpack", "check_format", "views", "QSTAGE_BYTES"]
 
 FORMATS = ("int8", "fp8", "int4")
@@ -217,34 +218,72 @@ def dequantize(q: Any, s: Any, p: Packing, out: Any, scratch: Any = None, kernel
     "fused" the one Triton kernel (NOTE [one dequantization kernel] in
     inference/dequant_kernel.py; ConfigError where it cannot run), "torch" torch's ops (int4
     needs ``scratch``: a byte tensor of at least n x row_q bytes), "auto" the first where it can."""
-    import torch
+    prepare(q, s, p, out, scratch, kernel)()
 
+
+def prepare(q: Any, s: Any, p: Packing, out: Any, scratch: Any = None, kernel: str = "auto") -> Callable[[], None]:
+    """:func:`dequantize` of these views made once: the checks, views and launch arguments are
+    made now, and each call of what it returns queues the same work on the current stream
+    (NOTE [packed chunks made once] in inference/transport.py: a streamed chunk is dequantized
+    from and into the same views every forward)."""
     from . import dequant_kernel
     n = q.shape[0]
     o = out.view(n, p.cols)
     if kernel not in KERNELS:
         raise ConfigError(f"kernel must be one of {', '.join(map(repr, KERNELS))}, got {kernel!r}")
-    if kernel != "torch" and dequant_kernel.available(o) and dequant_kernel.dequantize(q, s, p, o):
-        return
+    fused = dequant_kernel.prepare(q, s, p, o) if kernel != "torch" and dequant_kernel.available(o) else None
     if kernel == "fused":
-        raise ConfigError("the fused dequantization needs a CUDA tensor, contiguous views and Triton importable; "
-                          "pass kernel='auto' to fall back on torch's ops")
+        if fused is None:
+            raise ConfigError(_NO_FUSED)
+
+        def strict() -> None:
+            if not fused():
+                raise ConfigError(_NO_FUSED)
+        return strict
+    ops = _torch_ops(q, s, p, o, scratch)
+    if fused is None:
+        return ops
+
+    def either() -> None:
+        if not fused():
+            ops()
+    return either
+
+
+_NO_FUSED = ("the fused dequantization needs a CUDA tensor, contiguous views and Triton importable; "
+             "pass kernel='auto' to fall back on torch's ops")
+
+
+def _torch_ops(q: Any, s: Any, p: Packing, o: Any, scratch: Any) -> Callable[[], None]:
+    """torch's ops writing ``o`` ([n, cols]) from ``q`` and ``s``, their views made now."""
+    import torch
+    n = q.shape[0]
     if p.fmt == "int8":
-        torch.mul(q, s, out=o)              # int8 x fp32 per row -> the model's dtype
-    elif p.fmt == "fp8":
-        o.copy_(q)                          # exact: every e4m3 value is a half, bfloat16 or float
-        o.mul_(s)
-    else:
-        gb = p.group // 2
-        qi = q.view(torch.int8).view(n, p.groups, gb)
-        a = scratch[: n * p.row_q].view(torch.int8).view(n, p.groups, gb)
-        sv = s.view(n, p.groups, 1)
-        pair = o.view(n, p.groups, gb, 2)
+        return lambda: torch.mul(q, s, out=o)       # int8 x fp32 per row -> the model's dtype
+    if p.fmt == "fp8":
+        def fp8() -> None:
+            o.copy_(q)                              # exact: every e4m3 value is a half, bfloat16 or float
+            o.mul_(s)
+        return fp8
+    if scratch is None:
+        def refuse() -> None:      # raised when the ops are needed: the fused kernel needs no scratch
+            raise ConfigError("dequantizing int4 with torch's ops needs scratch: a byte tensor of at least "
+                              f"{n * p.row_q} bytes")
+        return refuse
+    gb = p.group // 2
+    qi = q.view(torch.int8).view(n, p.groups, gb)
+    a = scratch[: n * p.row_q].view(torch.int8).view(n, p.groups, gb)
+    sv = s.view(n, p.groups, 1)
+    pair = o.view(n, p.groups, gb, 2)
+    hi, lo = pair[..., 1], pair[..., 0]
+
+    def int4() -> None:
         torch.bitwise_right_shift(qi, 4, out=a)      # the high nibble, sign-extended: column 2j + 1
-        torch.mul(a, sv, out=pair[..., 1])
+        torch.mul(a, sv, out=hi)
         torch.bitwise_left_shift(qi, 4, out=a)       # the low nibble to the top, then back down
         a.bitwise_right_shift_(4)
-        torch.mul(a, sv, out=pair[..., 0])
+        torch.mul(a, sv, out=lo)
+    return int4
 
 
 def reference(q: Any, s: Any, p: Packing, dtype: Any) -> Any:

@@ -5,6 +5,7 @@ stream and read in place from the home otherwise (NOTE [streaming plan] in infer
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import threading
@@ -127,6 +128,23 @@ def _piece_staging(p: Piece) -> int:
         k = member_rows(t, q) // g.cut.length * (p.hi - p.lo)
         n += q.rows_nbytes(k) if q is not None else _up(k * _row_bytes(t))
     return min(whole, n)
+
+
+def _merged(parts: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+    """``parts`` ((dst offset, src address, bytes), in order) with neighbours that lie alike on
+    both sides (the same gap, less than an alignment, after the one before) made one copy that
+    also carries the gap's padding: a whole member's values and scales, and the whole members
+    after it, lie in a staging buffer as in their home, so a chunk of them is one copy."""
+    out: list[tuple[int, int, int]] = []
+    for d, src, n in parts:
+        if out:
+            pd, ps, pn = out[-1]
+            gap = d - (pd + pn)
+            if 0 <= gap < quant.ALIGN and src - (ps + pn) == gap:
+                out[-1] = (pd, ps, pn + gap + n)
+                continue
+        out.append((d, src, n))
+    return out
 
 
 def packed_layout(tensors: list[Any], packing: list[Any]) -> tuple[list[int], int]:
@@ -599,14 +617,21 @@ class PinnedTransport:
     #     it lands in that buffer. Making them took most of the host's time per chunk (a view costs
     #     microseconds; a forward of a 30-layer model streams hundreds of chunks, on the thread
     #     that also launches the forward's kernels), so they are made once per (piece, slot,
-    #     chunk, staging buffer) and kept with the transport's views. The expert cache's copies
-    #     (a varying set of experts into a varying slot) are made each time.
+    #     chunk, staging buffer) and kept with the transport's views. So is each range's device
+    #     work (quant.prepare): the dequantization's views, checks and the fused kernel's grid
+    #     and arguments, so a forward runs prepared launches only. The copies of a chunk whose
+    #     ranges lie in the staging buffer as in the home (a whole member's values and scales,
+    #     and whole members back to back) are one copy (:func:`_merged`): a group that fits a
+    #     staging buffer crosses in one copy. tests/test_quant.py counts a forward's host calls
+    #     per streamed piece. The expert cache's copies (a varying set of experts into a varying
+    #     slot) are made each time.
 
     def _chunk_work(self, g: Group, chunk: list[tuple[int, int, int]], stage: int,
-                    dst: Callable[[int, int, int], Any]) -> tuple[list[tuple[int, int, int]], int, list[tuple]]:
+                    dst: Callable[[int, int, int], Any]) -> tuple[list[tuple[int, int, int]], int, list[Callable[[], Any]]]:
         """(copies (offset in the staging buffer, home address, bytes), bytes, jobs) of one chunk
-        of ``g`` landing in staging buffer ``stage``; a job is (packing, values, scales, out) or
-        (None, the staged rows as they are, None, out)."""
+        of ``g`` landing in staging buffer ``stage``; a job is the device work of one range, made
+        once (quant.prepare: a dequantization with its views and launch arguments made; or the
+        copy of the staged rows as they are into their place)."""
         home, raw = self.home.ptr + g.offset, self._stage_raw[stage]
         parts, jobs, at = [], [], 0
         for i, lo, hi in chunk:
@@ -615,23 +640,21 @@ class PinnedTransport:
                 (qo, qn), (so, sn) = p.row_ranges(lo, hi)
                 parts += [(at, off + qo, qn), (at + _up(qn), off + so, sn)]
                 q, s = quant.views(p, raw[at:at + p.rows_nbytes(hi - lo)], hi - lo)
-                jobs.append((p, q, s, out))
+                jobs.append(quant.prepare(q, s, p, out, self._scratch))
                 at += p.rows_nbytes(hi - lo)
             else:
                 t = g.tensors[i]
                 per = _row_bytes(t)
                 parts.append((at, off + lo * per, (hi - lo) * per))
-                jobs.append((None, raw[at:at + (hi - lo) * per].view(t.dtype).view(out.shape), None, out))
+                jobs.append(functools.partial(out.copy_, raw[at:at + (hi - lo) * per].view(t.dtype).view(out.shape)))
                 at += _up((hi - lo) * per)
-        return parts, sum(x for _, _, x in parts), jobs
+        return _merged(parts), sum(x for _, _, x in parts), jobs
 
-    def _unpack(self, g: Group, jobs: list[tuple]) -> None:
-        """The device work of one staged chunk of ``g``: each range dequantized or copied into its place."""
-        for p, q, s, out in jobs:
-            if p is not None:
-                quant.dequantize(q, s, p, out, self._scratch)
-            else:
-                out.copy_(q)
+    def _unpack(self, g: Group, jobs: list[Callable[[], Any]]) -> None:
+        """The device work of one staged chunk of ``g``: each range dequantized or copied into its
+        place, by the jobs :meth:`_chunk_work` made."""
+        for job in jobs:
+            job()
 
     def _piece_rows(self, p: Piece) -> list[tuple[int, int, int]]:
         """(member, first row, end row) of the rows of a packed group's members that piece ``p``

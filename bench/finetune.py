@@ -147,7 +147,8 @@ def part_finetune(kit, torch, tiermem, a, rates, out):
             tier = tiermem.Tier(0)                       # the default cap: the memory free now
             model = copy.deepcopy(template)              # on the host: the GPU could not hold it
             opt = kit.adamw(torch, model.parameters())
-            train = tier.wrap_training(model, opt, budget)
+            kw = {"block_bytes": a.ft_block_mib << 20} if a.ft_block_mib else {}
+            train = tier.wrap_training(model, opt, budget, **kw)
             label = f"tiermem {'graphed' if graphed else 'eager'} 1/{ratio}"
             progress(f"  {label}: budget {budget / 1e9:.2f} GB, floor at wrap {train.budget_floor}")
             step = train.graphed(lambda ids: chunked_loss_fn(model, ids, True)) if graphed else None
@@ -198,8 +199,9 @@ def part_finetune(kit, torch, tiermem, a, rates, out):
             kit.free()
 
     runs = {}
-    for ratio, graphed in ((2.5, False), (2.5, True), (4, False), (6, False)):
-        key = f"{'graphed' if graphed else 'eager'}_{ratio:g}"
+    for key in a.ft_runs.split(","):
+        kind, ratio = key.split("_")
+        ratio, graphed = float(ratio), kind == "graphed"
         runs[key] = guarded(key, lambda ratio=ratio, graphed=graphed: tiered(ratio, graphed))
     raw["tiermem"] = runs
     e25, g25, e4, e6 = (runs.get(k) for k in ("eager_2.5", "graphed_2.5", "eager_4", "eager_6"))
@@ -233,8 +235,8 @@ def part_finetune(kit, torch, tiermem, a, rates, out):
 
 
 def _capture_failure(torch, tiermem, transformers) -> bool:
-    """A capture refused (a small Llama with its defaults under autocast: transformers takes another
-    path while captured, NOTE [another path under capture]), then torch as it was: no private pool
+    """A capture that fails (a small Llama with its defaults under autocast, its loss read on the
+    host inside the step), then torch as it was: no private pool
     left, a seeded model built twice draws the same values. The budget is half the model's
     training state, or a quarter above its floor where that is more: the floor is asked of a
     training wrapped first with room and traced once (NOTE [the floor]); a budget guessed below it
@@ -253,7 +255,12 @@ def _capture_failure(torch, tiermem, transformers) -> bool:
 
     def loss(x):
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            return model(input_ids=x, labels=x).loss
+            v = model(input_ids=x, labels=x).loss
+        # a host read inside the step, as a loop that skips non-finite losses makes: a capture
+        # cannot hold it (cudaErrorStreamCaptureUnsupported), so the capture fails every time
+        if not bool(torch.isfinite(v)):
+            raise FloatingPointError("loss is not finite")
+        return v
     tier = tiermem.Tier(0, cap="4GiB")
     probe = tier.wrap_training(model, opt, 2 * state, block_bytes=1 << 20)
     with probe.step():

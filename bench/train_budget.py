@@ -556,6 +556,9 @@ def main():
     p.add_argument("--arena-only", action="store_true", help="part 4 does only that")
     p.add_argument("--adamw", choices=("fused", "foreach"), default="fused", help="AdamW's implementation in "
                    "every run (fused: HF Trainer's default, adamw_torch_fused)")
+    p.add_argument("--ft-block-mib", type=int, default=None, help="finetune: tiermem's block_bytes in MiB "
+                   "(default: wrap_training's)")
+    p.add_argument("--ft-runs", default="eager_2.5,graphed_2.5,eager_4,eager_6", help="finetune: tiermem's runs")
     a = p.parse_args()
     ADAMW.clear()
     ADAMW[a.adamw] = True

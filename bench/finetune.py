@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import re
 import time
 
 from _common import median, progress
@@ -149,19 +150,32 @@ def part_finetune(kit, torch, tiermem, a, rates, out):
             opt = kit.adamw(torch, model.parameters())
             kw = {"block_bytes": a.ft_block_mib << 20} if a.ft_block_mib else {}
             train = tier.wrap_training(model, opt, budget, **kw)
-            label = f"tiermem {'graphed' if graphed else 'eager'} 1/{ratio}"
+            label = f"tiermem {'graphed' if graphed else 'eager'} 1/{ratio:g}"
             progress(f"  {label}: budget {budget / 1e9:.2f} GB, floor at wrap {train.budget_floor}")
             step = train.graphed(lambda ids: chunked_loss_fn(model, ids, True)) if graphed else None
             times, losses, peaks, moved = [], [], [], []
             for i, ids in enumerate(batches[: z["graph_steps"] if graphed else z["steps"]]):
                 e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 e0.record()
-                if graphed:
-                    v = step(ids)
-                else:
-                    with train.step():
-                        v = chunked_loss_fn(model, ids)
-                        v.backward()
+                try:
+                    if graphed:
+                        v = step(ids)
+                    else:
+                        with train.step():
+                            v = chunked_loss_fn(model, ids)
+                            v.backward()
+                except torch.OutOfMemoryError as e:
+                    # NOTE [the floor]: a traced step that runs out says what the floor is at least;
+                    # a budget below it is refused, not a step lost above the floor
+                    floor = _noted_floor(e)
+                    if i == 0 and floor > budget:
+                        progress(f"  {label}: refused, the floor is at least {floor / 1e9:.2f} GB")
+                        try:
+                            train.unwrap("cpu")
+                        finally:
+                            tier.close()
+                        return {"below_floor": True, "floor_bytes": floor, "budget_bytes": budget}
+                    raise
                 e1.record()
                 e1.synchronize()
                 times.append(e0.elapsed_time(e1))
@@ -204,7 +218,9 @@ def part_finetune(kit, torch, tiermem, a, rates, out):
         ratio, graphed = float(ratio), kind == "graphed"
         runs[key] = guarded(key, lambda ratio=ratio, graphed=graphed: tiered(ratio, graphed))
     raw["tiermem"] = runs
-    e25, g25, e4, e6 = (runs.get(k) for k in ("eager_2.5", "graphed_2.5", "eager_4", "eager_6"))
+    below = {k: r["floor_bytes"] for k, r in runs.items() if r and r.get("below_floor")}
+    raw["below_floor"] = below
+    e25, g25, e4, e6 = (None if k in below else runs.get(k) for k in ("eager_2.5", "graphed_2.5", "eager_4", "eager_6"))
     if e25:
         m["finetune_eager_over_resident_2.5"] = round(e25["ms"] / resident_ms, 3)
         bound = max(resident_ms + e25["recompute_ms"], (e25["moved_h2d"] + e25["moved_d2h"]) / duplex * 1e3)
@@ -232,6 +248,15 @@ def part_finetune(kit, torch, tiermem, a, rates, out):
     checks["finetune_all_steps_ran"] = ok["all"]
     checks["finetune_losses_ok"] = ok["all"] and losses_ok[0]
     checks["finetune_within_budget"] = ok["all"] and within[0]
+
+
+def _noted_floor(e: BaseException) -> int:
+    """The bytes a traced step's OutOfMemoryError's tiermem note says the floor is at least (0: none)."""
+    for note in getattr(e, "__notes__", ()):
+        hit = re.search(r"floor is at least ([\d,]+) bytes", note)
+        if hit:
+            return int(hit.group(1).replace(",", ""))
+    return 0
 
 
 def _capture_failure(torch, tiermem, transformers) -> bool:

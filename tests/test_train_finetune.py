@@ -135,3 +135,26 @@ def test_an_autocast_llama_at_a_share_of_its_state_runs_every_step_as_the_plain_
     gc.collect()
     tier.close()
     assert fake.live() == {"managed": 0, "pinned": 0, "device": 0}
+
+
+def test_blocks_are_as_large_as_the_largest_parameter_by_default():
+    # NOTE [block size]: TinyLlama's shape on the meta device: its embedding (262 MB fp32) sets the
+    # slots, so a decoder layer (176 MB) is one block; a model whose parameters are all small keeps
+    # BLOCK_BYTES
+    from tiermem.inference.groups import module_groups, span_of
+    from tiermem.training.handle import block_size
+    from tiermem.training.options import BLOCK_BYTES
+    cfg = transformers.LlamaConfig(hidden_size=2048, intermediate_size=5632, num_hidden_layers=3,
+                                   num_attention_heads=32, num_key_value_heads=4, vocab_size=32000)
+    with torch.device("meta"):
+        big = transformers.LlamaForCausalLM(cfg)
+    size = block_size(big, None)
+    assert size == span_of(big.model.embed_tokens.weight) > BLOCK_BYTES
+    names = [name for name, _, own in module_groups(big, size)
+             if any(isinstance(t, torch.nn.Parameter) for _, t in own)]
+    assert names == ["model.embed_tokens", "model.layers.0", "model.layers.1", "model.layers.2", "model.norm",
+                     "lm_head"]
+    assert len(module_groups(big, BLOCK_BYTES)) > 3 * 5        # 64 MiB blocks: each layer in pieces
+    assert block_size(big, 1 << 20) == 1 << 20                  # an explicit size is kept
+    small, _ = _llama()
+    assert block_size(small, None) == BLOCK_BYTES

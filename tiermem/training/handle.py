@@ -104,6 +104,18 @@ NOTE [accumulation]
     would keep part of the failed one's), and ``unwrap()`` inside a window gives them back in
     ``p.grad``.
 
+NOTE [block size]
+    A block is what is resident or streamed, and its segment what is kept, swapped or
+    recomputed. The slots are as large as the largest block with its gradients and states, and
+    no block is smaller than its largest parameter, so blocks as large as that parameter cost
+    the slots nothing. By default (``block_bytes=None``) blocks are that large, and at least
+    BLOCK_BYTES: a language model's largest parameter is its embedding or head, and a decoder
+    layer is then most often one block. Recomputing a whole layer recomputes all it saves;
+    blocks of its sub-modules leave what runs between them (attention's core, the norms, the
+    MLP's product) outside every block, kept or swapped. Recomputing a layer holds its whole
+    segment in its backward, so at a budget too tight for that, smaller blocks recompute more;
+    ``block_bytes`` chooses (docs/training.md, "Block size", has the measurements).
+
 NOTE [measured choice], NOTE [fewer slots] and NOTE [a slot for recompute] are in training/choice.py, with
 the choice of plan; NOTE [clipping] and NOTE [speculative clipping] in training/clipping.py.
 NOTE [bf16 moments] and NOTE [loaded states] are in training/states.py, with the optimizer's states.
@@ -124,7 +136,7 @@ from ..errors import (
     TierMemError,
     WrapError,
 )
-from ..inference.groups import module_groups
+from ..inference.groups import module_groups, span_of
 from ..pytorch.devmem import device_memory
 from .casts import autocast_cache_off
 from .choice import PlanChoice
@@ -134,7 +146,7 @@ from .hooks import BlockHooks
 from .kvoff import kv_cache_configs, kv_cache_off
 from .memory import Cap, HostBuffers, check_room, free_adopted, plain_copies
 from .meter import StallMeter
-from .options import TrainingOptions, averaging_group, check_options, check_subjects, states_dtype
+from .options import BLOCK_BYTES, TrainingOptions, averaging_group, check_options, check_subjects, states_dtype
 from .plan import LINK_GBPS, StepTrace, TrainPlan
 from .planrun import PlanRunner
 from .recompute import Recompute
@@ -661,9 +673,18 @@ class TieredTraining:
         return f"<TieredTraining {type(self.model).__name__}, {len(self.blocks)} blocks: {plan}>"
 
 
-def _blocks(torch: Any, model: Any, optimizer: Any, block_bytes: int, dev: Any) -> list[Block]:
+def block_size(model: Any, block_bytes: int | None) -> int:
+    """``block_bytes``, or where it is None the largest parameter's bytes, at least BLOCK_BYTES
+    (NOTE [block size])."""
+    if block_bytes is not None:
+        return block_bytes
+    return max([BLOCK_BYTES] + [span_of(p) for p in model.parameters()])
+
+
+def _blocks(torch: Any, model: Any, optimizer: Any, block_bytes: int | None, dev: Any) -> list[Block]:
     """The model's module blocks (``module_groups``), each with its parameters and the trainable
     ones among them, laid out; refuses parameters the training cannot take."""
+    block_bytes = block_size(model, block_bytes)
     in_opt = {id(p) for g in optimizer.param_groups for p in g["params"]}
     blocks: list[Block] = []
     seen: set[int] = set()

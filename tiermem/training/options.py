@@ -16,7 +16,7 @@ from .plan import RECOMPUTE_MODES
 __all__ = ["TrainingOptions", "FSDPOptions", "BLOCK_BYTES", "check_options", "check_fsdp_options", "check_subjects",
            "states_dtype", "averaging_group"]
 
-BLOCK_BYTES = 64 << 20    # parameter bytes per block: a slot holds ~4x that (params, grads, Adam's two moments)
+BLOCK_BYTES = 64 << 20    # the least parameter bytes per block (NOTE [block size]); a slot holds ~4x that
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +33,8 @@ class TrainingOptions:
     swap: False never swaps activations (nor recomputes them): they stay on the device.
     block_bytes: parameter bytes per module block, the unit that is resident or streamed
         (a slot holds a block's parameters, gradients and optimizer states, ~4x that with Adam).
+        None: the model's largest parameter's bytes, at least BLOCK_BYTES (NOTE [block size] in
+        training/handle.py).
     margin: bytes the plan leaves free for what the trace could not see; None: 1/8 of the budget.
     process_group: None, True (torch.distributed's default group) or a group: data-parallel
         replicas, each block's gradients averaged before its step (NOTE [data parallel]).
@@ -61,7 +63,7 @@ class TrainingOptions:
     min_swap: int = 1 << 20
     window: int | None = None
     swap: bool = True
-    block_bytes: int = BLOCK_BYTES
+    block_bytes: int | None = None
     margin: int | None = None
     process_group: Any = None
     recompute: str = "auto"
@@ -78,7 +80,8 @@ class TrainingOptions:
         _int("min_swap", self.min_swap, least=0, unit="bytes")
         if self.window is not None:
             _int("window", self.window, least=1, unit="bytes")
-        _int("block_bytes", self.block_bytes, least=1, unit="bytes")
+        if self.block_bytes is not None:
+            _int("block_bytes", self.block_bytes, least=1, unit="bytes")
         if self.margin is not None:
             _int("margin", self.margin, least=0, unit="bytes")
         _int("accumulate", self.accumulate, least=1, unit="micro-batches per optimizer step")

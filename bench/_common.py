@@ -202,6 +202,22 @@ def host_us_per_call(fn: Callable[[], Any], n: int = 2000, warmup: int = 50) -> 
     return round((time.perf_counter() - t) / n * 1e6, 2)
 
 
+def duplex_copy(torch: Any, to_dev: Any, from_host: Any, to_host: Any, from_dev: Any, s_in: Any, s_out: Any,
+                reps: int = 1) -> None:
+    """``reps`` copies host to device on ``s_in`` and device to host on ``s_out`` at once, after
+    the current stream's work and before what it queues next: both directions of the link busy."""
+    cur = torch.cuda.current_stream()
+    s_in.wait_stream(cur)
+    s_out.wait_stream(cur)
+    for _ in range(reps):
+        with torch.cuda.stream(s_in):
+            to_dev.copy_(from_host, non_blocking=True)
+        with torch.cuda.stream(s_out):
+            to_host.copy_(from_dev, non_blocking=True)
+    cur.wait_stream(s_in)
+    cur.wait_stream(s_out)
+
+
 def median(xs: list[float]) -> float:
     return float(statistics.median(xs))
 

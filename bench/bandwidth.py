@@ -31,7 +31,7 @@ import contextlib
 import gc
 import time
 
-from _common import cuda_times, device_view, gbps, median, nvml_handle, plot_path, progress, table, write_results
+from _common import cuda_times, device_view, duplex_copy, gbps, median, nvml_handle, plot_path, progress, table, write_results
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -130,15 +130,7 @@ def main() -> None:
     s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
 
     def both():
-        c = torch.cuda.current_stream()
-        s1.wait_stream(c)
-        s2.wait_stream(c)
-        with torch.cuda.stream(s1):
-            d2.copy_(h, non_blocking=True)
-        with torch.cuda.stream(s2):
-            h2.copy_(d, non_blocking=True)
-        c.wait_stream(s1)
-        c.wait_stream(s2)
+        duplex_copy(torch, d2, h, h2, d, s1, s2)
 
     metrics["pinned_bidir_total_GBps"] = gbps(2 * N, median(cuda_times(both, reps)))
     del h2

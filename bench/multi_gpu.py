@@ -37,7 +37,7 @@ import statistics
 import tempfile
 import time
 
-from _common import progress, write_results
+from _common import duplex_copy, progress, write_results
 
 GiB = 1 << 30
 TOKENS = (4, 1024)
@@ -206,15 +206,7 @@ def link_rates(torch, devices: list[int], reps: int = 4) -> dict:
         cur.synchronize()
         e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         e0.record(cur)
-        s1.wait_stream(cur)
-        s2.wait_stream(cur)
-        for _ in range(reps):
-            with torch.cuda.stream(s1):
-                dev.copy_(h, non_blocking=True)
-            with torch.cuda.stream(s2):
-                h2.copy_(dev2, non_blocking=True)
-        cur.wait_stream(s1)
-        cur.wait_stream(s2)
+        duplex_copy(torch, dev, h, h2, dev2, s1, s2, reps)
         e1.record(cur)
         e1.synchronize()
         out.setdefault(d, []).append(2 * reps * GiB / (e0.elapsed_time(e1) / 1e3) / 1e9)

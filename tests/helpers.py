@@ -156,3 +156,24 @@ def trainer_loop(model: Any, opt: Any, sched: Any, batches: Any, loss_fn: Any) -
         model.zero_grad()
         out.append(loss.detach())
     return out
+
+
+def tiny_qwen2_moe(transformers: Any, impl: str | None = None) -> Any:
+    """bench/offload_infer.py's mixture of experts shrunk, in fp16 on the host: 12 small experts,
+    top-4, a shared expert, 4 layers; ``impl`` sets the experts implementation (None: the one
+    transformers picks). Greedy generation runs to its length (no end token)."""
+    cfg = transformers.Qwen2MoeConfig(hidden_size=64, intermediate_size=128, moe_intermediate_size=48,
+                                      shared_expert_intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+                                      num_key_value_heads=4, vocab_size=256, num_experts=12, num_experts_per_tok=4,
+                                      decoder_sparse_step=1, tie_word_embeddings=False)
+    if impl is not None:
+        cfg._experts_implementation = impl
+    torch.manual_seed(0)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float16)
+    try:
+        m = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    finally:
+        torch.set_default_dtype(old)
+    m.generation_config.pad_token_id, m.generation_config.eos_token_id = 0, None
+    return m

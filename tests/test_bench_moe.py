@@ -124,25 +124,14 @@ def test_the_cache_run_compares_decodes_of_one_length_on_the_fake_backend(monkey
     import types
 
     from fakes import FakeBackend
-    from helpers import share
+    from helpers import share, tiny_qwen2_moe
 
     import tiermem
     import tiermem.inference.plan as planning
     monkeypatch.setattr(planning, "EXPERT_CALL_COST", 0)
     real = tiermem.Tier
     monkeypatch.setattr(tiermem, "Tier", lambda *a, **k: real(backend=FakeBackend(total=1 << 30)))
-    cfg = tf.Qwen2MoeConfig(hidden_size=64, intermediate_size=128, moe_intermediate_size=48,
-                            shared_expert_intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
-                            num_key_value_heads=4, vocab_size=256, num_experts=12, num_experts_per_tok=4,
-                            decoder_sparse_step=1, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float16)
-    try:
-        m = tf.AutoModelForCausalLM.from_config(cfg).eval()
-    finally:
-        torch.set_default_dtype(old)
-    m.generation_config.pad_token_id, m.generation_config.eos_token_id = 0, None
+    m = tiny_qwen2_moe(tf)
     calls = []
 
     def timed_generate(model, ids, new, reps):

@@ -9,7 +9,7 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
-from helpers import share
+from helpers import share, tiny_qwen2_moe
 
 import tiermem
 import tiermem.inference.plan as planning
@@ -300,20 +300,7 @@ def test_a_long_greedy_decode_with_a_skewed_router_computes_the_same_logits(tier
     the order of a token's experts."""
     transformers = pytest.importorskip("transformers")
     monkeypatch.setattr(planning, "EXPERT_CALL_COST", 0)
-    cfg = transformers.Qwen2MoeConfig(hidden_size=H, intermediate_size=128, moe_intermediate_size=48,
-                                      shared_expert_intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
-                                      num_key_value_heads=4, vocab_size=256, num_experts=12, num_experts_per_tok=4,
-                                      decoder_sparse_step=1, tie_word_embeddings=False)
-    if impl is not None:
-        cfg._experts_implementation = impl
-    torch.manual_seed(0)
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float16)
-    try:
-        m = transformers.AutoModelForCausalLM.from_config(cfg).eval()
-    finally:
-        torch.set_default_dtype(old)
-    m.generation_config.pad_token_id, m.generation_config.eos_token_id = 0, None
+    m = tiny_qwen2_moe(transformers, impl)
     sk = skew_router(m, hot=8, bias=2.0)
     ids = torch.randint(0, 256, (1, 16))
     own = [(t, t.data) for t in m.parameters()]

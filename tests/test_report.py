@@ -66,6 +66,11 @@ def test_the_latest_result_holding_the_rows_figures_is_picked(tmp_path):
     assert path == newer[0]
     assert report._Fields(d).format(row.figure) == "2.00 and NO"
     assert report.pick(dataclasses.replace(row, device="H200"), results)[0] == other_device[0]
+    # a row that asks for at least so much of a metric skips the results with less
+    assert report.pick(dataclasses.replace(row, least=(("a", 1.5),)), results[:3])[0] == newer[0]
+    assert report.pick(dataclasses.replace(row, least=(("a", 0.5),)), [older, lacking])[0] == older[0]
+    with pytest.raises(LookupError):
+        report.pick(dataclasses.replace(row, least=(("a", 3.0),)), results[:3])
     with pytest.raises(LookupError, match="holds missing"):
         report.pick(report.Row("x", "bandwidth", "{missing}"), results)
     assert report.load(str(tmp_path))      # the loader reads them too

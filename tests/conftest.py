@@ -76,18 +76,40 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     gc.freeze()
 
 
+def slow_cases(items: list[pytest.Item]) -> set[str]:
+    """NOTE [slow cases] in helpers.py: the node ids of CPU cases recorded slower than SLOW_S,
+    less each file's fastest recorded case."""
+    import durations
+    from helpers import SLOW_S
+    times = durations.load()
+    fastest: dict[str, tuple[float, str]] = {}
+    for it in items:
+        t = times.get(it.nodeid)
+        if t is None or it.get_closest_marker("gpu") is not None:
+            continue
+        f = it.nodeid.split("::")[0]
+        fastest[f] = min(fastest.get(f, (t, it.nodeid)), (t, it.nodeid))
+    kept = {n for _, n in fastest.values()}
+    return {it.nodeid for it in items if it.nodeid not in kept and it.get_closest_marker("gpu") is None
+            and times.get(it.nodeid, 0.0) > SLOW_S}
+
+
 @pytest.hookimpl(tryfirst=True)       # the sweep marks below before ``-m`` selects by them
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Cases marked ``sweep`` (NOTE [sampled sweeps] in helpers.py) run only when the marker
-    expression names them (``pytest -m sweep``); the default run leaves them out. A long
+    expression names them (``pytest -m sweep``); the default run leaves them out, with the cases
+    recorded as slow (NOTE [slow cases] in helpers.py). A long
     parametrised set (marked ``long``) keeps its first ``keep`` cases (default 1) in the default
     run; the rest are ``sweep`` cases (NOTE [long sets] in helpers.py)."""
     # Under pytest-xdist (README's test command), every GPU test runs on one worker, one after
     # another: they share the one GPU, and some take most of its memory on purpose.
     taken: dict[tuple[str, str], int] = {}
+    slow = slow_cases(items)
     for it in items:
         if it.get_closest_marker("gpu") is not None:
             it.add_marker(pytest.mark.xdist_group("gpu"))
+        if it.nodeid in slow:
+            it.add_marker(pytest.mark.sweep)
         long = it.get_closest_marker("long")
         if long is not None:
             key = (str(it.path), getattr(it, "originalname", it.name))

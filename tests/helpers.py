@@ -75,6 +75,16 @@ SAMPLED = 5
 #     case (or ``keep`` of them), which exercises the path end to end, and the others carry the
 #     ``sweep`` marker (tests/conftest.py), so ``pytest -m sweep`` in .ci/run runs every case.
 
+# NOTE [slow cases]
+#     README's test command is the quick check a newcomer runs (at most 5 minutes on two cores);
+#     .ci/run then runs ``-m sweep``, so every case still runs in CI, once. A CPU case recorded
+#     slower than SLOW_S in tests/durations.json (its setup, call and teardown, measured by a
+#     default run on two cores: tests/durations.py rewrites the record) carries the ``sweep``
+#     marker, except the fastest recorded case of its file, which keeps each file's path in the
+#     default run. A case with no record (a new one) runs by default until the record is
+#     rewritten.
+SLOW_S = 4.0
+
 
 def sampled_positions(seen: list[str], positions: list[int] | None = None, k: int = SAMPLED) -> set[int]:
     """The 1-based positions of ``seen`` (among ``positions``) the default run keeps."""

@@ -30,6 +30,25 @@ def _loss(torch, model, ids):
         return model(input_ids=ids, labels=ids).loss
 
 
+def _plain_losses(torch, model, init, batches, loss):
+    """The plain loop's losses on the device (fused AdamW); the model goes back to the host with
+    its ``init`` weights."""
+    model.cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    want = []
+    for ids in batches:
+        v = loss(ids)
+        v.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        want.append(float(v.detach()))
+    model.cpu()
+    model.load_state_dict(init)
+    del opt
+    _cleanup()
+    return want
+
+
 def test_an_autocast_fine_tune_runs_every_step_at_its_floor_on_a_really_small_gpu():
     """The floor is read from a first training (its slots at wrap, its activations after the
     traced step); a second training at exactly that budget runs every step, the traced one
@@ -40,19 +59,7 @@ def test_an_autocast_fine_tune_runs_every_step_at_its_floor_on_a_really_small_gp
     torch = _setup()
     import tiermem
     model, init, batches = _llama(torch)
-    model.cuda()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    want = []
-    for ids in batches:
-        v = _loss(torch, model, ids)
-        v.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        want.append(float(v.detach()))
-    model.cpu()
-    model.load_state_dict(init)
-    del opt
-    _cleanup()
+    want = _plain_losses(torch, model, init, batches, lambda ids: _loss(torch, model, ids))
     state = 16 * sum(p.numel() for p in model.parameters())
     blob = _take_device(2 << 30)
     try:
@@ -132,19 +139,7 @@ def test_a_chunked_loss_fine_tune_at_a_quarter_of_its_state_runs_every_step():
             h = model.model(input_ids=ids).last_hidden_state
             return chunked_lm_loss(model.lm_head, h, ids, chunk_tokens=512)
 
-    model.cuda()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    want = []
-    for ids in batches:
-        v = loss(ids)
-        v.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        want.append(float(v.detach()))
-    model.cpu()
-    model.load_state_dict(init)
-    del opt
-    _cleanup()
+    want = _plain_losses(torch, model, init, batches, loss)
     state = 16 * sum(p.numel() for p in model.parameters())
     budget = state // 4
     blob = _take_device(budget + (2 << 30))

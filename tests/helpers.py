@@ -83,7 +83,7 @@ SAMPLED = 5
 #     marker, except the fastest recorded case of its file, which keeps each file's path in the
 #     default run. A case with no record (a new one) runs by default until the record is
 #     rewritten.
-SLOW_S = 4.0
+SLOW_S = 3.0
 
 
 def sampled_positions(seen: list[str], positions: list[int] | None = None, k: int = SAMPLED) -> set[int]:

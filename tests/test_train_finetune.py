@@ -158,3 +158,26 @@ def test_blocks_are_as_large_as_the_largest_parameter_by_default():
     assert block_size(big, 1 << 20) == 1 << 20                  # an explicit size is kept
     small, _ = _llama()
     assert block_size(small, None) == BLOCK_BYTES
+
+
+def test_the_chunked_loss_recomputes_its_chunks_without_the_swap():
+    # NOTE [chunked loss]: in backward each chunk's bf16 head weight and log-probabilities are
+    # saved and read at once; a tiered step's swap must not see them (it copied them out and back)
+    model, opt = _llama()
+    state = 16 * sum(p.numel() for p in model.parameters())
+    fake = FakeBackend(total=1 << 30, foreign_host=True)
+    fake.enforces_budget = True
+    tier = tiermem.Tier(backend=fake)
+    train = tier.wrap_training(model, opt, int(state / 2.5), block_bytes=32 << 10, min_swap=4096)
+    for ids in _batches(2):
+        with train.step():
+            _loss(model, ids).backward()
+    outside = [r.nbytes for r in train.choice.trace.saved if r.segment == -1]
+    head_bf16 = model.lm_head.weight.numel() * 2
+    assert outside and head_bf16 not in outside
+    assert outside[-1] == 2 * 32 * model.config.hidden_size * 4      # the loss's own: the fp32 hidden states
+    train.unwrap()
+    del train
+    gc.collect()
+    tier.close()
+    assert fake.live() == {"managed": 0, "pinned": 0, "device": 0}

@@ -10,6 +10,10 @@ NOTE [chunked loss]
     loss over ``chunk_tokens`` tokens at a time and keeps none of the logits: backward computes
     each chunk's logits again from the saved hidden states and the head's weight, the way
     activation checkpointing does, so the peak is a few chunks' logits, whatever the batch.
+    What a chunk's recomputation saves is used at once, by that chunk's gradient, so it is
+    saved as it is, past any saved-tensor hooks outside: a tiered training's swap (NOTE
+    [activation swap]) would copy each chunk's bf16 head weight and log-probabilities out and
+    back in: for the model above, 16 chunks of 131 MB and 67 MB, about 3 GB each way a step.
     The head's weight gradient is summed over the chunks in one buffer of the weight's dtype and
     handed to autograd once, so it accumulates once: a tiered training steps the head's block
     when its gradients are complete, and a gradient in pieces would step it after the first.
@@ -75,6 +79,10 @@ def chunked_lm_loss(head: Any, hidden: Any, labels: Any, *, chunk_tokens: int | 
     return _FN[0].apply(head, int(chunk_tokens), int(ignore_index), h, y, *params)
 
 
+def _same(t: Any) -> Any:
+    return t
+
+
 def _make_function(torch: Any) -> Any:
     F = torch.nn.functional
 
@@ -108,7 +116,11 @@ def _make_function(torch: Any) -> Any:
             w = [p.detach().requires_grad_(n) for p, n in zip(params, need_p)]
             for a in range(0, h.shape[0], chunk):
                 hc = h[a:a + chunk].detach().requires_grad_(need_h)
-                with torch.enable_grad(), torch.autocast(dev, dtype=dtype, enabled=on):
+                # what this chunk's recomputation saves is read by the grad just below, never by
+                # the step's backward: the identity hooks keep it where it is, past any outer
+                # hooks (a tiered training's swap would copy it out and back, NOTE [chunked loss])
+                with torch.enable_grad(), torch.autocast(dev, dtype=dtype, enabled=on), \
+                        torch.autograd.graph.saved_tensors_hooks(_same, _same):
                     loss = chunk_loss(F.linear(hc, *w), y[a:a + chunk], ignore_index)
                 wrt = ([hc] if need_h else []) + [x for x, n in zip(w, need_p) if n]
                 if not wrt:

@@ -183,7 +183,7 @@ def table(results: list[tuple[str, dict[str, Any]]] | None = None, root: str = R
                 continue
             raise
         f = _Fields(d)
-        commit = d.get("commit") or "no commit"
+        commit = d.get("commit")[:7] if d.get("commit") else "no commit"   # a full hash, as git shows it short
         rel = os.path.relpath(path, root).replace(os.sep, "/")
         cells = [f.format(row.what), f.format(row.figure),
                  ", ".join(f"`{x[3:]}`" if x.startswith("ok=") else f"`{x}`"

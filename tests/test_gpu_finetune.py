@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 from test_gpu_train import _cleanup, _setup
+from test_train import plain_losses
 
 pytestmark = pytest.mark.gpu
 
@@ -35,13 +36,7 @@ def _plain_losses(torch, model, init, batches, loss):
     its ``init`` weights."""
     model.cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    want = []
-    for ids in batches:
-        v = loss(ids)
-        v.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        want.append(float(v.detach()))
+    want = plain_losses(model, opt, batches, lambda _, ids: loss(ids))
     model.cpu()
     model.load_state_dict(init)
     del opt

@@ -13,7 +13,7 @@ import gc
 import pytest
 import torch
 from fakes import FakeBackend
-from test_train import _deterministic  # noqa: F401 - the fixture, autouse here too
+from test_train import _deterministic, plain_losses  # noqa: F401 - the fixture, autouse here too
 
 import tiermem
 from tiermem.errors import ConfigError, ConfigTypeError
@@ -96,13 +96,7 @@ def test_the_bytes_bound_spends_the_room_where_it_saves_the_most():
 def test_an_autocast_llama_at_a_share_of_its_state_runs_every_step_as_the_plain_loop(ratio):
     bs = _batches(8)
     model, opt = _llama()
-    want = []
-    for ids in bs:
-        loss = _loss(model, ids)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        want.append(float(loss.detach()))
+    want = plain_losses(model, opt, bs, _loss)
     want_params = [p.detach().clone() for p in model.parameters()]
 
     model, opt = _llama()

@@ -164,3 +164,67 @@ def test_a_chunked_loss_fine_tune_at_a_quarter_of_its_state_runs_every_step():
     finally:
         del blob
         torch.cuda.empty_cache()
+
+
+def test_layers_recomputed_in_parts_run_where_a_whole_layer_does_not_fit():
+    """NOTE [recompute in parts] in tiermem/training/plan.py: a Llama whose decoder layers are one
+    block each, under bf16 autocast at 4x1024 tokens. A first training reads the trace; the
+    second gets the least budget at which the plan recomputes every layer in parts (a whole
+    layer's saves do not fit beside its floor), on a GPU made really small. Every step runs within
+    the budget with losses close to the plain loop's (SDPA's backward is not bitwise
+    repeatable: within 1e-2), and the plan recomputes the layers in parts."""
+    from test_gpu_module import _take_device
+    torch = _setup()
+    import tiermem
+    from tiermem.planning import plan_training
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8,
+                                   num_key_value_heads=2, vocab_size=8192, max_position_embeddings=1024)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).train()          # on the host
+    init = {k: v.clone() for k, v in model.state_dict().items()}
+    g = torch.Generator(device="cuda").manual_seed(1)
+    batches = [torch.randint(0, cfg.vocab_size, (4, 1024), device="cuda", generator=g) for _ in range(10)]
+    want = _plain_losses(torch, model, init, batches, lambda ids: _loss(torch, model, ids))
+    state = 16 * sum(p.numel() for p in model.parameters())
+    layers = {f"model.layers.{i}" for i in range(cfg.num_hidden_layers)}
+
+    def wrapped(budget):
+        model.load_state_dict(init)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+        tier = tiermem.Tier(0)                      # the default cap: the memory free now
+        return tier, tier.wrap_training(model, opt, budget, recompute="always")
+
+    tier, train = wrapped(state)
+    with train.step():
+        _loss(torch, model, batches[0]).backward()
+    trace, floor = train.choice.trace, train.budget_floor.bytes
+    assert {train.blocks[i].name for i in set(trace.part_block)} >= layers
+    train.unwrap("cpu")
+    _cleanup(tier)
+    step = state // 200
+    budget = next((b for b in range(floor, 2 * state, step)
+                   if {trace.block_names[i] for i in plan_training(trace, b, recompute="always").parts} >= layers),
+                  None)
+    assert budget is not None, "no budget recomputes every layer in parts"
+    blob = _take_device(budget + (2 << 30))
+    try:
+        tier, train = wrapped(budget)
+        base = torch.cuda.memory_reserved()
+        got, peaks = [], []
+        for ids in batches:
+            with train.step():
+                v = _loss(torch, model, ids)
+                v.backward()
+            got.append(float(v.detach()))
+            peaks.append(max(train.resident_peak(), torch.cuda.memory_reserved() - base))
+        p = train.plan
+        print(p.table())
+        assert all(abs(a - b) <= 1e-2 * abs(b) for a, b in zip(got, want)), (got, want)
+        assert max(peaks) <= budget, (max(peaks), budget)
+        assert {p.block_names[i] for i in p.parts} & layers, p.table()
+        train.unwrap("cpu")
+        _cleanup(tier)
+    finally:
+        del blob
+        torch.cuda.empty_cache()

@@ -175,3 +175,55 @@ def test_the_chunked_loss_recomputes_its_chunks_without_the_swap():
     gc.collect()
     tier.close()
     assert fake.live() == {"managed": 0, "pinned": 0, "device": 0}
+
+
+@pytest.mark.parametrize("recompute", ["always", "auto"])
+def test_layers_recomputed_in_parts_give_the_plain_loops_losses_bitwise(recompute, monkeypatch):
+    # NOTE [recompute in parts]: each layer is one block (1 MiB blocks). The fake's device does not
+    # hold the activations, so the traced floor cannot make room tight; the plan is made with room
+    # for 4/5 of a layer's saves above the floor: its parts' inputs and largest part fit, not its
+    # whole segment (which planner tests in test_trainplan.py choose from real sizes)
+    import dataclasses
+
+    import tiermem.training.choice as choice
+    real = choice.plan_training
+
+    def tight(trace, budget, **kw):
+        seg = max(sum(r.nbytes for r in trace.saved if r.segment == i) for i in set(trace.part_block))
+        margin = kw.get("margin") or budget // 16
+        return real(dataclasses.replace(trace, floor_peak=max(budget - margin - seg * 4 // 5, 0)), budget, **kw)
+
+    monkeypatch.setattr(choice, "plan_training", tight)
+    g = torch.Generator().manual_seed(1)
+    bs = [torch.randint(0, VOCAB, (8, 64), generator=g) for _ in range(5)]
+    model, opt = _llama()
+    want = plain_losses(model, opt, bs, _loss)
+    want_params = [p.detach().clone() for p in model.parameters()]
+    model, opt = _llama()
+    state = 16 * sum(p.numel() for p in model.parameters())
+    fake = FakeBackend(total=1 << 30, foreign_host=True)
+    tier = tiermem.Tier(backend=fake)
+    # min_swap above the rotary tables, which every layer saves (a shared save is not recomputed)
+    train = tier.wrap_training(model, opt, state // 2, block_bytes=1 << 20, min_swap=16384, recompute=recompute)
+    got = []
+    for ids in bs:
+        with train.step():
+            loss = _loss(model, ids)
+            loss.backward()
+        got.append(float(loss.detach()))
+    assert got == want
+    p = train.plan
+    assert {train.blocks[i].name for i in train.choice.trace.part_block} == {f"model.layers.{i}" for i in range(4)}
+    assert p.parts <= p.recompute and all(p.segment_modes[i] == "recompute in parts" for i in p.parts)
+    if recompute == "always":
+        assert {train.blocks[i].name for i in p.parts} == {f"model.layers.{i}" for i in range(4)}, p.table()
+        assert "4 of them in parts" in p.table()
+        layer = model.model.layers[0]
+        assert "forward" in layer.self_attn.__dict__ and "forward" in layer.mlp.__dict__   # checkpointed inside
+    train.unwrap()
+    assert all("forward" not in m.__dict__ for m in model.modules())
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), want_params))
+    del train
+    gc.collect()
+    tier.close()
+    assert fake.live() == {"managed": 0, "pinned": 0, "device": 0}

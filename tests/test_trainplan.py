@@ -356,3 +356,45 @@ def test_a_step_slower_than_the_model_is_laid_to_the_link_first_and_then_recompu
                       recompute="always")
     assert fit_link(c, 66.0) == 1.0 and fit_compute(c, 66.0) == pytest.approx(1.5)
     assert fit_link(swap, 0.0) == 1.0 and fit_link(swap, swap.predicted_seconds() * 1e3 * 0.5) == 1.0
+
+
+def parts_trace(blocks=4, part_saves=(16 * MiB, 40 * MiB, 8 * MiB), part_inputs=(4 * MiB, 4 * MiB, 4 * MiB),
+                fwd_ms=1.0, **kw):
+    """``seg_trace``'s blocks, each made of parts that save ``part_saves`` (NOTE [recompute in parts])."""
+    recs, i = [], 0
+    nparts = len(part_saves)
+    for b in range(blocks):
+        for k, n in enumerate(part_saves):
+            recs.append((i, n, b, b * nparts + k))
+            i += 1
+    saved = tuple(SavedRecord(j, nb, len(recs) - 1 - j, g, k) for j, nb, g, k in recs)
+    t = seg_trace(blocks=blocks, fwd_ms=fwd_ms, **kw)
+    return dataclasses.replace(t, saved=saved, part_block=tuple(b for b in range(blocks) for _ in part_saves),
+                               part_input_bytes=tuple(part_inputs) * blocks)
+
+
+def test_a_block_whose_segment_does_not_fit_is_recomputed_in_parts():
+    t = parts_trace(compute=(1.0, 2.0))
+    # 64 MiB a segment does not fit in 60 MiB; in parts a block holds 12 MiB of inputs + its 40 MiB part
+    p = plan_training(t, 100 * MiB + 60 * MiB, margin=0, recompute="always")
+    assert p.recompute == frozenset(range(4)) and p.parts == frozenset(range(4))
+    assert p.recompute_peak == 52 * MiB and p.predicted_peak <= p.budget
+    assert p.recompute_ms == pytest.approx(8.0)      # the block's forward twice in its backward
+    assert all(m == "recompute in parts" for m in p.segment_modes)
+    assert "4 of them in parts" in p.table()
+    auto = plan_training(t, 100 * MiB + 60 * MiB, margin=0)
+    assert auto.parts and auto.predicted_peak <= auto.budget
+    assert auto.predicted_seconds() < plan_training(t, 100 * MiB + 60 * MiB, margin=0,
+                                                    recompute="never").predicted_seconds()
+    # with room for a whole segment, a block is recomputed whole: in parts costs a forward more
+    roomy = plan_training(t, 100 * MiB + 70 * MiB, margin=0, recompute="always")
+    assert roomy.recompute == frozenset(range(4)) and not roomy.parts
+
+
+def test_parts_that_hold_no_less_than_the_whole_segment_are_not_a_choice():
+    # the inputs of the parts alone pass the segment's bytes: recomputing in parts saves nothing
+    t = parts_trace(part_inputs=(30 * MiB, 30 * MiB, 30 * MiB))
+    p = plan_training(t, 100 * MiB + 60 * MiB, margin=0, recompute="always")
+    assert p.recompute == frozenset() and not p.parts
+    one = dataclasses.replace(parts_trace(), part_block=(0,), part_input_bytes=(0,))   # one part: not a choice
+    assert not plan_training(one, 100 * MiB + 60 * MiB, margin=0, recompute="always").parts

@@ -359,8 +359,8 @@ class PlanChoice:
             self.plan = self._linked(self._floored(plan))
             return
         plan = self._linked(self.plan_for(self.trace))
-        if (plan.resident_blocks, plan.recompute, plan.keep) != (self.plan.resident_blocks, self.plan.recompute,
-                                                                  self.plan.keep):
+        if (plan.resident_blocks, plan.recompute, plan.keep, plan.parts) != (
+                self.plan.resident_blocks, self.plan.recompute, self.plan.keep, self.plan.parts):
             probe = self._linked(evaluate(self.trace, now))
             if not plan.in_capacity and plan.predicted_seconds() > probe.predicted_seconds() * (1 - MIN_GAIN):
                 # NOTE [measured choice]: a gain this small is not worth trying

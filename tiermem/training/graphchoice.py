@@ -46,8 +46,8 @@ __all__ = ["REPLAYS_TIMED", "eager_refutes", "graph_alternative", "keep_tried"]
 REPLAYS_TIMED = 5     # replays whose median a graph's plan is judged by, after its first
 
 
-def _choices(plan: TrainPlan) -> tuple[frozenset[int], frozenset[int], frozenset[int]]:
-    return frozenset(plan.resident_blocks), frozenset(plan.recompute), frozenset(plan.keep)
+def _choices(plan: TrainPlan) -> tuple[frozenset[int], ...]:
+    return frozenset(plan.resident_blocks), frozenset(plan.recompute), frozenset(plan.keep), frozenset(plan.parts)
 
 
 def graph_alternative(trace: StepTrace, plan: TrainPlan, replay_ms: float,

@@ -309,6 +309,7 @@ class TieredTraining:
             self.swap = ActivationSwap(tier, self.stream.params, min_swap=o.min_swap, window=window, device=self.dev)
             self.swap.on_param = self.hooks.on_param_read
             self.swap.segment = self.hooks.segment
+            self.swap.part = self.hooks.part
             self.swap.meter = self.meter
             self.swap.capturing = lambda: st.capturing
             self.swap.trained = {id(p): p for b in self.blocks for p in b.params}    # NOTE [saved casts]

@@ -31,12 +31,20 @@ class BlockHooks:
         self.replays, self.group, self.min_swap, self.dev, self.steps = replays, group, min_swap, dev, steps
         self.handles: list[Any] = []
         self.guards: list[Any] = []
+        self.parts: list[tuple[Block, Any]] = []   # NOTE [recompute in parts]: (block, child) per part
 
     def register(self) -> None:
-        """Each block's forward hooks and each trainable parameter's gradient hook."""
+        """Each block's forward hooks, its parts' (NOTE [recompute in parts] in training/plan.py)
+        and each trainable parameter's gradient hook."""
         for b in self.blocks:
             self.handles.append(b.module.register_forward_pre_hook(lambda m, a, b=b: self.fwd_pre(b, a)))
             self.handles.append(b.module.register_forward_hook(lambda m, a, out, b=b: self.fwd_post(b, out)))
+        self.parts = [(b, child) for b in self.blocks if b.index in self.state.leaf
+                      for child in _parts_of(b.module)]
+        for k, (b, child) in enumerate(self.parts):
+            self.handles.append(child.register_forward_pre_hook(
+                lambda m, a, kw, k=k: self.part_pre(k, a, kw), with_kwargs=True))
+            self.handles.append(child.register_forward_hook(lambda m, a, out, k=k: self.part_post(k)))
         for k, b in enumerate(self.blocks):
             for p in b.trainable:       # NOTE [hooks gc cannot see]
                 self.handles.append(p.register_post_accumulate_grad_hook(_grad_done_hook(self, k)))
@@ -68,6 +76,45 @@ class BlockHooks:
         seg = self.state.seg
         return seg[-1] if seg else -1
 
+    def part(self) -> int:
+        """The part of the innermost block whose forward runs (-1: none; NOTE [recompute in parts])."""
+        st = self.state
+        if not st.part or not st.seg:
+            return -1
+        k = st.part[-1]
+        return k if self.parts[k][0].index == st.seg[-1] else -1
+
+    def part_pre(self, k: int, args: Any, kwargs: Any) -> None:
+        st = self.state
+        if not (st.in_step and st.tracing):
+            return
+        st.part.append(k)
+        b = self.parts[k][0]
+        seen = st.part_seen.setdefault(b.index, set())
+        n = self.storages(list(args) + list(kwargs.values()), seen)
+        st.part_inputs[k] = st.part_inputs.get(k, 0) + n
+
+    def part_post(self, k: int) -> None:
+        st = self.state
+        if st.part and st.part[-1] == k:
+            st.part.pop()
+
+    def storages(self, values: list[Any], seen: set[int]) -> int:
+        """Bytes of the device storages of tensors among ``values`` not in ``seen`` (added to it),
+        parameters and storages the swap keeps on the device left out."""
+        torch = self.torch
+        n = 0
+        for a in values:
+            if not torch.is_tensor(a) or a.device != self.dev or a.numel() == 0:
+                continue
+            s = a.untyped_storage()
+            ptr = s.data_ptr()
+            if ptr in seen or ptr in self.stream.params or s.nbytes() < self.min_swap:
+                continue
+            seen.add(ptr)
+            n += s.nbytes()
+        return n
+
     def fwd_pre(self, b: Block, args: Any) -> None:
         st = self.state
         if not st.in_step:
@@ -78,6 +125,7 @@ class BlockHooks:
                 st.order.append(b.index)
             st.calls[b.index] = st.calls.get(b.index, 0) + 1
             st.boundary[b.index] = self.inputs(args)
+            st.part_seen[b.index] = self.tensor_ptrs(args)   # a part's inputs that are the block's own
             if not b.resident:           # streamed blocks in use at once (NOTE [fewer slots])
                 depth = 1 + sum(not self.blocks[i].resident for i in st.seg)
                 st.nesting = max(st.nesting, depth)
@@ -120,21 +168,15 @@ class BlockHooks:
         if upcoming:
             self.stream.ahead(upcoming)    # from a resident block too: the first streamed ones come in under it
 
+    def tensor_ptrs(self, args: Any) -> set[int]:
+        torch = self.torch
+        return {a.untyped_storage().data_ptr() for a in args if torch.is_tensor(a) and a.device == self.dev}
+
     def inputs(self, args: Any) -> tuple[int, int]:
         """Bytes and storages a recomputed block would save: its positional tensor inputs that the
         swap would take (NOTE [recompute plan]; torch's checkpoint saves exactly those)."""
-        torch = self.torch
         seen: set[int] = set()
-        n = 0
-        for a in args:
-            if not torch.is_tensor(a) or a.device != self.dev or a.numel() == 0:
-                continue
-            s = a.untyped_storage()
-            ptr = s.data_ptr()
-            if ptr in seen or ptr in self.stream.params or s.nbytes() < self.min_swap:
-                continue
-            seen.add(ptr)
-            n += s.nbytes()
+        n = self.storages(list(args), seen)
         return n, len(seen)
 
     def fwd_post(self, b: Block, out: Any) -> None:
@@ -342,3 +384,10 @@ def _grad_done_hook(hooks: BlockHooks, k: int) -> Any:
         if h is not None:
             h.grad_done(h.blocks[k], p)
     return hook
+
+
+def _parts_of(module: Any) -> list[Any]:
+    """A block's parts (NOTE [recompute in parts] in training/plan.py): its direct children, where it
+    has two or more that hold parameters or run ops of their own."""
+    kids = [m for _, m in module.named_children()]
+    return kids if len(kids) >= 2 else []

@@ -57,6 +57,23 @@ NOTE [recompute plan]
     is taken. A recomputed segment's activations are all alive at once in its backward: the
     predicted peak adds the largest of them.
 
+NOTE [recompute in parts]
+    A recomputed block holds its whole segment in its backward, and at a tight budget a decoder
+    layer's (about a gigabyte for a 1.1B Llama at 4x2048 tokens) does not fit beside the slots:
+    the plan then swapped those layers whole, at twice their saves over the link. Smaller blocks
+    would recompute less of them: what runs between blocks (attention's core, the MLP's product)
+    is outside every block and is swapped. So a block can instead be recomputed *in parts*: its
+    forward is checkpointed as before, and so is each of its direct children (its parts), inside
+    it, as torch's non-reentrant checkpoint allows nesting. Its backward runs the block's forward
+    again, in which each part saves only its inputs, then each part's backward runs that part's
+    forward once more: the block holds its parts' inputs and one part's saves at a time, not its
+    whole segment, for one more forward of the block. The traced step records which part saved
+    each storage and each part's tensor inputs (keyword arguments too: they are alive while the
+    block's forward runs again); a block's peak in parts is what it saves outside its parts, its
+    parts' inputs, and its largest part's saves. The plan chooses per block between swap,
+    recompute and recompute in parts, as it chooses between the first two. The graphs of NOTE
+    [replayed recompute] do not replay a block recomputed in parts.
+
 NOTE [bytes bound]
     The fewest bytes a step within a budget moves, whatever its plan (``TrainPlan.bytes_bound``):
     every activation recomputed or kept (none swapped), and the room the budget leaves above the
@@ -114,6 +131,7 @@ class SavedRecord:
     nbytes: int
     use: int            # order of its first read in backward; -1: never read
     segment: int = -1   # the innermost block whose forward saved it; -1: outside every block
+    part: int = -1      # the part of that block whose forward saved it (NOTE [recompute in parts]); -1: none
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,6 +156,8 @@ class StepTrace:
     block_state_moved_bytes: tuple[int, ...] = ()   # per block: its states' bytes as they cross the
                                                     # link (NOTE [bf16 moments]); (): block_state_bytes
     compute_scale: float = 1.0             # the factor the times above carry (NOTE [calibrated compute])
+    part_block: tuple[int, ...] = ()       # per part (NOTE [recompute in parts]): the block it is a child of
+    part_input_bytes: tuple[int, ...] = ()  # per part: its tensor inputs, not counted for a part before it
 
     @property
     def saved_bytes(self) -> int:
@@ -173,6 +193,7 @@ class TrainPlan:
     recomputed_bytes: int = 0                # saved bytes of those segments, no longer saved
     boundary_bytes: int = 0                  # what the recomputed blocks save instead (swapped)
     recompute_peak: int = 0                  # the largest recomputed segment, alive in its backward
+    parts: frozenset[int] = frozenset()      # recomputed blocks recomputed in parts (NOTE [recompute in parts])
     graph_pool: int = 0                      # the replayed backwards' pool, held instead (NOTE [replayed recompute])
     fwd_ms: float = 0.0
     bwd_ms: float = 0.0
@@ -258,7 +279,8 @@ class TrainPlan:
             f"  blocks streamed  {nb - len(self.resident_blocks)}/{nb}",
             f"  activations      {gb(self.saved_bytes)} saved: {gb(self.kept_bytes)} kept, "
             f"{gb(self.swapped_bytes)} swapped, {gb(self.recomputed_bytes)} recomputed "
-            f"({len(self.keep)} storages kept, {len(self.recompute)} blocks recomputed)",
+            f"({len(self.keep)} storages kept, {len(self.recompute)} blocks recomputed"
+            + (f", {len(self.parts)} of them in parts" if self.parts else "") + ")",
             f"  per step         {gb(self.h2d_bytes)} in, {gb(self.d2h_bytes)} out at {self.link_GBps:.0f} GB/s"
             + (f" (the link's {self.link_GBps * self.measured['link_scale']:.0f} GB/s over "
                f"{self.measured['link_scale']:.2f}, fitted to the probe's own steps)"
@@ -360,6 +382,7 @@ class _Choice:
     resident: set[int]
     recompute: set[int]
     keep: set[int]               # record indices
+    parts: set[int] = dataclasses.field(default_factory=set)   # of recompute: in parts (NOTE [recompute in parts])
 
 
 class _Planner:
@@ -390,14 +413,24 @@ class _Planner:
         self.probed = frozenset(trace.measured_recompute)
         self.boundary = list(trace.boundary_bytes) if len(trace.boundary_bytes) == nb else [0] * nb
         self.room = budget - margin - trace.floor_peak
+        self.part_peak = _part_peaks(trace, self.seg_recs, self.seg_bytes, nb)
+
+    def rec_peak(self, c: _Choice) -> int:
+        """What the recomputed blocks hold in their backward: the largest segment (or part,
+        NOTE [recompute in parts]) alive at once; with the graphs' pool, that and the largest
+        of the blocks recomputed in parts, which the graphs do not replay."""
+        parts = [self.part_peak[i] for i in c.parts if i in c.recompute]
+        if self.graph_pool:
+            return self.graph_pool + max(parts, default=0)
+        whole = [self.seg_bytes.get(i, 0) for i in c.recompute if i not in c.parts]
+        return max(whole + parts, default=0)
 
     # -- evaluation ----------------------------------------------------------------------------------
     def peak_extra(self, c: _Choice) -> int:
         """Bytes above the floor: resident blocks, kept activations, the largest recomputed segment
         (or the graphs' pool that holds every recomputed segment's backward, whatever the plan)."""
         kept = sum(self.t.saved[i].nbytes for i in c.keep)
-        rec = self.graph_pool or max((self.seg_bytes.get(i, 0) for i in c.recompute), default=0)
-        return sum(self.size[i] for i in c.resident) + kept + rec
+        return sum(self.size[i] for i in c.resident) + kept + self.rec_peak(c)
 
     def fits(self, c: _Choice) -> bool:
         return self.peak_extra(c) <= self.room
@@ -406,28 +439,33 @@ class _Planner:
         n = sum(r.nbytes for r in self.t.saved if r.index not in c.keep and r.segment not in c.recompute)
         return n + sum(self.boundary[i] for i in c.recompute)
 
-    def compute(self, rec: set[int] | frozenset[int], keep: set[int] | frozenset[int] = frozenset()
-                ) -> tuple[float, float, float]:
+    def compute(self, rec: set[int] | frozenset[int], keep: set[int] | frozenset[int] = frozenset(),
+                parts: set[int] | frozenset[int] = frozenset()) -> tuple[float, float, float]:
         """Forward, backward (recompute excluded) and recompute ms with ``rec`` recomputed, from
         the step measured with ``trace.measured_recompute`` recomputed (NOTE [recompute plan]).
-        A block whose saves are all kept pays no swap hooks' host time (``keep``: record indices)."""
+        A block whose saves are all kept pays no swap hooks' host time (``keep``: record indices);
+        one recomputed in ``parts`` runs its forward twice in backward (NOTE [recompute in parts])."""
         kept = {s for s, recs in self.seg_recs.items() if recs and all(r.index in keep for r in recs)}
         more, fewer = set(rec) - self.probed, self.probed - set(rec) - kept
         fwd = self.t.fwd_ms - sum(self.hook_ms[i] for i in more) + sum(self.hook_ms[i] for i in fewer)
         bwd = self.t.bwd_ms - sum(self.fwd_ms[i] for i in self.probed)        # the measured recompute out
         bwd += sum(self.hook_ms[i] for i in fewer) - sum(self.hook_ms[i] for i in more)
-        return max(fwd, 0.0), max(bwd, 0.0), sum(self.fwd_ms[i] for i in rec)
+        return (max(fwd, 0.0), max(bwd, 0.0),
+                sum(self.fwd_ms[i] for i in rec) + sum(self.fwd_ms[i] for i in parts if i in rec))
 
     def seconds(self, c: _Choice) -> float:
         streamed = [i for i in range(self.nb) if i not in c.resident]
         params_in = sum(self.t.block_param_bytes[i] for i in streamed)
         out = sum(self.moved[i] for i in streamed)
-        fwd, bwd, rec = self.compute(c.recompute, c.keep)
+        fwd, bwd, rec = self.compute(c.recompute, c.keep, c.parts)
         return _phases(fwd, bwd + rec, params_in, out, self.swapped(c), self.rate, self.clip)
 
     # -- candidates ----------------------------------------------------------------------------------
     def base(self) -> _Choice:
         return _Choice(set(self.already), set(), set())
+
+    def nestable(self, i: int) -> bool:
+        return self.part_peak[i] > 0
 
     def swap_only(self) -> _Choice:
         """Today's plan (NOTE [training plan]): blocks smallest first, then activations latest first."""
@@ -439,8 +477,13 @@ class _Planner:
     def recompute_all(self) -> _Choice:
         c = self.base()
         c.recompute = set(self.recomputable)
-        while c.recompute and not self.fits(c):       # the largest recomputed segment must fit
-            c.recompute.discard(max(c.recompute, key=lambda i: self.seg_bytes.get(i, 0)))
+        while c.recompute and not self.fits(c):       # the largest recomputed segment must fit:
+            big = max(c.recompute, key=lambda i: self.part_peak[i] if i in c.parts else self.seg_bytes.get(i, 0))
+            if big not in c.parts and self.nestable(big):
+                c.parts.add(big)                      # in parts (NOTE [recompute in parts])
+            else:
+                c.recompute.discard(big)
+                c.parts.discard(big)
         self._blocks_smallest_first(c)
         self._fill_records(c)
         return c
@@ -472,28 +515,32 @@ class _Planner:
         moves: list[Any] = []
         for i in range(self.nb):
             if i not in c.resident and self.can_reside[i]:
-                moves.append(lambda c, i=i: _Choice(c.resident | {i}, set(c.recompute), set(c.keep)))
+                moves.append(lambda c, i=i: _Choice(c.resident | {i}, set(c.recompute), set(c.keep), set(c.parts)))
         for s, recs in self.seg_recs.items():
             idx = {r.index for r in recs}
             if not idx <= c.keep:
-                moves.append(lambda c, s=s, idx=idx: _Choice(set(c.resident), c.recompute - {s}, c.keep | idx))
+                moves.append(lambda c, s=s, idx=idx: _Choice(set(c.resident), c.recompute - {s}, c.keep | idx,
+                                                             c.parts - {s}))
         return moves
 
     def _flip(self, c: _Choice) -> None:
-        """Move segments between swap and recompute while that is faster and fits."""
-        for _ in range(2 * len(self.recomputable) + 1):
+        """Move segments between swap, recompute and recompute in parts while that is faster and fits."""
+        for _ in range(3 * len(self.recomputable) + 1):
             best, best_t = None, self.seconds(c)
             for i in self.recomputable:
                 recs = {r.index for r in self.seg_recs.get(i, [])}
                 if recs and recs <= c.keep:
                     continue                               # kept: neither swapped nor recomputed
-                trial = _Choice(set(c.resident), c.recompute ^ {i}, c.keep - recs)
-                t = self.seconds(trial)
-                if t < best_t - 1e-9 and self.fits(trial):
-                    best, best_t = trial, t
+                trials = [_Choice(set(c.resident), c.recompute ^ {i}, c.keep - recs, c.parts - {i})]
+                if self.nestable(i):
+                    trials.append(_Choice(set(c.resident), c.recompute | {i}, c.keep - recs, c.parts ^ {i}))
+                for trial in trials:
+                    t = self.seconds(trial)
+                    if t < best_t - 1e-9 and self.fits(trial):
+                        best, best_t = trial, t
             if best is None:
                 return
-            c.resident, c.recompute, c.keep = best.resident, best.recompute, best.keep
+            c.resident, c.recompute, c.keep, c.parts = best.resident, best.recompute, best.keep, best.parts
 
     def _blocks_smallest_first(self, c: _Choice) -> None:
         for i in sorted((i for i in range(self.nb) if i not in c.resident and self.can_reside[i]),
@@ -510,6 +557,32 @@ class _Planner:
             if r.nbytes <= left:
                 c.keep.add(r.index)
                 left -= r.nbytes
+
+
+def _part_peaks(trace: StepTrace, seg_recs: dict[int, list[SavedRecord]], seg_bytes: dict[int, int],
+                nb: int) -> list[int]:
+    """Per block, what its backward holds at once when it is recomputed in parts (NOTE [recompute
+    in parts]); 0 where that holds no less than recomputing it whole, or it has fewer than two parts."""
+    out = [0] * nb
+    parts_of: dict[int, list[int]] = {}
+    for k, b in enumerate(trace.part_block):
+        parts_of.setdefault(b, []).append(k)
+    inputs = trace.part_input_bytes
+    for i, ks in parts_of.items():
+        if not 0 <= i < nb or len(ks) < 2 or len(inputs) != len(trace.part_block):
+            continue
+        mine = set(ks)
+        per = {k: 0 for k in ks}
+        outside = 0
+        for r in seg_recs.get(i, []):
+            if r.part in mine:
+                per[r.part] += r.nbytes
+            else:
+                outside += r.nbytes
+        peak = outside + sum(inputs[k] for k in ks) + max(per.values())
+        if peak < seg_bytes.get(i, 0):
+            out[i] = peak
+    return out
 
 
 def plan_training(trace: StepTrace, budget: int, *, margin: int | None = None,
@@ -561,12 +634,13 @@ def plan_training(trace: StepTrace, budget: int, *, margin: int | None = None,
 def _make(pl: _Planner, c: _Choice, kind: str) -> TrainPlan:
     t = pl.t
     kept = sum(t.saved[i].nbytes for i in c.keep)
-    fwd, bwd, rec = pl.compute(c.recompute, c.keep)
+    parts = c.parts & c.recompute
+    fwd, bwd, rec = pl.compute(c.recompute, c.keep, parts)
     modes = []
     for i in range(pl.nb):
         recs = pl.seg_recs.get(i, [])
         if i in c.recompute:
-            modes.append("recompute")
+            modes.append("recompute in parts" if i in parts else "recompute")
         elif not recs:
             modes.append("-")
         else:
@@ -580,7 +654,7 @@ def _make(pl: _Planner, c: _Choice, kind: str) -> TrainPlan:
                      recompute=frozenset(c.recompute),
                      recomputed_bytes=sum(pl.seg_bytes.get(i, 0) for i in c.recompute),
                      boundary_bytes=sum(pl.boundary[i] for i in c.recompute),
-                     recompute_peak=pl.graph_pool or max((pl.seg_bytes.get(i, 0) for i in c.recompute), default=0),
+                     recompute_peak=pl.rec_peak(c), parts=frozenset(parts),
                      graph_pool=pl.graph_pool,
                      fwd_ms=fwd, bwd_ms=bwd, recompute_ms=rec,
                      link_GBps=pl.rate / 1e9, kind=kind, segment_modes=tuple(modes), clip=pl.clip,
@@ -620,7 +694,8 @@ def evaluate(trace: StepTrace, plan: TrainPlan) -> TrainPlan:
     the times and peak ``trace`` gives them: a plan made from another measurement of the same step."""
     mode = "always" if plan.recompute else "never"
     pl = _Planner(trace, plan.budget, plan.margin, None, mode, plan.link_GBps, plan.clip, plan.graph_pool)
-    return _make(pl, _Choice(set(plan.resident_blocks), set(plan.recompute), set(plan.keep)), plan.kind)
+    return _make(pl, _Choice(set(plan.resident_blocks), set(plan.recompute), set(plan.keep), set(plan.parts)),
+                 plan.kind)
 
 
 LINK_FIT_MAX = 4.0      # the most the link's time is stretched to explain a step (NOTE [calibrated compute])

@@ -49,7 +49,7 @@ class PlanRunner:
         """The traced step is done, ``floor`` its peak: the trace, and the choice's plan from it."""
         st = self.state
         recs = self.swap.records() if self.swap is not None else []
-        saved = tuple(SavedRecord(i, n, u, g) for i, n, u, g in recs)
+        saved = tuple(SavedRecord(i, n, u, g, k) for i, n, u, g, k in recs)
         per, fwd, bwd = self.timings()
         shared = self.swap.shared_segments() if self.swap is not None else set()
         segs = {r.segment for r in saved}
@@ -81,7 +81,9 @@ class PlanRunner:
                           block_fwd_ms=tuple(max(x, 0.0) for x in per), recomputable=recomputable,
                           boundary_bytes=tuple(st.boundary.get(b.index, (0, 0))[0] for b in self.blocks),
                           fwd_ms=fwd, bwd_ms=bwd, block_names=tuple(b.name for b in self.blocks),
-                          block_state_moved_bytes=tuple(b.s_bytes for b in self.blocks))
+                          block_state_moved_bytes=tuple(b.s_bytes for b in self.blocks),
+                          part_block=tuple(b.index for b, _ in self.hooks.parts),
+                          part_input_bytes=tuple(st.part_inputs.get(k, 0) for k in range(len(self.hooks.parts))))
         st.boundary_saves = {b.index: st.boundary.get(b.index, (0, 0))[1] for b in self.blocks}
         self.choice.replan(trace, st.floor, st.nesting)
         st.tracing = False
@@ -123,7 +125,8 @@ class PlanRunner:
         self.stream.alloc()
         self.set_cap()
         self.mem.empty_cache()
-        self.recomputing.set({i: self.blocks[i].module for i in plan.recompute})
+        self.recomputing.set({i: self.blocks[i].module for i in plan.recompute},
+                             {i: [m for b, m in self.hooks.parts if b.index == i] for i in plan.parts})
         if plan.in_capacity and self.group is None:
             # In capacity: nothing moves, so no hook is needed, and a module with hooks takes
             # torch's slower call path. Steps are then plain steps on managed memory. (With a

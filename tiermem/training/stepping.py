@@ -78,7 +78,7 @@ class StepRunner:
         st.resident_got, st.averaged = {}, set()              # NOTE [data parallel]
         st.grads_at_begin = self.hooks.resident_grads()       # NOTE [zero_grad]
         st.changes_at_begin = self.replays.changes
-        st.seg = []
+        st.seg, st.part = [], []
         st.eval_next = 0
         st.moved = {"h2d": 0, "d2h": 0}
         for b in self.blocks:
@@ -88,6 +88,7 @@ class StepRunner:
         plan = self.choice.plan
         if st.tracing:
             st.calls, st.boundary = {}, {}
+            st.part_inputs, st.part_seen = {}, {}
             self.recomputing.set({})             # the trace sees every block's own saves
         if self.swap is not None:
             if st.tracing or plan is None:
@@ -233,7 +234,7 @@ class StepRunner:
             log.warning("tiermem: could not order the reduce stream after a failed step: %s", e)
         self.replays.drop_pending()
         self.stream.in_backward = False
-        st.seg = []
+        st.seg, st.part = [], []
         self.choice.drop_step_events()
         self.stream.idle()
         for b in self.blocks:

@@ -32,11 +32,14 @@ class StepState:
     grads_at_begin: dict[int, int | None] = dataclasses.field(default_factory=dict)   # NOTE [zero_grad]
     # forward
     seg: list[int] = dataclasses.field(default_factory=list)     # blocks whose forward runs, innermost last
+    part: list[int] = dataclasses.field(default_factory=list)    # parts whose forward runs (NOTE [recompute in parts])
     eval_next: int = 0            # NOTE [evaluation between steps]: the block expected next
     # what the traced step saw (NOTE [recompute plan] in training/plan.py)
     order: list[int] = dataclasses.field(default_factory=list)   # blocks in forward order
     calls: dict[int, int] = dataclasses.field(default_factory=dict)     # forward calls per block
     boundary: dict[int, tuple[int, int]] = dataclasses.field(default_factory=dict)   # block -> (bytes, saves) of its inputs
+    part_inputs: dict[int, int] = dataclasses.field(default_factory=dict)   # part -> bytes of its inputs
+    part_seen: dict[int, set[int]] = dataclasses.field(default_factory=dict)  # block -> input storages counted
     nesting: int = 1              # streamed blocks used at once (NOTE [fewer slots])
     leaf: frozenset[int] = frozenset()    # blocks that can be recomputed: no block inside, not checkpointed already
     # what the plan asks of the swap (NOTE [activation swap])

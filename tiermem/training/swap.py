@@ -69,6 +69,7 @@ class _Saved:
     nbytes: int
     keep: bool
     seg: int = -1                 # the block whose forward saved it; -1: outside every block
+    part: int = -1                # the part of it that saved it (NOTE [recompute in parts] in training/plan.py)
     k: int = 0                    # its place among its segment's saves
     segs: set[int] = dataclasses.field(default_factory=set)   # segments that saved it
     refs: int = 0                 # saved tensors that are views of it
@@ -122,6 +123,7 @@ class ActivationSwap:
         self.need: list[tuple[int, int]] = []                   # swapped keys in backward-read order
         self.diverged = False
         self.segment: Any = lambda: -1      # the innermost block in forward (set by the training handle)
+        self.part: Any = lambda: -1         # its part in forward (NOTE [recompute in parts] in training/plan.py)
         self.capturing: Any = lambda: False  # a CUDA graph captures the step (set by the training handle)
         self.meter: Any = None              # times the step's waits (the training handle's StallMeter)
         self._begin_fields()
@@ -157,9 +159,9 @@ class ActivationSwap:
         self.by_ptr.clear()
         self.by_key.clear()
 
-    def records(self) -> list[tuple[int, int, int, int]]:
-        """(index, nbytes, first read, segment) of each saved storage this step."""
-        return [(s.index, s.nbytes, s.use, s.seg) for s in self.saved]
+    def records(self) -> list[tuple[int, int, int, int, int]]:
+        """(index, nbytes, first read, segment, part) of each saved storage this step."""
+        return [(s.index, s.nbytes, s.use, s.seg, s.part) for s in self.saved]
 
     def shared_segments(self) -> set[int]:
         """Segments that saved a storage another segment saved too: recomputing one would move
@@ -209,7 +211,7 @@ class ActivationSwap:
                         # anything the eager steps did not (a new piece of the pinned arena is a
                         # cudaHostAlloc, which CUDA refuses while a stream captures)
                         raise TierMemError(ANOTHER_PATH)
-            s = _Saved(len(self.saved), n, keep, seg, k)
+            s = _Saved(len(self.saved), n, keep, seg, k=k, part=self.part())
             self.saved.append(s)
             self.by_ptr[ptr] = s
             self.by_key[(seg, k)] = s

@@ -56,6 +56,8 @@ def part_finetune(kit, torch, tiermem, a, rates, out):
     from tiermem.training.lmloss import chunked_lm_loss
     m, checks, raw = out["metrics"], out["checks"], out["raw"].setdefault("finetune", {})
     z = _sizes(a.quick)
+    if a.ft_seq:
+        z["seq"] = a.ft_seq
     cfg = transformers.LlamaConfig(hidden_size=z["hidden"], intermediate_size=z["ff"], num_hidden_layers=z["layers"],
                                    num_attention_heads=z["heads"], num_key_value_heads=z["kv"], vocab_size=z["vocab"],
                                    max_position_embeddings=z["seq"])

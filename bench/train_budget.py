@@ -559,6 +559,8 @@ def main():
     p.add_argument("--ft-block-mib", type=int, default=None, help="finetune: tiermem's block_bytes in MiB "
                    "(default: wrap_training's)")
     p.add_argument("--ft-runs", default="eager_2.5,graphed_2.5,eager_4,eager_6", help="finetune: tiermem's runs")
+    p.add_argument("--ft-seq", type=int, default=None, help="finetune: tokens a sequence (default 2048); "
+                   "another length is written under its own name (-seq<n>)")
     a = p.parse_args()
     ADAMW.clear()
     ADAMW[a.adamw] = True
@@ -614,7 +616,8 @@ def main():
         print("BELOW THE BOUND: " + n)
     parts = "".join(sorted(set(a.only)))
     write_results("train_budget", m, out["checks"], out["raw"], extra_files=[f for f in (pp, p4) if f],
-                  tag="" if parts == "1234" else f"part{parts}", notes=out.get("notes", []))
+                  tag=("" if parts == "1234" else f"part{parts}") + (f"-seq{a.ft_seq}" if a.ft_seq else ""),
+                  notes=out.get("notes", []))
 
 
 if __name__ == "__main__":

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import copy
 import gc
-import re
 import time
 
 from _common import median, progress
@@ -166,10 +165,10 @@ def part_finetune(kit, torch, tiermem, a, rates, out):
                         with train.step():
                             v = chunked_loss_fn(model, ids)
                             v.backward()
-                except torch.OutOfMemoryError as e:
+                except torch.OutOfMemoryError:
                     # NOTE [the floor]: a traced step that runs out says what the floor is at least;
                     # a budget below it is refused, not a step lost above the floor
-                    floor = _noted_floor(e)
+                    floor = train.budget_floor.bytes if train.budget_floor.at_least else 0
                     if i == 0 and floor > budget:
                         progress(f"  {label}: refused, the floor is at least {floor / 1e9:.2f} GB")
                         try:
@@ -250,15 +249,6 @@ def part_finetune(kit, torch, tiermem, a, rates, out):
     checks["finetune_all_steps_ran"] = ok["all"]
     checks["finetune_losses_ok"] = ok["all"] and losses_ok[0]
     checks["finetune_within_budget"] = ok["all"] and within[0]
-
-
-def _noted_floor(e: BaseException) -> int:
-    """The bytes a traced step's OutOfMemoryError's tiermem note says the floor is at least (0: none)."""
-    for note in getattr(e, "__notes__", ()):
-        hit = re.search(r"floor is at least ([\d,]+) bytes", note)
-        if hit:
-            return int(hit.group(1).replace(",", ""))
-    return 0
 
 
 def _capture_failure(torch, tiermem, transformers) -> bool:

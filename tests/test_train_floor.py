@@ -125,9 +125,14 @@ def test_torch_running_out_in_the_traced_step_says_the_floor_is_at_least_what_it
     notes = "\n".join(e.value.__notes__)
     assert f"floor is at least {held + (2 << 20) + tier.resident_bytes:,} bytes" in notes
     assert "NOTE [the floor]" in notes
+    least = held + (2 << 20) + tier.resident_bytes
+    if least > f.bytes:                                 # the handle says it too, as a lower bound
+        assert train.budget_floor.at_least and train.budget_floor.bytes == least
+        assert str(train.budget_floor).startswith(f"at least {least:,} bytes")
+    del e
     train.mem = train.mem.inner
     tiered_losses(train, model, batches(2))            # the next step traces again and runs
-    assert train.plan is not None
+    assert train.plan is not None and not train.budget_floor.at_least
     train.unwrap()
 
 

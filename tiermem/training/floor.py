@@ -30,7 +30,9 @@ NOTE [the floor]
       below it ends the traced step with OutOfBudgetError (its update is kept; the next step
       traces again), and the plan (``train.plan``) prints it beside what sets it. Where torch
       runs out inside the traced step, before its peak is known, its OutOfMemoryError carries
-      a note that the floor is at least what torch held then plus what it asked for.
+      a note that the floor is at least what torch held then plus what it asked for, and
+    ``train.budget_floor`` says so too (``at_least``), with those bytes, until a step is traced
+    to its end.
     A step's activations are the caller's: a larger batch or sequence raises the floor, and
     that step is traced again, as any step of another shape is. Where the loss sets the floor
     (its fp32 log-probabilities over the vocabulary, and their gradient, are live at once in
@@ -72,6 +74,7 @@ class Floor:
     activations: int | None = None   # the traced step's activations and temporaries
     largest: int = 0                 # the largest activation the traced step saved
     largest_where: str = ""          # ... and the block that saved it
+    at_least: bool = False           # a lower bound: the traced step ran out before its peak was known
 
     @property
     def what(self) -> str:
@@ -91,6 +94,9 @@ class Floor:
         return " + ".join(parts)
 
     def __str__(self) -> str:
+        if self.at_least:
+            return (f"at least {self.bytes:,} bytes ({_gb(self.bytes)}): what torch held and asked for when the "
+                    f"traced step ran out; {self.what}")
         return f"{self.bytes:,} bytes ({_gb(self.bytes)}): {self.what}"
 
 

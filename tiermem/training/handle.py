@@ -123,6 +123,7 @@ NOTE [bf16 moments] and NOTE [loaded states] are in training/states.py, with the
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import weakref
 from collections.abc import Iterator
@@ -375,9 +376,12 @@ class TieredTraining:
                 e.add_note(self.runner.budget_note())
                 if st.tracing:                  # NOTE [the floor]: the step's peak never came
                     held = max(self.mem.max_reserved() - self.cap.outside, 0) + self.tier.resident_bytes
+                    least = held + asked_bytes(str(e))
                     e.add_note(f"tiermem: the traced first step ran out before its peak was known: this training's "
-                               f"floor is at least {held + asked_bytes(str(e)):,} bytes, what torch held and "
+                               f"floor is at least {least:,} bytes, what torch held and "
                                f"asked for; before the step it was {st.budget_floor} (NOTE [the floor])")
+                    if st.budget_floor is not None and least > st.budget_floor.bytes:
+                        st.budget_floor = dataclasses.replace(st.budget_floor, bytes=least, at_least=True)
             if self.replays.graphs:
                 # NOTE [replayed recompute]: the graphs' pool held memory the step's own
                 # allocations then lacked; the next steps recompute eagerly, without it

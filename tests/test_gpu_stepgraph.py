@@ -244,6 +244,7 @@ def test_a_learning_rate_as_a_device_tensor_follows_its_schedule_through_the_rep
     print(step, step.drops)
     assert _only_plan_changes(step) and step.last_replays >= 8, (step, step.drops)
     assert got == want
+    step.close()               # its graphs' pool, else held while the next training traces its first step
     _cleanup(tier, train)
     want, _ = _plain(batches, schedule=schedule)
     _cleanup()

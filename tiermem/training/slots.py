@@ -14,7 +14,7 @@ from ..roles import Role
 if TYPE_CHECKING:
     from ..core.engine import Engine as Tier
 
-__all__ = ["ALIGN", "aligned", "Block", "TrainSlot", "BlockSlots", "ring_slot", "WIDE_MAX"]
+__all__ = ["ALIGN", "aligned", "Block", "TrainSlot", "BlockSlots", "ring_slot", "slot_with", "WIDE_MAX"]
 
 ALIGN = 256
 WIDE_MAX = 2            # blocks at most that step across the whole ring (NOTE [wide blocks])
@@ -88,19 +88,25 @@ def ring_slot(needs: dict[int, int], fwd: dict[int, int], least: int, wide: bool
     largest block or less."""
     if not needs:
         return 0, frozenset()
-    top = max(needs.values())
-    whole = aligned(top)
+    whole = aligned(max(needs.values()))
     if not wide or least < 2:
         return whole, frozenset()
     order = sorted(needs, key=lambda i: -needs[i])
     best, which = whole, frozenset()
     for k in range(1, min(WIDE_MAX, len(order)) + 1):
-        big = order[:k]
-        rest = max((needs[i] for i in order[k:]), default=0)
-        slot = aligned(max(rest, -(-top // least), max(fwd[i] for i in big)))
-        if slot <= WIDE_GAIN * top and slot < best:
-            best, which = slot, frozenset(big)
+        slot = slot_with(needs, fwd, frozenset(order[:k]), least)
+        if slot <= WIDE_GAIN * max(needs.values()) and slot < best:
+            best, which = slot, frozenset(order[:k])
     return best, which
+
+
+def slot_with(needs: dict[int, int], fwd: dict[int, int], wide: frozenset[int], least: int) -> int:
+    """The slots' size with the blocks ``wide`` stepping across the ring of ``least`` slots: the
+    largest of the others, a ``least``-th of the largest wide one, and the wide ones' parameters
+    and gradients (they come into one slot outside their step)."""
+    rest = max((n for i, n in needs.items() if i not in wide), default=0)
+    big = max((needs[i] for i in wide), default=0)
+    return aligned(max(rest, -(-big // max(least, 1)), max((fwd[i] for i in wide), default=0)))
 
 
 def _offsets(tensors: list[Any]) -> tuple[list[int], int]:
@@ -232,12 +238,13 @@ class BlockSlots:
         """The slots' size for the streamed blocks as they are now; marks the wide ones (NOTE
         [wide blocks])."""
         streamed = [b for b in self.blocks if not b.resident]
-        slot, wide = ring_slot({b.index: b.slot_need if b.states else max(b.slot_need, b.need_before)
-                                for b in streamed},
-                               {b.index: b.p_bytes + b.g_bytes for b in streamed}, self.least, self.allow_wide)
+        fwd = {b.index: b.p_bytes + b.g_bytes for b in streamed}
+        # which blocks are wide follows the states they will have (the trace's first step makes them)
+        _, wide = ring_slot({b.index: b.slot_need if b.states else max(b.slot_need, b.need_before)
+                             for b in streamed}, fwd, self.least, self.allow_wide)
         for b in self.blocks:
             b.wide = b.index in wide
-        return slot
+        return slot_with({b.index: b.slot_need for b in streamed}, fwd, wide, self.least) if streamed else 0
 
     def alloc(self) -> None:
         """(Re)make the ring for the streamed blocks as they are now."""

@@ -83,7 +83,8 @@ class PlanRunner:
                           fwd_ms=fwd, bwd_ms=bwd, block_names=tuple(b.name for b in self.blocks),
                           block_state_moved_bytes=tuple(b.s_bytes for b in self.blocks),
                           part_block=tuple(b.index for b, _ in self.hooks.parts),
-                          part_input_bytes=tuple(st.part_inputs.get(k, 0) for k in range(len(self.hooks.parts))))
+                          part_input_bytes=tuple(st.part_inputs.get(k, 0) for k in range(len(self.hooks.parts))),
+                          wide_blocks=frozenset(b.index for b in self.blocks if b.wide))
         st.boundary_saves = {b.index: st.boundary.get(b.index, (0, 0))[1] for b in self.blocks}
         self.choice.replan(trace, st.floor, st.nesting)
         st.tracing = False

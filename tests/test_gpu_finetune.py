@@ -259,7 +259,7 @@ def test_wide_blocks_lower_the_floor_and_run_every_step_on_a_really_small_gpu():
 
     floors = {}
     for wide in (False, True):                      # room to spare: read each floor
-        tier, train = wrapped(state, wide)
+        tier, train = wrapped(4 * state, wide)
         with train.step():
             _loss(torch, model, batches[0]).backward()
         floors[wide] = train.budget_floor

@@ -106,17 +106,18 @@ def test_an_autocast_llama_at_a_share_of_its_state_runs_every_step_as_the_plain_
     tier = tiermem.Tier(backend=fake)
     train = tier.wrap_training(model, opt, int(state / ratio), block_bytes=32 << 10, min_swap=4096)
     f = train.budget_floor
-    assert f.block == "model.embed_tokens" and f.bytes <= state / 6
+    # the embedding sets the slots, or steps across them (NOTE [wide blocks]: where they crowd the budget)
+    assert (f.block == "model.embed_tokens" or "model.embed_tokens" in f.wide) and f.bytes <= state / 6
     # NOTE [the floor]: the traced step's slots already hold the largest block's states
     assert train.stream.slot_bytes == f.slot_bytes
     got = []
-    for ids in bs:
+    for i, ids in enumerate(bs):
         with train.step():
             loss = _loss(model, ids)
             loss.backward()
         got.append(float(loss.detach()))
         assert train.stream.slot_bytes <= f.slot_bytes
-        if train.plan is not None:
+        if i and train.plan is not None:        # the traced first step moves everything it can
             moved = train.moved["h2d"] + train.moved["d2h"]
             assert moved <= MOVED_OVER_BOUND * train.plan.bytes_bound, train.plan
     assert got == want

@@ -259,7 +259,7 @@ class TrainPlan:
         """The fewest bytes (in and out together) a step of this budget moves, whatever the plan
         (NOTE [bytes bound])."""
         return bytes_bound(self.block_param_bytes, self.block_state_bytes, self._states_moved,
-                           self.budget - self.margin - self.floor_peak, self.clip)
+                           self.budget - self.margin - self.floor_peak, self.clip, self.wide_blocks)
 
     @property
     def predicted_peak(self) -> int:
@@ -356,13 +356,15 @@ class TrainPlan:
 
 
 def bytes_bound(param_bytes: Sequence[int], state_bytes: Sequence[int], state_moved: Sequence[int], room: int,
-                clip: bool = False) -> int:
+                clip: bool = False, wide: frozenset[int] = frozenset()) -> int:
     """NOTE [bytes bound]: the bytes a step moves with ``room`` device bytes spent on the blocks
     that save the most link bytes per device byte, a share of a block counted as its share of
-    the bytes, and no activation swapped."""
+    the bytes, and no activation swapped. A ``wide`` block streamed moves its gradients home and
+    back and its parameters once more (NOTE [wide blocks])."""
     per = []
-    for p, s, m in zip(param_bytes, state_bytes, state_moved):
-        moved = 3 * p + 2 * m + (4 * p if clip else 0)     # in twice, out once; states in and out
+    for i, (p, s, m) in enumerate(zip(param_bytes, state_bytes, state_moved)):
+        moved = 3 * p + 2 * m + (4 * p if clip else 0) + (3 * p if i in wide else 0)   # in twice, out once;
+        # states in and out
         per.append((moved / max(p + s, 1), p + s, moved))
     left, total = max(int(room), 0), 0.0
     for ratio, size, moved in sorted(per, key=lambda x: -x[0]):

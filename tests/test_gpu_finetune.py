@@ -44,6 +44,23 @@ def _plain_losses(torch, model, init, batches, loss):
     return want
 
 
+def _hf_case(torch, layers, vocab, batch, seq, n=10):
+    """A transformers Llama on the host (hidden 512, GQA 8/2) with its initial weights, ``n``
+    batches of ``batch`` x ``seq`` tokens on the device, the plain loop's losses (HF's
+    ``labels=`` loss under bf16 autocast), and its training state's bytes."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(hidden_size=512, intermediate_size=1408, num_hidden_layers=layers,
+                                   num_attention_heads=8, num_key_value_heads=2, vocab_size=vocab,
+                                   max_position_embeddings=seq)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).train()          # on the host
+    init = {k: v.clone() for k, v in model.state_dict().items()}
+    g = torch.Generator(device="cuda").manual_seed(1)
+    batches = [torch.randint(0, vocab, (batch, seq), device="cuda", generator=g) for _ in range(n)]
+    want = _plain_losses(torch, model, init, batches, lambda ids: _loss(torch, model, ids))
+    return model, init, batches, want, 16 * sum(p.numel() for p in model.parameters())
+
+
 def test_an_autocast_fine_tune_runs_every_step_at_its_floor_on_a_really_small_gpu():
     """The floor is read from a first training (its slots at wrap, its activations after the
     traced step); a second training at exactly that budget runs every step, the traced one
@@ -177,17 +194,8 @@ def test_layers_recomputed_in_parts_run_where_a_whole_layer_does_not_fit():
     torch = _setup()
     import tiermem
     from tiermem.planning import plan_training
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8,
-                                   num_key_value_heads=2, vocab_size=8192, max_position_embeddings=1024)
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg).train()          # on the host
-    init = {k: v.clone() for k, v in model.state_dict().items()}
-    g = torch.Generator(device="cuda").manual_seed(1)
-    batches = [torch.randint(0, cfg.vocab_size, (4, 1024), device="cuda", generator=g) for _ in range(10)]
-    want = _plain_losses(torch, model, init, batches, lambda ids: _loss(torch, model, ids))
-    state = 16 * sum(p.numel() for p in model.parameters())
-    layers = {f"model.layers.{i}" for i in range(cfg.num_hidden_layers)}
+    model, init, batches, want, state = _hf_case(torch, layers=8, vocab=8192, batch=4, seq=1024)
+    layers = {f"model.layers.{i}" for i in range(8)}
 
     def wrapped(budget):
         model.load_state_dict(init)
@@ -240,16 +248,7 @@ def test_wide_blocks_lower_the_floor_and_run_every_step_on_a_really_small_gpu():
     from test_gpu_module import _take_device
     torch = _setup()
     import tiermem
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(hidden_size=512, intermediate_size=1408, num_hidden_layers=6, num_attention_heads=8,
-                                   num_key_value_heads=2, vocab_size=32000, max_position_embeddings=512)
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg).train()          # on the host
-    init = {k: v.clone() for k, v in model.state_dict().items()}
-    g = torch.Generator(device="cuda").manual_seed(1)
-    batches = [torch.randint(0, cfg.vocab_size, (2, 512), device="cuda", generator=g) for _ in range(10)]
-    want = _plain_losses(torch, model, init, batches, lambda ids: _loss(torch, model, ids))
-    state = 16 * sum(p.numel() for p in model.parameters())
+    model, init, batches, want, state = _hf_case(torch, layers=6, vocab=32000, batch=2, seq=512)
 
     def wrapped(budget, wide):
         model.load_state_dict(init)

@@ -10,7 +10,7 @@ import gc
 import pytest
 import torch
 from fakes import FakeBackend
-from test_train import _deterministic  # noqa: F401 - the fixture, autouse here too
+from test_train import _deterministic, tiered_losses  # noqa: F401 - the fixture, autouse here too
 from test_train_finetune import _llama, _loss
 
 import tiermem
@@ -67,14 +67,7 @@ def test_wide_blocks_step_at_the_end_and_give_the_plain_loops_losses_bitwise(acc
     assert f.wide == ("model.embed_tokens", "lm_head") and f.block.startswith("model.layers.")
     embed = next(b for b in train.blocks if b.name == "model.embed_tokens")
     assert embed.wide and train.stream.slot_bytes < 16 * embed.params[0].numel()
-    got = []
-    for ids in bs:
-        with train.step():
-            loss = _loss(model, ids)
-            loss.backward()
-        got.append(float(loss.detach()))
-        assert train.stream.slot_bytes == f.slot_bytes or train.plan is not None
-    assert got == want
+    assert tiered_losses(train, model, bs, _loss) == want
     assert "step across them at the step's end" in str(train.budget_floor)
     model_params = [p.detach().clone() for p in model.parameters()]
     _close(train, tier, fake)

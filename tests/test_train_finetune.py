@@ -13,7 +13,7 @@ import gc
 import pytest
 import torch
 from fakes import FakeBackend
-from test_train import _deterministic, plain_losses  # noqa: F401 - the fixture, autouse here too
+from test_train import _deterministic, plain_losses, tiered_losses  # noqa: F401 - the fixture, autouse here too
 
 import tiermem
 from tiermem.errors import ConfigError, ConfigTypeError
@@ -205,13 +205,7 @@ def test_layers_recomputed_in_parts_give_the_plain_loops_losses_bitwise(recomput
     tier = tiermem.Tier(backend=fake)
     # min_swap above the rotary tables, which every layer saves (a shared save is not recomputed)
     train = tier.wrap_training(model, opt, state // 2, block_bytes=1 << 20, min_swap=16384, recompute=recompute)
-    got = []
-    for ids in bs:
-        with train.step():
-            loss = _loss(model, ids)
-            loss.backward()
-        got.append(float(loss.detach()))
-    assert got == want
+    assert tiered_losses(train, model, bs, _loss) == want
     p = train.plan
     assert {train.blocks[i].name for i in train.choice.trace.part_block} == {f"model.layers.{i}" for i in range(4)}
     assert p.parts <= p.recompute and all(p.segment_modes[i] == "recompute in parts" for i in p.parts)

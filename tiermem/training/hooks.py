@@ -388,6 +388,6 @@ def _grad_done_hook(hooks: BlockHooks, k: int) -> Any:
 
 def _parts_of(module: Any) -> list[Any]:
     """A block's parts (NOTE [recompute in parts] in training/plan.py): its direct children, where it
-    has two or more that hold parameters or run ops of their own."""
+    has two or more."""
     kids = [m for _, m in module.named_children()]
     return kids if len(kids) >= 2 else []

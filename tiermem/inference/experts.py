@@ -480,7 +480,13 @@ class ExpertCache:
         lut = [-1] * self.experts
         for e, s in slots.items():
             lut[e] = s.index
-        mapped = torch.tensor(lut, dtype=top_k_index.dtype, device=top_k_index.device)[top_k_index]
+        # From pinned memory, not blocking: a copy from pageable memory synchronizes the stream,
+        # so the host waited here for this call's misses to land before it queued any compute.
+        # torch's caching host allocator keeps the block until the copy is done.
+        table = torch.tensor(lut, dtype=top_k_index.dtype)
+        if top_k_index.is_cuda:
+            table = table.pin_memory()
+        mapped = table.to(top_k_index.device, non_blocking=True)[top_k_index]
         weights = top_k_weights
         if not whole:                      # a round: the others go to the zero slot and weigh nothing
             inside = mapped >= 0

@@ -65,8 +65,8 @@ class PlanRunner:
         # the slots are as large as the largest streamed block with its states from now on: grown
         # where the optimizer made more than the floor at wrap counted, smaller where it made less
         floor = max(floor + self.stream.nslots * (new_slot - self.stream.slot_bytes), 0)
-        st.budget_floor = after_trace(self.blocks, new_slot, self.least, st.floor, held, self.tier.resident_bytes,
-                                      saved)
+        st.budget_floor = after_trace(self.blocks, self.least, st.floor, held, self.tier.resident_bytes, saved,
+                                      st.may_wide)
         self.choice.floor = st.budget_floor
         grow = self.configured - self.stream.nslots
         if grow > 0:

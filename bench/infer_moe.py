@@ -91,17 +91,32 @@ def _restore(saved) -> None:
 def _hot_share(model, hot: int):
     """A counter of the picks the experts modules get in decode steps, and of those among the
     first ``hot`` experts; remove() its hooks."""
-    counts = {"picks": 0, "hot": 0}
+    counts = {"picks": 0, "hot": 0}      # "hot" a device tensor once counted: read it after the timing
     hooks = []
     for m in model.modules():
         if isinstance(getattr(m, "num_experts", None), int) and hasattr(m, "gate_up_proj"):
             def pre(mod, a):
                 if a[0].shape[0] == 1:
                     idx = a[1]
-                    counts["picks"] += int(idx.numel())
-                    counts["hot"] += int((idx < hot).sum())
+                    counts["picks"] += idx.numel()
+                    counts["hot"] = counts["hot"] + (idx < hot).sum()   # no host sync inside the timed decode
             hooks.append(m.register_forward_pre_hook(pre))
     return counts, hooks
+
+
+def _profile(model, ids, path: str, new: int = 8) -> None:
+    """A greedy decode of ``new`` tokens under torch's profiler: its operators by host time and by
+    device time, written to ``path``."""
+    import torch
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        _greedy(model, ids, new)
+        torch.cuda.synchronize()
+    ka = prof.key_averages()
+    with open(path, "w") as f:
+        f.write(ka.table(sort_by="self_cpu_time_total", row_limit=40) + "\n\n")
+        f.write(ka.table(sort_by="self_cuda_time_total", row_limit=30) + "\n")
+    progress(f"  profile of {new} tokens written to {path}")
 
 
 def _greedy(model, ids, new: int):
@@ -177,7 +192,9 @@ def run_moe_cache(model, ids, args, budget: int, bound_s: float, timed_generate)
                      "moved_GB_per_token": d["moved_bytes"] / tokens / 1e9,
                      "rounds_per_call": d["rounds"] / max(1, d["calls"]),
                      "slot_moves_per_token": d["slot_moves"] / tokens,
-                     "hot_share": counts["hot"] / max(1, counts["picks"])}
+                     "hot_share": int(counts["hot"]) / max(1, counts["picks"])}
+                if getattr(args, "moe_profile", None):
+                    _profile(model, ids, f"{args.moe_profile}-{routing}.txt")
                 if want is not None:
                     r.update(same_decode(_greedy(model, ids, 1 + new), want))
                     r["tokens_equal_uncached"] = r["tokens_equal"] and r["logits_equal"]

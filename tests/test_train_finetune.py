@@ -69,6 +69,28 @@ def test_the_chunked_loss_is_transformers_loss_and_gradients():
         model.zero_grad(set_to_none=True)
 
 
+def test_the_chunked_loss_under_autocast_sums_each_chunks_grad_as_autocasts_cast_gives_it():
+    """Its head's weight is cast once and each chunk's grad added into the fp32 sum at the compute
+    dtype (NOTE [chunked loss]): bitwise the grads of chunks taken through autocast's own cast."""
+    model, _ = _llama(layers=1, vocab=300)
+    head = model.lm_head
+    h = torch.randn(2, 33, head.in_features, generator=torch.Generator().manual_seed(4))
+    ids = torch.randint(0, 300, (2, 33), generator=torch.Generator().manual_seed(5))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = chunked_lm_loss(head, h, ids, chunk_tokens=7, shift=False)
+    got.backward()
+    gw = head.weight.grad.clone()
+    head.weight.grad = None
+    flat, y = h.reshape(-1, h.shape[-1]), ids.reshape(-1)
+    want = torch.zeros_like(head.weight)
+    scale = torch.ones(()) / y.numel()
+    for a in range(0, flat.shape[0], 7):    # each chunk's grad through autocast's cast of the fp32 leaf
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = torch.nn.functional.cross_entropy(head(flat[a:a + 7]).float(), y[a:a + 7], reduction="sum")
+        want += torch.autograd.grad(loss, head.weight, scale)[0]
+    assert gw.dtype == torch.float32 and torch.equal(want, gw)
+
+
 def test_the_chunked_loss_refuses_what_it_cannot_take():
     model, _ = _llama(layers=1)
     h = torch.zeros(2, 8, 128)

@@ -186,6 +186,8 @@ def part_finetune(kit, torch, tiermem, a, rates, out):
                         finally:
                             tier.close()
                         return {"below_floor": True, "floor_bytes": floor, "budget_bytes": budget}
+                    if i > 0:                            # what the plan expected of the step that ran out
+                        progress("    " + "\n    ".join(str(train.plan.table()).splitlines()[:14]))
                     raise
                 e1.record()
                 e1.synchronize()

@@ -22,6 +22,7 @@ from __future__ import annotations
 import copy
 import gc
 import time
+import traceback
 
 from _common import median, progress
 
@@ -93,13 +94,22 @@ def part_finetune(kit, torch, tiermem, a, rates, out):
     ok = {"all": True}
 
     def guarded(label, fn):
+        if a.ft_snapshot:
+            torch.cuda.memory._record_memory_history(max_entries=100000, stacks="python")
         try:
             return fn()
         except Exception as e:  # noqa: BLE001 - recorded, the bench goes on
             ok["all"] = False
             progress(f"  {label} failed: {type(e).__name__}: {str(e).splitlines()[0][:300]}")
             raw[f"{label}_error"] = f"{type(e).__name__}: {e}"[:2000]
+            raw[f"{label}_traceback"] = traceback.format_exc()[-6000:]
+            progress("    " + "\n    ".join(traceback.format_exc().splitlines()[-24:]))
+            if a.ft_snapshot:     # torch's allocator history up to the failure, for memory_viz
+                torch.cuda.memory._dump_snapshot(f"{a.ft_snapshot}-{label}.pickle")
             return None
+        finally:
+            if a.ft_snapshot:
+                torch.cuda.memory._record_memory_history(enabled=None)
 
     # -- resident, twice: its own run-to-run spread is what tiermem's losses are held to --------------
     def resident(k):
@@ -176,6 +186,8 @@ def part_finetune(kit, torch, tiermem, a, rates, out):
                         finally:
                             tier.close()
                         return {"below_floor": True, "floor_bytes": floor, "budget_bytes": budget}
+                    if i > 0:                            # what the plan expected of the step that ran out
+                        progress("    " + "\n    ".join(str(train.plan.table()).splitlines()[:14]))
                     raise
                 e1.record()
                 e1.synchronize()

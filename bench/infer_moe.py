@@ -1,12 +1,14 @@
 """bench/infer_moe.py: offload_infer's mixtures of experts: their shapes, and the expert cache run
 from it under a flag.
 
-    python bench/offload_infer.py --moe-cache [the usual flags]
+    python bench/offload_infer.py --moe-cache [--moe-experts eager] [the usual flags]
 
 Architectures it adds to offload_infer's list (each solved for --weights-gb of fp16):
   qwen2_moe   Qwen1.5-MoE-A2.7B's layer: 60 experts of 1408, top-4, a shared expert of 5632
   olmoe       OLMoE-1B-7B's layer: 64 experts of 1024, top-8, no shared expert
-Both run the experts implementation transformers picks on the device (grouped_mm on an H200).
+Both run the experts implementation transformers picks on the device (grouped_mm on an H200),
+or the one --moe-experts names (eager: the loop whose sums keep the experts' order, NOTE [cached
+experts sum alike]); each result names the one that ran (``experts_implementation``).
 
 --moe-cache  each mixture of experts again with an expert cache of MOE_CACHE_SHARE of the budget
              (NOTE [expert cache] in tiermem/inference/experts.py), twice: routed as its random
@@ -15,7 +17,10 @@ Both run the experts implementation transformers picks on the device (grouped_mm
              share of the picks that went to those experts. Decode per token is timed as
              offload_infer times it (generate(1 + n) - generate(1), over n) and set against the
              fp16 dense bound; the cache's hit rate, how often what it brought ahead was used,
-             and the experts it moved per token are reported. With the skewed router the tokens
+             the experts it moved per token, the experts module's calls per cached call
+             (``rounds_per_call``: 1 unless a call had to keep its experts' order in rounds) and
+             the copies from slot to slot per token (``slot_moves_per_token``: NOTE [experts in
+             number order]) are reported. With the skewed router the tokens
              and every step's logits of a greedy generate of 1 + n tokens are set against the
              same model's without a cache (same plan: the cache's bytes come out of the budget
              there too), the first step that differs named where one does.
@@ -86,17 +91,32 @@ def _restore(saved) -> None:
 def _hot_share(model, hot: int):
     """A counter of the picks the experts modules get in decode steps, and of those among the
     first ``hot`` experts; remove() its hooks."""
-    counts = {"picks": 0, "hot": 0}
+    counts = {"picks": 0, "hot": 0}      # "hot" a device tensor once counted: read it after the timing
     hooks = []
     for m in model.modules():
         if isinstance(getattr(m, "num_experts", None), int) and hasattr(m, "gate_up_proj"):
             def pre(mod, a):
                 if a[0].shape[0] == 1:
                     idx = a[1]
-                    counts["picks"] += int(idx.numel())
-                    counts["hot"] += int((idx < hot).sum())
+                    counts["picks"] += idx.numel()
+                    counts["hot"] = counts["hot"] + (idx < hot).sum()   # no host sync inside the timed decode
             hooks.append(m.register_forward_pre_hook(pre))
     return counts, hooks
+
+
+def _profile(model, ids, path: str, new: int = 8) -> None:
+    """A greedy decode of ``new`` tokens under torch's profiler: its operators by host time and by
+    device time, written to ``path``."""
+    import torch
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        _greedy(model, ids, new)
+        torch.cuda.synchronize()
+    ka = prof.key_averages()
+    with open(path, "w") as f:
+        f.write(ka.table(sort_by="self_cpu_time_total", row_limit=40) + "\n\n")
+        f.write(ka.table(sort_by="self_cuda_time_total", row_limit=30) + "\n")
+    progress(f"  profile of {new} tokens written to {path}")
 
 
 def _greedy(model, ids, new: int):
@@ -129,7 +149,8 @@ def run_moe_cache(model, ids, args, budget: int, bound_s: float, timed_generate)
     top_k = next(m.top_k for m in tiermem.testing.routers(model))
     hot = 2 * top_k
     cache = int(budget * MOE_CACHE_SHARE)
-    out: dict = {"cache_GB": cache / 1e9, "hot_experts": hot, "skew_bias": SKEW_BIAS}
+    out: dict = {"cache_GB": cache / 1e9, "hot_experts": hot, "skew_bias": SKEW_BIAS,
+                 "experts_implementation": getattr(model.config, "_experts_implementation", None)}
     new = args.decode_tokens
     for routing in ("uniform", "skewed"):
         sk = skew_router(model, hot=hot, bias=SKEW_BIAS) if routing == "skewed" else None
@@ -157,7 +178,7 @@ def run_moe_cache(model, ids, args, budget: int, bound_s: float, timed_generate)
                 st = hd.stats()
                 dec = (tn - t1) / new
                 d = {k: st[f"expert_cache.{k}"] - before[f"expert_cache.{k}"] for k in
-                     ("hits", "misses", "prefetched", "prefetch_hits", "moved_bytes", "calls")}
+                     ("hits", "misses", "prefetched", "prefetch_hits", "moved_bytes", "calls", "rounds", "slot_moves")}
                 tokens = 3 * new      # decode steps of the timed generate(1 + new): its warm-up and 2 runs
                 r = {"decode_ms_per_token": dec * 1e3, "dense_bound_ms": bound_s * 1e3,
                      "hit_rate": st["expert_cache.hit_rate"], "slots": st["expert_cache.slots"],
@@ -169,14 +190,19 @@ def run_moe_cache(model, ids, args, budget: int, bound_s: float, timed_generate)
                      "misses_per_token": d["misses"] / tokens,
                      "moved_experts_per_token": (d["misses"] + d["prefetched"]) / tokens,
                      "moved_GB_per_token": d["moved_bytes"] / tokens / 1e9,
-                     "hot_share": counts["hot"] / max(1, counts["picks"])}
+                     "rounds_per_call": d["rounds"] / max(1, d["calls"]),
+                     "slot_moves_per_token": d["slot_moves"] / tokens,
+                     "hot_share": int(counts["hot"]) / max(1, counts["picks"])}
+                if getattr(args, "moe_profile", None):
+                    _profile(model, ids, f"{args.moe_profile}-{routing}.txt")
                 if want is not None:
                     r.update(same_decode(_greedy(model, ids, 1 + new), want))
                     r["tokens_equal_uncached"] = r["tokens_equal"] and r["logits_equal"]
                 out[routing] = r
                 progress(f"  {routing}: decode {dec * 1e3:.1f} ms/token ({dec / bound_s:.3f} of the dense bound), "
                          f"hit rate {r['hit_rate']:.3f}, {r['slots']} slots, {r['moved_experts_per_token']:.1f} experts "
-                         f"moved a token, hot share {r['hot_share']:.2f}"
+                         f"moved a token, {r['rounds_per_call']:.2f} rounds a call, {r['slot_moves_per_token']:.1f} "
+                         f"slot moves a token, hot share {r['hot_share']:.2f}"
                          + (f", tokens equal {r['tokens_equal']}, logits equal {r['logits_equal']}"
                             if want is not None else ""))
             finally:

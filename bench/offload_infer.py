@@ -39,10 +39,12 @@ to rounding, a cosine of at least 0.9999 for every token (--no-checkpoints skips
     python bench/offload_infer.py [--archs llama,qwen2,...] [--quick] [--weights-gb 5.2]
                                   [--budget 25%] [--margin-gb 2] [--no-small-gpu] [--no-accelerate]
                                   [--reps 5] [--forwards 4] [--stream-dtypes int8,int4] [--moe-cache]
+                                  [--moe-experts eager]
                                   [--no-checkpoints] [--ckpt-dir DIR] [--tag NAME]
 --archs picks a subset of ARCHS; --quick runs QUICK_ARCHS (unless --archs names others) with
 fewer repetitions. --stream-dtypes adds quantized streaming (bench/infer_quant.py), --moe-cache
-the expert cache on each mixture of experts (bench/infer_moe.py). Writes
+the expert cache on each mixture of experts (bench/infer_moe.py); --moe-experts sets the mixtures'
+experts implementation (default: the one transformers picks). Writes
 bench/results/offload_infer-<device>-<date>[-<tag>].json and a plot of time against the bound.
 """
 from __future__ import annotations
@@ -293,6 +295,10 @@ def main() -> None:
                     "bench/infer_quant.py")
     ap.add_argument("--moe-cache", action="store_true", help="also run each mixture of experts with an expert cache, "
                     "routed uniformly and skewed: bench/infer_moe.py")
+    ap.add_argument("--moe-profile", default=None, metavar="PREFIX",
+                    help="with --moe-cache: a short cached decode under torch's profiler, its tables to PREFIX-<routing>.txt")
+    ap.add_argument("--moe-experts", default=None, help="the mixtures of experts' experts implementation (eager, "
+                    "batched_mm, grouped_mm; default: transformers' pick): bench/infer_moe.py")
     ap.add_argument("--quick", action="store_true", help=f"{','.join(QUICK_ARCHS)} (unless --archs is given), "
                     "--reps 2 --forwards 2 --decode-tokens 16")
     ap.add_argument("--no-checkpoints", action="store_true", help="skip save_pretrained / load_pretrained of the tied "
@@ -357,6 +363,8 @@ def run_arch(arch, args, link, watch, raw, atomic):
     r: dict = {}
     progress(f"{arch}: building ~{args.weights_gb} GB fp16 on the GPU")
     cfg = arch_config(arch, args.weights_gb)
+    if arch in infer_moe.MOE_ARCHS and args.moe_experts:
+        cfg._experts_implementation = args.moe_experts
     model = build(cfg)
     W = sum(p.numel() * p.element_size() for p in model.parameters())
     E = embedding_bytes(model)

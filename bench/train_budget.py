@@ -559,6 +559,8 @@ def main():
     p.add_argument("--ft-block-mib", type=int, default=None, help="finetune: tiermem's block_bytes in MiB "
                    "(default: wrap_training's)")
     p.add_argument("--ft-runs", default="eager_2.5,graphed_2.5,eager_4,eager_6", help="finetune: tiermem's runs")
+    p.add_argument("--ft-snapshot", default=None, metavar="PREFIX",
+                   help="finetune: where a run fails, torch's memory snapshot goes to PREFIX-<run>.pickle")
     p.add_argument("--ft-seq", type=int, default=None, help="finetune: tokens a sequence (default 2048); "
                    "another length is written under its own name (-seq<n>)")
     a = p.parse_args()

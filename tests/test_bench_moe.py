@@ -149,4 +149,6 @@ def test_the_cache_run_compares_decodes_of_one_length_on_the_fake_backend(monkey
     for r in (out["uniform"], sk):
         assert r["decode_ms_per_token"] == pytest.approx(1.0) and r["dense_bound_ms"] == 50
         assert 0 <= r["hit_rate"] <= 1 and r["moved_experts_per_token"] >= 0 and r["calls"] > 0
+        assert r["rounds_per_call"] == 1.0 and r["slot_moves_per_token"] == 0     # grouped_mm: no order kept
+    assert out["experts_implementation"] == "grouped_mm"
     assert [p.device.type for p in m.parameters()] == ["cpu"] * len(list(m.parameters()))

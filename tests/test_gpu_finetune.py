@@ -44,6 +44,23 @@ def _plain_losses(torch, model, init, batches, loss):
     return want
 
 
+def _hf_case(torch, layers, vocab, batch, seq, n=10):
+    """A transformers Llama on the host (hidden 512, GQA 8/2) with its initial weights, ``n``
+    batches of ``batch`` x ``seq`` tokens on the device, the plain loop's losses (HF's
+    ``labels=`` loss under bf16 autocast), and its training state's bytes."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(hidden_size=512, intermediate_size=1408, num_hidden_layers=layers,
+                                   num_attention_heads=8, num_key_value_heads=2, vocab_size=vocab,
+                                   max_position_embeddings=seq)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).train()          # on the host
+    init = {k: v.clone() for k, v in model.state_dict().items()}
+    g = torch.Generator(device="cuda").manual_seed(1)
+    batches = [torch.randint(0, vocab, (batch, seq), device="cuda", generator=g) for _ in range(n)]
+    want = _plain_losses(torch, model, init, batches, lambda ids: _loss(torch, model, ids))
+    return model, init, batches, want, 16 * sum(p.numel() for p in model.parameters())
+
+
 def test_an_autocast_fine_tune_runs_every_step_at_its_floor_on_a_really_small_gpu():
     """The floor is read from a first training (its slots at wrap, its activations after the
     traced step); a second training at exactly that budget runs every step, the traced one
@@ -177,17 +194,8 @@ def test_layers_recomputed_in_parts_run_where_a_whole_layer_does_not_fit():
     torch = _setup()
     import tiermem
     from tiermem.planning import plan_training
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8,
-                                   num_key_value_heads=2, vocab_size=8192, max_position_embeddings=1024)
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg).train()          # on the host
-    init = {k: v.clone() for k, v in model.state_dict().items()}
-    g = torch.Generator(device="cuda").manual_seed(1)
-    batches = [torch.randint(0, cfg.vocab_size, (4, 1024), device="cuda", generator=g) for _ in range(10)]
-    want = _plain_losses(torch, model, init, batches, lambda ids: _loss(torch, model, ids))
-    state = 16 * sum(p.numel() for p in model.parameters())
-    layers = {f"model.layers.{i}" for i in range(cfg.num_hidden_layers)}
+    model, init, batches, want, state = _hf_case(torch, layers=8, vocab=8192, batch=4, seq=1024)
+    layers = {f"model.layers.{i}" for i in range(8)}
 
     def wrapped(budget):
         model.load_state_dict(init)
@@ -223,6 +231,59 @@ def test_layers_recomputed_in_parts_run_where_a_whole_layer_does_not_fit():
         assert all(abs(a - b) <= 1e-2 * abs(b) for a, b in zip(got, want)), (got, want)
         assert max(peaks) <= budget, (max(peaks), budget)
         assert {p.block_names[i] for i in p.parts} & layers, p.table()
+        train.unwrap("cpu")
+        _cleanup(tier)
+    finally:
+        del blob
+        torch.cuda.empty_cache()
+
+
+def test_wide_blocks_lower_the_floor_and_run_every_step_on_a_really_small_gpu():
+    """NOTE [wide blocks] in tiermem/training/floor.py: a Llama whose embedding and head (a 32k
+    vocabulary) are its largest blocks, under bf16 autocast. With wide blocks the slots are sized
+    by its decoder layers and the floor is lower than without; at that lower floor's budget (plus
+    a tenth), on a GPU made really small, every step runs within the budget with losses close to
+    the plain loop's (SDPA's backward is not bitwise repeatable: within 1e-2), and the plan marks
+    the two blocks wide."""
+    from test_gpu_module import _take_device
+    torch = _setup()
+    import tiermem
+    model, init, batches, want, state = _hf_case(torch, layers=6, vocab=32000, batch=2, seq=512)
+
+    def wrapped(budget, wide):
+        model.load_state_dict(init)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+        tier = tiermem.Tier(0)                      # the default cap: the memory free now
+        return tier, tier.wrap_training(model, opt, budget, wide_blocks=wide)
+
+    floors = {}
+    for wide in (False, True):                      # room to spare: read each floor
+        tier, train = wrapped(4 * state, wide)
+        with train.step():
+            _loss(torch, model, batches[0]).backward()
+        floors[wide] = train.budget_floor
+        train.unwrap("cpu")
+        _cleanup(tier)
+    print(floors)
+    assert floors[True].wide == ("model.embed_tokens", "lm_head")
+    assert floors[True].bytes < floors[False].bytes and floors[True].slot_bytes < floors[False].slot_bytes
+    budget = floors[True].bytes * 11 // 10
+    blob = _take_device(budget + (2 << 30))
+    try:
+        tier, train = wrapped(budget, None)         # None: the slots would crowd this budget
+        base = torch.cuda.memory_reserved()
+        got, peaks = [], []
+        for ids in batches:
+            with train.step():
+                v = _loss(torch, model, ids)
+                v.backward()
+            got.append(float(v.detach()))
+            peaks.append(max(train.resident_peak(), torch.cuda.memory_reserved() - base))
+        p = train.plan
+        print(p.table())
+        assert all(abs(a - b) <= 1e-2 * abs(b) for a, b in zip(got, want)), (got, want)
+        assert max(peaks) <= budget, (max(peaks), budget)
+        assert train.budget_floor.wide and "wide" in p.table()
         train.unwrap("cpu")
         _cleanup(tier)
     finally:

@@ -398,3 +398,20 @@ def test_parts_that_hold_no_less_than_the_whole_segment_are_not_a_choice():
     assert p.recompute == frozenset() and not p.parts
     one = dataclasses.replace(parts_trace(), part_block=(0,), part_input_bytes=(0,))   # one part: not a choice
     assert not plan_training(one, 100 * MiB + 60 * MiB, margin=0, recompute="always").parts
+
+
+def test_wide_blocks_cost_their_gradients_home_and_back_and_a_pass_at_the_steps_end():
+    # NOTE [wide blocks]: a streamed wide block's gradients go home and come back with its
+    # parameters once more, and its step at the end overlaps nothing
+    t = seg_trace(compute=(1.0, 2.0))
+    wide = dataclasses.replace(t, wide_blocks=frozenset({0}))
+    a = plan_training(t, 100 * MiB + 20 * MiB, margin=0, recompute="never", can_reside=[False] * 4)
+    b = plan_training(wide, 100 * MiB + 20 * MiB, margin=0, recompute="never", can_reside=[False] * 4)
+    p = 10 * MiB
+    assert b.h2d_bytes - a.h2d_bytes == 2 * p and b.d2h_bytes - a.d2h_bytes == p
+    tail = ((2 * p + 2 * p) + (p + 2 * p)) / (b.link_GBps * 1e9)
+    assert b.predicted_seconds() == pytest.approx(a.predicted_seconds() + tail)
+    assert "wide" in b.table()
+    resident = plan_training(wide, 100 * MiB + 200 * MiB, margin=0, recompute="never")
+    assert 0 in resident.resident_blocks and resident.h2d_bytes == plan_training(
+        t, 100 * MiB + 200 * MiB, margin=0, recompute="never").h2d_bytes      # a resident block is not wide

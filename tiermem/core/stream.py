@@ -170,6 +170,17 @@ class SlotRing:
             r.free = end
         return end
 
+    def move(self, lane: Lane, src: Slot, dst: Slot, parts: Iterable[tuple[int, int, int]]) -> Any:
+        """Copy ``parts`` ((offset in ``dst``, offset in ``src``, nbytes) each) from ``src`` into
+        ``dst`` on ``lane``, after ``dst``'s last user and ``src``'s last fill. The end event
+        becomes ``dst``'s ``ready`` and ``src``'s ``free`` (a later fill of ``src`` waits for the
+        copy out), and is returned."""
+        first = dst.free if dst.free is not None else Now()
+        _, end = lane.run([(dst.ptr + o, src.ptr + p, n) for o, p, n in parts], after=(first, src.ready))
+        dst.ready = end
+        src.free = end
+        return end
+
     def drain(self, lane: Lane, slot: Slot, parts: Iterable[tuple[int, int, int]]) -> Any:
         """Copy ``parts`` ((dst, offset in the slot, nbytes) each) out of ``slot`` on ``lane`` after
         the work queued so far; the copy's end becomes the slot's ``free`` event, and is returned."""

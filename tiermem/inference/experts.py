@@ -1,7 +1,8 @@
 """The expert cache of a mixture of experts in decode (NOTE [expert cache]): which groups it
 serves (:func:`expert_module`, :func:`cacheable`, :func:`router_of`), the cache itself
-(:class:`ExpertCache`: slots of one expert each, the least often routed first out, the next
-layer's experts guessed and brought in ahead), and the experts module's forward through it
+(:class:`ExpertCache`: slots of one expert each, the least often routed first out, a layer's
+experts in slots in the order of their numbers, the next layer's experts guessed and brought
+in ahead), and the experts module's forward through it
 (:func:`cached_forward`).
 
 NOTE [expert cache]
@@ -19,13 +20,16 @@ NOTE [expert cache]
     - What is computed does not change, only where the weights are (NOTE [cached experts sum
       alike]).
     - A call finds its experts (one host sync, as the eager loop has too); those not cached are
-      copied in, each whole (all its stacked members), over the slot this call does not use whose
-      expert scores lowest, from the pinned home at the link rate (packed ones cross packed and
-      are dequantized into their slot: NOTE [quantized streaming]); the forward waits on the
-      device for their copies.
+      copied in, each whole (all its stacked members), over the slot holding none of this call's
+      experts whose expert scores lowest, from the pinned home at the link rate (packed ones
+      cross packed and are dequantized into their slot: NOTE [quantized streaming]); the forward
+      waits on the device for their copies. Where a group's calls keep the order of its experts
+      (NOTE [cached experts sum alike]), its cached experts' slots rise with their numbers,
+      kept so by copies from slot to slot (NOTE [experts in number order] in expert_order.py).
     - Eviction is by frequency, not recency: an expert's score is the times it was routed to,
       halved every AGE_SLOTS x slots routed picks (so a router whose favourites drift is
-      followed), ties going to the slot used longest ago. Least recently used keeps only the
+      followed), ties going to the slot that moves fewest experts, then to the one used longest
+      ago. Least recently used keeps only the
       last few layers' picks once a token's picks over all layers outnumber the slots, so a hot
       expert is copied in again every token; by frequency the hot ones stay and the rest pass
       through the slots left.
@@ -49,7 +53,8 @@ NOTE [expert cache]
       not join a computed expert's rows (a GEMM of other rows may round a row otherwise).
     handle.stats() reports ``expert_cache.hits``, ``.misses``, ``.hit_rate``, ``.prefetched``,
     ``.prefetch_hits`` (a routed expert found because it was brought in ahead), ``.predicted``
-    (prefetches guessed by the router on the hidden state), ``.evictions``, ``.rounds`` and ``.slots``.
+    (prefetches guessed by the router on the hidden state), ``.evictions``, ``.rounds`` (the module's
+    calls), ``.slot_moves`` (experts copied from slot to slot: NOTE [experts in number order]) and ``.slots``.
     A forward of many tokens (a prefill) does not use the cache: it streams the layers whole at
     the link rate (NOTE [experts by expert] in inference/plan.py).
 
@@ -63,10 +68,13 @@ NOTE [cached experts sum alike]
     order of their slots, and with three or more picks a token's sum rounds differently
     ((a + b) + c is not (a + c) + b in fp16), which a long greedy decode turns into other tokens.
     So where the order matters (more than two picks a token; two terms add alike either way) a
-    call runs in rounds that keep it: the first round takes the experts, in number order, while
-    their slots rise, and each later round one expert alone, its output added to the sum so far
-    (the others weigh zero there, which adds exact zeros), so every token's sum is built in the
-    order of its experts' numbers, as the eager loop builds it. Each computed expert gets the
+    group's cached experts are kept in slots that rise with their numbers (NOTE [experts in
+    number order] in expert_order.py), and a call is one round, the module's own call. Where
+    they do not rise all the same (a call of more experts than slots), a call runs in rounds
+    that keep the order: the first round takes the experts, in number order, while their slots
+    rise, and each later round one expert alone, its output added to the sum so far (the others
+    weigh zero there, which adds exact zeros), so every token's sum is built in the order of its
+    experts' numbers, as the eager loop builds it. Each computed expert gets the
     same rows as uncached (the others go to the zero slot), so its GEMMs are the same shapes.
     batched_mm's and grouped_mm's rounds past the slot count are the only sums that differ
     (they add partial sums; a call of one token routes to more experts than slots only with a
@@ -76,10 +84,11 @@ from __future__ import annotations
 
 import collections
 import inspect
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ..core.stream import SlotRing
+from .expert_order import placement
 from .transport import member_rows
 
 if TYPE_CHECKING:
@@ -207,6 +216,7 @@ class ExpertCache:
         self.picks = 0
         self.prev: Group | None = None
         self.stats = collections.Counter()
+        self.in_order: set[int] = set()              # id(group) of groups whose calls keep the order
         self._views: list[Any] = []
         self._ptrs: list[int] = []
 
@@ -269,17 +279,44 @@ class ExpertCache:
         if self.picks % self.age_every == 0:
             self.score = {k: v / 2 for k, v in self.score.items() if v >= 1 / 64}
 
-    def _victim(self, keep: Iterable[Any] = ()) -> Any:
-        """The slot to fill next: an empty one, else of those not in use (nor in ``keep``) the one
-        whose expert scores lowest, used longest ago among equals; None when there is none."""
-        keep = {id(s) for s in keep}
-        return min((s for s in self.ring if not s.busy and id(s) not in keep),
-                   key=lambda s: (s.occupant is not None, self.score.get(s.occupant, 0.0), s.last), default=None)
+    def _choose(self, g: Group, e: int, keep: set[tuple[int, int]] = frozenset()) -> tuple[Any, list, int] | None:
+        """The slot to give up for expert ``e`` of ``g``: an empty one, else of those not in use
+        (nor holding an expert of ``keep``) the one whose expert scores lowest; among equals
+        the one that moves fewest experts (NOTE [experts in number order]), then the one used
+        longest ago. Returns it, the moves and the slot ``e`` takes (:func:`placement`), or None."""
+        free = [s for s in self.ring if not s.busy and s.occupant not in keep]
+        if not free:
+            return None
+        rank = {id(s): (s.occupant is not None, self.score.get(s.occupant, 0.0)) for s in free}
+        low = min(rank.values())
+        mine = sorted((x, c) for (gid, x), c in self.where.items() if gid == id(g)) if id(g) in self.in_order else []
+
+        def plan(s: Any) -> tuple[list, int]:
+            rest = [(x, c) for x, c in mine if c != s.index]        # its own expert leaves
+            return placement([c for _, c in rest], sum(x < e for x, _ in rest), s.index)
+        plans = {id(s): plan(s) for s in free if rank[id(s)] == low}
+        best = min((s for s in free if id(s) in plans), key=lambda s: (len(plans[id(s)][0]), s.last))
+        return best, *plans[id(best)]
+
+    def _make_room(self, victim: Any, moves: list[tuple[int, int]], at: int) -> Any:
+        """Evict ``victim``'s expert, queue ``moves`` (each expert's slot follows it: where, use,
+        the note of what it is) and return the empty slot ``at``."""
+        self._evict_into(victim)
+        lane = self.t.lane
+        for a, b in moves:
+            src, dst = self.ring[a], self.ring[b]
+            self.ring.move(lane, src, dst, [(self._ptrs[k] + b * n, self._ptrs[k] + a * n, n)   # slots' ptr is 0
+                                            for k, n in enumerate(self.per)])
+            dst.occupant, dst.held, dst.busy, dst.last = src.occupant, src.held, src.busy, src.last
+            self.where[dst.occupant] = b
+            src.occupant, src.held, src.busy = None, None, False
+            self.stats["moves"] += 1
+        return self.ring[at]
 
     def _bring(self, g: Group, experts: list[int]) -> dict[int, Any]:
         """Slots holding ``experts`` of ``g``, copying in those not cached over the slots whose
         experts score lowest (not those of this call); each slot is held until :meth:`_done`."""
-        got: dict[int, Any] = {}
+        keys = {(id(g), e) for e in experts}
         for e in experts:
             key = (id(g), e)
             self._count(key)
@@ -291,14 +328,14 @@ class ExpertCache:
                     self.stats["prefetch_hits"] += 1
                     slot.held = None
             else:
-                slot = self._evict_into(self._victim())      # a round has at most a slot per expert
+                slot = self._make_room(*self._choose(g, e, keep=keys))    # a chunk has at most a slot per expert
                 self.stats["misses"] += 1
                 self._load(g, e, slot)
                 slot.occupant = key
                 self.where[key] = slot.index
             self.ring.use(slot)
-            got[e] = slot
-        return got
+        # Where they are now: a later miss may have moved an earlier one (NOTE [experts in number order]).
+        return {e: self.ring[self.where[(id(g), e)]] for e in experts}
 
     def _evict_into(self, slot: Any) -> Any:
         old = self.ring.vacate(slot)
@@ -353,22 +390,22 @@ class ExpertCache:
         # The best scored first: the victims only score higher as the guess goes on (the lowest
         # goes first), so where one guess stops the rest would too.
         guess = sorted(guesses[how], key=lambda e: -self.score.get((id(nxt), e), 0.0))
-        keep = [self.ring[self.where[(id(nxt), e)]] for e in guess if (id(nxt), e) in self.where]
+        keep = {(id(nxt), e) for e in guess}
         for e in guess:
             key = (id(nxt), e)
             if key in self.where:
                 continue
-            slot = self._victim(keep=keep)       # not over the guess's own experts
-            if slot is None:
+            choice = self._choose(nxt, e, keep=keep)       # not over the guess's own experts
+            if choice is None:
                 return
-            if slot.occupant is not None and self.score.get(slot.occupant, 0.0) >= self.score.get(key, 0.0) + bonus:
+            victim = choice[0]
+            if victim.occupant is not None and self.score.get(victim.occupant, 0.0) >= self.score.get(key, 0.0) + bonus:
                 return
-            self._evict_into(slot)
+            slot = self._make_room(*choice)
             self._load(nxt, e, slot)
             slot.occupant, slot.held = key, "ahead"
             self.where[key] = slot.index
             self.ring.touch(slot)
-            keep.append(slot)
             self.stats["prefetched"] += 1
 
     # -- a call ---------------------------------------------------------------------------------
@@ -395,6 +432,8 @@ class ExpertCache:
             guesses["router"] = [e for e, _ in collections.Counter(by_router).most_common()]
         self.last[id(g)] = routed
         ordered = _order_matters(module, top_k_index)
+        if ordered:
+            self.in_order.add(id(g))          # NOTE [experts in number order]
         rest = self.t.rest_views(g)
         out = None
         chunks = [routed[lo:lo + max(1, self.nslots)] for lo in range(0, len(routed), max(1, self.nslots))]
@@ -417,7 +456,8 @@ class ExpertCache:
     def _rounds(chunk: list[int], slots: dict[int, Any], ordered: bool, first: bool) -> list[list[int]]:
         """The experts of ``chunk`` (in number order) each call computes (NOTE [cached experts sum
         alike]): all at once, or where the order matters the first ones while their slots rise
-        (only in the call's first chunk) and then one by one."""
+        (all of them where the slots keep the numbers' order: NOTE [experts in number order];
+        only in the call's first chunk) and then one by one."""
         if not ordered:
             return [chunk]
         k = 0
@@ -440,7 +480,13 @@ class ExpertCache:
         lut = [-1] * self.experts
         for e, s in slots.items():
             lut[e] = s.index
-        mapped = torch.tensor(lut, dtype=top_k_index.dtype, device=top_k_index.device)[top_k_index]
+        # From pinned memory, not blocking: a copy from pageable memory synchronizes the stream,
+        # so the host waited here for this call's misses to land before it queued any compute.
+        # torch's caching host allocator keeps the block until the copy is done.
+        table = torch.tensor(lut, dtype=top_k_index.dtype)
+        if top_k_index.is_cuda:
+            table = table.pin_memory()
+        mapped = table.to(top_k_index.device, non_blocking=True)[top_k_index]
         weights = top_k_weights
         if not whole:                      # a round: the others go to the zero slot and weigh nothing
             inside = mapped >= 0
@@ -464,6 +510,7 @@ class ExpertCache:
                 "expert_cache.prefetched": s["prefetched"], "expert_cache.prefetch_hits": s["prefetch_hits"],
                 "expert_cache.predicted": s["predicted"],
                 "expert_cache.evictions": s["evictions"], "expert_cache.rounds": s["rounds"],
+                "expert_cache.slot_moves": s["moves"],
                 "expert_cache.calls": s["calls"], "expert_cache.moved_bytes": s["bytes"]}
 
     @staticmethod
@@ -472,7 +519,8 @@ class ExpertCache:
         return {k: (0.0 if k.endswith("hit_rate") else 0) for k in (
             "expert_cache.slots", "expert_cache.bytes", "expert_cache.hits", "expert_cache.misses",
             "expert_cache.hit_rate", "expert_cache.prefetched", "expert_cache.prefetch_hits", "expert_cache.predicted",
-            "expert_cache.evictions", "expert_cache.rounds", "expert_cache.calls", "expert_cache.moved_bytes")}
+            "expert_cache.evictions", "expert_cache.rounds", "expert_cache.slot_moves", "expert_cache.calls",
+            "expert_cache.moved_bytes")}
 
 
 def cached_forward(module: Any, group: Group, serves: Callable[[Group], bool], cache: ExpertCache) -> Callable[..., Any]:

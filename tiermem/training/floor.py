@@ -39,6 +39,22 @@ NOTE [the floor]
     backward) a smaller batch or a loss computed in chunks lowers it: a model's own loss is the
     model's, and tiermem.training.lmloss.chunked_lm_loss is one to call in its place (NOTE
     [chunked loss]).
+
+NOTE [wide blocks]
+    The slots are as large as the largest streamed block with its gradients and optimizer states,
+    and in a language model that is most often the embedding or the head: a 1.1B Llama's are 1.05
+    GB each with AdamW, its decoder layers 0.70 GB, so two slots hold 0.7 GB that only those two
+    blocks use, once a step each. With wide blocks (``wide_blocks=True``, or None where slots of
+    the largest block would take more than WIDE_SHARE of the budget) up to WIDE_MAX of the largest
+    blocks step otherwise: the slots are sized by the rest (and at least half the largest, and
+    its parameters and gradients), a wide block comes into one slot for its forward and its
+    backward (parameters, and gradients there), its gradients go home when complete, as in an
+    accumulation window (NOTE [accumulation] in training/handle.py), and at the step's end it
+    comes across the whole ring, parameters, gradients and states, steps, and goes home. It costs
+    its gradients out and its parameters and gradients in once more, outside compute; what it
+    gives is the floor lower by the slots' difference, room the plan spends on recomputing or
+    keeping. The arithmetic is the plain loop's (tests/test_train_wide.py). Clipping and data
+    parallel step every block at once or average in backward: no wide blocks with them.
 """
 from __future__ import annotations
 
@@ -47,13 +63,14 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from .slots import Block, aligned
+from .slots import Block, aligned, ring_slot, slot_with
 
-__all__ = ["FLOOR_SLACK", "WORKSPACE_BYTES", "Floor", "after_trace", "asked_bytes", "at_wrap", "nesting",
-           "state_bytes", "trace_slots"]
+__all__ = ["FLOOR_SLACK", "WORKSPACE_BYTES", "WIDE_SHARE", "Floor", "after_trace", "asked_bytes", "at_wrap",
+           "floor_slot", "nesting", "state_bytes", "trace_slots", "wide_wanted", "wrap_slot"]
 
 WORKSPACE_BYTES = 64 << 20   # cuBLAS's and cuBLASLt's workspaces of the streams a step uses (docs/facts.md)
 FLOOR_SLACK = 1 / 32         # of the traced activations: a later step's cache is cut up otherwise
+WIDE_SHARE = 1 / 3           # of the budget: slots larger than that make wide_blocks=None step the largest wide
 
 # optimizer class name -> states of a parameter's size it keeps (NOTE [the floor])
 _STATES = {"Adam": 2, "AdamW": 2, "NAdam": 2, "RAdam": 2, "Adamax": 2, "SGD": 1, "Adagrad": 1, "RMSprop": 1,
@@ -74,13 +91,18 @@ class Floor:
     activations: int | None = None   # the traced step's activations and temporaries
     largest: int = 0                 # the largest activation the traced step saved
     largest_where: str = ""          # ... and the block that saved it
+    wide: tuple[str, ...] = ()       # blocks that step across the whole ring (NOTE [wide blocks])
     at_least: bool = False           # a lower bound: the traced step ran out before its peak was known
 
     @property
     def what(self) -> str:
         gb = _gb
-        parts = [f"{self.slots} slots of {gb(self.slot_bytes)} (block {self.block}: parameters, gradients and "
-                 "optimizer states)"]
+        if self.wide:
+            parts = [f"{self.slots} slots of {gb(self.slot_bytes)} (block {self.block}: parameters, gradients and "
+                     f"optimizer states; {', '.join(self.wide)} step across them at the step's end)"]
+        else:
+            parts = [f"{self.slots} slots of {gb(self.slot_bytes)} (block {self.block}: parameters, gradients and "
+                     "optimizer states)"]
         if self.activations is None:
             parts.append((f"{gb(self.workspace)} for cuBLAS's workspaces; " if self.workspace else "")
                          + "the activations are known after the first step")
@@ -136,37 +158,97 @@ def state_bytes(optimizer: Any, b: Block, state_dtype: Any) -> int:
     return n
 
 
+def _needs(blocks: Sequence[Block], optimizer: Any, state_dtype: Any) -> tuple[dict[int, int], dict[int, int]]:
+    """Per streamed block: the slot bytes it needs with its states (as held, else as the optimizer
+    will make them), and those it needs outside its step (parameters and gradients)."""
+    streamed = [b for b in blocks if not b.resident]
+    need = {b.index: b.p_bytes + b.g_bytes + state_bytes(optimizer, b, state_dtype) for b in streamed}
+    return need, {b.index: b.p_bytes + b.g_bytes for b in streamed}
+
+
+def floor_slot(need: dict[int, int], fwd: dict[int, int], least: int, wide: bool | None,
+               rest: int) -> tuple[int, frozenset[int]]:
+    """The slots' size the floor counts, and the blocks that step wide at it (NOTE [wide blocks]).
+    ``wide``: the option as the training may use it (False where clipping or a process group rule
+    it out). None is the rule of ``wide_blocks=None`` taken at the floor itself, where ``rest``
+    bytes (workspaces, activations, resident blocks) sit beside the slots: a floor read at a
+    larger budget, which steps no block wide, is still the least budget the same options run at."""
+    if not need:
+        return 0, frozenset()
+    whole = aligned(max(need.values()))
+    if wide is False:
+        return whole, frozenset()
+    slot, wide_set = ring_slot(need, fwd, least, True)
+    if not wide_set or (wide is None and least * whole <= WIDE_SHARE * (least * slot + rest)):
+        return whole, frozenset()
+    return slot, wide_set
+
+
 def at_wrap(blocks: Sequence[Block], optimizer: Any, state_dtype: Any, least: int,
-            workspace: int = WORKSPACE_BYTES) -> Floor:
-    """The floor before the first step: ``least`` slots of the largest block with its states, and
-    ``workspace`` bytes for cuBLAS (none where the step runs on the host)."""
-    need = {b.index: b.p_bytes + b.g_bytes + state_bytes(optimizer, b, state_dtype) for b in blocks if not b.resident}
+            workspace: int = WORKSPACE_BYTES, wide: bool = False, may_wide: bool | None = False) -> Floor:
+    """The floor before the first step: ``least`` slots of the largest block with its states (of
+    the largest that is not wide, where ``may_wide`` has some step wide: :func:`floor_slot`), and
+    ``workspace`` bytes for cuBLAS (none where the step runs on the host). Marks the blocks wide
+    that ``wide``, the training's choice at its budget, makes so."""
+    need, fwd = _needs(blocks, optimizer, state_dtype)
     if not need:
         return Floor(workspace, 0, 0, "-", workspace)
-    big = max(need, key=lambda i: need[i])
-    slot = aligned(need[big])
-    return Floor(least * slot + workspace, least, slot, blocks[big].name, workspace)
+    _, wide_now = ring_slot(need, fwd, least, wide)
+    for b in blocks:
+        b.wide = b.index in wide_now
+        b.need_before = need.get(b.index, 0)
+    slot, wide_set = floor_slot(need, fwd, least, may_wide, workspace)
+    big = max((i for i in need if i not in wide_set), key=lambda i: need[i], default=max(need, key=need.get))
+    return Floor(least * slot + workspace, least, slot, blocks[big].name, workspace,
+                 wide=tuple(blocks[i].name for i in sorted(wide_set)))
 
 
-def after_trace(blocks: Sequence[Block], slot: int, least: int, peak: int, held: int, resident: int,
-                saved: Sequence[Any]) -> Floor:
+def wrap_slot(blocks: Sequence[Block], least: int) -> int:
+    """The slots the first step streams through, as :func:`at_wrap` marked the blocks: sized for
+    the states the optimizer makes in it (NOTE [the floor])."""
+    streamed = [b for b in blocks if not b.resident]
+    if not streamed:
+        return 0
+    return slot_with({b.index: b.need_before for b in streamed}, {b.index: b.p_bytes + b.g_bytes for b in streamed},
+                     frozenset(b.index for b in streamed if b.wide), least)
+
+
+def wide_wanted(blocks: Sequence[Block], optimizer: Any, state_dtype: Any, least: int, budget: int) -> bool:
+    """NOTE [wide blocks]: whether ``wide_blocks=None`` steps the largest blocks across the ring: where
+    that shrinks the slots, and slots at the largest block's size would take more than WIDE_SHARE
+    of ``budget``."""
+    need, fwd = _needs(blocks, optimizer, state_dtype)
+    if not need:
+        return False
+    _, wide_set = ring_slot(need, fwd, least, True)
+    return bool(wide_set) and least * aligned(max(need.values())) > WIDE_SHARE * budget
+
+
+def after_trace(blocks: Sequence[Block], least: int, peak: int, held: int, resident: int,
+                saved: Sequence[Any], may_wide: bool | None = False) -> Floor:
     """The floor once the first step is traced: its ``peak`` of torch's reserved bytes less the
-    ``held`` bytes of the slots it streamed through is its activations; ``least`` slots of
-    ``slot`` bytes (grown to hold the states) and ``resident`` bytes are added. ``saved``: the
-    trace's saved records, for the largest."""
+    ``held`` bytes of the slots it streamed through is its activations; ``least`` slots sized by
+    the blocks' states as they are now (:func:`floor_slot`, with ``may_wide``) and ``resident``
+    bytes are added. ``saved``: the trace's saved records, for the largest."""
     act = max(peak - held, 0)
     act += -(-int(act * FLOOR_SLACK) // 1)
     streamed = [b for b in blocks if not b.resident]
-    big = max(streamed, key=lambda b: b.slot_need, default=None)
     largest = max(saved, key=lambda r: r.nbytes, default=None)
     where = ""
     if largest is not None:
         seg = largest.segment
         where = f"saved in block {blocks[seg].name}" if 0 <= seg < len(blocks) else \
             "saved outside every block (the loss, the logits: the model's own head and loss)"
-    n = least if big is not None else 0
-    return Floor(n * slot + act + resident, n, slot if big is not None else 0, big.name if big is not None else "-",
-                 0, resident, act, largest.nbytes if largest is not None else 0, where)
+    big_saved = largest.nbytes if largest is not None else 0
+    if not streamed:
+        return Floor(act + resident, 0, 0, "-", 0, resident, act, big_saved, where)
+    # a step that made no states yet (an accumulation window's first) counts those the optimizer will make
+    need = {b.index: b.slot_need if b.states else max(b.slot_need, b.need_before) for b in streamed}
+    slot, wide_set = floor_slot(need, {b.index: b.p_bytes + b.g_bytes for b in streamed}, least, may_wide,
+                                act + resident)
+    big = max((i for i in need if i not in wide_set), key=lambda i: need[i], default=max(need, key=need.get))
+    return Floor(least * slot + act + resident, least, slot, blocks[big].name, 0, resident, act, big_saved, where,
+                 wide=tuple(blocks[i].name for i in sorted(wide_set)))
 
 
 def trace_slots(configured: int, least: int, slot_estimate: int, budget: int) -> int:

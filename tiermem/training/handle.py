@@ -142,7 +142,7 @@ from ..pytorch.devmem import device_memory
 from .casts import autocast_cache_off
 from .choice import PlanChoice
 from .clipping import Clipping, leaves_grads
-from .floor import WORKSPACE_BYTES, Floor, asked_bytes, at_wrap, nesting, trace_slots
+from .floor import WORKSPACE_BYTES, Floor, asked_bytes, at_wrap, nesting, trace_slots, wide_wanted, wrap_slot
 from .hooks import BlockHooks
 from .kvoff import kv_cache_configs, kv_cache_off
 from .memory import Cap, HostBuffers, check_room, free_adopted, plain_copies
@@ -282,9 +282,15 @@ class TieredTraining:
         self.mem.empty_cache()
         self.cap.outside = self.mem.reserved_without(old)
         # NOTE [the floor]: the slots' part is known now; the activations' after the first step
-        least = self.planner.least = max(2, nesting(self.blocks) + 1)
+        least = self.planner.least = self.stream.least = max(2, nesting(self.blocks) + 1)
+        # NOTE [wide blocks]: never with clipping or a process group, whose steps need every block's
+        may = self.state.may_wide = (self.options.wide_blocks if self.clipping is None and self.group is None
+                                     else False)
+        wide = may if may is not None else wide_wanted(self.blocks, self.opt, self.state_dtype, least, self.budget)
+        self.stream.allow_wide = bool(wide)
         floor = self.state.budget_floor = at_wrap(self.blocks, self.opt, self.state_dtype, least,
-                                                  WORKSPACE_BYTES if tier.backend.kind == "cuda" else 0)
+                                                  WORKSPACE_BYTES if tier.backend.kind == "cuda" else 0,
+                                                  wide=self.stream.allow_wide, may_wide=may)
         if self.budget < floor.bytes and self.enforced:
             raise OutOfBudgetError(floor.bytes, 0, self.budget, hint=(
                 f"the floor of this training is {floor} (NOTE [the floor]); raise the budget to at least "
@@ -298,7 +304,7 @@ class TieredTraining:
                 self.stream.nslots = k
             # NOTE [the floor]: the traced step streams through slots that hold the states the
             # optimizer makes in it, so its peak is what the steps after it hold
-            self.stream.least_slot = floor.slot_bytes
+            self.stream.least_slot = wrap_slot(self.blocks, least)
         self.stream.alloc()
         self.cap.old_fraction = self.mem.fraction()
         self.cap.set()

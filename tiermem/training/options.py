@@ -57,6 +57,10 @@ class TrainingOptions:
         pinned bytes; needs ``max_grad_norm``, and Adam, AdamW or SGD.
     graphs: replay each recomputed block's backward as a CUDA graph where the budget leaves room
         for the graphs' pool (NOTE [replayed recompute] in training/replay.py); off by default.
+    wide_blocks: the largest blocks (an embedding, a head) step at the step's end across the whole
+        ring, so the slots are sized by the other blocks (NOTE [wide blocks] in training/floor.py).
+        None: where the slots at the largest block's size would take more than a third of the
+        budget; never with clipping or a process group.
     """
 
     lookahead: int = 2
@@ -74,6 +78,7 @@ class TrainingOptions:
     norm_type: float = 2.0
     speculate: bool = False
     graphs: bool = False
+    wide_blocks: bool | None = None
 
     def __post_init__(self) -> None:
         _int("lookahead", self.lookahead, least=1, unit="blocks ahead")
@@ -88,6 +93,11 @@ class TrainingOptions:
         for name in ("swap", "speculate", "graphs"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigTypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.wide_blocks is not None and not isinstance(self.wide_blocks, bool):
+            raise ConfigTypeError(f"wide_blocks must be None, True or False, got {self.wide_blocks!r}")
+        if self.wide_blocks and (self.max_grad_norm is not None or self.process_group is not None):
+            raise ConfigError("wide_blocks=True steps the largest blocks at the step's end, which clipping and a "
+                              "process group do not allow: leave it None or False")
         if self.speculate and self.max_grad_norm is None:
             raise ConfigError("speculate=True speculates that clipping leaves the gradients alone: it needs "
                               "max_grad_norm")

@@ -111,7 +111,7 @@ NOTE [calibrated compute]
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from ..errors import ConfigError
@@ -158,6 +158,7 @@ class StepTrace:
     compute_scale: float = 1.0             # the factor the times above carry (NOTE [calibrated compute])
     part_block: tuple[int, ...] = ()       # per part (NOTE [recompute in parts]): the block it is a child of
     part_input_bytes: tuple[int, ...] = ()  # per part: its tensor inputs, not counted for a part before it
+    wide_blocks: frozenset[int] = frozenset()   # blocks stepped across the ring at the step's end (NOTE [wide blocks])
 
     @property
     def saved_bytes(self) -> int:
@@ -194,6 +195,7 @@ class TrainPlan:
     boundary_bytes: int = 0                  # what the recomputed blocks save instead (swapped)
     recompute_peak: int = 0                  # the largest recomputed segment, alive in its backward
     parts: frozenset[int] = frozenset()      # recomputed blocks recomputed in parts (NOTE [recompute in parts])
+    wide_blocks: frozenset[int] = frozenset()  # as in StepTrace
     graph_pool: int = 0                      # the replayed backwards' pool, held instead (NOTE [replayed recompute])
     fwd_ms: float = 0.0
     bwd_ms: float = 0.0
@@ -238,18 +240,26 @@ class TrainPlan:
         swapped activations once; when clipping, the pass's parameters, states and gradients too."""
         s, st = self.streamed_blocks, self._states_moved
         clip = sum(2 * self.block_param_bytes[i] for i in s) if self.clip else 0
-        return sum(2 * self.block_param_bytes[i] + st[i] for i in s) + self.swapped_bytes + clip
+        return sum(2 * self.block_param_bytes[i] + st[i] for i in s) + self.swapped_bytes + clip + self._wide_more()
 
     @property
     def d2h_bytes(self) -> int:
-        return self._moved_out() + self.swapped_bytes + (self._params_in() if self.clip else 0)
+        return self._moved_out() + self.swapped_bytes + (self._params_in() if self.clip else 0) + self._wide_grads()
+
+    def _wide_grads(self) -> int:
+        """NOTE [wide blocks]: the streamed wide blocks' gradients, home and back."""
+        return sum(self.block_param_bytes[i] for i in self.wide_blocks if i not in self.resident_blocks)
+
+    def _wide_more(self) -> int:
+        """NOTE [wide blocks]: what the streamed wide blocks bring in once more: parameters and gradients."""
+        return 2 * self._wide_grads()
 
     @property
     def bytes_bound(self) -> int:
         """The fewest bytes (in and out together) a step of this budget moves, whatever the plan
         (NOTE [bytes bound])."""
         return bytes_bound(self.block_param_bytes, self.block_state_bytes, self._states_moved,
-                           self.budget - self.margin - self.floor_peak, self.clip)
+                           self.budget - self.margin - self.floor_peak, self.clip, self.wide_blocks)
 
     @property
     def predicted_peak(self) -> int:
@@ -260,7 +270,8 @@ class TrainPlan:
         as the busiest of compute and the two directions of the link."""
         rate = (self.link_GBps if link_GBps is None else link_GBps) * 1e9
         return _phases(self.fwd_ms, self.bwd_ms + self.recompute_ms, self._params_in(), self._moved_out(),
-                       self.swapped_bytes, rate, self.clip)
+                       self.swapped_bytes, rate, self.clip) + _wide_tail(
+            self.block_param_bytes, self._states_moved, self.wide_blocks - self.resident_blocks, rate)
 
     def _params_in(self) -> int:
         return sum(self.block_param_bytes[i] for i in self.streamed_blocks)
@@ -317,7 +328,8 @@ class TrainPlan:
         if self.segment_modes and self.block_names:
             lines.append("  per block        params / activations")
             for i, (name, mode) in enumerate(zip(self.block_names, self.segment_modes)):
-                where = "resident" if i in self.resident_blocks else "streamed"
+                where = ("resident" if i in self.resident_blocks else
+                         "wide" if i in self.wide_blocks else "streamed")     # NOTE [wide blocks]
                 lines.append(f"    {name:<30} {where:<9} {mode}")
         return "\n".join(lines)
 
@@ -344,13 +356,15 @@ class TrainPlan:
 
 
 def bytes_bound(param_bytes: Sequence[int], state_bytes: Sequence[int], state_moved: Sequence[int], room: int,
-                clip: bool = False) -> int:
+                clip: bool = False, wide: frozenset[int] = frozenset()) -> int:
     """NOTE [bytes bound]: the bytes a step moves with ``room`` device bytes spent on the blocks
     that save the most link bytes per device byte, a share of a block counted as its share of
-    the bytes, and no activation swapped."""
+    the bytes, and no activation swapped. A ``wide`` block streamed moves its gradients home and
+    back and its parameters once more (NOTE [wide blocks])."""
     per = []
-    for p, s, m in zip(param_bytes, state_bytes, state_moved):
-        moved = 3 * p + 2 * m + (4 * p if clip else 0)     # in twice, out once; states in and out
+    for i, (p, s, m) in enumerate(zip(param_bytes, state_bytes, state_moved)):
+        moved = 3 * p + 2 * m + (4 * p if clip else 0) + (3 * p if i in wide else 0)   # in twice, out once;
+        # states in and out
         per.append((moved / max(p + s, 1), p + s, moved))
     left, total = max(int(room), 0), 0.0
     for ratio, size, moved in sorted(per, key=lambda x: -x[0]):
@@ -358,6 +372,13 @@ def bytes_bound(param_bytes: Sequence[int], state_bytes: Sequence[int], state_mo
         left -= kept
         total += moved - ratio * kept
     return int(total)
+
+
+def _wide_tail(param_bytes: Sequence[int], states: Sequence[int], wide: Iterable[int], rate: float) -> float:
+    """NOTE [wide blocks]: seconds the step's end takes for its streamed wide blocks, one after the
+    other over the link, no compute beside: parameters, gradients and states in, parameters and
+    states out."""
+    return sum((2 * param_bytes[i] + states[i]) + (param_bytes[i] + states[i]) for i in wide) / rate
 
 
 def _phases(fwd_ms: float, bwd_ms: float, params_in: int, out: int, swapped: int, rate: float,
@@ -458,7 +479,9 @@ class _Planner:
         params_in = sum(self.t.block_param_bytes[i] for i in streamed)
         out = sum(self.moved[i] for i in streamed)
         fwd, bwd, rec = self.compute(c.recompute, c.keep, c.parts)
-        return _phases(fwd, bwd + rec, params_in, out, self.swapped(c), self.rate, self.clip)
+        return (_phases(fwd, bwd + rec, params_in, out, self.swapped(c), self.rate, self.clip)
+                + _wide_tail(self.t.block_param_bytes, self.t.block_state_moved_bytes or self.t.block_state_bytes,
+                             self.t.wide_blocks - c.resident, self.rate))
 
     # -- candidates ----------------------------------------------------------------------------------
     def base(self) -> _Choice:
@@ -654,7 +677,7 @@ def _make(pl: _Planner, c: _Choice, kind: str) -> TrainPlan:
                      recompute=frozenset(c.recompute),
                      recomputed_bytes=sum(pl.seg_bytes.get(i, 0) for i in c.recompute),
                      boundary_bytes=sum(pl.boundary[i] for i in c.recompute),
-                     recompute_peak=pl.rec_peak(c), parts=frozenset(parts),
+                     recompute_peak=pl.rec_peak(c), parts=frozenset(parts), wide_blocks=t.wide_blocks,
                      graph_pool=pl.graph_pool,
                      fwd_ms=fwd, bwd_ms=bwd, recompute_ms=rec,
                      link_GBps=pl.rate / 1e9, kind=kind, segment_modes=tuple(modes), clip=pl.clip,

@@ -65,8 +65,8 @@ class PlanRunner:
         # the slots are as large as the largest streamed block with its states from now on: grown
         # where the optimizer made more than the floor at wrap counted, smaller where it made less
         floor = max(floor + self.stream.nslots * (new_slot - self.stream.slot_bytes), 0)
-        st.budget_floor = after_trace(self.blocks, new_slot, self.least, st.floor, held, self.tier.resident_bytes,
-                                      saved)
+        st.budget_floor = after_trace(self.blocks, self.least, st.floor, held, self.tier.resident_bytes, saved,
+                                      st.may_wide)
         self.choice.floor = st.budget_floor
         grow = self.configured - self.stream.nslots
         if grow > 0:
@@ -83,7 +83,8 @@ class PlanRunner:
                           fwd_ms=fwd, bwd_ms=bwd, block_names=tuple(b.name for b in self.blocks),
                           block_state_moved_bytes=tuple(b.s_bytes for b in self.blocks),
                           part_block=tuple(b.index for b, _ in self.hooks.parts),
-                          part_input_bytes=tuple(st.part_inputs.get(k, 0) for k in range(len(self.hooks.parts))))
+                          part_input_bytes=tuple(st.part_inputs.get(k, 0) for k in range(len(self.hooks.parts))),
+                          wide_blocks=frozenset(b.index for b in self.blocks if b.wide))
         st.boundary_saves = {b.index: st.boundary.get(b.index, (0, 0))[1] for b in self.blocks}
         self.choice.replan(trace, st.floor, st.nesting)
         st.tracing = False

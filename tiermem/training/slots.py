@@ -14,9 +14,11 @@ from ..roles import Role
 if TYPE_CHECKING:
     from ..core.engine import Engine as Tier
 
-__all__ = ["ALIGN", "aligned", "Block", "TrainSlot", "BlockSlots"]
+__all__ = ["ALIGN", "aligned", "Block", "TrainSlot", "BlockSlots", "ring_slot", "slot_with", "WIDE_MAX"]
 
 ALIGN = 256
+WIDE_MAX = 2            # blocks at most that step across the whole ring (NOTE [wide blocks])
+WIDE_GAIN = 0.8         # ... and only where that makes the slots at most this share of the largest block
 
 
 def aligned(n: int) -> int:
@@ -58,6 +60,9 @@ class Block:
     resident_state_views: list[Any] = dataclasses.field(default_factory=list)   # a resident block's states
     home_ready: Any = None        # event after its last write-back
     resident: bool = False
+    wide: bool = False            # steps at the step's end across the whole ring (NOTE [wide blocks])
+    need_before: int = 0          # slot bytes its states will need, before the optimizer has made them
+    deferred: bool = False        # its gradients went home for that this step
     tiered: list[Any] = dataclasses.field(default_factory=list)
     slot: Any = None
     entered: bool = False         # bound for backward this step
@@ -73,6 +78,35 @@ class Block:
     def slot_need(self) -> int:
         """Bytes of slot the block needs in backward: parameters, gradients, optimizer states."""
         return self.p_bytes + self.g_bytes + self.s_bytes
+
+
+def ring_slot(needs: dict[int, int], fwd: dict[int, int], least: int, wide: bool) -> tuple[int, frozenset[int]]:
+    """The slots' size for blocks needing ``needs`` bytes in backward (parameters, gradients,
+    states) and ``fwd`` of them outside their step (parameters and gradients), streamed through at
+    least ``least`` slots, and the blocks that step across the whole ring (NOTE [wide blocks]):
+    with ``wide``, up to WIDE_MAX of the largest, where the slots then shrink to WIDE_GAIN of the
+    largest block or less."""
+    if not needs:
+        return 0, frozenset()
+    whole = aligned(max(needs.values()))
+    if not wide or least < 2:
+        return whole, frozenset()
+    order = sorted(needs, key=lambda i: -needs[i])
+    best, which = whole, frozenset()
+    for k in range(1, min(WIDE_MAX, len(order)) + 1):
+        slot = slot_with(needs, fwd, frozenset(order[:k]), least)
+        if slot <= WIDE_GAIN * max(needs.values()) and slot < best:
+            best, which = slot, frozenset(order[:k])
+    return best, which
+
+
+def slot_with(needs: dict[int, int], fwd: dict[int, int], wide: frozenset[int], least: int) -> int:
+    """The slots' size with the blocks ``wide`` stepping across the ring of ``least`` slots: the
+    largest of the others, a ``least``-th of the largest wide one, and the wide ones' parameters
+    and gradients (they come into one slot outside their step)."""
+    rest = max((n for i, n in needs.items() if i not in wide), default=0)
+    big = max((needs[i] for i in wide), default=0)
+    return aligned(max(rest, -(-big // max(least, 1)), max((fwd[i] for i in wide), default=0)))
 
 
 def _offsets(tensors: list[Any]) -> tuple[list[int], int]:
@@ -117,6 +151,8 @@ class BlockSlots:
         self.h2d = Lane(tier.backend, lambda: tier.side_stream("h2d"))   # fills of the slots
         self.d2h = Lane(tier.backend, lambda: tier.side_stream("d2h"))   # write-backs home
         self.in_backward = False
+        self.allow_wide = False       # NOTE [wide blocks]: the largest blocks may step across the ring
+        self.least = 2                # the fewest slots a step streams through (NOTE [the floor])
         self.updating = True          # the step steps the optimizer: backward fills bring states
         self.begun: Any = None        # event: the running step's start; fills wait for it
         self.moved = {"h2d": 0, "d2h": 0}
@@ -154,9 +190,11 @@ class BlockSlots:
         key = (s.index, b.index)
         v = self._views_of.get(key)
         if v is None:
+            # a wide block's states fit only from the ring's start (NOTE [wide blocks]): none elsewhere
+            fits = s.ptr - self.slot_mem.data_ptr() + b.slot_need <= self.slot_mem.numel()
             v = (self.views(s.ptr, b, self.slot_mem, "p"),
                  self.views(s.ptr + b.p_bytes, b, self.slot_mem, "g"),
-                 self.views(s.ptr + b.p_bytes + b.g_bytes, b, self.slot_mem, "s"))
+                 self.views(s.ptr + b.p_bytes + b.g_bytes, b, self.slot_mem, "s") if fits else [])
             self._views_of[key] = v
         return v
 
@@ -197,7 +235,16 @@ class BlockSlots:
 
     # -- slots -------------------------------------------------------------------------------------
     def needed_slot_bytes(self) -> int:
-        return max((b.slot_need for b in self.blocks if not b.resident), default=0)
+        """The slots' size for the streamed blocks as they are now; marks the wide ones (NOTE
+        [wide blocks])."""
+        streamed = [b for b in self.blocks if not b.resident]
+        fwd = {b.index: b.p_bytes + b.g_bytes for b in streamed}
+        # which blocks are wide follows the states they will have (the trace's first step makes them)
+        _, wide = ring_slot({b.index: b.slot_need if b.states else max(b.slot_need, b.need_before)
+                             for b in streamed}, fwd, self.least, self.allow_wide)
+        for b in self.blocks:
+            b.wide = b.index in wide
+        return slot_with({b.index: b.slot_need for b in streamed}, fwd, wide, self.least) if streamed else 0
 
     def alloc(self) -> None:
         """(Re)make the ring for the streamed blocks as they are now."""
@@ -252,7 +299,7 @@ class BlockSlots:
         (``states``) its optimizer states when the step updates and the gradients accumulated so
         far (NOTE [accumulation] in training/handle.py). Returns False when no slot is free."""
         s = b.slot
-        want_states = states and self.updating and bool(b.states)
+        want_states = states and self.updating and bool(b.states) and not b.wide
         want_grads = states and b.grads_home
         if (s is not None and s.has_params and (s.has_states or not want_states)
                 and (s.has_grads or not want_grads)):
@@ -298,9 +345,56 @@ class BlockSlots:
         if b.params[0].data.data_ptr() != pv[0].data_ptr():
             for p, v in zip(b.params, pv):
                 self.bind(p, v)
-        if states and self.updating and b.states:
+        if states and self.updating and b.states and not b.wide:
             self.bind_states(b, sv)
         return s
+
+    def fill_wide(self, b: Block) -> TrainSlot:
+        """Bring wide block ``b`` across the whole ring for its step (NOTE [wide blocks]): its
+        parameters, the gradients it sent home, its states; no slot may be in use. Bound to it,
+        the compute stream waiting for the copy."""
+        if any(s.busy for s in self.slots):
+            raise TierMemError(f"block {b.name} steps across every slot, and one is in use: a tiermem bug, "
+                               "please report it")
+        need = b.p_bytes + b.g_bytes + b.s_bytes
+        if need > len(self.slots) * self.slot_bytes:
+            raise TierMemError(f"block {b.name} needs {need:,} bytes, the {len(self.slots)} slots have "
+                               f"{len(self.slots) * self.slot_bytes:,}: a tiermem bug, please report it")
+        others = [t.free for t in self.slots[1:] if t.free is not None]
+        for t in self.slots:
+            if t.occupant is not None:
+                self.unbind(t)
+        s = self.slots[0]
+        s.occupant, b.slot = b, s
+        parts = [(0, b.home_p.ptr, b.p_bytes), (b.p_bytes, b.home_g.ptr, b.g_bytes)]
+        got = [(Role.WEIGHT, b.p_bytes), (Role.GRADIENT, b.g_bytes)]
+        if b.states:
+            parts.append((b.p_bytes + b.g_bytes, b.home_s.ptr, b.s_bytes))
+            got.append((Role.OPTIMIZER_STATE, b.s_bytes))
+        self.slots.fill(self.h2d, s, parts, after=(b.home_ready, self.begun, *others))
+        for role, n in got:
+            self.count("h2d", role, n)
+        s.has_params, s.has_grads, s.has_states = True, True, bool(b.states)
+        be = self.tier.backend
+        self.meter.wait(be.current_stream(), s.ready)
+        self.slots.use(s)
+        pv, gv, sv = self.slot_views(s, b)
+        for p, v in zip(b.params, pv):
+            self.bind(p, v)
+        for p, g in zip(b.trainable, gv):
+            p.grad = g
+        if b.states:
+            self.bind_states(b, sv)
+        return s
+
+    def wide_done(self, b: Block) -> None:
+        """``b`` stepped across the ring and its write-back is queued: every slot is free once that
+        copy is done, and none keeps a block (NOTE [wide blocks])."""
+        end = b.slot.free
+        for t in self.slots:
+            t.free = end
+        self.unbind(b.slot)
+        b.grads_home = False
 
     def ahead(self, order: list[int]) -> None:
         """Fill slots with the next streamed blocks of ``order`` (blocks' indices, next first);

@@ -199,6 +199,13 @@ class StepRunner:
             if ok and st.updating and b.resident and self.group is not None:
                 self.average_resident(b)          # NOTE [data parallel]: in block order, with the streamed
         self.join_reduce()          # NOTE [data parallel]: the averages before the resident steps
+        for b in self.blocks:
+            if b.deferred:
+                b.deferred = False
+                if ok:                  # NOTE [wide blocks]: across the whole ring, each in turn
+                    self.stream.fill_wide(b)
+                    self.step_block(b)
+                    self.stream.wide_done(b)
         res = [p for b in self.blocks if b.resident for p in b.trainable if p.grad is not None]
         if ok and st.updating and self.clipping is not None:
             ordered = [self.blocks[i] for i in st.order]
@@ -248,6 +255,8 @@ class StepRunner:
             self.clipping.undo(self.blocks)     # blocks stepped into their second homes did not step
             self.clipping.norms.clear()
         self.stream.drop_grads()
+        for b in self.blocks:
+            b.deferred = False              # NOTE [wide blocks]: its gradients are dropped with the rest
         st.accumulated = 0
         st.window = set()
         if self.swap is not None:
@@ -276,7 +285,12 @@ class StepRunner:
         updates, else send its gradients home for the next micro-batch (NOTE [accumulation]);
         when clipping, take their norms and send them home for the step's end (NOTE [clipping])."""
         st = self.state
-        if st.updating:
+        if st.updating and b.wide and self.clipping is None and self.group is None:
+            self.stream.write_grads(b)          # NOTE [wide blocks]: stepped at the step's end
+            b.deferred = b.stepped = True
+            for p in b.trainable:
+                p.grad = None
+        elif st.updating:
             got = [p for p in b.trainable if st.came(p)]
             if self.clipping is None:
                 self.average(got, step=lambda: self.step_block(b))

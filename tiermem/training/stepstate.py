@@ -52,6 +52,7 @@ class StepState:
     last_peak: int = 0            # torch's peak reserved bytes in the last step
     floor: int = 0                # the traced step's peak, everything moving
     budget_floor: Any = None      # NOTE [the floor]: the training's Floor (training/floor.py), once known
+    may_wide: bool | None = False  # NOTE [wide blocks]: the option the floor is counted under
     general_peak: int | None = None   # the last step's peak outside the graphs' pool (NOTE [replayed recompute])
     changes_at_begin: int = 0     # the graphs' changes when the step began
 

@@ -244,3 +244,47 @@ def test_layers_recomputed_in_parts_give_the_plain_loops_losses_bitwise(recomput
     gc.collect()
     tier.close()
     assert fake.live() == {"managed": 0, "pinned": 0, "device": 0}
+
+
+def test_a_layer_in_parts_holds_none_of_its_parts_inputs_through_the_forward(monkeypatch):
+    """NOTE [recompute in parts]: in forward a layer in parts keeps its own inputs only. A Llama
+    layer's attention takes its hidden states as a keyword (``hidden_states=``); checkpoint's
+    recompute function held it through the forward, out of the swap's sight, till the keyword's
+    tensors went to checkpoint as inputs (tiermem/training/recompute.py)."""
+    import dataclasses
+    import weakref
+
+    import tiermem.training.choice as choice
+    real = choice.plan_training
+
+    def tight(trace, budget, **kw):      # as in the bitwise test above: parts, not whole layers
+        seg = max(sum(r.nbytes for r in trace.saved if r.segment == i) for i in set(trace.part_block))
+        margin = kw.get("margin") or budget // 16
+        return real(dataclasses.replace(trace, floor_peak=max(budget - margin - seg * 4 // 5, 0)), budget, **kw)
+
+    monkeypatch.setattr(choice, "plan_training", tight)
+    g = torch.Generator().manual_seed(1)
+    bs = [torch.randint(0, VOCAB, (8, 64), generator=g) for _ in range(3)]
+    model, opt = _llama()
+    state = 16 * sum(p.numel() for p in model.parameters())
+    tier = tiermem.Tier(backend=FakeBackend(total=1 << 30, foreign_host=True))
+    train = tier.wrap_training(model, opt, state // 2, block_bytes=1 << 20, min_swap=16384, recompute="always")
+    refs = []
+    hooks = [layer.input_layernorm.register_forward_hook(lambda m, a, out: refs.append(weakref.ref(out)))
+             for layer in model.model.layers]
+    try:
+        for ids in bs:
+            refs.clear()
+            with train.step():
+                loss = _loss(model, ids)
+                gc.collect()
+                alive = sum(r() is not None for r in refs)
+                loss.backward()
+            if train.plan is not None and train.plan.parts:
+                assert alive == 0, f"{alive} of {len(refs)} attention inputs held through the forward"
+        assert train.plan.parts
+    finally:
+        for h in hooks:
+            h.remove()
+        train.unwrap()
+

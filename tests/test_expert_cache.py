@@ -426,3 +426,35 @@ def test_a_skewed_router_hits_the_cache_more(tier, monkeypatch):
         if sk is not None:
             sk.remove()
     assert rates[True] > 0.8 and rates[True] > rates[False] + 0.3, rates
+
+
+def test_a_cache_that_takes_budget_from_groups_every_step_reads_is_called_out(tier, caplog):
+    """NOTE [expert cache budget] in tiermem/inference/module.py: a small Qwen2-MoE (4 layers,
+    top-4 of 12 experts of 384 KB, shared experts of 12 MB). At 70% of its weights a cache of
+    three quarters of the budget makes a step stream more bytes of the groups every step reads
+    than the 16 experts it routes to, and the wrap says so; at 30% a cache of four experts costs
+    a step less than that, and nothing is said."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.Qwen2MoeConfig(hidden_size=256, intermediate_size=256, moe_intermediate_size=128,
+                                      shared_expert_intermediate_size=4096, num_hidden_layers=4, num_attention_heads=4,
+                                      num_key_value_heads=4, vocab_size=256, num_experts=12, num_experts_per_tok=4,
+                                      decoder_sparse_step=1, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    m = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    total = sum(p.numel() * p.element_size() for p in m.parameters())
+    one = sum(p.numel() * p.element_size() for p in m.model.layers[0].mlp.experts.parameters()) // 12
+    kw = {"max_group_bytes": 1 << 20}
+    for share_, cache_of, said in ((0.7, lambda b: b * 3 // 4, True), (0.3, lambda b: 4 * one, False)):
+        budget = int(total * share_)
+        h = tier.wrap_module(m, budget=budget, **kw)
+        experts = {g for g, _ in h.plan.sizes if g.endswith("mlp.experts")}
+        without = h.plan.moved_bytes_but(experts)   # the groups every step reads that stream, no cache
+        h.unwrap()
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="tiermem"):
+            h = tier.wrap_module(m, budget=budget, expert_cache=cache_of(budget), **kw)
+            assert h._cache is not None
+            extra = h.plan.moved_bytes_but(experts) - without
+            h.unwrap()
+        assert (extra > 16 * one) == said, (share_, extra, 16 * one)
+        assert ("every decode step reads" in caplog.text) == said, (share_, caplog.text)

@@ -168,6 +168,10 @@ class TieredModule:
             log.warning("tiermem: expert_cache=%r is not used: no layer of stacked experts (as transformers' experts "
                         "modules hold them) streams within this budget", expert_cache)
         self._cache_bytes = cache_bytes if self._cached else 0
+        if self._cached:
+            self._check_cache_cost(expert_cache, roots, lambda room: self._plan_split(
+                module, sizes, lookahead, in_place, units, room, link=packed, staging=staged,
+                stages=QSTAGES + (self.stream_dtype == "int4"), part_staging=parted))
         self._roots = roots
         self.lookahead = max(self.plan.lookahead, 1)
         self._unit_groups: dict[int, list[Group]] = {id(m): [self._groups[mname]] for mname, m, _ in found}
@@ -229,6 +233,33 @@ class TieredModule:
         except BaseException:
             self._rollback(originals)
             raise
+
+    def _check_cache_cost(self, asked: Any, roots: dict[int, Any], plan_at: Any) -> None:
+        """NOTE [expert cache budget]: warn where the cache's bytes cost a decode step more link
+        bytes, in groups read every step that now stream, than the cache could ever save it."""
+        # NOTE [expert cache budget]
+        #     A byte of the budget that keeps a group read every decode step (attention, a
+        #     shared expert, a dense MLP) saves one byte of link traffic every step; a byte of the
+        #     expert cache saves at most that, and only in the steps that route to its expert. So
+        #     the cache pays only with budget the plan cannot spend on such groups: where it takes
+        #     budget from them, each step moves those bytes, and it can save at most the experts a
+        #     step routes to (top-k a layer, one token), however often it hits. tiermem does not
+        #     shrink a cache it was asked for; it says so.
+        experts = {g.name for g in self._groups.values() if g.stacked}
+        full = plan_at(self.budget)
+        extra = self.plan.moved_bytes_but(experts) - full.moved_bytes_but(experts)
+        most = 0
+        for g in self._cached:
+            k = top_k_of(roots[id(g)])
+            if k is None:
+                return                       # the picks a step makes are not known
+            most += k * (g.nbytes // int(g.tensors[0].shape[0]))
+        if extra > most:
+            log.warning("tiermem: expert_cache=%r takes %s bytes of the budget from groups every decode step reads: "
+                        "a step streams %s bytes more of them, more than the %s bytes of experts it can route to, "
+                        "which is the most the cache can save it; a smaller cache, a larger budget or none is "
+                        "faster (NOTE [expert cache budget] in tiermem/inference/module.py)", asked,
+                        f"{self._cache_bytes:,}", f"{extra:,}", f"{most:,}")
 
     def _plan_split(self, module: Any, sizes: list[tuple[str, int]], lookahead: int, gathered: set[str],
                     units: dict[str, int], budget: int, **planning: Any) -> Plan:

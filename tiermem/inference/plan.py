@@ -143,6 +143,14 @@ class Plan:
         return sum(link.get(g, n) if g not in self.oversized else n
                    for g, n in self.sizes if g not in self.pinned and g not in self.in_place)
 
+    def moved_bytes_but(self, skip: Iterable[str]) -> int:
+        """:attr:`moved_bytes` less the groups in ``skip`` (stacked experts, which a decode step
+        reads by expert: NOTE [expert cache budget] in inference/module.py)."""
+        skip = set(skip)
+        link = dict(self.link_sizes)
+        return sum(link.get(g, n) if g not in self.oversized else n for g, n in self.sizes
+                   if g not in self.pinned and g not in self.in_place and g not in skip)
+
     @property
     def disk_bytes(self) -> int:
         """Bytes a forward reads from disk: the groups on disk (NOTE [disk tier]), as their files hold them."""

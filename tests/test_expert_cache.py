@@ -458,3 +458,41 @@ def test_a_cache_that_takes_budget_from_groups_every_step_reads_is_called_out(ti
             h.unwrap()
         assert (extra > 16 * one) == said, (share_, extra, 16 * one)
         assert ("every decode step reads" in caplog.text) == said, (share_, caplog.text)
+
+
+def test_an_auto_cache_takes_only_budget_the_groups_every_step_reads_do_not_need(tier, caplog):
+    """expert_cache='auto' (NOTE [expert cache budget]): a small Qwen2-MoE whose expert layers
+    (12 experts of 1.5 MB) are larger than a third of its budget gets a cache that makes no group
+    every decode step reads stream more than without one, and greedy tokens equal the plain
+    model's; where everything is resident, no cache."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.Qwen2MoeConfig(hidden_size=256, intermediate_size=256, moe_intermediate_size=512,
+                                      shared_expert_intermediate_size=2048, num_hidden_layers=4, num_attention_heads=4,
+                                      num_key_value_heads=4, vocab_size=256, num_experts=12, num_experts_per_tok=4,
+                                      decoder_sparse_step=1, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    m = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    m.generation_config.pad_token_id, m.generation_config.eos_token_id = 0, None
+    ids = torch.randint(0, 256, (1, 5), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = m.generate(ids, max_new_tokens=8, do_sample=False)
+    total = sum(p.numel() * p.element_size() for p in m.parameters())
+    kw = {"max_group_bytes": 1 << 20}
+    budget = int(total * 0.35)
+    h = tier.wrap_module(m, budget=budget, **kw)
+    experts = {g for g, _ in h.plan.sizes if g.endswith("mlp.experts")}
+    without = h.plan.moved_bytes_but(experts)
+    h.unwrap()
+    with caplog.at_level("INFO", logger="tiermem"):
+        h = tier.wrap_module(m, budget=budget, expert_cache="auto", **kw)
+    assert "expert_cache='auto' is" in caplog.text and "every decode step reads" not in caplog.text
+    assert h._cache is not None and h._cache.nslots >= 2 and h.plan.moved_bytes_but(experts) <= without
+    with torch.no_grad():
+        assert torch.equal(m.generate(ids, max_new_tokens=8, do_sample=False), want)
+    assert h.stats()["expert_cache.calls"] > 0
+    h.unwrap()
+    h = tier.wrap_module(m, budget=total * 2, expert_cache="auto", **kw)     # everything resident: no cache
+    assert h._cache is None and not h.plan.moved_bytes
+    h.unwrap()
+    with pytest.raises(tiermem.ConfigError, match="expert_cache"):
+        tier.wrap_module(m, budget=budget, expert_cache="most")

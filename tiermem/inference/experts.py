@@ -95,7 +95,7 @@ if TYPE_CHECKING:
     from .transport import Group, PinnedTransport
 
 __all__ = ["EXPERT_ARGS", "expert_module", "cacheable", "router_of", "ExpertCache", "cached_forward", "top_k_of",
-           "ORDERED_IMPLEMENTATIONS"]
+           "ORDERED_IMPLEMENTATIONS", "auto_cache_bytes"]
 
 EXPERT_ARGS = ("hidden_states", "top_k_index", "top_k_weights")
 ALIGN = 256
@@ -115,6 +115,26 @@ def expert_module(m: Any) -> bool:
     except (TypeError, ValueError):
         return False
     return tuple(params) == EXPERT_ARGS and isinstance(getattr(m, "num_experts", None), int)
+
+
+def auto_cache_bytes(plan_at: Callable[[int], Any], budget: int, experts: dict[str, int]) -> int:
+    """``expert_cache='auto'`` (NOTE [expert cache budget] in inference/module.py): the largest
+    cache, of the candidates below, that makes no group a decode step reads whole stream more than
+    the plan of the whole ``budget`` streams (``plan_at(room)`` plans the weights within
+    ``room``; ``experts``: stacked groups -> bytes of one expert). The candidates: what that plan
+    leaves unused, with or without what it keeps for pinned experts, and halves of the budget; at
+    least two experts and the zero slot. 0 where none is, or where that plan streams no experts."""
+    full = plan_at(budget)
+    if not experts or all(g in full.pinned or g in full.in_place for g in experts):
+        return 0
+    base = full.moved_bytes_but(experts)
+    least = 3 * max(experts.values())
+    spare = sum(n for g, n in full.sizes if g in experts and g in full.pinned)
+    unused = max(budget - full.pinned_bytes - full.window, 0)
+    for c in sorted({spare, unused, spare + unused} | {budget >> k for k in range(1, 11)}, reverse=True):
+        if least <= c < budget and plan_at(budget - c).moved_bytes_but(experts) <= base:
+            return c
+    return 0
 
 
 def top_k_of(m: Any) -> int | None:

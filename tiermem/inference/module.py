@@ -24,7 +24,7 @@ from ..errors import ConfigError, ConfigTypeError, DeviceFullError, TierMemError
 from ..pytorch.held import CopyGuard, InstancePatch
 from ..roles import Evict, Role
 from .disk import STAGES
-from .experts import ExpertCache, cacheable, cached_forward, router_of, top_k_of
+from .experts import ExpertCache, auto_cache_bytes, cacheable, cached_forward, router_of, top_k_of
 from .groups import (MAX_GROUP, enclosing_groups, fit_groups, gathered_groups, home_layout, is_stacked, module_groups,
                      span_of)
 from .load import FileTensor
@@ -146,12 +146,20 @@ class TieredModule:
         # NOTE [expert cache] in inference/experts.py: its bytes come out of the budget, if a
         # group it could serve streams.
         expert_cache = self.expert_cache
-        cache_bytes = 0 if expert_cache is None else parse_bytes(
-            expert_cache, total=tier.backend.capabilities().total_memory, what="expert_cache", max_percent=100)
+
+        def plan_at(room: int) -> Plan:
+            return self._plan_split(module, sizes, lookahead, in_place, units, room, link=packed, staging=staged,
+                                    stages=QSTAGES + (self.stream_dtype == "int4"), part_staging=parted)
+        if expert_cache == "auto":
+            stacked = {mname: n // int(own[0][1].shape[0]) for (mname, _, own), (_, n) in zip(found, sizes)
+                       if is_stacked([t for _, t in own])}
+            cache_bytes = auto_cache_bytes(plan_at, self.budget, stacked)
+            log.info("tiermem: expert_cache='auto' is %s bytes (NOTE [expert cache budget])", f"{cache_bytes:,}")
+        else:
+            cache_bytes = 0 if expert_cache is None else parse_bytes(
+                expert_cache, total=tier.backend.capabilities().total_memory, what="expert_cache", max_percent=100)
         for room in ([self.budget - cache_bytes] if 0 < cache_bytes < self.budget else []) + [self.budget]:
-            self.plan = self._plan_split(module, sizes, lookahead, in_place, units, room, link=packed,
-                                         staging=staged, stages=QSTAGES + (self.stream_dtype == "int4"),
-                                         part_staging=parted)
+            self.plan = plan_at(room)
             # A group read in place whole is read in the model's dtype: it is not packed (NOTE [packed parts]).
             self._groups = {mname: Group(mname, [t for _, t in own], n, pinned=mname in self.plan.pinned,
                                           gathered=mname in self.plan.in_place, stacked=is_stacked([t for _, t in own]),
@@ -164,14 +172,12 @@ class TieredModule:
             self._cached = cacheable(list(self._groups.values()), roots) if room < self.budget else []
             if self._cached or not cache_bytes:
                 break
-        if cache_bytes and not self._cached:
+        if cache_bytes and not self._cached and expert_cache != "auto":
             log.warning("tiermem: expert_cache=%r is not used: no layer of stacked experts (as transformers' experts "
                         "modules hold them) streams within this budget", expert_cache)
         self._cache_bytes = cache_bytes if self._cached else 0
-        if self._cached:
-            self._check_cache_cost(expert_cache, roots, lambda room: self._plan_split(
-                module, sizes, lookahead, in_place, units, room, link=packed, staging=staged,
-                stages=QSTAGES + (self.stream_dtype == "int4"), part_staging=parted))
+        if self._cached and expert_cache != "auto":
+            self._check_cache_cost(expert_cache, roots, plan_at)
         self._roots = roots
         self.lookahead = max(self.plan.lookahead, 1)
         self._unit_groups: dict[int, list[Group]] = {id(m): [self._groups[mname]] for mname, m, _ in found}

@@ -76,6 +76,12 @@ def _device_bytes_or_none(name: str, value: Any) -> None:
         check_bytes(value, what=name, max_percent=100)
 
 
+def _cache_bytes_or_none(name: str, value: Any) -> None:
+    """None, "auto", or bytes or a share of the device ("5%")."""
+    if value != "auto":
+        _device_bytes_or_none(name, value)
+
+
 def _tokens_or_none(name: str, value: Any) -> None:
     if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1):
         raise ConfigError(f"{name} must be a number of tokens >= 1, got {value!r}")
@@ -171,9 +177,11 @@ class ModuleOptions:
         "are kept packed at that size in the pinned home and dequantized into their slots (NOTE [quantized "
         "streaming] in inference/quant.py); lossy, so no forward may record gradients")
     expert_cache: int | str | None = _option(
-        None, _device_bytes_or_none,
+        None, _cache_bytes_or_none,
         "bytes, or a share of the device like '5%', taken from the budget: the experts a decode routes to are "
-        "kept on the device (NOTE [expert cache] in inference/experts.py). None: no cache")
+        "kept on the device (NOTE [expert cache] in inference/experts.py). 'auto': the most the budget holds "
+        "beyond the groups every decode step reads (NOTE [expert cache budget] in inference/module.py). "
+        "None: no cache")
     share_home: Any = _option(
         None, _handle_or_none,
         "the handle of a replica of the same weights on another GPU of this process, whose pinned home "

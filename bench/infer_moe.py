@@ -11,6 +11,7 @@ or the one --moe-experts names (eager: the loop whose sums keep the experts' ord
 experts sum alike]); each result names the one that ran (``experts_implementation``).
 
 --moe-cache  each mixture of experts again with an expert cache of MOE_CACHE_SHARE of the budget
+             (--moe-cache-size half), or of what expert_cache='auto' gives it (--moe-cache-size auto)
              (NOTE [expert cache] in tiermem/inference/experts.py), twice: routed as its random
              weights route (almost uniformly), and skewed on purpose by tiermem.testing.skew_router
              (+SKEW_BIAS on the logits of the first 2 x top-k experts of every router), with the
@@ -148,9 +149,24 @@ def run_moe_cache(model, ids, args, budget: int, bound_s: float, timed_generate)
     from tiermem.testing import skew_router
     top_k = next(m.top_k for m in tiermem.testing.routers(model))
     hot = 2 * top_k
-    cache = int(budget * MOE_CACHE_SHARE)
-    out: dict = {"cache_GB": cache / 1e9, "hot_experts": hot, "skew_bias": SKEW_BIAS,
+    size = getattr(args, "moe_cache_size", "half")
+    if size == "auto":     # what the library gives it (NOTE [expert cache budget])
+        saved = _own_tensors(model)
+        tier = tiermem.Tier(0)
+        try:
+            hd = tier.wrap_module(model, budget=budget, expert_cache="auto")
+            cache = int(hd.stats()["expert_cache.bytes"])
+            hd.unwrap()
+        finally:
+            tier.close()
+            _restore(saved)
+    else:
+        cache = int(budget * MOE_CACHE_SHARE)
+    out: dict = {"cache_GB": cache / 1e9, "cache_size": size, "hot_experts": hot, "skew_bias": SKEW_BIAS,
                  "experts_implementation": getattr(model.config, "_experts_implementation", None)}
+    if not cache:
+        progress(f"  expert_cache='auto' is 0 at a budget of {budget / 1e9:.2f} GB: no cache run")
+        return out
     new = args.decode_tokens
     for routing in ("uniform", "skewed"):
         sk = skew_router(model, hot=hot, bias=SKEW_BIAS) if routing == "skewed" else None

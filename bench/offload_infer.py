@@ -297,6 +297,8 @@ def main() -> None:
                     "routed uniformly and skewed: bench/infer_moe.py")
     ap.add_argument("--moe-profile", default=None, metavar="PREFIX",
                     help="with --moe-cache: a short cached decode under torch's profiler, its tables to PREFIX-<routing>.txt")
+    ap.add_argument("--moe-cache-size", default="half", choices=("half", "auto"),
+                    help="with --moe-cache: half the budget, or what expert_cache='auto' gives (bench/infer_moe.py)")
     ap.add_argument("--moe-experts", default=None, help="the mixtures of experts' experts implementation (eager, "
                     "batched_mm, grouped_mm; default: transformers' pick): bench/infer_moe.py")
     ap.add_argument("--quick", action="store_true", help=f"{','.join(QUICK_ARCHS)} (unless --archs is given), "

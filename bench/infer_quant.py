@@ -74,6 +74,8 @@ def run_quantized(model, ids, args, budget: int, ref_logits, bound_s: float, lin
             continue
         try:
             pre, dec, tokens = measure(model, ids, args.forwards, args.reps, args.decode_tokens, 2)
+            if getattr(args, "quant_profile", None):
+                _profile(model, ids, f"{args.quant_profile}-{fmt}.txt")
             with torch.no_grad(), linear_agreement(model, weights) as lin:
                 logits = model(ids, use_cache=False).logits
             hd.drain()
@@ -100,6 +102,21 @@ def run_quantized(model, ids, args, budget: int, ref_logits, bound_s: float, lin
             del hd, tier
             gc.collect()
     return out
+
+
+def _profile(model, ids, path: str) -> None:
+    """One prefill under torch's profiler: its operators by host time and by device time, written
+    to ``path`` (where the time of a quantized forward goes, beside the link's)."""
+    import torch
+    with torch.no_grad(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                             torch.profiler.ProfilerActivity.CUDA]) as prof:
+        model(ids, use_cache=False)
+        torch.cuda.synchronize()
+    ka = prof.key_averages()
+    with open(path, "w") as f:
+        f.write(ka.table(sort_by="self_cpu_time_total", row_limit=40) + "\n\n")
+        f.write(ka.table(sort_by="self_cuda_time_total", row_limit=30) + "\n")
+    progress(f"  profile of a prefill written to {path}")
 
 
 def _kernel_ran(fmt: str) -> str:

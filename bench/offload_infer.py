@@ -293,6 +293,8 @@ def main() -> None:
     ap.add_argument("--accelerate-forwards", type=int, default=2, help="accelerate's prefill: forwards a span")
     ap.add_argument("--stream-dtypes", default="", help="also run tiermem with these stream_dtypes (int8,fp8,int4): "
                     "bench/infer_quant.py")
+    ap.add_argument("--quant-profile", default=None, metavar="PREFIX",
+                    help="with --stream-dtypes: one prefill of each format under torch's profiler, to PREFIX-<fmt>.txt")
     ap.add_argument("--moe-cache", action="store_true", help="also run each mixture of experts with an expert cache, "
                     "routed uniformly and skewed: bench/infer_moe.py")
     ap.add_argument("--moe-profile", default=None, metavar="PREFIX",

@@ -261,3 +261,19 @@ def write_results(bench: str, metrics: dict[str, float], checks: dict[str, bool]
 def plot_path(bench: str) -> str:
     date = datetime.date.today().strftime("%Y%m%d")
     return os.path.join(RESULTS, f"{bench}-{device_slug(device_name())}-{date}.png")
+
+
+def profile_to(path: str, fn: Callable[[], Any], what: str) -> None:
+    """``fn()`` under torch's profiler, then its operators by host time and by device time written
+    to ``path`` (``what``: the work, for the progress line)."""
+    import torch
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    ka = prof.key_averages()
+    with open(path, "w") as f:
+        f.write(ka.table(sort_by="self_cpu_time_total", row_limit=40) + "\n\n")
+        f.write(ka.table(sort_by="self_cuda_time_total", row_limit=30) + "\n")
+    progress(f"  profile of {what} written to {path}")
+

@@ -38,7 +38,7 @@ from __future__ import annotations
 import gc
 
 import bounds
-from _common import progress
+from _common import profile_to, progress
 
 MOE_CACHE_SHARE = 0.5     # of the budget: the expert cache's bytes
 SKEW_BIAS = 2.0           # added to the hot experts' router logits
@@ -103,21 +103,6 @@ def _hot_share(model, hot: int):
                     counts["hot"] = counts["hot"] + (idx < hot).sum()   # no host sync inside the timed decode
             hooks.append(m.register_forward_pre_hook(pre))
     return counts, hooks
-
-
-def _profile(model, ids, path: str, new: int = 8) -> None:
-    """A greedy decode of ``new`` tokens under torch's profiler: its operators by host time and by
-    device time, written to ``path``."""
-    import torch
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
-        _greedy(model, ids, new)
-        torch.cuda.synchronize()
-    ka = prof.key_averages()
-    with open(path, "w") as f:
-        f.write(ka.table(sort_by="self_cpu_time_total", row_limit=40) + "\n\n")
-        f.write(ka.table(sort_by="self_cuda_time_total", row_limit=30) + "\n")
-    progress(f"  profile of {new} tokens written to {path}")
 
 
 def _greedy(model, ids, new: int):
@@ -210,7 +195,7 @@ def run_moe_cache(model, ids, args, budget: int, bound_s: float, timed_generate)
                      "slot_moves_per_token": d["slot_moves"] / tokens,
                      "hot_share": int(counts["hot"]) / max(1, counts["picks"])}
                 if getattr(args, "moe_profile", None):
-                    _profile(model, ids, f"{args.moe_profile}-{routing}.txt")
+                    profile_to(f"{args.moe_profile}-{routing}.txt", lambda: _greedy(model, ids, 8), "8 tokens")
                 if want is not None:
                     r.update(same_decode(_greedy(model, ids, 1 + new), want))
                     r["tokens_equal_uncached"] = r["tokens_equal"] and r["logits_equal"]

@@ -32,7 +32,7 @@ from __future__ import annotations
 import gc
 
 import bounds
-from _common import progress
+from _common import profile_to, progress
 
 # The issue's goals (figure / fp16 bound, worst architecture; logits cosine against fp16).
 GOALS = {"int8": (0.55, 0.60, 0.999), "fp8": (0.55, 0.60, 0.999), "int4": (0.32, 0.35, 0.99)}
@@ -75,7 +75,8 @@ def run_quantized(model, ids, args, budget: int, ref_logits, bound_s: float, lin
         try:
             pre, dec, tokens = measure(model, ids, args.forwards, args.reps, args.decode_tokens, 2)
             if getattr(args, "quant_profile", None):
-                _profile(model, ids, f"{args.quant_profile}-{fmt}.txt")
+                with torch.no_grad():
+                    profile_to(f"{args.quant_profile}-{fmt}.txt", lambda: model(ids, use_cache=False), "a prefill")
             with torch.no_grad(), linear_agreement(model, weights) as lin:
                 logits = model(ids, use_cache=False).logits
             hd.drain()
@@ -102,21 +103,6 @@ def run_quantized(model, ids, args, budget: int, ref_logits, bound_s: float, lin
             del hd, tier
             gc.collect()
     return out
-
-
-def _profile(model, ids, path: str) -> None:
-    """One prefill under torch's profiler: its operators by host time and by device time, written
-    to ``path`` (where the time of a quantized forward goes, beside the link's)."""
-    import torch
-    with torch.no_grad(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                                             torch.profiler.ProfilerActivity.CUDA]) as prof:
-        model(ids, use_cache=False)
-        torch.cuda.synchronize()
-    ka = prof.key_averages()
-    with open(path, "w") as f:
-        f.write(ka.table(sort_by="self_cpu_time_total", row_limit=40) + "\n\n")
-        f.write(ka.table(sort_by="self_cuda_time_total", row_limit=30) + "\n")
-    progress(f"  profile of a prefill written to {path}")
 
 
 def _kernel_ran(fmt: str) -> str:

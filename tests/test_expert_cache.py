@@ -428,19 +428,27 @@ def test_a_skewed_router_hits_the_cache_more(tier, monkeypatch):
     assert rates[True] > 0.8 and rates[True] > rates[False] + 0.3, rates
 
 
+def _moe_of(moe: int, shared: int):
+    """A small fp32 Qwen2-MoE (hidden 256, 4 layers, top-4 of 12 experts of ``moe``, a shared
+    expert of ``shared``) that generates to its length."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.Qwen2MoeConfig(hidden_size=256, intermediate_size=256, moe_intermediate_size=moe,
+                                      shared_expert_intermediate_size=shared, num_hidden_layers=4,
+                                      num_attention_heads=4, num_key_value_heads=4, vocab_size=256, num_experts=12,
+                                      num_experts_per_tok=4, decoder_sparse_step=1, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    m = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    m.generation_config.pad_token_id, m.generation_config.eos_token_id = 0, None
+    return m
+
+
 def test_a_cache_that_takes_budget_from_groups_every_step_reads_is_called_out(tier, caplog):
     """NOTE [expert cache budget] in tiermem/inference/module.py: a small Qwen2-MoE (4 layers,
     top-4 of 12 experts of 384 KB, shared experts of 12 MB). At 70% of its weights a cache of
     three quarters of the budget makes a step stream more bytes of the groups every step reads
     than the 16 experts it routes to, and the wrap says so; at 30% a cache of four experts costs
     a step less than that, and nothing is said."""
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.Qwen2MoeConfig(hidden_size=256, intermediate_size=256, moe_intermediate_size=128,
-                                      shared_expert_intermediate_size=4096, num_hidden_layers=4, num_attention_heads=4,
-                                      num_key_value_heads=4, vocab_size=256, num_experts=12, num_experts_per_tok=4,
-                                      decoder_sparse_step=1, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    m = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    m = _moe_of(moe=128, shared=4096)
     total = sum(p.numel() * p.element_size() for p in m.parameters())
     one = sum(p.numel() * p.element_size() for p in m.model.layers[0].mlp.experts.parameters()) // 12
     kw = {"max_group_bytes": 1 << 20}
@@ -465,14 +473,7 @@ def test_an_auto_cache_takes_only_budget_the_groups_every_step_reads_do_not_need
     (12 experts of 1.5 MB) are larger than a third of its budget gets a cache that makes no group
     every decode step reads stream more than without one, and greedy tokens equal the plain
     model's; where everything is resident, no cache."""
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.Qwen2MoeConfig(hidden_size=256, intermediate_size=256, moe_intermediate_size=512,
-                                      shared_expert_intermediate_size=2048, num_hidden_layers=4, num_attention_heads=4,
-                                      num_key_value_heads=4, vocab_size=256, num_experts=12, num_experts_per_tok=4,
-                                      decoder_sparse_step=1, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    m = transformers.AutoModelForCausalLM.from_config(cfg).eval()
-    m.generation_config.pad_token_id, m.generation_config.eos_token_id = 0, None
+    m = _moe_of(moe=512, shared=2048)
     ids = torch.randint(0, 256, (1, 5), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         want = m.generate(ids, max_new_tokens=8, do_sample=False)

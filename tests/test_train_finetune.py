@@ -200,12 +200,11 @@ def test_the_chunked_loss_recomputes_its_chunks_without_the_swap():
     assert fake.live() == {"managed": 0, "pinned": 0, "device": 0}
 
 
-@pytest.mark.parametrize("recompute", ["always", "auto"])
-def test_layers_recomputed_in_parts_give_the_plain_loops_losses_bitwise(recompute, monkeypatch):
-    # NOTE [recompute in parts]: each layer is one block (1 MiB blocks). The fake's device does not
-    # hold the activations, so the traced floor cannot make room tight; the plan is made with room
-    # for 4/5 of a layer's saves above the floor: its parts' inputs and largest part fit, not its
-    # whole segment (which planner tests in test_trainplan.py choose from real sizes)
+def _room_for_parts(monkeypatch) -> None:
+    """Plans made with room for 4/5 of a layer's saves above the floor: its parts' inputs and
+    largest part fit, not its whole segment. The fake's device does not hold the activations, so
+    the traced floor cannot make room tight (planner tests in test_trainplan.py choose from real
+    sizes)."""
     import dataclasses
 
     import tiermem.training.choice as choice
@@ -217,6 +216,12 @@ def test_layers_recomputed_in_parts_give_the_plain_loops_losses_bitwise(recomput
         return real(dataclasses.replace(trace, floor_peak=max(budget - margin - seg * 4 // 5, 0)), budget, **kw)
 
     monkeypatch.setattr(choice, "plan_training", tight)
+
+
+@pytest.mark.parametrize("recompute", ["always", "auto"])
+def test_layers_recomputed_in_parts_give_the_plain_loops_losses_bitwise(recompute, monkeypatch):
+    # NOTE [recompute in parts]: each layer is one block (1 MiB blocks)
+    _room_for_parts(monkeypatch)
     g = torch.Generator().manual_seed(1)
     bs = [torch.randint(0, VOCAB, (8, 64), generator=g) for _ in range(5)]
     model, opt = _llama()
@@ -251,18 +256,9 @@ def test_a_layer_in_parts_holds_none_of_its_parts_inputs_through_the_forward(mon
     layer's attention takes its hidden states as a keyword (``hidden_states=``); checkpoint's
     recompute function held it through the forward, out of the swap's sight, till the keyword's
     tensors went to checkpoint as inputs (tiermem/training/recompute.py)."""
-    import dataclasses
     import weakref
 
-    import tiermem.training.choice as choice
-    real = choice.plan_training
-
-    def tight(trace, budget, **kw):      # as in the bitwise test above: parts, not whole layers
-        seg = max(sum(r.nbytes for r in trace.saved if r.segment == i) for i in set(trace.part_block))
-        margin = kw.get("margin") or budget // 16
-        return real(dataclasses.replace(trace, floor_peak=max(budget - margin - seg * 4 // 5, 0)), budget, **kw)
-
-    monkeypatch.setattr(choice, "plan_training", tight)
+    _room_for_parts(monkeypatch)
     g = torch.Generator().manual_seed(1)
     bs = [torch.randint(0, VOCAB, (8, 64), generator=g) for _ in range(3)]
     model, opt = _llama()

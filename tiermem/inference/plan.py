@@ -139,9 +139,7 @@ class Plan:
         place whole when too big for a slot; packed, where they are: NOTE [quantized streaming]
         in inference/quant.py), less those only embeddings read (a lookup reads only the rows of
         its tokens)."""
-        link = dict(self.link_sizes)
-        return sum(link.get(g, n) if g not in self.oversized else n
-                   for g, n in self.sizes if g not in self.pinned and g not in self.in_place)
+        return self.moved_bytes_but(())
 
     def moved_bytes_but(self, skip: Iterable[str]) -> int:
         """:attr:`moved_bytes` less the groups in ``skip`` (stacked experts, which a decode step

@@ -97,12 +97,9 @@ class Floor:
     @property
     def what(self) -> str:
         gb = _gb
-        if self.wide:
-            parts = [f"{self.slots} slots of {gb(self.slot_bytes)} (block {self.block}: parameters, gradients and "
-                     f"optimizer states; {', '.join(self.wide)} step across them at the step's end)"]
-        else:
-            parts = [f"{self.slots} slots of {gb(self.slot_bytes)} (block {self.block}: parameters, gradients and "
-                     "optimizer states)"]
+        wide = f"; {', '.join(self.wide)} step across them at the step's end" if self.wide else ""
+        parts = [f"{self.slots} slots of {gb(self.slot_bytes)} (block {self.block}: parameters, gradients and "
+                 f"optimizer states{wide})"]
         if self.activations is None:
             parts.append((f"{gb(self.workspace)} for cuBLAS's workspaces; " if self.workspace else "")
                          + "the activations are known after the first step")

@@ -611,3 +611,24 @@ def test_a_forward_queues_few_host_calls_per_streamed_piece(tier, fake, monkeypa
     # a piece kept as it is), the slot's release: four events and four waits a piece, at most.
     assert calls["new_event"] <= 4 * len(slotted) and calls["wait"] <= 4 * len(slotted), (len(slotted), calls)
     h.unwrap()
+
+
+def test_linear_agreement_checks_a_weight_a_range_of_rows_at_a_time(monkeypatch):
+    # A head bigger than the budget is checked without its reference weight whole on the device:
+    # in ranges of rows the cosine is the one of the whole weight, and it does see a difference.
+    import tiermem.testing.quality as quality
+    torch.manual_seed(0)
+    lin = nn.Linear(24, 40, bias=True)
+    ref = {"": lin.weight.detach().clone() + 0.05 * torch.randn(40, 24)}
+    x = torch.randn(3, 5, 24)
+    want = nn.functional.cosine_similarity(nn.functional.linear(x, ref[""], lin.bias).reshape(-1, 40),
+                                           lin(x).reshape(-1, 40), dim=-1).min()
+    seen = {}
+    for check_bytes in (1 << 30, 7 * 24 * 4):           # whole, and 7 rows a time (the last range 5)
+        monkeypatch.setattr(quality, "CHECK_BYTES", check_bytes)
+        with torch.no_grad(), linear_agreement(lin, ref) as got:
+            lin(x)
+        seen[check_bytes] = got["cosine_min"]
+    assert seen[1 << 30] == pytest.approx(float(want), abs=1e-6)
+    assert seen[7 * 24 * 4] == pytest.approx(float(want), abs=1e-6)
+    assert float(want) < 0.9999

@@ -8,7 +8,9 @@ import contextlib
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-__all__ = ["linear_agreement", "logits_agreement"]
+__all__ = ["CHECK_BYTES", "linear_agreement", "logits_agreement"]
+
+CHECK_BYTES = 64 << 20   # linear_agreement: bytes of a reference weight on the device at a time
 
 
 def logits_agreement(reference: Any, logits: Any) -> dict[str, float]:
@@ -43,13 +45,24 @@ def linear_agreement(model: Any, reference: Mapping[str, Any]) -> Iterator[dict[
     def hook(name: str) -> Any:
         def after(mod: Any, args: tuple, y: Any) -> None:
             x = args[0]
-            w = reference[name].to(x.device, x.dtype)
-            bias = mod.bias.to(x.dtype) if mod.bias is not None else None
+            ref = reference[name]
+            rows = ref.shape[0]
+            # The reference weight crosses to the input's device a range of rows at a time (at most
+            # CHECK_BYTES), so checking a head bigger than the budget does not hold it whole there.
+            step = max(1, CHECK_BYTES // max(1, ref[:1].numel() * ref.element_size()))
+            dot = n_want = n_got = None
             with torch.no_grad():
-                want = F.linear(x, w, bias).float().reshape(-1, w.shape[0])
-                got = y.detach().float().reshape(-1, w.shape[0])
-                cos = float(F.cosine_similarity(want, got, dim=-1).min())
-            del w, want, got
+                got_all = y.detach().reshape(-1, rows)
+                for lo in range(0, rows, step):
+                    hi = min(rows, lo + step)
+                    w = ref[lo:hi].to(x.device, x.dtype)
+                    bias = mod.bias[lo:hi].to(x.dtype) if mod.bias is not None else None
+                    want = F.linear(x, w, bias).float().reshape(-1, hi - lo)
+                    got = got_all[:, lo:hi].float()
+                    parts = ((want * got).sum(-1), want.square().sum(-1), got.square().sum(-1))
+                    dot, n_want, n_got = parts if dot is None else (dot + parts[0], n_want + parts[1], n_got + parts[2])
+                    del w, want, got
+                cos = float((dot / (n_want.sqrt() * n_got.sqrt()).clamp_min(1e-8)).min())
             if name not in out["per_linear"]:
                 out["linears"] += 1
             out["per_linear"][name] = min(cos, out["per_linear"].get(name, 1.0))

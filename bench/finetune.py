@@ -16,6 +16,14 @@ finetune_vs_bytes_bound_2.5, finetune_moved_over_bytes_bound_2.5 (NOTE [bytes bo
 finetune_within_budget, capture_failure_leaves_torch_usable. The bytes bound of a step is the larger
 of the resident step plus what the plan recomputes, and the bytes the step moved (in and out) over
 the duplex link rate measured in the same run.
+
+The other design the issue names, stepping on the host (DeepSpeed SuperOffload), is not built; the
+run measures what bounds it on this machine: ``finetune_host_adamw_ms``, torch's fused AdamW on the
+host over every parameter (fp32 masters, gradients and moments in pinned memory, all the host's
+threads; timed on a slice and scaled, as the step reads and writes each parameter's bytes once),
+and ``finetune_host_stepping_bound``, the least such a step could take over the resident one: the
+slower of the resident step, the host's AdamW, and the bf16 weights in and bf16 gradients out over
+the link (each way at its own rate).
 """
 from __future__ import annotations
 
@@ -256,11 +264,43 @@ def part_finetune(kit, torch, tiermem, a, rates, out):
     best = min((r["ms"] for r in (e25, g25) if r and (r is e25 or r.get("replays"))), default=None)
     if fsdp_ms and best:
         m["finetune_fsdp2_over_tiermem_2.5"] = round(fsdp_ms / best, 3)
+    try:                 # a measurement beside the runs: its failure is reported, not a run's
+        host_ms = host_adamw_ms(torch, n)
+    except Exception as e:  # noqa: BLE001
+        host_ms = None
+        raw["host_adamw_error"] = f"{type(e).__name__}: {e}"[:2000]
+        progress(f"  host AdamW failed: {type(e).__name__}: {e}")
+    if host_ms:
+        link_ms = 2 * n / min(rates["h2d"], rates["d2h"]) / 1e6
+        m["finetune_host_adamw_ms"] = round(host_ms, 1)
+        m["finetune_host_stepping_bound"] = round(max(resident_ms, host_ms, link_ms) / resident_ms, 3)
+        progress(f"  host AdamW over {n / 1e9:.2f}B parameters: {host_ms:.0f} ms ({torch.get_num_threads()} threads); "
+                 f"a step on the host is at least {m['finetune_host_stepping_bound']:.2f}x resident")
     checks["capture_failure_leaves_torch_usable"] = bool(guarded("capture_failure", lambda: _capture_failure(
         torch, tiermem, transformers)))
     checks["finetune_all_steps_ran"] = ok["all"]
     checks["finetune_losses_ok"] = ok["all"] and losses_ok[0]
     checks["finetune_within_budget"] = ok["all"] and within[0]
+
+
+def host_adamw_ms(torch, params: int, slice_params: int = 1 << 27, parts: int = 4) -> float:
+    """torch's fused AdamW on the host over ``params`` fp32 parameters, ms a step: timed over
+    ``slice_params`` of them (``parts`` tensors, pinned, with gradients) as the median of three
+    steps after one, and scaled to ``params`` (each step reads and writes every parameter's
+    bytes once, so its time goes with their number)."""
+    n = max(1, min(params, slice_params) // parts)
+    pin = torch.cuda.is_available()
+    ps = [torch.zeros(n, pin_memory=pin).requires_grad_() for _ in range(parts)]
+    for p in ps:
+        p.grad = torch.full((n,), 1e-3).pin_memory() if pin else torch.full((n,), 1e-3)
+    opt = torch.optim.AdamW(ps, lr=1e-4, fused=True)
+    opt.step()
+    times = []
+    for _ in range(3):
+        t = time.perf_counter()
+        opt.step()
+        times.append(time.perf_counter() - t)
+    return median(times) * 1e3 * params / (n * parts)
 
 
 def _capture_failure(torch, tiermem, transformers) -> bool:

@@ -294,7 +294,8 @@ def main() -> None:
     ap.add_argument("--stream-dtypes", default="", help="also run tiermem with these stream_dtypes (int8,fp8,int4): "
                     "bench/infer_quant.py")
     ap.add_argument("--quant-profile", default=None, metavar="PREFIX",
-                    help="with --stream-dtypes: one prefill of each format under torch's profiler, to PREFIX-<fmt>.txt")
+                    help="with --stream-dtypes: one prefill of each format under torch's profiler, to "
+                    "PREFIX-<model type>-<fmt>.txt")
     ap.add_argument("--moe-cache", action="store_true", help="also run each mixture of experts with an expert cache, "
                     "routed uniformly and skewed: bench/infer_moe.py")
     ap.add_argument("--moe-profile", default=None, metavar="PREFIX",

@@ -199,3 +199,18 @@ def test_a_budget_below_every_piece_reads_in_place(lookahead):
     assert plan.zero_copy_only and not plan.pinned and plan.window == 0
     plan = plan_residency([("a", 100), ("b", 100)], 60, lookahead, split={"a": 60}, part_cost=0)
     assert not plan.zero_copy_only and plan.split == {"a"} and plan.oversized == {"b"}
+
+
+def test_a_packed_plan_says_what_it_reads_in_place_and_what_it_packs():
+    # Packing makes a group cross the link smaller; those saved bytes are not read in place. The
+    # table names only the embedding as read in place, and the packed groups' size beside.
+    sizes = [("emb", 400), ("l0", 1000), ("l1", 1000), ("l2", 1000), ("head", 400)]
+    link = {"l0": 260, "l1": 260, "l2": 260, "head": 105}
+    plan = plan_residency(sizes, 2200, lookahead=2, in_place=["emb"], link=link)
+    streamed = [g for g, _ in sizes if g not in plan.pinned and g != "emb"]
+    assert streamed and "emb" not in plan.pinned
+    text = plan.table()
+    assert f"{plan.moved_bytes / 1e9:8.3f} GB streamed" in text
+    assert plan.moved_bytes == sum(link[g] for g in streamed)
+    assert f"{400 / 1e9:.3f} GB read in place (embeddings)" in text
+    assert f"packed from {sum(dict(sizes)[g] for g in streamed) / 1e9:.3f} GB in the model's dtype" in text

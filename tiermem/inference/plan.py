@@ -181,7 +181,11 @@ class Plan:
         gb = lambda n: f"{n / 1e9:8.3f} GB"  # noqa: E731
         how = ("(read in place, zero-copy)" if self.zero_copy_only else
                f"through a {gb(self.window).strip()} window of {self.lookahead} slot(s)")
-        here = self.streamed_bytes - self.moved_bytes
+        here = sum(n for g, n in self.sizes if g in self.in_place and g not in self.pinned)
+        link = dict(self.link_sizes)
+        # Packed groups cross at their packed size (NOTE [quantized streaming]); what they would
+        # be in the model's dtype is said beside, not counted as read in place.
+        packed = sum(n for g, n in self.sizes if g in link and g not in self.pinned | self.in_place | self.oversized)
         lines = [] if not self.kv_budget else [
             f"one budget of {gb(self.budget + self.kv_budget).strip()}: {gb(self.budget).strip()} for the weights, "
             f"{gb(self.kv_budget).strip()} for the KV cache"]
@@ -189,6 +193,7 @@ class Plan:
             lines.append(self.kv.table(link_GBps))
         lines += [f"budget {gb(self.budget)} of {gb(self.total)} weights: {len(self.pinned)} of {len(self.sizes)} groups "
                  f"resident ({gb(self.pinned_bytes)}), {gb(self.moved_bytes)} streamed per forward {how}"
+                 + (f" (packed from {gb(packed).strip()} in the model's dtype)" if packed else "")
                  + (f", {gb(here).strip()} read in place (embeddings)" if here else "")
                  + (f"; {len(self.split)} group(s) bigger than a slot streamed in parts of {gb(self.slot).strip()}"
                     if self.split else "")

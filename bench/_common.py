@@ -277,3 +277,7 @@ def profile_to(path: str, fn: Callable[[], Any], what: str) -> None:
         f.write(ka.table(sort_by="self_cuda_time_total", row_limit=30) + "\n")
     progress(f"  profile of {what} written to {path}")
 
+
+def slots(args) -> dict:
+    """wrap_module's ``lookahead`` where --lookahead gives one, else nothing (its default)."""
+    return {} if getattr(args, "lookahead", None) is None else {"lookahead": args.lookahead}

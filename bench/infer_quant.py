@@ -32,7 +32,7 @@ from __future__ import annotations
 import gc
 
 import bounds
-from _common import profile_to, progress
+from _common import profile_to, progress, slots
 
 # The goals (figure / fp16 bound, worst architecture; logits cosine against fp16).
 GOALS = {"int8": (0.55, 0.60, 0.999), "fp8": (0.55, 0.60, 0.999), "int4": (0.32, 0.35, 0.99)}
@@ -65,7 +65,7 @@ def run_quantized(model, ids, args, budget: int, ref_logits, bound_s: float, lin
         watch.reset()
         tier = tiermem.Tier(0)
         try:
-            hd = tier.wrap_module(model, budget=budget, stream_dtype=fmt)
+            hd = tier.wrap_module(model, budget=budget, stream_dtype=fmt, **slots(args))
         except Exception as e:        # reported, and the other formats still run
             progress(f"  {fmt}: refused: {e}")
             out[fmt] = {"error": f"{type(e).__name__}: {e}"}

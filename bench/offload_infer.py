@@ -39,12 +39,13 @@ to rounding, a cosine of at least 0.9999 for every token (--no-checkpoints skips
     python bench/offload_infer.py [--archs llama,qwen2,...] [--quick] [--weights-gb 5.2]
                                   [--budget 25%] [--margin-gb 2] [--no-small-gpu] [--no-accelerate]
                                   [--reps 5] [--forwards 4] [--stream-dtypes int8,int4] [--moe-cache]
-                                  [--moe-experts eager]
+                                  [--moe-experts eager] [--lookahead N]
                                   [--no-checkpoints] [--ckpt-dir DIR] [--tag NAME]
 --archs picks a subset of ARCHS; --quick runs QUICK_ARCHS (unless --archs names others) with
 fewer repetitions. --stream-dtypes adds quantized streaming (bench/infer_quant.py), --moe-cache
 the expert cache on each mixture of experts (bench/infer_moe.py); --moe-experts sets the mixtures'
-experts implementation (default: the one transformers picks). Writes
+experts implementation (default: the one transformers picks); --lookahead sets tiermem's slots
+(wrap_module's lookahead). Writes
 bench/results/offload_infer-<device>-<date>[-<tag>].json and a plot of time against the bound.
 """
 from __future__ import annotations
@@ -56,8 +57,8 @@ import threading
 import bounds
 import infer_moe
 import infer_quant
-from _common import (STEADY, cuda_times, embedding_bytes, gbps, median, nvml_handle, plot_path, progress, steady_times, table,
-                     write_results)
+from _common import (STEADY, cuda_times, embedding_bytes, gbps, median, nvml_handle, plot_path, progress, slots, steady_times,
+                     table, write_results)
 
 GiB = 1 << 30
 ARCHS = ("llama", "qwen2", "gpt_neox", "mixtral", "phi", "gemma", "qwen2_moe", "olmoe")
@@ -309,6 +310,8 @@ def main() -> None:
     ap.add_argument("--no-checkpoints", action="store_true", help="skip save_pretrained / load_pretrained of the tied "
                     "and mixture-of-experts architectures")
     ap.add_argument("--ckpt-dir", default=None, help="where those checkpoints are written (default: a temporary folder)")
+    ap.add_argument("--lookahead", type=int, default=None, help="tiermem's streamed groups in flight (wrap_module's "
+                    "lookahead; default: its own): fewer slots leave more of the budget to resident groups")
     ap.add_argument("--tag", default="", help="appended to the JSON's name: runs of parts of the matrix on one day")
     args = ap.parse_args()
     if args.quick:
@@ -321,7 +324,7 @@ def main() -> None:
     archs = [a.strip() for a in args.archs.split(",") if a.strip()]
     metrics: dict = {}
     checks: dict = {}
-    raw: dict = {"tokens": args.tokens, "decode_tokens": args.decode_tokens, "reps": args.reps, "budget": args.budget,
+    raw: dict = {"lookahead": args.lookahead, "tokens": args.tokens, "decode_tokens": args.decode_tokens, "reps": args.reps, "budget": args.budget,
                  "margin_GB": args.margin_gb, "small_gpu": not args.no_small_gpu, "archs": {},
                  "prefill_timing": STEADY.format(warmup=2, spans=args.reps, forwards=args.forwards),
                  "bound": "(weights - budget - embeddings read in place) / pinned H2D measured in this run "
@@ -406,7 +409,7 @@ def run_arch(arch, args, link, watch, raw, atomic):
     progress(f"{arch}: tiermem at {args.budget}")
     watch.reset()
     tier = tiermem.Tier(0)                    # the default cap: the memory free now
-    hd = tier.wrap_module(model, budget=budget)
+    hd = tier.wrap_module(model, budget=budget, **slots(args))
     routing = Routing(model)
     pre, dec, tokens = measure(model, ids, args.forwards, args.reps, args.decode_tokens, 3)
     with torch.no_grad():

@@ -76,7 +76,8 @@ def run_quantized(model, ids, args, budget: int, ref_logits, bound_s: float, lin
             pre, dec, tokens = measure(model, ids, args.forwards, args.reps, args.decode_tokens, 2)
             if getattr(args, "quant_profile", None):
                 with torch.no_grad():
-                    profile_to(f"{args.quant_profile}-{model.config.model_type}-{fmt}.txt", lambda: model(ids, use_cache=False), "a prefill")
+                    profile_to(f"{args.quant_profile}-{model.config.model_type}-{fmt}.txt",
+                               lambda: model(ids, use_cache=False), "a prefill")
             with torch.no_grad(), linear_agreement(model, weights) as lin:
                 logits = model(ids, use_cache=False).logits
             hd.drain()

@@ -324,8 +324,8 @@ def main() -> None:
     archs = [a.strip() for a in args.archs.split(",") if a.strip()]
     metrics: dict = {}
     checks: dict = {}
-    raw: dict = {"lookahead": args.lookahead, "tokens": args.tokens, "decode_tokens": args.decode_tokens, "reps": args.reps, "budget": args.budget,
-                 "margin_GB": args.margin_gb, "small_gpu": not args.no_small_gpu, "archs": {},
+    raw: dict = {"lookahead": args.lookahead, "tokens": args.tokens, "decode_tokens": args.decode_tokens, "reps": args.reps,
+                 "budget": args.budget, "margin_GB": args.margin_gb, "small_gpu": not args.no_small_gpu, "archs": {},
                  "prefill_timing": STEADY.format(warmup=2, spans=args.reps, forwards=args.forwards),
                  "bound": "(weights - budget - embeddings read in place) / pinned H2D measured in this run "
                           "(bench/bounds.py forward_seconds); plan_bytes_ms: the bytes tiermem's plan moves / the same"}

@@ -50,7 +50,7 @@ def linear_agreement(model: Any, reference: Mapping[str, Any]) -> Iterator[dict[
             # The reference weight crosses to the input's device a range of rows at a time (at most
             # CHECK_BYTES), so checking a head bigger than the budget does not hold it whole there.
             step = max(1, CHECK_BYTES // max(1, ref[:1].numel() * ref.element_size()))
-            dot = n_want = n_got = None
+            dot = n_want = n_got = 0
             with torch.no_grad():
                 got_all = y.detach().reshape(-1, rows)
                 for lo in range(0, rows, step):
@@ -59,8 +59,9 @@ def linear_agreement(model: Any, reference: Mapping[str, Any]) -> Iterator[dict[
                     bias = mod.bias[lo:hi].to(x.dtype) if mod.bias is not None else None
                     want = F.linear(x, w, bias).float().reshape(-1, hi - lo)
                     got = got_all[:, lo:hi].float()
-                    parts = ((want * got).sum(-1), want.square().sum(-1), got.square().sum(-1))
-                    dot, n_want, n_got = parts if dot is None else (dot + parts[0], n_want + parts[1], n_got + parts[2])
+                    dot = dot + (want * got).sum(-1)
+                    n_want = n_want + want.square().sum(-1)
+                    n_got = n_got + got.square().sum(-1)
                     del w, want, got
                 cos = float((dot / (n_want.sqrt() * n_got.sqrt()).clamp_min(1e-8)).min())
             if name not in out["per_linear"]:

@@ -224,6 +224,67 @@ def test_a_skewed_router_keeps_its_experts_in_the_cache(stream_dtype):
     assert rates[True] >= 0.8, rates
 
 
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_a_tied_table_bigger_than_the_budget_streams_packed_to_its_head(fmt):
+    """NOTE [packed tied table] in tiermem/inference/transport.py: a tied fp16 table of 64 MiB
+    against a 16 MiB budget keeps its home as it is, which the embedding reads in place, and
+    crosses packed, in parts, for the head: the logits are those of the model whose head alone
+    is dequantized (to the GEMM's summing order), a forward moves the packed bytes, and unwrap
+    gives the table back bit for bit."""
+    import torch
+    import torch.nn as nn
+
+    import tiermem
+    from tiermem.inference import quant
+    from tiermem.testing import logits_agreement
+
+    class LM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(65536, 512)
+            self.layers = nn.Sequential(*[nn.Sequential(nn.Linear(512, 2048), nn.GELU(), nn.Linear(2048, 512))
+                                          for _ in range(4)])
+            self.head = nn.Linear(512, 65536, bias=False)
+            self.head.weight = self.emb.weight
+
+        def forward(self, ids):
+            return self.head(self.layers(self.emb(ids)))
+
+    torch.manual_seed(0)
+    m = LM().half().requires_grad_(False)
+    ref = copy.deepcopy(m)
+    table = m.emb.weight.detach().clone()
+    t = tiermem.Tier(0, cap="1GiB")
+    h = t.wrap_module(m, budget=16 * MiB, stream_dtype=fmt)
+    g = h._groups["emb"]
+    assert g.split and g.packed and g.dual and len(g.pieces) > 1, h.plan
+    names = {id(p): n for n, p in m.named_parameters()}
+    plain = dict(ref.named_parameters())
+    with torch.no_grad():
+        for x in h._groups.values():
+            for tns, p, v in zip(x.tensors, x.packing, h._stream._packed_views(x) if x.packed else []):
+                if p is not None:
+                    plain[names[id(tns)]].copy_(quant.reference(v[0], v[1], p, tns.dtype).view(tns.shape))
+    ref.head.weight = nn.Parameter(ref.emb.weight.detach().clone())     # the head's: dequantized
+    ref.emb.weight = nn.Parameter(table.clone())                         # the embedding's: the table
+    ref.cuda()
+    ids = torch.randint(0, 65536, (1, 32), device="cuda")
+    with torch.no_grad():
+        want = ref(ids).float()
+        m(ids)                                   # learns the order
+        h.drain()
+        before = t.stats()["moved_bytes.all.h2d"]
+        got = m(ids).float()
+        h.drain()
+    agree = logits_agreement(want, got)
+    assert agree["cosine_min"] >= 0.9999, agree
+    assert t.stats()["moved_bytes.all.h2d"] - before == h.moved_bytes
+    assert g.link_bytes < table.numel() * table.element_size() * (0.55 if fmt == "int8" else 0.3)
+    h.unwrap()
+    t.close()
+    assert torch.equal(m.emb.weight.cpu(), table.cpu()) and m.head.weight is m.emb.weight
+
+
 def test_a_head_bigger_than_the_budget_streams_int8_in_parts():
     """NOTE [packed parts] in tiermem/inference/plan.py: an untied fp16 head of 64 MiB against a
     16 MiB budget under stream_dtype='int8' is cut into parts of rows, each crossing packed and

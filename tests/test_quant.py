@@ -438,6 +438,36 @@ def test_load_pretrained_quantizes_the_checkpoint_as_it_reads_it(tier, fake, tmp
     t0.close()
 
 
+def test_load_pretrained_of_a_tied_checkpoint_packs_the_table_from_the_file_it_read(tier, fake, tmp_path):
+    """A tied checkpoint (transformers saves the table once): the table's home as it is comes from
+    the file before pinning, and its packed copy is made from that home, byte for byte as the
+    module's own packs it (NOTE [packed tied table])."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=8192, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).to(torch.float16).eval()
+    model.save_pretrained(tmp_path)
+    table = model.model.embed_tokens.weight.detach().clone()
+    budget = table.numel() * table.element_size() // 2           # the table does not fit: it streams, in parts
+    t0 = tiermem.Tier(backend=type(fake)(total=1 << 30))
+    h0 = t0.wrap_module(copy.deepcopy(model), budget=budget, stream_dtype="int8")
+    got, h = tiermem.load_pretrained(tmp_path, budget=budget, tier=tier, stream_dtype="int8")
+    g0, g = h0._groups["model.embed_tokens"], h._groups["model.embed_tokens"]
+    assert g.dual and g0.dual and g.split
+    for a, b in zip(h0._stream._packed_views(g0), h._stream._packed_views(g)):
+        assert all(torch.equal(x, y) for x, y in zip(a, b)) if isinstance(a, tuple) else torch.equal(a, b)
+    assert torch.equal(got.model.embed_tokens.weight, table)     # the embedding reads the file's rows
+    ids = torch.randint(0, cfg.vocab_size, (1, 12))
+    with torch.no_grad():
+        agree = logits_agreement(model(ids).logits.float(), got(ids).logits.float())
+    assert agree["cosine_min"] >= FLOORS["int8"], agree
+    h.unwrap()
+    assert torch.equal(got.model.embed_tokens.weight, table) and got.lm_head.weight is got.model.embed_tokens.weight
+    h0.unwrap()
+    t0.close()
+
+
 # -- packed and cut (NOTE [packed parts] in tiermem/inference/plan.py) ---------------------------
 
 @pytest.fixture
@@ -512,22 +542,36 @@ def test_a_head_bigger_than_the_budget_streams_packed_in_parts(tier, fake, cheap
     assert torch.equal(m.head.weight, ref.head.weight)                   # unwrap restores the dequantized weights
 
 
-def test_a_tied_table_bigger_than_the_budget_streams_in_parts_as_it_is(tier, cheap_parts):
-    """Tied, the table is not packed (an embedding reads its rows in place, in the model's dtype):
-    its head streams in parts as it is, while the layers stream packed."""
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_a_tied_table_bigger_than_the_budget_streams_packed_to_its_head(tier, cheap_parts, fmt):
+    """Tied, the table keeps its home as it is, which the embedding reads its rows from in place,
+    and a packed copy beside it, which is what crosses the link for the head, in parts (NOTE
+    [packed tied table]): the logits are those of the model whose head alone is dequantized,
+    a forward moves the packed bytes, and unwrap gives the table back exactly."""
     torch.manual_seed(0)
     m = _LM(tied=True).requires_grad_(False)
     plain = copy.deepcopy(m)
-    h = tier.wrap_module(m, budget=m.emb.weight.numel(), stream_dtype="int8")
+    table = m.emb.weight.detach().clone()
+    h = tier.wrap_module(m, budget=m.emb.weight.numel(), stream_dtype=fmt)
     g = h._groups["emb"]
-    assert g.split and not g.packed and len(g.pieces) > 1
-    assert any(x.packed for x in h._groups.values() if not x.pinned)
-    ref = _dequantized(h, m, plain)
+    assert g.split and g.packed and g.dual and len(g.pieces) > 1
+    assert any(x.packed for x in h._groups.values() if not x.pinned and x is not g)
+    # The embedding's rows at rest are the table's, exactly; the head streams the packed copy.
+    assert torch.equal(m.emb.weight, table)
+    ref = _dequantized(h, m, plain)                      # the head's dequantized table, untied below
+    ref.head.weight = nn.Parameter(ref.emb.weight.detach().clone())
+    ref.emb.weight = nn.Parameter(table.clone())
     ids = torch.randint(0, 16384, (2, 24))
     with torch.no_grad():
         m(ids)
-        torch.testing.assert_close(m(ids), ref(ids), rtol=1e-5, atol=1e-5)
+        before = tier.stats()["moved_bytes.all.h2d"]
+        got = m(ids)
+        moved = tier.stats()["moved_bytes.all.h2d"] - before
+        torch.testing.assert_close(got, ref(ids), rtol=1e-5, atol=1e-5)
+    # The head's table crossed packed: 4x (int8) or ~7.5x (int4) fewer bytes than fp32.
+    assert moved == h.moved_bytes and g.link_bytes < table.numel() * table.element_size() // 3
     h.unwrap()
+    assert torch.equal(m.emb.weight, table) and m.head.weight is m.emb.weight
 
 
 @pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe"])

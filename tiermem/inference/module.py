@@ -33,7 +33,7 @@ from .plan import Plan, by_expert, plan_host, plan_residency, stay_home
 from .quant import QSTAGES, packing
 from .sources import stand_ins, wrap_from
 from .split import chunked_forward, find_cuts
-from .transport import Group, Piece, PinnedTransport, packed_layout, part_staging, staging_bytes
+from .transport import Group, Piece, PinnedTransport, home_size, packed_layout, part_staging, staging_bytes
 from .weights import weight_sources
 
 if TYPE_CHECKING:
@@ -138,7 +138,7 @@ class TieredModule:
         cuts = find_cuts(module, found)            # NOTE [split groups] in inference/split.py
         units = {g: c.unit for g, c in cuts.items()}
         in_place = gathered_groups(module, found) | enclosing_groups(found)
-        packs = _packings(module, found, self.stream_dtype, in_place)     # NOTE [quantized streaming]
+        packs = _packings(module, found, self.stream_dtype, in_place, cuts)     # NOTE [quantized streaming]
         packed = {g: packed_layout([t for _, t in own], packs[g])[1] for g, _, own in found if g in packs}
         staged = {g: staging_bytes([t for _, t in own], packs[g]) for g, _, own in found if g in packs}
         parted = {g: part_staging([t for _, t in own], packs[g], cuts[g]) for g, _, own in found
@@ -183,8 +183,8 @@ class TieredModule:
         self._unit_groups: dict[int, list[Group]] = {id(m): [self._groups[mname]] for mname, m, _ in found}
         self.host_budget = None if host_budget is None else parse_bytes(host_budget, what="host_budget")
         if self.host_budget is not None:
-            self.plan = plan_host(self.plan, [(g.name, packed_layout(g.tensors, g.packing)[1] if g.packed
-                                               else home_layout(g.tensors)[1]) for g in self._groups.values()],
+            self.plan = plan_host(self.plan, [(g.name, home_size(g.tensors, g.packing, g.dual))
+                                              for g in self._groups.values()],
                                   self.host_budget, STAGES,
                                   keep=stay_home([(g.name, g.tensors) for g in self._groups.values()],
                                                  lambda t: isinstance(self._sources.get(id(t)), FileTensor))
@@ -753,10 +753,13 @@ class TieredModule:
         return f"<TieredModule {type(self.module).__name__} ({self.transport}): {self.plan.table(limit=0)}>"
 
 
-def _packings(module: Any, found: list, fmt: str | None, in_place: set[str]) -> dict[str, list[Any]]:
+def _packings(module: Any, found: list, fmt: str | None, in_place: set[str],
+              cuts: dict[str, Any] | None = None) -> dict[str, list[Any]]:
     """Group -> per member, how it is packed in ``fmt`` (a quant.Packing) or None, for the groups
     with a member to pack (NOTE [quantized streaming]): a floating 2-D weight that only plain
-    Linear layers use (transformers' Conv1D too), or a stacked group's 3-D experts."""
+    Linear layers use (transformers' Conv1D too), or that embeddings also read where the group is
+    a table cut by rows for its head (``cuts``: NOTE [packed tied table] in inference/transport.py),
+    or a stacked group's 3-D experts."""
     if fmt is None:
         return {}
     import sys
@@ -777,11 +780,14 @@ def _packings(module: Any, found: list, fmt: str | None, in_place: set[str]) -> 
             continue
         ts = [t for _, t in own]
         stacked = is_stacked(ts)
+        cut = (cuts or {}).get(gname)
+        gathers = {id(m) for m in cut.gathers} if cut is not None else set()
         packs = []
         for t in ts:
             us = users.get(id(t), [])
-            fit = (isinstance(t, torch.nn.Parameter) and bool(us) and
-                   ((t.dim() == 2 and all(isinstance(m, linear) and n == "weight" for m, n in us))
+            heads = [(m, n) for m, n in us if id(m) not in gathers]
+            fit = (isinstance(t, torch.nn.Parameter) and bool(heads) and
+                   ((t.dim() == 2 and all(isinstance(m, linear) and n == "weight" for m, n in heads))
                     or (stacked and t.dim() == 3)))
             packs.append(packing(t, fmt) if fit else None)
         if any(p is not None for p in packs):

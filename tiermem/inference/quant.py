@@ -8,8 +8,9 @@ NOTE [quantized streaming]
     in their pinned home at that size and cross the link at it: a forward moves 2x (int8, fp8)
     or about 3.9x (int4) fewer bytes than fp16. Resident groups stay in the model's dtype, and so
     does every tensor that is not the floating weight of a plain ``nn.Linear`` (2-D) or a layer
-    of stacked experts (3-D): norms, biases, embeddings (an embedding reads its rows in place),
-    routers and buffers cross as they are. Each quantized weight is a matrix of ``rows`` rows
+    of stacked experts (3-D): norms, biases, embeddings (an embedding reads its rows in place;
+    a table tied to a head is packed for the head beside it, NOTE [packed tied table] in
+    inference/transport.py), routers and buffers cross as they are. Each quantized weight is a matrix of ``rows`` rows
     (a Linear's output rows; for stacked experts, every expert's rows one after the other) of
     ``cols`` columns, quantized symmetrically, with fp32 scales:
     - int8: one scale per row, absmax / 127, values rounded to -127..127;

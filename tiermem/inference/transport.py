@@ -64,9 +64,15 @@ class Group:
         return any(p is not None for p in self.packing)
 
     @property
+    def dual(self) -> bool:
+        """A packed group whose rows an embedding also reads in place (a tied table): its home
+        holds it in the model's dtype too, before the packed bytes (NOTE [packed tied table])."""
+        return self.packed and self.cut is not None and bool(self.cut.gathers)
+
+    @property
     def home_offsets(self) -> list[int]:
-        """Where each member starts in the group's home."""
-        return self.packed_offsets if self.packed else self.member_offsets
+        """Where each member starts in the group's home, in the model's dtype where it has that."""
+        return self.packed_offsets if self.packed and not self.dual else self.member_offsets
 
     @property
     def link_bytes(self) -> int:
@@ -86,6 +92,23 @@ class Group:
 
 def _up(n: int) -> int:
     return -(-max(int(n), 1) // quant.ALIGN) * quant.ALIGN
+
+
+# NOTE [packed tied table]
+#     A table tied to its head (Gemma's, Llama 3.2's) is read two ways: the embedding looks up
+#     the rows of its tokens in place, in the model's dtype, and the head reads every row. Kept
+#     as it is, its home streamed to the head unpacked, so Gemma's int4 forward moved 2.40 GB, of
+#     which 1.57 GB was that table. Packed, it keeps both: the table as it is (the embedding's,
+#     and what unwrap restores, exactly), then its packed bytes, which are what crosses the link
+#     for the head. The home grows by the packed bytes (a quarter of the table for int4, half for
+#     int8); the link carries them instead of the table.
+def home_size(tensors: list[Any], packing: list[Any], dual: bool) -> int:
+    """Bytes of a group's home: its members as they are, packed, or both (NOTE [packed tied table])."""
+    plain = home_layout(tensors)[1]
+    if not any(p is not None for p in packing):
+        return plain
+    packed = packed_layout(tensors, packing)[1]
+    return _up(plain) + packed if dual else packed
 
 
 def member_rows(t: Any, p: Any) -> int:
@@ -303,7 +326,9 @@ class PinnedTransport:
             g.pieces = pieces_of(g, plan.slot)
             if g.packed:
                 g.packed_offsets, g.packed_nbytes = packed_layout(g.tensors, g.packing)
-            off += 0 if g.on_disk else (g.packed_nbytes if g.packed else n)
+                if g.dual:                          # NOTE [packed tied table]: after the table as it is
+                    g.packed_offsets = [o + _up(n) for o in g.packed_offsets]
+            off += 0 if g.on_disk else home_size(g.tensors, g.packing, g.dual)
         self.groups = groups
         self.size = max(off, 1)
         self.slot_bytes = max((p.nbytes for g in groups if not g.gathered and not g.oversized for p in g.pieces),
@@ -341,7 +366,8 @@ class PinnedTransport:
         # link, and packed members are quantized in after, one tensor at a time.
         files = [(sources[id(t)], g.offset + o) for g in groups if not g.on_disk
                  for i, (t, o) in enumerate(zip(g.tensors, g.home_offsets))
-                 if isinstance(sources.get(id(t)), FileTensor) and not (g.packing and g.packing[i] is not None)]
+                 if isinstance(sources.get(id(t)), FileTensor)
+                 and not (g.packing and g.packing[i] is not None and not g.dual)]
         # A piece's bytes in its staging buffer lie as in its slot: (file tensor, from byte, bytes, at).
         disk_files = {p: [(sources[id(g.tensors[i])], ho - g.member_offsets[i], n, so)
                           for i, (so, ho, n) in zip(p.members, _spans(p))]
@@ -440,13 +466,15 @@ class PinnedTransport:
                 for g in self.groups:
                     if g.on_disk or self.shared:
                         continue                          # its home is its file, or another's
-                    if g.packed:
+                    if g.packed and not g.dual:
                         self._pack_home(g)
                         continue
                     for t, v in zip(g.tensors, self._views(g, None)):
                         src = self.sources.get(id(t), t)
                         if not isinstance(src, FileTensor):
                             v.copy_(materialize(src))    # the GPU writes pinned pages straight over the link
+                    if g.dual:
+                        self._pack_home(g, from_home=True)   # NOTE [packed tied table]
             if be.kind == "cuda":
                 torch.cuda.synchronize(tier.device)   # the home is whole before the originals may go
         except BaseException:
@@ -492,7 +520,7 @@ class PinnedTransport:
     def _make_views(self, p: Piece, slot: int | None, base: Any = None) -> list[Any]:
         be = self.tier.backend
         g = p.group
-        if slot is None and base is None and (g.on_disk or g.packed):
+        if slot is None and base is None and (g.on_disk or (g.packed and not g.dual)):
             # No home in the model's dtype: at rest it points at a slot (NOTE [disk tier], NOTE
             # [quantized streaming]); a split group does not fit one, so its tensors are one
             # element of slot 0 seen at their shape (stride 0). A packed group's members kept
@@ -529,7 +557,8 @@ class PinnedTransport:
         start = block.ptr + g.offset if stage is None else self.stages[stage].ptr
         sizes = [p.nbytes if p is not None else t.numel() * t.element_size()
                  for t, p in zip(g.tensors, g.packing or [None] * len(g.tensors))]
-        return [be.torch_view(start + o, n, block) for o, n in zip(g.home_offsets, sizes)]
+        offsets = g.packed_offsets if g.packed else g.member_offsets
+        return [be.torch_view(start + o, n, block) for o, n in zip(offsets, sizes)]
 
     def _packed_views(self, g: Group, stage: int | None = None) -> list[Any]:
         """Per member of a packed group, in its home or staging buffer ``stage``: (values, scales)
@@ -541,13 +570,16 @@ class PinnedTransport:
                                            for t, p, raw in zip(g.tensors, g.packing, self._raw_home(g, stage))]
         return got
 
-    def _pack_home(self, g: Group) -> None:
+    def _pack_home(self, g: Group, from_home: bool = False) -> None:
         """Fill a packed group's home: each member quantized from its source (a checkpoint
-        tensor read now, one at a time) or copied as it is (NOTE [quantized streaming])."""
+        tensor read now, one at a time) or copied as it is (NOTE [quantized streaming]); with
+        ``from_home``, from the group's home in the model's dtype, filled already (NOTE [packed
+        tied table])."""
         import torch
         dev = torch.device("cuda", self.tier.device) if self.tier.backend.kind == "cuda" else torch.device("cpu")
-        for t, p, v in zip(g.tensors, g.packing, self._packed_views(g)):
-            src = self.sources.get(id(t), t)
+        plain = self._views(g, None) if from_home else [None] * len(g.tensors)
+        for t, p, v, h in zip(g.tensors, g.packing, self._packed_views(g), plain):
+            src = h if from_home else self.sources.get(id(t), t)
             if p is not None:
                 quant.pack_into(materialize(src), p, v[0], v[1], dev)
             elif not isinstance(src, FileTensor):        # a file's bytes were read in before pinning
@@ -839,7 +871,7 @@ class PinnedTransport:
                 packed = self._packed_views(g) if g.packed else [None] * len(g.tensors)
                 for t, v, p, pv in zip(g.tensors, self._views(g, None), g.packing or packed, packed):
                     plain = torch.empty(t.shape, dtype=t.dtype, device=device_of(t))
-                    if p is not None:
+                    if p is not None and not g.dual:
                         quant.unpack(pv[0], pv[1], p, plain)       # lossy: the weights it streamed
                     else:
                         plain.copy_(materialize(self.sources[id(t)]) if g.on_disk else v)

@@ -558,6 +558,8 @@ class PinnedTransport:
         sizes = [p.nbytes if p is not None else t.numel() * t.element_size()
                  for t, p in zip(g.tensors, g.packing or [None] * len(g.tensors))]
         offsets = g.packed_offsets if g.packed else g.member_offsets
+        if stage is not None and g.dual:          # a staging buffer holds the packed bytes alone
+            offsets = [o - _up(g.nbytes) for o in offsets]
         return [be.torch_view(start + o, n, block) for o, n in zip(offsets, sizes)]
 
     def _packed_views(self, g: Group, stage: int | None = None) -> list[Any]:

@@ -10,9 +10,9 @@ NOTE [quantized streaming]
     does every tensor that is not the floating weight of a plain ``nn.Linear`` (2-D) or a layer
     of stacked experts (3-D): norms, biases, embeddings (an embedding reads its rows in place;
     a table tied to a head is packed for the head beside it, NOTE [packed tied table] in
-    inference/transport.py), routers and buffers cross as they are. Each quantized weight is a matrix of ``rows`` rows
-    (a Linear's output rows; for stacked experts, every expert's rows one after the other) of
-    ``cols`` columns, quantized symmetrically, with fp32 scales:
+    inference/transport.py), routers and buffers cross as they are. Each quantized weight is a
+    matrix of ``rows`` rows (a Linear's output rows; for stacked experts, every expert's rows one
+    after the other) of ``cols`` columns, quantized symmetrically, with fp32 scales:
     - int8: one scale per row, absmax / 127, values rounded to -127..127;
     - fp8: one scale per row, absmax / 448, values cast to float8_e4m3fn;
     - int4: one scale per ``group`` columns of a row (INT4_GROUP, or the whole row when it is

@@ -159,7 +159,7 @@ def part_finetune(kit, torch, tiermem, a, rates, out):
     duplex = rates["duplex"] * 1e9
     within, losses_ok = [True], [True]
 
-    def tiered(ratio, graphed):
+    def tiered(ratio, graphed, host=False):
         budget = int(state / ratio)
         blob = _reserve(torch, budget + 2 * GiB)         # the card keeps the budget and 2 GiB for CUDA's own
         base = torch.cuda.memory_reserved()
@@ -168,8 +168,8 @@ def part_finetune(kit, torch, tiermem, a, rates, out):
             model = copy.deepcopy(template)              # on the host: the GPU could not hold it
             opt = kit.adamw(torch, model.parameters())
             kw = {"block_bytes": a.ft_block_mib << 20} if a.ft_block_mib else {}
-            train = tier.wrap_training(model, opt, budget, **kw)
-            label = f"tiermem {'graphed' if graphed else 'eager'} 1/{ratio:g}"
+            train = tier.wrap_training(model, opt, budget, host_step=host, **kw)
+            label = f"tiermem {'graphed' if graphed else 'host-stepped' if host else 'eager'} 1/{ratio:g}"
             progress(f"  {label}: budget {budget / 1e9:.2f} GB, floor at wrap {train.budget_floor}")
             step = train.graphed(lambda ids: chunked_loss_fn(model, ids, True)) if graphed else None
             times, losses, peaks, moved = [], [], [], []
@@ -212,7 +212,8 @@ def part_finetune(kit, torch, tiermem, a, rates, out):
                     "moved_h2d": moved[-1]["h2d"], "moved_d2h": moved[-1]["d2h"], "floor": str(train.budget_floor),
                     "floor_bytes": train.budget_floor.bytes, "plan": plan.table() if plan is not None else None,
                     "recompute_ms": plan.recompute_ms if plan is not None else 0.0,
-                    "bytes_bound": plan.bytes_bound if plan is not None else None}
+                    "bytes_bound": plan.bytes_bound if plan is not None else None,
+                    "streamed_blocks": len(plan.streamed_blocks) if plan is not None else None}
             if graphed:
                 info.update(captures=step.captures, replays=step.replays, off=step.off)
                 step.close()
@@ -237,11 +238,12 @@ def part_finetune(kit, torch, tiermem, a, rates, out):
     for key in a.ft_runs.split(","):
         kind, ratio = key.split("_")
         ratio, graphed = float(ratio), kind == "graphed"
-        runs[key] = guarded(key, lambda ratio=ratio, graphed=graphed: tiered(ratio, graphed))
+        runs[key] = guarded(key, lambda ratio=ratio, graphed=graphed, host=kind == "host": tiered(ratio, graphed, host))
     raw["tiermem"] = runs
     below = {k: r["floor_bytes"] for k, r in runs.items() if r and r.get("below_floor")}
     raw["below_floor"] = below
-    e25, g25, e4, e6 = (None if k in below else runs.get(k) for k in ("eager_2.5", "graphed_2.5", "eager_4", "eager_6"))
+    e25, g25, e4, e6, h25, h4 = (None if k in below else runs.get(k)
+                                 for k in ("eager_2.5", "graphed_2.5", "eager_4", "eager_6", "host_2.5", "host_4"))
     if e25:
         m["finetune_eager_over_resident_2.5"] = round(e25["ms"] / resident_ms, 3)
         bound = max(resident_ms + e25["recompute_ms"], (e25["moved_h2d"] + e25["moved_d2h"]) / duplex * 1e3)
@@ -252,7 +254,7 @@ def part_finetune(kit, torch, tiermem, a, rates, out):
             m["finetune_moved_over_bytes_bound_2.5"] = round((e25["moved_h2d"] + e25["moved_d2h"])
                                                              / e25["bytes_bound"], 3)
     # the floor is the traced step's at the tightest budget that ran (a looser cap lets torch's cache hold more)
-    tight = next((r for r in (e6, e4, e25) if r), None)
+    tight = next((r for r in (e6, e4, e25, h4, h25) if r), None)
     if tight:
         m["finetune_floor_over_state"] = round(tight["floor_bytes"] / state, 4)
     if g25 and g25.get("replays"):
@@ -261,7 +263,12 @@ def part_finetune(kit, torch, tiermem, a, rates, out):
         m["finetune_eager_over_resident_4"] = round(e4["ms"] / resident_ms, 3)
     if e6:
         m["finetune_eager_over_resident_6"] = round(e6["ms"] / resident_ms, 3)
-    best = min((r["ms"] for r in (e25, g25) if r and (r is e25 or r.get("replays"))), default=None)
+    for key, r in (("2.5", h25), ("4", h4)):    # NOTE [host stepping]
+        if r:
+            m[f"finetune_host_over_resident_{key}"] = round(r["ms"] / resident_ms, 3)
+            bound = max(resident_ms + r["recompute_ms"], (r["moved_h2d"] + r["moved_d2h"]) / duplex * 1e3)
+            m[f"finetune_host_vs_bytes_bound_{key}"] = round(r["ms"] / bound, 3)
+    best = min((r["ms"] for r in (e25, g25, h25) if r and (r is not g25 or r.get("replays"))), default=None)
     if fsdp_ms and best:
         m["finetune_fsdp2_over_tiermem_2.5"] = round(fsdp_ms / best, 3)
     try:                 # a measurement beside the runs: its failure is reported, not a run's

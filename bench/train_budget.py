@@ -558,7 +558,8 @@ def main():
                    "every run (fused: HF Trainer's default, adamw_torch_fused)")
     p.add_argument("--ft-block-mib", type=int, default=None, help="finetune: tiermem's block_bytes in MiB "
                    "(default: wrap_training's)")
-    p.add_argument("--ft-runs", default="eager_2.5,graphed_2.5,eager_4,eager_6", help="finetune: tiermem's runs")
+    p.add_argument("--ft-runs", default="eager_2.5,graphed_2.5,host_2.5,eager_4,host_4,eager_6",
+                   help="finetune: tiermem's runs, KIND_RATIO: eager, graphed or host (host_step=True)")
     p.add_argument("--ft-snapshot", default=None, metavar="PREFIX",
                    help="finetune: where a run fails, torch's memory snapshot goes to PREFIX-<run>.pickle")
     p.add_argument("--ft-seq", type=int, default=None, help="finetune: tokens a sequence (default 2048); "

@@ -349,6 +349,9 @@ class FakeBackend:
         held.token = token
         return torch.from_numpy(held)
 
+    def host_view(self, ptr: int, nbytes: int, token: Any) -> Any:
+        return self.torch_view(ptr, nbytes, token)      # the fake's device is the host
+
     def cupy_view(self, ptr: int, nbytes: int, token: Any) -> Any:
         raise ViewError("the fake backend has no CuPy")
 

@@ -127,6 +127,7 @@ class Backend(Protocol):
     def synchronize(self, event: Any) -> None: ...
     def elapsed_ms(self, start: Any, end: Any) -> float: ...
     def torch_view(self, ptr: int, nbytes: int, token: Any) -> Any: ...
+    def host_view(self, ptr: int, nbytes: int, token: Any) -> Any: ...
     def torch_stream(self, stream: int) -> Any: ...
     def cupy_view(self, ptr: int, nbytes: int, token: Any) -> Any: ...
     def dlpack_device(self) -> tuple[int, int]: ...
@@ -452,6 +453,19 @@ class CudaBackend:
         except ImportError as e:
             raise ViewError("torch is not installed; pip install 'tiermem[torch]'") from e
         return torch.as_tensor(_ArrayInterface(ptr, nbytes, token), device=f"cuda:{self.device}")
+
+    def host_view(self, ptr: int, nbytes: int, token: Any) -> Any:
+        """A CPU torch tensor of ``nbytes`` uint8 over pinned host memory at ``ptr`` (a
+        :meth:`host_alloc` block's): the host's own reads and writes of it, a CPU optimizer's
+        step (NOTE [host stepping] in training/hoststep.py). It keeps ``token`` alive."""
+        import ctypes
+
+        import torch
+        if nbytes <= 0:
+            return torch.empty(0, dtype=torch.uint8)
+        buf = (ctypes.c_uint8 * nbytes).from_address(ptr)
+        buf.token = token                       # the tensor holds the buffer, the buffer the memory's owner
+        return torch.frombuffer(buf, dtype=torch.uint8)
 
     def cupy_view(self, ptr: int, nbytes: int, token: Any) -> Any:
         cupy = self._cupy

@@ -70,6 +70,7 @@ class Clipping:
         self.speculating = False
         self._saved: dict[int, dict[str, Any]] = {}
         self._rng: Any = None
+        self.on_host: Callable[[Block, tuple[float, Any]], None] | None = None   # NOTE [host stepping]
 
     def begin(self, updating: bool, tracing: bool) -> None:
         """A step begins: it speculates if it updates, is planned, and the last clip did not bite."""
@@ -141,6 +142,11 @@ class Clipping:
             elif spec:
                 self.undo(spec)
                 self.speculation["redone"] += 1
+        if self.on_host is not None:
+            mine = [b for b in todo if b.grads_home and b.host]
+            clip = (self.max_grad_norm, total.to("cpu")) if mine else None   # the host reads the norm once
+            for b in mine:
+                self.on_host(b, clip)          # NOTE [host stepping]: clipped and stepped in its home
         todo = [b for b in todo if b.grads_home]
         self.stream.in_backward = True          # fills bring the states
         for k, b in enumerate(todo):

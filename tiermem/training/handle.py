@@ -153,6 +153,7 @@ from .planrun import PlanRunner
 from .recompute import Recompute
 from .replay import Replays
 from .slots import Block, BlockSlots
+from .hoststep import HostSteps
 from .states import OptimizerStates
 from .stepping import StepRunner
 from .stepstate import StepState
@@ -235,7 +236,7 @@ class TieredTraining:
                                   o.speculate))
         self.choice = PlanChoice(backend=be, blocks=self.blocks, stream=self.stream, replays=self.replays,
                                  budget=self.budget, margin=o.margin, mode=self.recompute_mode,
-                                 link_GBps=self.link_GBps, clip=o.max_grad_norm is not None,
+                                 link_GBps=self.link_GBps, clip=o.max_grad_norm is not None and not o.host_step,
                                  take=lambda old, plan: self.planner.take(old, plan),
                                  timings=lambda: self.planner.timings(), resident_bytes=lambda: tier.resident_bytes)
         self.runner = StepRunner(torch=torch, state=st, blocks=self.blocks, stream=self.stream, states=self.states,
@@ -249,6 +250,11 @@ class TieredTraining:
                                   replays=self.replays, recomputing=self.recomputing, meter=self.meter, mem=self.mem,
                                   tier=tier, optimizer=optimizer, group=self.group)
         self.runner.hooks = self.planner.hooks = self.hooks
+        # NOTE [host stepping]: refused here, before anything is adopted, for an optimizer it cannot step
+        self.host = HostSteps(torch, optimizer, self.stream, lambda: self.states.loads) if o.host_step else None
+        self.runner.host = self.host
+        if self.host is not None and self.clipping is not None:
+            self.clipping.on_host = self.runner.step_on_host
         self.runner.step_block = lambda b: self._step_block(b)     # the handle's, so a test can watch it
         self.runner.replan = self.planner.replan
         self.runner.set_cap = self.planner.set_cap = self.cap.set
@@ -285,7 +291,7 @@ class TieredTraining:
         least = self.planner.least = self.stream.least = max(2, nesting(self.blocks) + 1)
         # NOTE [wide blocks]: never with clipping or a process group, whose steps need every block's
         may = self.state.may_wide = (self.options.wide_blocks if self.clipping is None and self.group is None
-                                     else False)
+                                     and self.host is None else False)
         wide = may if may is not None else wide_wanted(self.blocks, self.opt, self.state_dtype, least, self.budget)
         self.stream.allow_wide = bool(wide)
         floor = self.state.budget_floor = at_wrap(self.blocks, self.opt, self.state_dtype, least,
@@ -462,6 +468,8 @@ class TieredTraining:
             return "data parallel: the process group's collectives are not captured"
         if self.replays.capture:
             return "graphs=True replays the recomputed backwards as graphs of their own"
+        if self.host is not None:
+            return "host_step=True steps the streamed blocks on the host, which a CUDA graph cannot hold"
         if self.tier.backend.kind != "cuda":
             return "the backend cannot capture CUDA graphs (no GPU)"
         return ""
@@ -669,6 +677,8 @@ class TieredTraining:
             self.mem.set_fraction(cap)      # check_room refused what would not fit; this is anything else
             raise
         # Nothing below calls the backend before the memory is given back.
+        if self.host is not None:
+            self.host.close()          # its CPU views hold the homes released below
         self.hooks.remove()
         self.recomputing.set({})
         copies.bind(self.opt, self.stream)

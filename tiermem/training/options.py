@@ -61,6 +61,9 @@ class TrainingOptions:
         ring, so the slots are sized by the other blocks (NOTE [wide blocks] in training/floor.py).
         None: where the slots at the largest block's size would take more than a third of the
         budget; never with clipping or a process group.
+    host_step: streamed blocks' Adam or AdamW steps run on the host in their pinned homes,
+        beside backward, so their optimizer states never cross the link (NOTE [host stepping]
+        in training/hoststep.py); not with ``state_dtype``, ``process_group`` or ``speculate``.
     """
 
     lookahead: int = 2
@@ -79,6 +82,7 @@ class TrainingOptions:
     speculate: bool = False
     graphs: bool = False
     wide_blocks: bool | None = None
+    host_step: bool = False
 
     def __post_init__(self) -> None:
         _int("lookahead", self.lookahead, least=1, unit="blocks ahead")
@@ -90,7 +94,7 @@ class TrainingOptions:
         if self.margin is not None:
             _int("margin", self.margin, least=0, unit="bytes")
         _int("accumulate", self.accumulate, least=1, unit="micro-batches per optimizer step")
-        for name in ("swap", "speculate", "graphs"):
+        for name in ("swap", "speculate", "graphs", "host_step"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigTypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.wide_blocks is not None and not isinstance(self.wide_blocks, bool):
@@ -98,6 +102,12 @@ class TrainingOptions:
         if self.wide_blocks and (self.max_grad_norm is not None or self.process_group is not None):
             raise ConfigError("wide_blocks=True steps the largest blocks at the step's end, which clipping and a "
                               "process group do not allow: leave it None or False")
+        if self.host_step:
+            for name, why in (("state_dtype", "its states never cross the link, so nothing is narrowed"),
+                              ("process_group", "averaging before a host step is not built"),
+                              ("speculate", "its host steps wait for the total norm; nothing to speculate on")):
+                if getattr(self, name) not in (None, False):
+                    raise ConfigError(f"host_step=True does not take {name}: {why} (NOTE [host stepping])")
         if self.speculate and self.max_grad_norm is None:
             raise ConfigError("speculate=True speculates that clipping leaves the gradients alone: it needs "
                               "max_grad_norm")

@@ -81,7 +81,7 @@ class PlanRunner:
                           block_fwd_ms=tuple(max(x, 0.0) for x in per), recomputable=recomputable,
                           boundary_bytes=tuple(st.boundary.get(b.index, (0, 0))[0] for b in self.blocks),
                           fwd_ms=fwd, bwd_ms=bwd, block_names=tuple(b.name for b in self.blocks),
-                          block_state_moved_bytes=tuple(b.s_bytes for b in self.blocks),
+                          block_state_moved_bytes=tuple(0 if b.host else b.s_bytes for b in self.blocks),
                           part_block=tuple(b.index for b, _ in self.hooks.parts),
                           part_input_bytes=tuple(st.part_inputs.get(k, 0) for k in range(len(self.hooks.parts))),
                           wide_blocks=frozenset(b.index for b in self.blocks if b.wide))

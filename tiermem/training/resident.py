@@ -45,6 +45,7 @@ def make_resident(tier: Any, stream: BlockSlots, optimizer: Any, mem: Any, b: Bl
     b.tiered = wrap_group(tier, b.params, Role.WEIGHT, names=[f"{b.name}.{i}" for i in range(len(b.params))],
                           policy=pol)
     b.resident = True
+    b.host = False                  # NOTE [host stepping]: a resident block steps on the device
     for p, old in zip(b.params, olds):
         stream.forget(p, old)
     for (p, key, _), v in zip(b.states, views):

@@ -61,6 +61,8 @@ class Block:
     home_ready: Any = None        # event after its last write-back
     resident: bool = False
     wide: bool = False            # steps at the step's end across the whole ring (NOTE [wide blocks])
+    host: bool = False            # its optimizer steps on the host, its states never in a slot
+                                  # (NOTE [host stepping] in training/hoststep.py)
     need_before: int = 0          # slot bytes its states will need, before the optimizer has made them
     deferred: bool = False        # its gradients went home for that this step
     tiered: list[Any] = dataclasses.field(default_factory=list)
@@ -76,8 +78,9 @@ class Block:
 
     @property
     def slot_need(self) -> int:
-        """Bytes of slot the block needs in backward: parameters, gradients, optimizer states."""
-        return self.p_bytes + self.g_bytes + self.s_bytes
+        """Bytes of slot the block needs in backward: parameters, gradients, optimizer states
+        (none where they step on the host)."""
+        return self.p_bytes + self.g_bytes + (0 if self.host else self.s_bytes)
 
 
 def ring_slot(needs: dict[int, int], fwd: dict[int, int], least: int, wide: bool) -> tuple[int, frozenset[int]]:
@@ -171,9 +174,11 @@ class BlockSlots:
         for p, v in zip(b.params, b.home_views):
             self.bind(p, v)
 
-    def views(self, base: int, b: Block, owner: Any, what: str) -> list[Any]:
-        """Tensors over ``b``'s parameters ("p"), gradients ("g") or states ("s") laid out from ``base``."""
+    def views(self, base: int, b: Block, owner: Any, what: str, host: bool = False) -> list[Any]:
+        """Tensors over ``b``'s parameters ("p"), gradients ("g") or states ("s") laid out from
+        ``base``; with ``host``, CPU tensors over a pinned home (NOTE [host stepping])."""
         be = self.tier.backend
+        view = be.host_view if host else be.torch_view
         if what == "p":
             items = [(p, p.dtype, o) for p, o in zip(b.params, b.p_off)]
         elif what == "g":
@@ -183,7 +188,7 @@ class BlockSlots:
         out = []
         for p, dt, o in items:
             n = p.numel() * dt.itemsize
-            out.append(be.torch_view(base + o, n, owner).view(dt).view(p.shape))
+            out.append(view(base + o, n, owner).view(dt).view(p.shape))
         return out
 
     def slot_views(self, s: TrainSlot, b: Block) -> tuple[list, list, list]:
@@ -191,7 +196,9 @@ class BlockSlots:
         v = self._views_of.get(key)
         if v is None:
             # a wide block's states fit only from the ring's start (NOTE [wide blocks]): none elsewhere
-            fits = s.ptr - self.slot_mem.data_ptr() + b.slot_need <= self.slot_mem.numel()
+            # and none for a block whose states step on the host (NOTE [host stepping])
+            fits = (s.ptr - self.slot_mem.data_ptr() + b.p_bytes + b.g_bytes + b.s_bytes <= self.slot_mem.numel()
+                    and not b.host)
             v = (self.views(s.ptr, b, self.slot_mem, "p"),
                  self.views(s.ptr + b.p_bytes, b, self.slot_mem, "g"),
                  self.views(s.ptr + b.p_bytes + b.g_bytes, b, self.slot_mem, "s") if fits else [])
@@ -299,7 +306,7 @@ class BlockSlots:
         (``states``) its optimizer states when the step updates and the gradients accumulated so
         far (NOTE [accumulation] in training/handle.py). Returns False when no slot is free."""
         s = b.slot
-        want_states = states and self.updating and bool(b.states) and not b.wide
+        want_states = states and self.updating and bool(b.states) and not b.wide and not b.host
         want_grads = states and b.grads_home
         if (s is not None and s.has_params and (s.has_states or not want_states)
                 and (s.has_grads or not want_grads)):
@@ -345,7 +352,7 @@ class BlockSlots:
         if b.params[0].data.data_ptr() != pv[0].data_ptr():
             for p, v in zip(b.params, pv):
                 self.bind(p, v)
-        if states and self.updating and b.states and not b.wide:
+        if states and self.updating and b.states and not b.wide and not b.host:
             self.bind_states(b, sv)
         return s
 
@@ -454,6 +461,12 @@ class BlockSlots:
         b.grads_home = True
         self.written.append(b)
         s.busy = False
+
+    def stale_params(self, b: Block) -> None:
+        """The parameters ``b``'s slot holds are no longer the block's: its home is being stepped
+        on the host (NOTE [host stepping]); a later fill copies them afresh."""
+        if b.slot is not None and b.slot.occupant is b:
+            b.slot.has_params = b.slot.has_grads = False
 
     def write_back_alt(self, b: Block) -> None:
         """Queue the copy of ``b``'s stepped parameters and states to its second home; its home

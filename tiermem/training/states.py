@@ -93,6 +93,7 @@ class OptimizerStates:
                          if state_dtype is not None else None)
         self._pending: list[tuple[Any, str, Any]] = []   # states the optimizer's load left to us
         self.stepping = False         # tiermem's own optimizer.step() is running
+        self.loads = 0                # state dicts loaded so far (NOTE [host stepping]: new states)
         # a block's parameters -> (the groups' lengths, each group's share, (group, place, parameter))
         self._restricted_of: dict[tuple[int, ...], tuple[tuple[int, ...], list[list[Any]], list[Any]]] = {}
 
@@ -266,6 +267,7 @@ class OptimizerStates:
         self.slots.stale_states(b)
         b.states, b.s_dtypes, b.home_state_views = [], [], []
         b.s_bytes = b.s_full = 0
+        b.host = False                        # stepped on the device again until its states are adopted
         self.slots.forget_views(b)
         if b.home_s is not None:
             b.home_s.release()
@@ -322,6 +324,7 @@ class OptimizerStates:
         """After the optimizer loaded: place what :meth:`loading` took out."""
         torch = self.torch
         pending, self._pending = self._pending, []
+        self.loads += 1
         loaded = {(id(p), key): v for p, key, v in pending}
         self.mem.synchronize()          # write-backs home are done before their homes are written
         with torch.no_grad():

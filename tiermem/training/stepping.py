@@ -55,6 +55,7 @@ class StepRunner:
                                                                                  budget)
         self.swap: Any = None
         self.hooks: Any = None
+        self.host: Any = None        # HostSteps with host_step=True (NOTE [host stepping])
         self.reduce = Lane(tier.backend, lambda: tier.side_stream("reduce"))    # NOTE [data parallel]
         self.step_block: Callable[[Block], None] = self.step_streamed
         self.replan: Callable[[int], None] = lambda peak: None
@@ -74,6 +75,8 @@ class StepRunner:
                 self.stream.alloc()
             self.set_cap()
         self.choice.read_times()
+        if self.host is not None:
+            self.host.begin()
         st.got = set()
         st.resident_got, st.averaged = {}, set()              # NOTE [data parallel]
         st.grads_at_begin = self.hooks.resident_grads()       # NOTE [zero_grad]
@@ -220,6 +223,9 @@ class StepRunner:
                 self.states.step(chunk)
             for p in res:
                 p.grad = None
+        if self.host is not None and ok:
+            with self.meter.host():            # NOTE [host stepping]: the next forward needs them done
+                self.host.finish()
         self.meter.mark(("bwd", "end"))
         if ok:
             self.choice.step_ended(st.updating)
@@ -235,6 +241,8 @@ class StepRunner:
         took their optimizer step already, as in any step (NOTE [training transport])."""
         st = self.state
         st.failed = True
+        if self.host is not None:
+            self.host.abandon()     # NOTE [host stepping]: what the host began of the step ends first
         try:
             self.join_reduce()      # the reduce stream may still use the gradients dropped below
         except Exception as e:      # a broken device: the step's own error is the one to see
@@ -315,12 +323,31 @@ class StepRunner:
         for p in b.trainable:
             if not st.came(p):
                 p.grad = None     # no gradient reached it: the optimizer skips it, as it would resident
+        if b.host and self.host is not None:
+            self.step_on_host(b)
+            return
         self.states.step_block(b, b.slot)
         b.stepped = True
         b.grads_home = False
         if not b.states and b.trainable:
             self.states.adopt(b)
+            b.host = self.host is not None and self.host.eligible(b)
         self.stream.write_back(b)
+        for p in b.trainable:
+            p.grad = None
+
+    def step_on_host(self, b: Block, clip: tuple[float, Any] | None = None) -> None:
+        """NOTE [host stepping]: ``b``'s complete gradients go home (with ``clip``, clipping's
+        pass sent them already) and the host steps its home; the slot's parameters are stale
+        from now on."""
+        st = self.state
+        if clip is None:
+            self.stream.write_grads(b)
+        got = [p for p in b.trainable if st.came(p)]
+        self.stream.stale_params(b)
+        b.grads_home = False
+        b.stepped = True
+        self.host.submit(b, got, clip)
         for p in b.trainable:
             p.grad = None
 

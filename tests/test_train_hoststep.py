@@ -1,0 +1,210 @@
+"""Streamed blocks stepped on the host (NOTE [host stepping] in tiermem/training/hoststep.py), on
+the CPU over the fake backend: with a fused AdamW (the host's twin is fused) the losses,
+parameters and optimizer states are a plain loop's bitwise, with accumulation, with clipping
+that bites, and resumed from a checkpoint; the states stop crossing the link; what it does
+not take is refused before anything is adopted."""
+from __future__ import annotations
+
+import gc
+import io
+
+import pytest
+import torch
+from fakes import FakeBackend
+from test_train import CFG, _deterministic, batches, loss_of, state_bytes  # noqa: F401  (fixture)
+
+import tiermem
+from tiermem.testing.models import GPT, GPTConfig
+
+
+def gpt(fused: bool = True, opt=torch.optim.AdamW, **kw):
+    torch.manual_seed(0)
+    m = GPT(GPTConfig(**CFG))
+    decay = [p for n, p in m.named_parameters() if p.dim() > 1]
+    rest = [p for n, p in m.named_parameters() if p.dim() <= 1]
+    groups = [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]
+    return m, opt(groups, lr=1e-3, fused=fused, **kw)
+
+
+def plain(bs, n=1, max_norm=None, **kw):
+    model, opt = gpt(**kw)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    losses = []
+    for i, ids in enumerate(bs):
+        loss = loss_of(model, ids)
+        (loss / n).backward()
+        losses.append(float(loss.detach()))
+        if (i + 1) % n == 0:
+            if max_norm is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            sched.step()
+    return model, opt, losses
+
+
+def hosted(budget_x=1, fused=True, opt=torch.optim.AdamW, opt_kw=None, **kw):
+    model, o = gpt(fused, opt, **(opt_kw or {}))
+    fake = FakeBackend(total=1 << 30, foreign_host=True)
+    tier = tiermem.Tier(backend=fake)
+    kw.setdefault("block_bytes", 16 << 10)
+    kw.setdefault("min_swap", 4096)
+    train = tier.wrap_training(model, o, budget_x * state_bytes(model), host_step=True, **kw)
+    return fake, tier, model, o, train
+
+
+def run(train, model, opt, bs, n=1):
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    losses = []
+    for i, ids in enumerate(bs):
+        with train.step():
+            loss = loss_of(model, ids)
+            (loss / n).backward()
+        losses.append(float(loss.detach()))
+        if (i + 1) % n == 0:
+            sched.step()
+    return losses
+
+
+def same_states(opt, want):
+    for p, q in zip([p for g in opt.param_groups for p in g["params"]],
+                    [q for g in want.param_groups for q in g["params"]]):
+        a, b = opt.state[p], want.state[q]
+        assert a.keys() == b.keys()
+        for k in a:
+            assert torch.equal(torch.as_tensor(a[k]).cpu(), torch.as_tensor(b[k])), k
+
+
+@pytest.mark.parametrize("n, max_norm", [(1, None), (2, None), (1, 0.05), (2, 0.05), (1, 1e6)],
+                         ids=["step", "accumulate", "clip-bites", "accumulate-clip", "clip-not"])
+def test_host_steps_give_a_plain_fused_loop_bitwise(n, max_norm):
+    bs = batches(6)
+    want, want_opt, want_losses = plain(bs, n, max_norm)
+    fake, tier, model, opt, train = hosted(accumulate=n, max_grad_norm=max_norm)
+    got = run(train, model, opt, bs, n)
+    streamed = [b for b in train.blocks if not b.resident]
+    assert streamed and all(b.host for b in streamed)
+    assert got == want_losses
+    for p, q in zip(model.parameters(), want.parameters()):
+        assert torch.equal(p.detach(), q.detach())
+    same_states(opt, want_opt)
+    assert train.host.blocks_stepped > 0
+    train.unwrap()
+    del train
+    gc.collect()
+    tier.close()
+    assert fake.live() == {"managed": 0, "pinned": 0, "device": 0}
+
+
+def test_host_steps_move_no_states_and_free_the_slots_of_them():
+    bs = batches(4)
+    _, tier, model, opt, train = hosted()
+    run(train, model, opt, bs)
+    streamed = [b for b in train.blocks if not b.resident]
+    assert streamed
+    p = sum(b.p_bytes for b in streamed)
+    moved = dict(train.moved)
+    swapped = train.plan.swapped_bytes
+    # parameters in twice (forward, backward), gradients out once, activations as planned
+    assert moved["h2d"] <= 2 * p + swapped and moved["d2h"] <= p + swapped
+    assert train.stream.slot_bytes < max(b.p_bytes + b.g_bytes + b.s_bytes for b in streamed)
+    assert all(b.slot_need == b.p_bytes + b.g_bytes for b in streamed)
+    assert "host_step=True" in train.graph_blockers()
+    train.unwrap()
+
+
+def test_a_device_stepped_run_moves_more_and_keeps_fewer_blocks():
+    bs = batches(4)
+    model, o = gpt()
+    fake = FakeBackend(total=1 << 30, foreign_host=True)
+    dev = tiermem.Tier(backend=fake).wrap_training(model, o, state_bytes(model), block_bytes=16 << 10,
+                                                   min_swap=4096)
+    run(dev, model, o, bs)
+    _, _, model2, o2, host = hosted()
+    run(host, model2, o2, bs)
+    assert host.moved["h2d"] < dev.moved["h2d"]
+    assert len(host.plan.streamed_blocks) <= len(dev.plan.streamed_blocks)
+    dev.unwrap()
+    host.unwrap()
+
+
+def test_a_checkpoint_resumes_host_stepped_training_bitwise():
+    bs = batches(7)
+    _, _, model, opt, train = hosted()
+    want = run(train, model, opt, bs)
+    want_params = [p.detach().clone() for p in model.parameters()]
+    train.unwrap()
+    _, _, model, opt, train = hosted()
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    got = []
+    for ids in bs[:3]:
+        with train.step():
+            loss = loss_of(model, ids)
+            loss.backward()
+        got.append(float(loss.detach()))
+        sched.step()
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict()}, buf)
+    for ids in bs[3:5]:                     # steps the checkpoint will undo
+        with train.step():
+            loss_of(model, ids).backward()
+    ck = torch.load(io.BytesIO(buf.getvalue()), map_location="cpu")
+    model.load_state_dict(ck["model"])
+    opt.load_state_dict(ck["opt"])
+    sched.load_state_dict(ck["sched"])
+    for ids in bs[3:]:
+        with train.step():
+            loss = loss_of(model, ids)
+            loss.backward()
+        got.append(float(loss.detach()))
+        sched.step()
+    assert got == want
+    for p, q in zip(model.parameters(), want_params):
+        assert torch.equal(p.detach(), q)
+    assert all(float(opt.state[p]["step"]) == 7 for p in model.parameters())
+    train.unwrap()
+
+
+def test_an_unfused_optimizer_steps_close_to_its_own_loop():
+    """The host's twin is fused whatever the caller's is: not bitwise then, close."""
+    bs = batches(5)
+    _, _, want = plain(bs, fused=None)
+    _, _, model, opt, train = hosted(fused=None)
+    got = run(train, model, opt, bs)
+    assert got == pytest.approx(want, rel=1e-4)
+    train.unwrap()
+
+
+def test_adam_with_amsgrad_steps_on_the_host_bitwise():
+    bs = batches(4)
+    want, want_opt, want_losses = plain(bs, opt=torch.optim.Adam, amsgrad=True)
+    _, _, model, opt, train = hosted(opt=torch.optim.Adam, opt_kw={"amsgrad": True})
+    assert run(train, model, opt, bs) == want_losses
+    same_states(opt, want_opt)
+    train.unwrap()
+
+
+@pytest.mark.parametrize("kw, words", [
+    ({"state_dtype": torch.bfloat16}, "state_dtype"),
+    ({"max_grad_norm": 1.0, "speculate": True}, "speculate"),
+    ({"process_group": True}, "process_group"),
+])
+def test_host_step_refuses_what_it_does_not_take(kw, words):
+    model, o = gpt()
+    tier = tiermem.Tier(backend=FakeBackend(total=1 << 30, foreign_host=True))
+    with pytest.raises(tiermem.ConfigError, match=words):
+        tier.wrap_training(model, o, state_bytes(model), host_step=True, **kw)
+    assert all(not hasattr(p, "_tiermem") for p in model.parameters())
+    assert getattr(model, "_tiermem_handle", None) is None
+
+
+def test_host_step_refuses_an_optimizer_it_cannot_step_before_adopting():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**CFG))
+    before = [p.data_ptr() for p in model.parameters()]
+    o = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    tier = tiermem.Tier(backend=FakeBackend(total=1 << 30, foreign_host=True))
+    with pytest.raises(tiermem.ConfigError, match="Adam or AdamW"):
+        tier.wrap_training(model, o, state_bytes(model), host_step=True)
+    assert [p.data_ptr() for p in model.parameters()] == before
+    assert getattr(model, "_tiermem_handle", None) is None

@@ -208,3 +208,41 @@ def test_host_step_refuses_an_optimizer_it_cannot_step_before_adopting():
         tier.wrap_training(model, o, state_bytes(model), host_step=True)
     assert [p.data_ptr() for p in model.parameters()] == before
     assert getattr(model, "_tiermem_handle", None) is None
+
+
+@pytest.mark.parametrize("n, max_norm", [(1, None), (2, 0.05)], ids=["step", "accumulate-clip"])
+def test_blocks_the_host_cannot_step_within_backward_step_on_the_device_bitwise(n, max_norm):
+    """NOTE [host stepping]: the host takes blocks in backward's order while their steps fit in
+    the traced backward; the rest step on the device, their states in their slots. Split so
+    about half the streamed parameters fit, the run is still the plain fused loop's bitwise."""
+    bs = batches(6)
+    want, want_opt, want_losses = plain(bs, n, max_norm)
+    fake, tier, model, opt, train = hosted(accumulate=n, max_grad_norm=max_norm)
+    total = sum(p.numel() for p in model.parameters())
+    train.host.seconds_per_param = 1.0 / (total // 2)       # one second holds half the model's steps
+    choose = train.host.choose
+    train.host.choose = lambda blocks, order, ms: choose(blocks, order, 1000.0)
+    got = run(train, model, opt, bs, n)
+    streamed = [b for b in train.blocks if not b.resident]
+    on_host = [b for b in streamed if b.host]
+    assert on_host and len(on_host) < len(streamed), [(b.name, b.host) for b in streamed]
+    order = train.state.order
+    first = min(order.index(b.index) for b in on_host)
+    assert all(order.index(b.index) < first for b in streamed if not b.host and b.index in order), \
+        "the host's blocks are backward's first"
+    assert train.stream.slot_bytes >= max(b.slot_need for b in streamed if not b.host)
+    assert got == want_losses
+    for p, q in zip(model.parameters(), want.parameters()):
+        assert torch.equal(p.detach(), q.detach())
+    same_states(opt, want_opt)
+    train.unwrap()
+    del train
+    gc.collect()
+    tier.close()
+    assert fake.live() == {"managed": 0, "pinned": 0, "device": 0}
+
+
+def test_the_hosts_adamw_rate_is_measured():
+    from tiermem.training.hoststep import host_seconds_per_param
+    rate = host_seconds_per_param(torch, n=1 << 16)
+    assert 0 < rate < 1e-6

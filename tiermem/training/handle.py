@@ -252,7 +252,7 @@ class TieredTraining:
         self.runner.hooks = self.planner.hooks = self.hooks
         # NOTE [host stepping]: refused here, before anything is adopted, for an optimizer it cannot step
         self.host = HostSteps(torch, optimizer, self.stream, lambda: self.states.loads) if o.host_step else None
-        self.runner.host = self.host
+        self.runner.host = self.planner.host = self.host
         if self.host is not None and self.clipping is not None:
             self.clipping.on_host = self.runner.step_on_host
         self.runner.step_block = lambda b: self._step_block(b)     # the handle's, so a test can watch it

@@ -23,6 +23,15 @@ NOTE [host stepping]
     every parameter the host stepped. The first (traced) step steps on the device, which makes
     the states; a block the plan makes resident steps on the device from then on.
 
+    Which blocks: the host's AdamW is bounded by host memory (it reads and writes 28 bytes a
+    parameter), about 0.3 ns a parameter on the H200's host, so a 1.1B model's full step takes
+    longer than its backward. Past that the next step's forward waits for the host. So after
+    the traced step the host takes the streamed blocks in backward's order (the first whose
+    gradients are complete first) while their steps, at a rate measured on this host
+    (:func:`host_seconds_per_param`), fit in the traced backward; the blocks after them step
+    on the device as without the option, their states in their slots. The plan then sees
+    each block's bytes as it moves them.
+
     What it costs: the CPU's fused AdamW rounds as the CUDA one does not always (fused kernels
     of two devices), so the losses are close to a device-stepped run's, not bitwise; against a
     plain loop with a fused CPU AdamW they are bitwise (tests/test_train_hoststep.py). Not with
@@ -39,7 +48,7 @@ from typing import Any
 from ..errors import ConfigError
 from .slots import Block, BlockSlots
 
-__all__ = ["HostSteps", "host_step_refusal", "HOST_STATE_KEYS"]
+__all__ = ["HostSteps", "host_step_refusal", "host_seconds_per_param", "HOST_STATE_KEYS"]
 
 HOST_STATE_KEYS = frozenset({"exp_avg", "exp_avg_sq", "max_exp_avg_sq"})
 _NOT_COPIED = frozenset({"params", "fused", "foreach", "capturable", "differentiable"})
@@ -54,6 +63,23 @@ def host_step_refusal(optimizer: Any) -> str:
         if g.get("differentiable"):
             return "host_step=True does not step a differentiable optimizer"
     return ""
+
+
+def host_seconds_per_param(torch: Any, n: int = 1 << 24, parts: int = 4) -> float:
+    """Seconds torch's fused CPU AdamW takes a parameter on this host, with all its threads: the
+    median of three steps (after one) over ``n`` fp32 parameters in ``parts`` tensors. The step
+    reads and writes each parameter's bytes once, so its time goes with their number."""
+    import time
+    ps = [torch.zeros(n // parts, dtype=torch.float32) for _ in range(parts)]
+    for p in ps:
+        p.grad = torch.full_like(p, 1e-3)
+    opt = torch.optim.AdamW(ps, lr=1e-4, fused=True)
+    times = []
+    for _ in range(4):
+        t0 = time.perf_counter()
+        opt.step()
+        times.append(time.perf_counter() - t0)
+    return sorted(times[1:])[1] / n
 
 
 @dataclasses.dataclass(eq=False)
@@ -83,6 +109,7 @@ class HostSteps:
         self._futures: list[concurrent.futures.Future[None]] = []
         self._stepped: list[Any] = []           # the caller's parameters the host stepped this step
         self.blocks_stepped = 0
+        self.seconds_per_param: float | None = None   # the host's AdamW; None: measured when first needed
 
     # -- which blocks ------------------------------------------------------------------------------
     def eligible(self, b: Block) -> bool:
@@ -90,6 +117,29 @@ class HostSteps:
         return (not b.resident and bool(b.states) and b.home_s is not None
                 and all(key in HOST_STATE_KEYS for _, key, _ in b.states)
                 and all(dt == held for dt, held in b.s_dtypes))
+
+    def choose(self, blocks: list[Block], order: list[int], backward_ms: float) -> None:
+        """After a traced step: the eligible blocks, in backward's order, step on the host while
+        their steps fit in ``backward_ms``; the rest step on the device."""
+        if self.seconds_per_param is None:
+            self.seconds_per_param = host_seconds_per_param(self.torch) if self.be.kind == "cuda" else 0.0
+        left = backward_ms / 1e3
+        seen = [i for i in reversed(order)] + [b.index for b in blocks if b.index not in order]
+        for i in seen:
+            b = blocks[i]
+            cost = sum(p.numel() for p in b.trainable) * self.seconds_per_param
+            b.host = self.eligible(b) and cost <= left
+            if b.host:
+                left -= cost
+            else:
+                left = -1.0              # the host's blocks are backward's first: one run of them
+                self._forget(b)
+
+    def _forget(self, b: Block) -> None:
+        tw = self._twins.pop(b.index, None)
+        if tw is not None and self.cpu_opt is not None:
+            for cp in tw.params:
+                self.cpu_opt.state.pop(cp, None)
 
     # -- a step ------------------------------------------------------------------------------------
     def begin(self) -> None:
@@ -190,8 +240,7 @@ class HostSteps:
         if self.cpu_opt is None:
             self._make_optimizer()
         if tw is not None:
-            for cp in tw.params:
-                self.cpu_opt.state.pop(cp, None)
+            self._forget(b)
         s = self.stream
         pv = dict(zip(map(id, b.params), s.views(b.home_p.ptr, b, b.home_p, "p", host=True)))
         params = [pv[id(p)] for p in b.trainable]

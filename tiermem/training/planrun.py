@@ -31,6 +31,7 @@ class PlanRunner:
                                                                                    optimizer, group)
         self.swap: Any = None
         self.hooks: Any = None
+        self.host: Any = None                # HostSteps with host_step=True (NOTE [host stepping])
         self.configured = stream.nslots      # the slots the options ask for (the trace may stream through fewer)
         self.least = 2                       # the fewest a step streams through (NOTE [the floor])
         self.set_cap: Callable[[], None] = lambda: None
@@ -59,6 +60,8 @@ class PlanRunner:
             and st.boundary.get(i, (0, 0))[1] <= sum(r.segment == i for r in saved))
         floor = max(floor - self.outside(), 0)
         st.floor = floor
+        if self.host is not None:           # NOTE [host stepping]: before the slots are sized for the plan
+            self.host.choose(self.blocks, list(st.order), bwd)
         self.stream.least_slot = 0           # NOTE [the floor]: the trace's slots were sized for states it made
         new_slot = aligned(self.stream.needed_slot_bytes())
         held = self.stream.nslots * self.stream.slot_bytes

@@ -26,11 +26,12 @@ NOTE [host stepping]
     Which blocks: the host's AdamW is bounded by host memory (it reads and writes 28 bytes a
     parameter), about 0.3 ns a parameter on the H200's host, so a 1.1B model's full step takes
     longer than its backward. Past that the next step's forward waits for the host. So after
-    the traced step the host takes the streamed blocks in backward's order (the first whose
-    gradients are complete first) while their steps, at a rate measured on this host
-    (:func:`host_seconds_per_param`), fit in the traced backward; the blocks after them step
-    on the device as without the option, their states in their slots. The plan then sees
-    each block's bytes as it moves them.
+    the traced step the host takes blocks while their steps, at a rate measured on this host
+    (:func:`host_seconds_per_param`), fit in the traced backward: first the blocks larger than
+    the median (an embedding, a head, whose states in a slot would size every slot), then the
+    others in backward's order (the first whose gradients are complete first). The rest step
+    on the device as without the option, their states in their slots. The plan then sees each
+    block's bytes as it moves them.
 
     What it costs: the CPU's fused AdamW rounds as the CUDA one does not always (fused kernels
     of two devices), so the losses are close to a device-stepped run's, not bitwise; against a
@@ -119,20 +120,26 @@ class HostSteps:
                 and all(dt == held for dt, held in b.s_dtypes))
 
     def choose(self, blocks: list[Block], order: list[int], backward_ms: float) -> None:
-        """After a traced step: the eligible blocks, in backward's order, step on the host while
-        their steps fit in ``backward_ms``; the rest step on the device."""
+        """After a traced step: which eligible blocks step on the host, while their steps fit in
+        ``backward_ms``; the rest step on the device. First the blocks larger than the median
+        (an embedding, a head: their states would size every slot), then the others in
+        backward's order, one run of them from backward's first."""
         if self.seconds_per_param is None:
             self.seconds_per_param = host_seconds_per_param(self.torch) if self.be.kind == "cuda" else 0.0
         left = backward_ms / 1e3
         seen = [i for i in reversed(order)] + [b.index for b in blocks if b.index not in order]
-        for i in seen:
+        need = {i: blocks[i].p_bytes + blocks[i].g_bytes + blocks[i].s_bytes for i in seen}
+        typical = sorted(need.values())[len(need) // 2] if need else 0
+        big = sorted((i for i in seen if need[i] > typical), key=lambda i: -need[i])
+        run = True
+        for i in big + [i for i in seen if need[i] <= typical]:
             b = blocks[i]
             cost = sum(p.numel() for p in b.trainable) * self.seconds_per_param
-            b.host = self.eligible(b) and cost <= left
+            b.host = self.eligible(b) and cost <= left and (run or i in big)
             if b.host:
                 left -= cost
             else:
-                left = -1.0              # the host's blocks are backward's first: one run of them
+                run = run and i in big
                 self._forget(b)
 
     def _forget(self, b: Block) -> None:

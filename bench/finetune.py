@@ -17,13 +17,14 @@ finetune_within_budget, capture_failure_leaves_torch_usable. The bytes bound of 
 of the resident step plus what the plan recomputes, and the bytes the step moved (in and out) over
 the duplex link rate measured in the same run.
 
-The other design the issue names, stepping on the host (DeepSpeed SuperOffload), is not built; the
-run measures what bounds it on this machine: ``finetune_host_adamw_ms``, torch's fused AdamW on the
-host over every parameter (fp32 masters, gradients and moments in pinned memory, all the host's
-threads; timed on a slice and scaled, as the step reads and writes each parameter's bytes once),
-and ``finetune_host_stepping_bound``, the least such a step could take over the resident one: the
-slower of the resident step, the host's AdamW, and the bf16 weights in and bf16 gradients out over
-the link (each way at its own rate).
+The runs ``host_2.5`` and ``host_4`` step streamed blocks on the host (``host_step=True``, NOTE [host
+stepping]) and add finetune_host_over_resident_2.5 / _4 and finetune_host_vs_bytes_bound_2.5 / _4. The
+run also measures what bounds that design on this machine: ``finetune_host_adamw_ms``, torch's fused
+AdamW on the host over every parameter (fp32 masters, gradients and moments in pinned memory, all
+the host's threads; timed on a slice and scaled, as the step reads and writes each parameter's bytes
+once), and ``finetune_host_stepping_bound``, the least a step with every block stepped on the host
+could take over the resident one: the slower of the resident step, the host's AdamW, and the bf16
+weights in and bf16 gradients out over the link (each way at its own rate).
 """
 from __future__ import annotations
 

@@ -250,3 +250,41 @@ def test_the_hosts_adamw_rate_is_measured():
     from tiermem.training.hoststep import host_seconds_per_param
     rate = host_seconds_per_param(torch, n=1 << 16)
     assert 0 < rate < 1e-6
+
+
+@pytest.mark.parametrize("where", ["middle", "start"])
+def test_a_step_that_raises_half_way_leaves_host_and_device_stepping_alike(where):
+    """A backward that raises half-way leaves the blocks whose gradients were complete stepped
+    (NOTE [training transport]); on the host as on the device: the same losses, parameters and
+    optimizer states bitwise afterwards, the caller's ``step`` counts the host's."""
+    from test_train import _raising
+    bs = batches(6)
+    runs = []
+    for host in (False, True):
+        model, o = gpt()
+        fake = FakeBackend(total=1 << 30, foreign_host=True)
+        tier = tiermem.Tier(backend=fake)
+        train = tier.wrap_training(model, o, state_bytes(model), block_bytes=16 << 10, min_swap=4096, host_step=host)
+        got = []
+        for i, ids in enumerate(bs):
+            if i == 2:
+                with pytest.raises(RuntimeError, match="injected failure"):
+                    with train.step():
+                        _raising(model, ids, where).backward()
+                continue
+            with train.step():
+                loss = loss_of(model, ids)
+                loss.backward()
+            got.append(float(loss.detach()))
+        if host:
+            assert any(b.host for b in train.blocks)
+            for b in train.blocks:
+                tw = train.host._twins.get(b.index)
+                for p, cp in zip(b.trainable, tw.params if tw else []):
+                    assert float(train.host.cpu_opt.state[cp]["step"]) == float(o.state[p]["step"])
+        runs.append((got, [p.detach().clone() for p in model.parameters()], o))
+        train.unwrap()
+    (a, pa, oa), (b, pb, ob) = runs
+    assert a == b and all(torch.isfinite(torch.tensor(b)))
+    assert all(torch.equal(x, y) for x, y in zip(pa, pb))
+    same_states(ob, oa)

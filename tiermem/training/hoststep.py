@@ -107,8 +107,8 @@ class HostSteps:
         self.cpu_opt: Any = None
         self._twins: dict[int, _Twin] = {}
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
-        self._futures: list[concurrent.futures.Future[None]] = []
-        self._stepped: list[Any] = []           # the caller's parameters the host stepped this step
+        # this step's host steps, each with the caller's parameters it steps
+        self._futures: list[tuple[concurrent.futures.Future[None], list[Any]]] = []
         self.blocks_stepped = 0
         self.seconds_per_param: float | None = None   # the host's AdamW; None: measured when first needed
 
@@ -165,39 +165,44 @@ class HostSteps:
         tw = self._twin(b)
         ids = {id(p) for p in got}
         work = [(cp, cg, k) for p, cp, cg, k in zip(b.trainable, tw.params, tw.grads, tw.group) if id(p) in ids]
-        self._stepped += [p for p in b.trainable if id(p) in ids]
         after = b.home_ready
         if self._pool is None:
             self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tiermem-host-step",
                                                                initializer=self._thread_init)
-        self._futures.append(self._pool.submit(self._run, after, work, clip))
+        self._futures.append((self._pool.submit(self._run, after, work, clip),
+                              [p for p in b.trainable if id(p) in ids]))
         self.blocks_stepped += 1
 
     def finish(self) -> None:
-        """Wait for this step's host steps (the first raised comes out), then advance the caller's
+        """Wait for this step's host steps (the first raised comes out), and advance the caller's
         ``step`` of each parameter they stepped."""
+        err = self._join()
+        if err is not None:
+            raise err
+
+    def abandon(self) -> None:
+        """A failed step: wait for what the host is doing. The blocks it stepped keep their step,
+        as blocks stepped on the device inside a failed backward do (NOTE [training transport]),
+        so their ``step`` advances too; its error, if any, is the failed step's to report."""
+        self._join()
+
+    def _join(self) -> BaseException | None:
         futures, self._futures = self._futures, []
-        stepped, self._stepped = self._stepped, []
         err = None
-        for f in futures:
+        for f, params in futures:
             try:
                 f.result()
             except BaseException as e:      # noqa: PERF203 - every one is waited for
                 err = err or e
-        if err is not None:
-            raise err
-        for p in stepped:
-            st = self.opt.state[p]
-            s = st.get("step")
-            if self.torch.is_tensor(s):
-                s.add_(1)
-            elif s is not None:
-                st["step"] = s + 1
-
-    def abandon(self) -> None:
-        """A failed step: wait for what the host is doing, keep nothing of it."""
-        futures, self._futures, self._stepped = self._futures, [], []
-        concurrent.futures.wait(futures)
+                continue
+            for p in params:
+                st = self.opt.state[p]
+                s = st.get("step")
+                if self.torch.is_tensor(s):
+                    s.add_(1)
+                elif s is not None:
+                    st["step"] = s + 1
+        return err
 
     def close(self) -> None:
         self.abandon()

@@ -38,7 +38,10 @@ NOTE [host stepping]
     plain loop with a fused CPU AdamW they are bitwise (tests/test_train_hoststep.py). Not with
     ``state_dtype`` (moments that never cross the link need no narrowing), a process group or
     ``speculate``; with clipping, the host steps wait for the total norm at the step's end.
-    Whole-step graphs are off (the host's steps are not CUDA work).
+    Whole-step graphs are off (the host's steps are not CUDA work). Off by default: on the
+    H200's host it was within a run's spread of device stepping at 1/2.5 of a 1.1B model's
+    state and slower at 1/4 (docs/training.md, "Host stepping"); a slower link or a faster host
+    moves the balance its way.
 """
 from __future__ import annotations
 

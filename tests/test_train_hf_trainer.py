@@ -1,7 +1,8 @@
 """transformers' Trainer driving a tiermem training on the CPU over the fake backend, as
 examples/hf_trainer.py does on a GPU (NOTE [a loop's optimizer] in tiermem/training/loopopt.py): a
 tiny Llama, a few Trainer steps with accumulation, clipping and the Trainer's learning-rate
-schedule, and the plain Trainer run's logged losses, gradient norms and parameters, bitwise."""
+schedule, and the plain Trainer run's logged losses, gradient norms and parameters, bitwise; also
+with the streamed blocks stepped on the host (NOTE [host stepping])."""
 from __future__ import annotations
 
 import importlib.util
@@ -50,8 +51,9 @@ def _logged(trainer, key):
     return [h[key] for h in trainer.state.log_history if key in h]
 
 
-@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16-autocast"])
-def test_the_trainer_drives_a_tiered_training_as_it_drives_a_plain_one(tmp_path, bf16):
+@pytest.mark.parametrize("bf16, host", [(False, False), (True, False), (True, True)],
+                         ids=["fp32", "bf16-autocast", "bf16-autocast-host-step"])
+def test_the_trainer_drives_a_tiered_training_as_it_drives_a_plain_one(tmp_path, bf16, host):
     ex = _example()
     data = _data()
     model = _model()
@@ -66,12 +68,13 @@ def test_the_trainer_drives_a_tiered_training_as_it_drives_a_plain_one(tmp_path,
     args = _args(tmp_path / "tiered", bf16)
     tier = tiermem.Tier(backend=FakeBackend(total=1 << 30, foreign_host=True))
     budget = sum(p.numel() * p.element_size() for p in model.parameters())     # a quarter of the state
-    train = ex.wrap_for_trainer(model, args, budget, tier=tier, block_bytes=16 << 10, min_swap=4096)
+    train = ex.wrap_for_trainer(model, args, budget, tier=tier, block_bytes=16 << 10, min_swap=4096, host_step=host)
     trainer = ex.TieredTrainer(train, model=model, args=args, train_dataset=data)
     trainer.train()
     assert _logged(trainer, "loss") == want and len(want) == 4
     assert _logged(trainer, "grad_norm") == want_norms
     assert train.updates == 4 and train.steps == 8 and train.plan.streamed_blocks
+    assert not host or train.host.blocks_stepped > 0     # NOTE [host stepping]: a fused CPU AdamW, bitwise
     assert all(torch.equal(p.detach(), q) for p, q in zip(model.parameters(), want_params))
     with pytest.raises(tiermem.TierMemError, match="inside"):
         with train.step():

@@ -61,6 +61,28 @@ def _hf_case(torch, layers, vocab, batch, seq, n=10):
     return model, init, batches, want, 16 * sum(p.numel() for p in model.parameters())
 
 
+def _chunked_llama(torch):
+    """A Llama of 150M parameters on the host (its embedding and head 6% each, as TinyLlama's),
+    its initial weights, 12 batches of 4 x 512 tokens on the device, and its loss under bf16
+    autocast through chunked_lm_loss (NOTE [chunked loss])."""
+    from tiermem.training.lmloss import chunked_lm_loss
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=12,
+                                   num_attention_heads=8, num_key_value_heads=2, vocab_size=8192,
+                                   max_position_embeddings=512)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).train()          # on the host
+    init = {k: v.clone() for k, v in model.state_dict().items()}
+    g = torch.Generator(device="cuda").manual_seed(1)
+    batches = [torch.randint(0, cfg.vocab_size, (4, 512), device="cuda", generator=g) for _ in range(12)]
+
+    def loss(ids):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            h = model.model(input_ids=ids).last_hidden_state
+            return chunked_lm_loss(model.lm_head, h, ids, chunk_tokens=512)
+    return model, init, batches, loss
+
+
 def test_an_autocast_fine_tune_runs_every_step_at_its_floor_on_a_really_small_gpu():
     """The floor is read from a first training (its slots at wrap, its activations after the
     traced step); a second training at exactly that budget runs every step, the traced one
@@ -135,21 +157,7 @@ def test_a_chunked_loss_fine_tune_at_a_quarter_of_its_state_runs_every_step():
     from test_gpu_module import _take_device
     torch = _setup()
     import tiermem
-    from tiermem.training.lmloss import chunked_lm_loss
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=12,
-                                   num_attention_heads=8, num_key_value_heads=2, vocab_size=8192,
-                                   max_position_embeddings=512)
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg).train()          # on the host
-    init = {k: v.clone() for k, v in model.state_dict().items()}
-    g = torch.Generator(device="cuda").manual_seed(1)
-    batches = [torch.randint(0, cfg.vocab_size, (4, 512), device="cuda", generator=g) for _ in range(12)]
-
-    def loss(ids):
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            h = model.model(input_ids=ids).last_hidden_state
-            return chunked_lm_loss(model.lm_head, h, ids, chunk_tokens=512)
+    model, init, batches, loss = _chunked_llama(torch)
 
     want = _plain_losses(torch, model, init, batches, loss)
     state = 16 * sum(p.numel() for p in model.parameters())
@@ -306,21 +314,7 @@ def test_host_stepped_fine_tune_at_a_quarter_of_its_state_on_a_really_small_gpu(
     from test_gpu_module import _take_device
     torch = _setup()
     import tiermem
-    from tiermem.training.lmloss import chunked_lm_loss
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=12,
-                                   num_attention_heads=8, num_key_value_heads=2, vocab_size=8192,
-                                   max_position_embeddings=512)
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg).train()          # on the host
-    init = {k: v.clone() for k, v in model.state_dict().items()}
-    g = torch.Generator(device="cuda").manual_seed(1)
-    batches = [torch.randint(0, cfg.vocab_size, (4, 512), device="cuda", generator=g) for _ in range(12)]
-
-    def loss(ids):
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            h = model.model(input_ids=ids).last_hidden_state
-            return chunked_lm_loss(model.lm_head, h, ids, chunk_tokens=512)
+    model, init, batches, loss = _chunked_llama(torch)
 
     def optimizer():
         decay = [p for p in model.parameters() if p.dim() > 1]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 import io
+from typing import Any
 
 import pytest
 import torch
@@ -17,8 +18,8 @@ import tiermem
 from tiermem.testing.models import GPT, GPTConfig
 
 
-def gpt(fused: bool = True, opt=torch.optim.AdamW, **kw):
-    torch.manual_seed(0)
+def gpt(fused: bool = True, opt=torch.optim.AdamW, seed: int = 0, **kw):
+    torch.manual_seed(seed)
     m = GPT(GPTConfig(**CFG))
     decay = [p for n, p in m.named_parameters() if p.dim() > 1]
     rest = [p for n, p in m.named_parameters() if p.dim() <= 1]
@@ -288,3 +289,84 @@ def test_a_step_that_raises_half_way_leaves_host_and_device_stepping_alike(where
     assert a == b and all(torch.isfinite(torch.tensor(b)))
     assert all(torch.equal(x, y) for x, y in zip(pa, pb))
     same_states(ob, oa)
+
+
+def _checkpoint(model, opt) -> bytes:
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
+    return buf.getvalue()
+
+
+def _restore(model, opt, data: bytes, drop_every: int = 0) -> None:
+    ck = torch.load(io.BytesIO(data))
+    if drop_every:                  # states of some parameters missing: they start afresh
+        for i in sorted(ck["opt"]["state"])[::drop_every]:
+            del ck["opt"]["state"][i]
+    model.load_state_dict(ck["model"])
+    opt.load_state_dict(ck["opt"])
+
+
+def _plain_from(data: bytes, bs, drop_every: int = 0) -> tuple[list[float], Any]:
+    model, opt = gpt(seed=5)
+    _restore(model, opt, data, drop_every)
+    out = []
+    for ids in bs:
+        loss = loss_of(model, ids)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        out.append(float(loss.detach()))
+    return out, model
+
+
+def _steps(train, model, bs):
+    out = []
+    for ids in bs:
+        with train.step():
+            loss = loss_of(model, ids)
+            loss.backward()
+        out.append(float(loss.detach()))
+    return out
+
+
+@pytest.mark.parametrize("when, drop_every", [("before-wrapping", 0), ("before-the-first-step", 0),
+                                              ("after-steps", 0), ("after-steps", 3)],
+                         ids=["before-wrapping", "before-the-first-step", "after-steps", "states-missing"])
+def test_a_checkpoint_loads_into_host_stepped_training_as_into_a_plain_loop(when, drop_every):
+    """NOTE [loaded states], NOTE [host stepping]: a checkpoint of a host-stepped run loaded into
+    a fresh model and optimizer (before wrapping, or before the first step), or into one that
+    trained on, gives the plain fused loop's losses and parameters from it bitwise; states the
+    checkpoint lacks start afresh, as torch's optimizer starts them."""
+    bs = batches(7)
+    _, _, model, opt, train = hosted()
+    _steps(train, model, bs[:3])
+    data = _checkpoint(model, opt)
+    train.unwrap()
+    want, plain_model = _plain_from(data, bs[3:], drop_every)
+
+    model, opt = gpt(seed=5)                    # other weights: the load must replace them all
+    if when == "before-wrapping":
+        _restore(model, opt, data)
+    tier = tiermem.Tier(backend=FakeBackend(total=1 << 30, foreign_host=True))
+    train = tier.wrap_training(model, opt, state_bytes(model), block_bytes=16 << 10, min_swap=4096, host_step=True)
+    if when == "after-steps":
+        _steps(train, model, bs[:2])            # steps the load will undo
+    if when != "before-wrapping":
+        _restore(model, opt, data, drop_every)
+    assert _steps(train, model, bs[3:]) == want
+    assert all(torch.equal(p.detach(), q.detach()) for p, q in zip(model.parameters(), plain_model.parameters()))
+    assert train.host.blocks_stepped > 0
+    train.unwrap()
+
+
+def test_an_evaluation_between_host_steps_gives_the_plain_logits():
+    """NOTE [evaluation between steps]: the host's steps are done when train.step() returns, so a
+    forward between steps reads the stepped masters: the plain fused loop's logits, bitwise."""
+    bs, probe = batches(4), batches(1, seed=7)[0]
+    want_model, _, _ = plain(bs)
+    _, _, model, opt, train = hosted()
+    run(train, model, opt, bs)
+    with torch.no_grad():
+        for _ in range(2):
+            assert torch.equal(model(probe[:, :-1]), want_model(probe[:, :-1]))
+    train.unwrap()

@@ -78,6 +78,7 @@ def same_states(opt, want):
 
 @pytest.mark.parametrize("n, max_norm", [(1, None), (2, None), (1, 0.05), (2, 0.05), (1, 1e6)],
                          ids=["step", "accumulate", "clip-bites", "accumulate-clip", "clip-not"])
+@pytest.mark.long(keep=2)
 def test_host_steps_give_a_plain_fused_loop_bitwise(n, max_norm):
     bs = batches(6)
     want, want_opt, want_losses = plain(bs, n, max_norm)
@@ -212,6 +213,7 @@ def test_host_step_refuses_an_optimizer_it_cannot_step_before_adopting():
 
 
 @pytest.mark.parametrize("n, max_norm", [(1, None), (2, 0.05)], ids=["step", "accumulate-clip"])
+@pytest.mark.long
 def test_blocks_the_host_cannot_step_within_backward_step_on_the_device_bitwise(n, max_norm):
     """NOTE [host stepping]: the host takes blocks in backward's order while their steps fit in
     the traced backward; the rest step on the device, their states in their slots. Split so
@@ -254,6 +256,7 @@ def test_the_hosts_adamw_rate_is_measured():
 
 
 @pytest.mark.parametrize("where", ["middle", "start"])
+@pytest.mark.long
 def test_a_step_that_raises_half_way_leaves_host_and_device_stepping_alike(where):
     """A backward that raises half-way leaves the blocks whose gradients were complete stepped
     (NOTE [training transport]); on the host as on the device: the same losses, parameters and
@@ -332,6 +335,7 @@ def _steps(train, model, bs):
 @pytest.mark.parametrize("when, drop_every", [("before-wrapping", 0), ("before-the-first-step", 0),
                                               ("after-steps", 0), ("after-steps", 3)],
                          ids=["before-wrapping", "before-the-first-step", "after-steps", "states-missing"])
+@pytest.mark.long(keep=2)
 def test_a_checkpoint_loads_into_host_stepped_training_as_into_a_plain_loop(when, drop_every):
     """NOTE [loaded states], NOTE [host stepping]: a checkpoint of a host-stepped run loaded into
     a fresh model and optimizer (before wrapping, or before the first step), or into one that

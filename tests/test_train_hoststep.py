@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 import torch
 from fakes import FakeBackend
-from test_train import CFG, _deterministic, batches, loss_of, state_bytes  # noqa: F401  (fixture)
+from test_train import CFG, _deterministic, batches, loss_of, state_bytes, tiered_losses  # noqa: F401  (fixture)
+from test_train_resume import checkpoint
 
 import tiermem
 from tiermem.testing.models import GPT, GPTConfig
@@ -294,12 +295,6 @@ def test_a_step_that_raises_half_way_leaves_host_and_device_stepping_alike(where
     same_states(ob, oa)
 
 
-def _checkpoint(model, opt) -> bytes:
-    buf = io.BytesIO()
-    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
-    return buf.getvalue()
-
-
 def _restore(model, opt, data: bytes, drop_every: int = 0) -> None:
     ck = torch.load(io.BytesIO(data))
     if drop_every:                  # states of some parameters missing: they start afresh
@@ -322,16 +317,6 @@ def _plain_from(data: bytes, bs, drop_every: int = 0) -> tuple[list[float], Any]
     return out, model
 
 
-def _steps(train, model, bs):
-    out = []
-    for ids in bs:
-        with train.step():
-            loss = loss_of(model, ids)
-            loss.backward()
-        out.append(float(loss.detach()))
-    return out
-
-
 @pytest.mark.parametrize("when, drop_every", [("before-wrapping", 0), ("before-the-first-step", 0),
                                               ("after-steps", 0), ("after-steps", 3)],
                          ids=["before-wrapping", "before-the-first-step", "after-steps", "states-missing"])
@@ -343,8 +328,8 @@ def test_a_checkpoint_loads_into_host_stepped_training_as_into_a_plain_loop(when
     checkpoint lacks start afresh, as torch's optimizer starts them."""
     bs = batches(7)
     _, _, model, opt, train = hosted()
-    _steps(train, model, bs[:3])
-    data = _checkpoint(model, opt)
+    tiered_losses(train, model, bs[:3])
+    data = checkpoint(model, opt)
     train.unwrap()
     want, plain_model = _plain_from(data, bs[3:], drop_every)
 
@@ -354,10 +339,10 @@ def test_a_checkpoint_loads_into_host_stepped_training_as_into_a_plain_loop(when
     tier = tiermem.Tier(backend=FakeBackend(total=1 << 30, foreign_host=True))
     train = tier.wrap_training(model, opt, state_bytes(model), block_bytes=16 << 10, min_swap=4096, host_step=True)
     if when == "after-steps":
-        _steps(train, model, bs[:2])            # steps the load will undo
+        tiered_losses(train, model, bs[:2])            # steps the load will undo
     if when != "before-wrapping":
         _restore(model, opt, data, drop_every)
-    assert _steps(train, model, bs[3:]) == want
+    assert tiered_losses(train, model, bs[3:]) == want
     assert all(torch.equal(p.detach(), q.detach()) for p, q in zip(model.parameters(), plain_model.parameters()))
     assert train.host.blocks_stepped > 0
     train.unwrap()

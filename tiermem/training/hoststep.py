@@ -191,7 +191,7 @@ class HostSteps:
 
     def _join(self) -> BaseException | None:
         futures, self._futures = self._futures, []
-        err = None
+        err, steps = None, []
         for f, params in futures:
             try:
                 f.result()
@@ -202,9 +202,11 @@ class HostSteps:
                 st = self.opt.state[p]
                 s = st.get("step")
                 if self.torch.is_tensor(s):
-                    s.add_(1)
+                    steps.append(s)
                 elif s is not None:
                     st["step"] = s + 1
+        if steps:
+            self.torch._foreach_add_(steps, 1)     # one launch, not one a parameter
         return err
 
     def close(self) -> None:
@@ -270,16 +272,13 @@ class HostSteps:
             if "step" not in st:
                 step = self.opt.state[p].get("step", 0)
                 st["step"] = torch.tensor(float(step), dtype=torch.float32)
-        self.begin()
         tw = self._twins[b.index] = _Twin(key, params, grads, group)
         return tw
 
     def _make_optimizer(self) -> None:
-        """The CPU twin: the caller's optimizer class, fused, one placeholder per group (its
-        groups' parameters are set to a block's for each step)."""
+        """The CPU twin: the caller's optimizer class, fused, a group and a placeholder for each
+        of the caller's groups (a group's parameters are set to a block's for each step; its
+        hyperparameters are the caller's from :meth:`begin`)."""
         torch = self.torch
-        groups = []
-        for g in self.opt.param_groups:
-            hyper = {k: (float(v) if torch.is_tensor(v) else v) for k, v in g.items() if k not in _NOT_COPIED}
-            groups.append({"params": [torch.zeros(1)], **hyper})
-        self.cpu_opt = type(self.opt)(groups, fused=True)
+        self.cpu_opt = type(self.opt)([{"params": [torch.zeros(1)]} for _ in self.opt.param_groups], fused=True)
+        self.begin()

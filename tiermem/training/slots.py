@@ -196,9 +196,8 @@ class BlockSlots:
         v = self._views_of.get(key)
         if v is None:
             # a wide block's states fit only from the ring's start (NOTE [wide blocks]): none elsewhere
-            # and none for a block whose states step on the host (NOTE [host stepping])
-            fits = (s.ptr - self.slot_mem.data_ptr() + b.p_bytes + b.g_bytes + b.s_bytes <= self.slot_mem.numel()
-                    and not b.host)
+            # (a block stepped on the host never binds them: NOTE [host stepping])
+            fits = s.ptr - self.slot_mem.data_ptr() + b.p_bytes + b.g_bytes + b.s_bytes <= self.slot_mem.numel()
             v = (self.views(s.ptr, b, self.slot_mem, "p"),
                  self.views(s.ptr + b.p_bytes, b, self.slot_mem, "g"),
                  self.views(s.ptr + b.p_bytes + b.g_bytes, b, self.slot_mem, "s") if fits else [])

@@ -159,6 +159,42 @@ def test_the_fused_kernel_and_torchs_ops_write_the_plain_formula_to_the_bit(fmt,
         assert torch.equal(part, want[1:3])
 
 
+@pytest.mark.parametrize("fmt", ["int8", "fp8", "int4"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_one_launch_writes_a_chunks_members_to_the_bit(fmt, dtype):
+    # NOTE [one launch a chunk]: a layer's members back to back in one staging buffer, into one
+    # slot with gaps between them, in one launch a scale layout, against quant.reference.
+    import torch
+    pytest.importorskip("triton")
+
+    from tiermem.inference import dequant_kernel, quant
+    torch.manual_seed(0)
+    dt = getattr(torch, dtype)
+    shapes = [(2048, 2048), (256, 2048), (96, 4096), (37, 1030), (11008, 2048), (2048, 11008)]
+    ws = [(torch.randn(sh, device="cuda") * 0.05).to(dt) for sh in shapes]
+    ps = [quant.packing(w, fmt) for w in ws]
+    at = [0]
+    for p in ps:
+        at.append(at[-1] + -(-p.nbytes // quant.ALIGN) * quant.ALIGN)
+    raw = torch.zeros(at[-1], dtype=torch.uint8, device="cuda")
+    slot = torch.full((sum(p.rows * p.cols + 64 for p in ps),), float("nan"), dtype=dt, device="cuda")
+    items, wants, o = [], [], 64
+    for w, p, a in zip(ws, ps, at):
+        q, s = quant.views(p, raw[a:a + p.nbytes])
+        quant.pack_into(w, p, q, s, torch.device("cuda"))
+        items.append((q, s, p, slot[o:o + p.rows * p.cols].view(p.rows, p.cols)))
+        wants.append(quant.reference(q, s, p, dt))
+        o += p.rows * p.cols + 64
+    layouts = {it[2].groups == 1 for it in items}
+    for per_row in layouts:
+        run = dequant_kernel.prepare_many([it for it in items if (it[2].groups == 1) == per_row])
+        assert run is not None and run()
+    torch.cuda.synchronize()
+    assert all(torch.equal(out, want) for (_, _, _, out), want in zip(items, wants))
+    assert int(torch.isnan(slot).sum()) == 64 * len(items)       # nothing written between members
+    assert not [f for f in dequant_kernel.failed() if f[0].startswith(fmt)]
+
+
 def _qwen2_moe():
     import torch
     tf = pytest.importorskip("transformers")

@@ -79,6 +79,62 @@ def test_the_fused_kernel_writes_the_plain_formula_bitwise(interpreted_kernel, f
     assert not interpreted_kernel.dequantize(q, s, p, torch.empty(p.cols, p.rows, dtype=dtype).t())
 
 
+def _staged_members(fmt, dtype, shapes, device="cpu"):
+    """Members of ``shapes`` packed back to back in one staging buffer, each with its rows'
+    place in one slot (a gap between them) and its plain-formula weights: a staged chunk."""
+    from tiermem.inference.quant import ALIGN
+    torch.manual_seed(0)
+    ws = [(torch.randn(sh, device=device) * 0.05).to(dtype) for sh in shapes]
+    ps = [quant.packing(w, fmt) for w in ws]
+    offs, at = [], 0
+    for p in ps:
+        offs.append(at)
+        at += -(-p.nbytes // ALIGN) * ALIGN
+    raw = torch.zeros(at, dtype=torch.uint8, device=device)
+    slot = torch.full((sum(p.rows * p.cols + 8 for p in ps),), float("nan"), dtype=dtype, device=device)
+    items, wants, o = [], [], 8
+    for w, p, off in zip(ws, ps, offs):
+        q, s = quant.views(p, raw[off:off + p.nbytes])
+        quant.pack_into(w, p, q, s, torch.device(device))
+        items.append((q, s, p, slot[o:o + p.rows * p.cols].view(p.rows, p.cols)))
+        wants.append(quant.reference(q, s, p, dtype))
+        o += p.rows * p.cols + 8
+    return items, wants, slot
+
+
+@pytest.mark.parametrize("fmt", quant.FORMATS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+def test_one_launch_dequantizes_a_chunks_members_bitwise(interpreted_kernel, fmt, dtype):
+    # NOTE [one launch a chunk]: members of several widths (past a block, one scale a row at
+    # 1030 for int4, grouped at the others) in one staging buffer, into one slot, one launch a
+    # scale layout; the slot's bytes between members are not written.
+    items, wants, slot = _staged_members(fmt, dtype, [(5, 256), (3, 1030), (4, 2304), (7, 384)])
+    kinds = {}
+    for it in items:
+        kinds.setdefault(it[2].groups == 1, []).append(it)
+    for members in kinds.values():
+        run = interpreted_kernel.prepare_many(members)
+        assert run is not None and run()
+    assert all(torch.equal(out, want) for (_, _, _, out), want in zip(items, wants))
+    assert int(torch.isnan(slot).sum()) == 8 * (len(items) + 1) - 8
+    # quant.prepare_many (on the CPU, torch's ops; int4's need scratch): the same bits
+    for _, _, _, out in items:
+        out.fill_(float("nan"))
+    quant.prepare_many(items, torch.empty(max(p.q_bytes for _, _, p, _ in items), dtype=torch.uint8))()
+    assert all(torch.equal(out, want) for (_, _, _, out), want in zip(items, wants))
+    # members of two slot dtypes, or a view that is not contiguous, are not one launch
+    other = torch.empty(items[0][2].rows, items[0][2].cols, dtype=torch.bfloat16)
+    assert interpreted_kernel.prepare_many([items[0], items[0][:3] + (other,)]) is None
+    p = items[0][2]
+    assert interpreted_kernel.prepare_many([items[0][:3] + (torch.empty(p.cols, p.rows, dtype=dtype).t(),)]) is None
+
+
+def test_quant_prepare_many_on_the_cpu_is_torchs_ops():
+    items, wants, _ = _staged_members("int8", torch.float32, [(4, 256), (3, 512)])
+    quant.prepare_many(items)()
+    assert all(torch.equal(out, want) for (_, _, _, out), want in zip(items, wants))
+
+
 @pytest.mark.parametrize("values", ["*i8", "*fp8e4nv", "*u8"], ids=["int8", "fp8", "int4"])
 def test_the_fused_kernel_compiles_for_an_h200_and_rounds_once_to_nearest_even(values):
     """Compiled ahead of time for sm_90 (Triton's wheel carries ptxas; no GPU needed): every
@@ -102,6 +158,32 @@ def test_the_fused_kernel_compiles_for_an_h200_and_rounds_once_to_nearest_even(v
             ptx = c.asm["ptx"]
             assert c.asm["cubin"] and "mul.f32" in ptx and ".ftz" not in ptx
             assert not re.search(r"\bfma\.", ptx)                    # one product, rounded once
+            if cvt:
+                assert cvt in ptx
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8", "int4"])
+def test_the_kernel_of_a_chunk_compiles_for_an_h200_and_rounds_once_to_nearest_even(fmt):
+    """NOTE [one launch a chunk]'s kernel, compiled ahead of time for sm_90 as above."""
+    triton = pytest.importorskip("triton")
+    import re
+
+    from triton.backends.compiler import GPUTarget
+
+    from tiermem.inference import dequant_kernel
+    k = dequant_kernel._many_kernel()
+    at = {n: (k.arg_names.index(n),) for n in ("FMT", "PER_ROW", "BLOCK", "META")}
+    for out, cvt in (("*fp16", "cvt.rn.f16.f32"), ("*bf16", "cvt.rn.bf16.f32"), ("*fp32", None)):
+        for per_row in (True, False):
+            sig = {"in_ptr": "*u8", "out_ptr": out, "meta_ptr": "*i64", "members": "i32", "FMT": "constexpr",
+                   "PER_ROW": "constexpr", "BLOCK": "constexpr", "META": "constexpr"}
+            consts = {at["FMT"]: dequant_kernel._FMT[fmt], at["PER_ROW"]: per_row, at["BLOCK"]: dequant_kernel.BLOCK,
+                      at["META"]: dequant_kernel._META}
+            c = triton.compile(triton.compiler.ASTSource(fn=k, signature=sig, constexprs=consts),
+                               target=GPUTarget("cuda", 90, 32))
+            ptx = c.asm["ptx"]
+            assert c.asm["cubin"] and "mul.f32" in ptx and ".ftz" not in ptx
+            assert not re.search(r"\bfma\.", ptx)
             if cvt:
                 assert cvt in ptx
 
@@ -614,8 +696,8 @@ def test_a_forward_queues_few_host_calls_per_streamed_piece(tier, fake, monkeypa
     """The host's work to queue a quantized forward (issue 57: it, not the link, bounded the
     forwards): once the chunks are made (NOTE [packed chunks made once]), a forward makes no
     views and prepares no dequantization, and a piece that crosses in one chunk costs one copy
-    (its members lie in the staging buffer as in their home), one dequantization job per
-    member, and four events."""
+    (its members lie in the staging buffer as in their home), one dequantization job for
+    its packed members, and four events."""
     model, cfg = _llama(torch.float16)
     h = tier.wrap_module(model, budget=share(model, 40), stream_dtype=fmt, max_group_bytes=GROUP, mode="stream")
     st = h._stream
@@ -645,8 +727,11 @@ def test_a_forward_queues_few_host_calls_per_streamed_piece(tier, fake, monkeypa
         jobs.clear()
         model(ids)
     n = len(pieces)
-    members = sum(len(st._piece_rows(p)) for p in pieces)
-    assert len(jobs) == n and sum(jobs) == members       # one dequantization lane run a piece, a job a member
+    # One dequantization lane run a piece; in it one job for its packed members (one launch a
+    # format on a GPU: NOTE [one launch a chunk]) and one a member kept as it is.
+    want = [any(p.group.packing[i] is not None for i, _, _ in st._piece_rows(p))
+            + sum(p.group.packing[i] is None for i, _, _ in st._piece_rows(p)) for p in pieces]
+    assert len(jobs) == n and sorted(jobs) == sorted(want), (jobs, want)
     assert "prepare" not in calls and "views" not in calls and "dequantize" not in calls, calls
     # Values, scales and members: one copy a piece, as a piece kept as it is (the norms) takes.
     slotted = [p for g in h._groups.values() if not g.pinned and g.slot_in("stream") for p in g.pieces]

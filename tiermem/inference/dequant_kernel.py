@@ -14,6 +14,17 @@ NOTE [one dequantization kernel]
     (round to nearest even), which is exactly quant.reference's ``(values.float() *
     scale).to(dtype)``, bit for bit. Where Triton is not importable (the CPU, the fake backend),
     or a view is not contiguous, torch's ops run instead: the same bits, slower.
+
+NOTE [one launch a chunk]
+    A staged chunk holds a layer's members back to back (q, k, v, o, the MLP's three: seven
+    weights), and a launch through Triton's Python launcher costs the host 30-60 us. At 1x128
+    tokens a streamed forward of a 26-layer model is bound by the host, not by the link: on the
+    H200, Qwen2's int4 prefill took 52 ms against 19 ms of copies, and its resident prefill 40 ms
+    (docs/inference.md). So a chunk's members of one format and slot dtype dequantize in one
+    launch (:func:`prepare_many`): a program per row of all of them, which finds its member in
+    a small table on the device (each member's first program, its values', scales' and slot's
+    offsets from three bases, its columns and grouping) and walks the row's columns a block at
+    a time. Each value is the same product rounded once as in the kernel of one member.
 """
 from __future__ import annotations
 
@@ -23,7 +34,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["BLOCK", "available", "dequantize", "prepare", "failed"]
+__all__ = ["BLOCK", "available", "dequantize", "prepare", "prepare_many", "failed"]
 
 BLOCK = 1024      # columns a program writes
 log = logging.getLogger("tiermem")
@@ -61,6 +72,59 @@ def _kernel() -> Any:
         tl.store(out_ptr + row * cols + c, (x * s).to(out_ptr.dtype.element_ty), mask=mask)
 
     return dequant
+
+
+# The table of :func:`_many_kernel` has a row of _META int64 per member: its first program, its
+# values' and its scales' byte offsets from the input base, its slot's element offset from the
+# output base, its columns, its values' bytes a row, its groups a row and a group's columns.
+_META = 8
+
+
+@functools.cache
+def _many_kernel() -> Any:
+    """The kernel of NOTE [one launch a chunk], or None where Triton cannot be imported."""
+    try:
+        import triton
+        import triton.language as tl
+    except Exception:
+        return None
+
+    @triton.jit
+    def dequant_many(in_ptr, out_ptr, meta_ptr, members,
+                     FMT: tl.constexpr, PER_ROW: tl.constexpr, BLOCK: tl.constexpr, META: tl.constexpr):
+        pid = tl.program_id(0)
+        m = pid * 0
+        for k in range(1, members):         # the last member whose first program is at or before this one
+            m = tl.where(pid >= tl.load(meta_ptr + k * META), k, m)
+        at = meta_ptr + m * META
+        row = (pid - tl.load(at)).to(tl.int64)
+        base = in_ptr.to(tl.pointer_type(tl.uint8))
+        q_ptr = base + tl.load(at + 1) + row * tl.load(at + 5)
+        cols = tl.load(at + 4)
+        groups = tl.load(at + 6)
+        group = tl.load(at + 7)
+        s_ptr = (base + tl.load(at + 2)).to(tl.pointer_type(tl.float32)) + row * groups
+        o_ptr = out_ptr + tl.load(at + 3) + row * cols
+        if PER_ROW:
+            s_row = tl.load(s_ptr)
+        for c0 in range(0, cols, BLOCK):
+            c = c0 + tl.arange(0, BLOCK)
+            mask = c < cols
+            if FMT == 2:        # int4: column 2j the low nibble of byte j, 2j + 1 the high one
+                b = tl.load(q_ptr + c // 2, mask=mask).to(tl.int32)
+                v = (b >> ((c % 2) * 4)) & 15
+                x = tl.where(v >= 8, v - 16, v).to(tl.float32)
+            elif FMT == 1:      # fp8 e4m3
+                x = tl.load(q_ptr + c, mask=mask).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            else:               # int8
+                x = tl.load(q_ptr + c, mask=mask).to(tl.int8, bitcast=True).to(tl.float32)
+            if PER_ROW:
+                sc = s_row
+            else:
+                sc = tl.load(s_ptr + c // group, mask=mask, other=0.0)
+            tl.store(o_ptr + c, (x * sc).to(out_ptr.dtype.element_ty), mask=mask)
+
+    return dequant_many
 
 
 def available(out: Any) -> bool:
@@ -117,6 +181,65 @@ def prepare(q: Any, s: Any, p: Any, out: Any) -> Callable[[], bool] | None:
             _failed.add(key)
             log.warning("tiermem: the fused dequantization does not run for %s into %s here (%s: %s); torch's ops "
                         "dequantize instead (NOTE [one dequantization kernel])", p.fmt, out.dtype,
+                        type(e).__name__, e)
+            return False
+        return True
+    return run
+
+
+_FMT = {"int8": 0, "fp8": 1, "int4": 2}
+
+
+def prepare_many(items: list[tuple[Any, Any, Any, Any]]) -> Callable[[], bool] | None:
+    """One launch that dequantizes every (q, s, p, out) of ``items`` (NOTE [one launch a
+    chunk]): views of one staging buffer's packed rows and of one slot, all of one format, one
+    scale layout (per row or per group) and one slot dtype. Its table is made now, on the
+    slot's device; each call of what it returns launches the kernel on the current stream and
+    says whether it ran (False: it does not compile here, for the caller's per-member path).
+    None where it cannot run: Triton missing, a view not contiguous, the views not of one
+    kind, or an offset that is not a whole number of the slot dtype's elements."""
+    kernel = _many_kernel()
+    if kernel is None or not items:
+        return None
+    q0, _, p0, o0 = items[0]
+    kind = (p0.fmt, p0.groups == 1, o0.dtype, o0.device)
+    if any((p.fmt, p.groups == 1, o.dtype, o.device) != kind for _, _, p, o in items):
+        return None
+    if not all(t.is_contiguous() for q, s, _, o in items for t in (q, s, o)):
+        return None
+    import torch
+    ins = [t for q, s, _, _ in items for t in (q, s)]
+    src = min(ins, key=lambda t: t.data_ptr())
+    dst = min((o for _, _, _, o in items), key=lambda t: t.data_ptr())
+    size = dst.element_size()
+    rows, table = 0, []
+    for q, s, p, o in items:
+        gap = o.data_ptr() - dst.data_ptr()
+        if gap % size:
+            return None
+        table.append([rows, q.data_ptr() - src.data_ptr(), s.data_ptr() - src.data_ptr(), gap // size,
+                      p.cols, p.row_q, p.groups, p.group])
+        rows += int(q.shape[0])
+    # Its own key: where this kernel does not compile, the kernel of one member may still.
+    key = (f"{p0.fmt}, many", o0.dtype, o0.device.index if o0.device.index is not None else -1)
+    if rows == 0:
+        return lambda: key not in _failed
+    meta = torch.tensor(table, dtype=torch.int64).to(o0.device)
+    launch = kernel[(rows,)]
+    args = (src, dst, meta, len(items))
+    consts = {"FMT": _FMT[p0.fmt], "PER_ROW": p0.groups == 1, "BLOCK": BLOCK, "META": _META}
+    device = o0.device
+
+    def run() -> bool:
+        if key in _failed:
+            return False
+        try:
+            with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+                launch(*args, **consts)
+        except Exception as e:     # as in prepare: torch's ops, or the kernel of one member, do the same work
+            _failed.add(key)
+            log.warning("tiermem: the fused dequantization does not run for %s into %s here (%s: %s); torch's ops "
+                        "dequantize instead (NOTE [one dequantization kernel])", p0.fmt, o0.dtype,
                         type(e).__name__, e)
             return False
         return True

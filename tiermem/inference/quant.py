@@ -57,7 +57,7 @@ from typing import Any
 
 from ..errors import ConfigError
 
-__all__ = ["FORMATS", "KERNELS", "INT4_GROUP", "QSTAGES", "Packing", "packing", "pack_into", "dequantize", "prepare", "reference",
+__all__ = ["FORMATS", "KERNELS", "INT4_GROUP", "QSTAGES", "Packing", "packing", "pack_into", "dequantize", "prepare", "prepare_many", "reference",
            "unpack", "check_format", "views", "QSTAGE_BYTES"]
 
 FORMATS = ("int8", "fp8", "int4")
@@ -249,6 +249,31 @@ def prepare(q: Any, s: Any, p: Packing, out: Any, scratch: Any = None, kernel: s
         if not fused():
             ops()
     return either
+
+
+def prepare_many(items: list[tuple[Any, Any, Packing, Any]], scratch: Any = None) -> Callable[[], None]:
+    """:func:`prepare` of each (q, s, p, out) of ``items``, the rows of one staged chunk (views of
+    one staging buffer and of one slot), made once: on a GPU the members of each format, scale
+    layout and slot dtype dequantize in one launch (NOTE [one launch a chunk] in
+    inference/dequant_kernel.py), each member on its own ("auto") where that launch cannot run."""
+    from . import dequant_kernel
+    each = [prepare(q, s, p, out, scratch) for q, s, p, out in items]
+    kinds: dict[tuple[Any, ...], list[int]] = {}
+    for k, (q, _, p, out) in enumerate(items):
+        kinds.setdefault((p.fmt, p.groups == 1, out.dtype), []).append(k)
+    plans = []
+    for idx in kinds.values():
+        views = [(items[k][0], items[k][1], items[k][2], items[k][3].view(items[k][0].shape[0], items[k][2].cols))
+                 for k in idx]
+        fused = dequant_kernel.prepare_many(views) if dequant_kernel.available(views[0][3]) else None
+        plans.append((fused, [each[k] for k in idx]))
+
+    def run() -> None:
+        for fused, singles in plans:
+            if fused is None or not fused():
+                for one in singles:
+                    one()
+    return run
 
 
 _NO_FUSED = ("the fused dequantization needs a CUDA tensor, contiguous views and Triton importable; "

@@ -663,18 +663,19 @@ class PinnedTransport:
     def _chunk_work(self, g: Group, chunk: list[tuple[int, int, int]], stage: int,
                     dst: Callable[[int, int, int], Any]) -> tuple[list[tuple[int, int, int]], int, list[Callable[[], Any]]]:
         """(copies (offset in the staging buffer, home address, bytes), bytes, jobs) of one chunk
-        of ``g`` landing in staging buffer ``stage``; a job is the device work of one range, made
-        once (quant.prepare: a dequantization with its views and launch arguments made; or the
-        copy of the staged rows as they are into their place)."""
+        of ``g`` landing in staging buffer ``stage``; a job is device work made once: the
+        dequantization of the chunk's packed ranges (quant.prepare_many: views and launch
+        arguments made, one launch a format on a GPU), or the copy of a range kept as it is
+        into its place."""
         home, raw = self.home.ptr + g.offset, self._stage_raw[stage]
-        parts, jobs, at = [], [], 0
+        parts, jobs, packed, at = [], [], [], 0
         for i, lo, hi in chunk:
             p, off, out = g.packing[i], home + g.packed_offsets[i], dst(i, lo, hi)
             if p is not None:
                 (qo, qn), (so, sn) = p.row_ranges(lo, hi)
                 parts += [(at, off + qo, qn), (at + _up(qn), off + so, sn)]
                 q, s = quant.views(p, raw[at:at + p.rows_nbytes(hi - lo)], hi - lo)
-                jobs.append(quant.prepare(q, s, p, out, self._scratch))
+                packed.append((q, s, p, out))
                 at += p.rows_nbytes(hi - lo)
             else:
                 t = g.tensors[i]
@@ -682,6 +683,8 @@ class PinnedTransport:
                 parts.append((at, off + lo * per, (hi - lo) * per))
                 jobs.append(functools.partial(out.copy_, raw[at:at + (hi - lo) * per].view(t.dtype).view(out.shape)))
                 at += _up((hi - lo) * per)
+        if packed:       # NOTE [one launch a chunk] in inference/dequant_kernel.py
+            jobs.insert(0, quant.prepare_many(packed, self._scratch))
         return _merged(parts), sum(x for _, _, x in parts), jobs
 
     def _unpack(self, g: Group, jobs: list[Callable[[], Any]]) -> None:

@@ -55,8 +55,10 @@ def interpreted_kernel(monkeypatch):
     from tiermem.inference import dequant_kernel
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     dequant_kernel._kernel.cache_clear()
+    dequant_kernel._many_kernel.cache_clear()
     yield dequant_kernel
     dequant_kernel._kernel.cache_clear()
+    dequant_kernel._many_kernel.cache_clear()
 
 
 @pytest.mark.parametrize("fmt", quant.FORMATS)

@@ -21,10 +21,12 @@ NOTE [one launch a chunk]
     tokens a streamed forward of a 26-layer model is bound by the host, not by the link: on the
     H200, Qwen2's int4 prefill took 52 ms against 19 ms of copies, and its resident prefill 40 ms
     (docs/inference.md). So a chunk's members of one format and slot dtype dequantize in one
-    launch (:func:`prepare_many`): a program per row of all of them, which finds its member in
-    a small table on the device (each member's first program, its values', scales' and slot's
-    offsets from three bases, its columns and grouping) and walks the row's columns a block at
-    a time. Each value is the same product rounded once as in the kernel of one member.
+    launch (:func:`prepare_many`): a program per row and block of columns of all of them, as the
+    kernel of one member has, which finds its member in a small table on the device (each
+    member's first program, its values', scales' and slot's offsets from two bases, its columns
+    and grouping). Each value is the same product rounded once as in the kernel of one member.
+    A first version walked a row's columns in a loop, a program a row: int4's dequantization
+    took 3x the device time.
 """
 from __future__ import annotations
 
@@ -74,7 +76,8 @@ def _kernel() -> Any:
     return dequant
 
 
-# The table of :func:`_many_kernel` has a row of _META int64 per member: its first program, its
+# The table of :func:`_many_kernel` has a row of _META int64 per member: its first program (a
+# program per row and block of BLOCK columns), its
 # values' and its scales' byte offsets from the input base, its slot's element offset from the
 # output base, its columns, its values' bytes a row, its groups a row and a group's columns.
 _META = 8
@@ -92,37 +95,36 @@ def _many_kernel() -> Any:
     @triton.jit
     def dequant_many(in_ptr, out_ptr, meta_ptr, members,
                      FMT: tl.constexpr, PER_ROW: tl.constexpr, BLOCK: tl.constexpr, META: tl.constexpr):
+        # A program per block of BLOCK columns of one row of one member, as the kernel of one
+        # member has: its member is the last whose first program is at or before it.
         pid = tl.program_id(0)
         m = pid * 0
-        for k in range(1, members):         # the last member whose first program is at or before this one
+        for k in range(1, members):
             m = tl.where(pid >= tl.load(meta_ptr + k * META), k, m)
         at = meta_ptr + m * META
-        row = (pid - tl.load(at)).to(tl.int64)
+        cols = tl.load(at + 4)
+        blocks = (cols + BLOCK - 1) // BLOCK
+        tile = pid - tl.load(at)
+        row = tile // blocks
+        c = (tile % blocks) * BLOCK + tl.arange(0, BLOCK)
+        mask = c < cols
+        groups = tl.load(at + 6)
         base = in_ptr.to(tl.pointer_type(tl.uint8))
         q_ptr = base + tl.load(at + 1) + row * tl.load(at + 5)
-        cols = tl.load(at + 4)
-        groups = tl.load(at + 6)
-        group = tl.load(at + 7)
         s_ptr = (base + tl.load(at + 2)).to(tl.pointer_type(tl.float32)) + row * groups
-        o_ptr = out_ptr + tl.load(at + 3) + row * cols
+        if FMT == 2:        # int4: column 2j the low nibble of byte j, 2j + 1 the high one
+            b = tl.load(q_ptr + c // 2, mask=mask).to(tl.int32)
+            v = (b >> ((c % 2) * 4)) & 15
+            x = tl.where(v >= 8, v - 16, v).to(tl.float32)
+        elif FMT == 1:      # fp8 e4m3
+            x = tl.load(q_ptr + c, mask=mask).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        else:               # int8
+            x = tl.load(q_ptr + c, mask=mask).to(tl.int8, bitcast=True).to(tl.float32)
         if PER_ROW:
-            s_row = tl.load(s_ptr)
-        for c0 in range(0, cols, BLOCK):
-            c = c0 + tl.arange(0, BLOCK)
-            mask = c < cols
-            if FMT == 2:        # int4: column 2j the low nibble of byte j, 2j + 1 the high one
-                b = tl.load(q_ptr + c // 2, mask=mask).to(tl.int32)
-                v = (b >> ((c % 2) * 4)) & 15
-                x = tl.where(v >= 8, v - 16, v).to(tl.float32)
-            elif FMT == 1:      # fp8 e4m3
-                x = tl.load(q_ptr + c, mask=mask).to(tl.float8e4nv, bitcast=True).to(tl.float32)
-            else:               # int8
-                x = tl.load(q_ptr + c, mask=mask).to(tl.int8, bitcast=True).to(tl.float32)
-            if PER_ROW:
-                sc = s_row
-            else:
-                sc = tl.load(s_ptr + c // group, mask=mask, other=0.0)
-            tl.store(o_ptr + c, (x * sc).to(out_ptr.dtype.element_ty), mask=mask)
+            sc = tl.load(s_ptr)
+        else:
+            sc = tl.load(s_ptr + c // tl.load(at + 7), mask=mask, other=0.0)
+        tl.store(out_ptr + tl.load(at + 3) + row * cols + c, (x * sc).to(out_ptr.dtype.element_ty), mask=mask)
 
     return dequant_many
 
@@ -212,20 +214,20 @@ def prepare_many(items: list[tuple[Any, Any, Any, Any]]) -> Callable[[], bool] |
     src = min(ins, key=lambda t: t.data_ptr())
     dst = min((o for _, _, _, o in items), key=lambda t: t.data_ptr())
     size = dst.element_size()
-    rows, table = 0, []
+    tiles, table = 0, []
     for q, s, p, o in items:
         gap = o.data_ptr() - dst.data_ptr()
         if gap % size:
             return None
-        table.append([rows, q.data_ptr() - src.data_ptr(), s.data_ptr() - src.data_ptr(), gap // size,
+        table.append([tiles, q.data_ptr() - src.data_ptr(), s.data_ptr() - src.data_ptr(), gap // size,
                       p.cols, p.row_q, p.groups, p.group])
-        rows += int(q.shape[0])
+        tiles += int(q.shape[0]) * -(-p.cols // BLOCK)
     # Its own key: where this kernel does not compile, the kernel of one member may still.
     key = (f"{p0.fmt}, many", o0.dtype, o0.device.index if o0.device.index is not None else -1)
-    if rows == 0:
+    if tiles == 0:
         return lambda: key not in _failed
     meta = torch.tensor(table, dtype=torch.int64).to(o0.device)
-    launch = kernel[(rows,)]
+    launch = kernel[(tiles,)]
     args = (src, dst, meta, len(items))
     consts = {"FMT": _FMT[p0.fmt], "PER_ROW": p0.groups == 1, "BLOCK": BLOCK, "META": _META}
     device = o0.device

@@ -226,17 +226,30 @@ def prepare_many(items: list[tuple[Any, Any, Any, Any]]) -> Callable[[], bool] |
     key = (f"{p0.fmt}, many", o0.dtype, o0.device.index if o0.device.index is not None else -1)
     if tiles == 0:
         return lambda: key not in _failed
-    meta = torch.tensor(table, dtype=torch.int64).to(o0.device)
+    # The table crosses on the stream the kernel runs on, at its first launch, from pinned
+    # memory: a copy from pageable memory now would wait for the device's work queued so far,
+    # and the expert cache prepares its chunks in the middle of a forward (NOTE [packed chunks
+    # made once] in inference/transport.py).
+    host = torch.tensor(table, dtype=torch.int64)
+    on_gpu = o0.device.type == "cuda"
+    if on_gpu:
+        host = host.pin_memory()
+    meta = torch.empty_like(host, device=o0.device)
     launch = kernel[(tiles,)]
     args = (src, dst, meta, len(items))
     consts = {"FMT": _FMT[p0.fmt], "PER_ROW": p0.groups == 1, "BLOCK": BLOCK, "META": _META}
     device = o0.device
+    sent: list[Any] = [host]          # the table's host copy until it is sent
 
     def run() -> bool:
         if key in _failed:
             return False
         try:
-            with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+            with torch.cuda.device(device) if on_gpu else contextlib.nullcontext():
+                if sent:
+                    meta.copy_(sent.pop(), non_blocking=True)
+                    if on_gpu:      # made on another stream: kept until this one's kernels are done
+                        meta.record_stream(torch.cuda.current_stream(device))
                 launch(*args, **consts)
         except Exception as e:     # as in prepare: torch's ops, or the kernel of one member, do the same work
             _failed.add(key)

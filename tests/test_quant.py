@@ -174,13 +174,13 @@ def test_the_kernel_of_a_chunk_compiles_for_an_h200_and_rounds_once_to_nearest_e
 
     from tiermem.inference import dequant_kernel
     k = dequant_kernel._many_kernel()
-    at = {n: (k.arg_names.index(n),) for n in ("FMT", "PER_ROW", "BLOCK", "META")}
+    at = {n: (k.arg_names.index(n),) for n in ("FMT", "PER_ROW", "GROUP", "BLOCK", "META")}
     for out, cvt in (("*fp16", "cvt.rn.f16.f32"), ("*bf16", "cvt.rn.bf16.f32"), ("*fp32", None)):
         for per_row in (True, False):
             sig = {"in_ptr": "*u8", "out_ptr": out, "meta_ptr": "*i64", "members": "i32", "FMT": "constexpr",
-                   "PER_ROW": "constexpr", "BLOCK": "constexpr", "META": "constexpr"}
-            consts = {at["FMT"]: dequant_kernel._FMT[fmt], at["PER_ROW"]: per_row, at["BLOCK"]: dequant_kernel.BLOCK,
-                      at["META"]: dequant_kernel._META}
+                   "PER_ROW": "constexpr", "GROUP": "constexpr", "BLOCK": "constexpr", "META": "constexpr"}
+            consts = {at["FMT"]: dequant_kernel._FMT[fmt], at["PER_ROW"]: per_row, at["GROUP"]: quant.INT4_GROUP,
+                      at["BLOCK"]: dequant_kernel.BLOCK, at["META"]: dequant_kernel._META}
             c = triton.compile(triton.compiler.ASTSource(fn=k, signature=sig, constexprs=consts),
                                target=GPUTarget("cuda", 90, 32))
             ptx = c.asm["ptx"]

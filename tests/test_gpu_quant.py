@@ -187,7 +187,7 @@ def test_one_launch_writes_a_chunks_members_to_the_bit(fmt, dtype):
         o += p.rows * p.cols + 64
     layouts = {it[2].groups == 1 for it in items}
     for per_row in layouts:
-        run = dequant_kernel.prepare_many([it for it in items if (it[2].groups == 1) == per_row])
+        run = dequant_kernel.prepare_many([it for it in items if (it[2].groups == 1) == per_row], quant.INT4_GROUP)
         assert run is not None and run()
     torch.cuda.synchronize()
     assert all(torch.equal(out, want) for (_, _, _, out), want in zip(items, wants))

@@ -115,7 +115,7 @@ def test_one_launch_dequantizes_a_chunks_members_bitwise(interpreted_kernel, fmt
     for it in items:
         kinds.setdefault(it[2].groups == 1, []).append(it)
     for members in kinds.values():
-        run = interpreted_kernel.prepare_many(members)
+        run = interpreted_kernel.prepare_many(members, quant.INT4_GROUP)
         assert run is not None and run()
     assert all(torch.equal(out, want) for (_, _, _, out), want in zip(items, wants))
     assert int(torch.isnan(slot).sum()) == 8 * (len(items) + 1) - 8
@@ -126,9 +126,10 @@ def test_one_launch_dequantizes_a_chunks_members_bitwise(interpreted_kernel, fmt
     assert all(torch.equal(out, want) for (_, _, _, out), want in zip(items, wants))
     # members of two slot dtypes, or a view that is not contiguous, are not one launch
     other = torch.empty(items[0][2].rows, items[0][2].cols, dtype=torch.bfloat16)
-    assert interpreted_kernel.prepare_many([items[0], items[0][:3] + (other,)]) is None
+    assert interpreted_kernel.prepare_many([items[0], items[0][:3] + (other,)], quant.INT4_GROUP) is None
     p = items[0][2]
-    assert interpreted_kernel.prepare_many([items[0][:3] + (torch.empty(p.cols, p.rows, dtype=dtype).t(),)]) is None
+    assert interpreted_kernel.prepare_many([items[0][:3] + (torch.empty(p.cols, p.rows, dtype=dtype).t(),)],
+                                           quant.INT4_GROUP) is None
 
 
 def test_quant_prepare_many_on_the_cpu_is_torchs_ops():

@@ -28,7 +28,7 @@ NOTE [one launch a chunk]
     A first version walked a row's columns in a loop, a program a row, and divided each column
     by a group size read from the table (a 64-bit division): int4's dequantization took 3.5x
     the device time of the kernel of one member; the group is a constant (int4's grouped
-    scales are of INT4_GROUP columns), so the division is a shift.
+    scales are of quant.INT4_GROUP columns), so the division is a shift.
 """
 from __future__ import annotations
 
@@ -79,9 +79,9 @@ def _kernel() -> Any:
 
 
 # The table of :func:`_many_kernel` has a row of _META int64 per member: its first program (a
-# program per row and block of BLOCK columns), its
-# values' and its scales' byte offsets from the input base, its slot's element offset from the
-# output base, its columns, its values' bytes a row, its groups a row and a group's columns.
+# program per row and block of BLOCK columns), its values' and its scales' byte offsets from the
+# input base, its slot's element offset from the output base, its columns, its values' bytes a
+# row, its groups a row and a group's columns.
 _META = 8
 
 
@@ -174,19 +174,26 @@ def prepare(q: Any, s: Any, p: Any, out: Any) -> Callable[[], bool] | None:
     consts = {"INT4": p.fmt == "int4", "PER_ROW": p.groups == 1, "BLOCK": BLOCK}
     device = out.device
 
+    def go() -> None:
+        # Triton launches on the current device's current stream: the slot's device, whose
+        # current stream the caller made the dequantization lane's.
+        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+            launch(*args, **consts)
+    return _guarded(key, go)
+
+
+def _guarded(key: tuple[str, Any, int], go: Callable[[], None]) -> Callable[[], bool]:
+    """``go`` (a launch) run by what this returns, which says whether it ran: False, and ``key``
+    (format, slot dtype, device) never launched again, where it does not compile here."""
     def run() -> bool:
         if key in _failed:
             return False
         try:
-            # Triton launches on the current device's current stream: the slot's device, whose
-            # current stream the caller made the dequantization lane's.
-            with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-                launch(*args, **consts)
+            go()
         except Exception as e:     # Triton's compile errors have no common base; torch's ops do the same work
             _failed.add(key)
             log.warning("tiermem: the fused dequantization does not run for %s into %s here (%s: %s); torch's ops "
-                        "dequantize instead (NOTE [one dequantization kernel])", p.fmt, out.dtype,
-                        type(e).__name__, e)
+                        "dequantize instead (NOTE [one dequantization kernel])", key[0], key[1], type(e).__name__, e)
             return False
         return True
     return run
@@ -195,10 +202,10 @@ def prepare(q: Any, s: Any, p: Any, out: Any) -> Callable[[], bool] | None:
 _FMT = {"int8": 0, "fp8": 1, "int4": 2}
 
 
-def prepare_many(items: list[tuple[Any, Any, Any, Any]]) -> Callable[[], bool] | None:
+def prepare_many(items: list[tuple[Any, Any, Any, Any]], group: int) -> Callable[[], bool] | None:
     """One launch that dequantizes every (q, s, p, out) of ``items`` (NOTE [one launch a
     chunk]): views of one staging buffer's packed rows and of one slot, all of one format, one
-    scale layout (per row or per group) and one slot dtype. Its table is made now, on the
+    scale layout (per row, or per ``group`` columns, a power of two) and one slot dtype. Its table is made now, on the
     slot's device; each call of what it returns launches the kernel on the current stream and
     says whether it ran (False: it does not compile here, for the caller's per-member path).
     None where it cannot run: Triton missing, a view not contiguous, the views not of one
@@ -212,9 +219,8 @@ def prepare_many(items: list[tuple[Any, Any, Any, Any]]) -> Callable[[], bool] |
         return None
     if not all(t.is_contiguous() for q, s, _, o in items for t in (q, s, o)):
         return None
-    from .quant import INT4_GROUP
-    if any(p.groups > 1 and p.group != INT4_GROUP for _, _, p, _ in items):
-        return None         # grouped scales are int4's, of INT4_GROUP columns: the kernel's constant
+    if group & (group - 1) or any(p.groups > 1 and p.group != group for _, _, p, _ in items):
+        return None         # the kernel's group is a constant, a power of two: its division a shift
     import torch
     ins = [t for q, s, _, _ in items for t in (q, s)]
     src = min(ins, key=lambda t: t.data_ptr())
@@ -229,7 +235,7 @@ def prepare_many(items: list[tuple[Any, Any, Any, Any]]) -> Callable[[], bool] |
                       p.cols, p.row_q, p.groups, p.group])
         tiles += int(q.shape[0]) * -(-p.cols // BLOCK)
     # Its own key: where this kernel does not compile, the kernel of one member may still.
-    key = (f"{p0.fmt}, many", o0.dtype, o0.device.index if o0.device.index is not None else -1)
+    key = (f"{p0.fmt} (a chunk)", o0.dtype, o0.device.index if o0.device.index is not None else -1)
     if tiles == 0:
         return lambda: key not in _failed
     # The table crosses on the stream the kernel runs on, at its first launch, from pinned
@@ -243,25 +249,15 @@ def prepare_many(items: list[tuple[Any, Any, Any, Any]]) -> Callable[[], bool] |
     meta = torch.empty_like(host, device=o0.device)
     launch = kernel[(tiles,)]
     args = (src, dst, meta, len(items))
-    consts = {"FMT": _FMT[p0.fmt], "PER_ROW": p0.groups == 1, "GROUP": INT4_GROUP, "BLOCK": BLOCK, "META": _META}
+    consts = {"FMT": _FMT[p0.fmt], "PER_ROW": p0.groups == 1, "GROUP": group, "BLOCK": BLOCK, "META": _META}
     device = o0.device
     sent: list[Any] = [host]          # the table's host copy until it is sent
 
-    def run() -> bool:
-        if key in _failed:
-            return False
-        try:
-            with torch.cuda.device(device) if on_gpu else contextlib.nullcontext():
-                if sent:
-                    meta.copy_(sent.pop(), non_blocking=True)
-                    if on_gpu:      # made on another stream: kept until this one's kernels are done
-                        meta.record_stream(torch.cuda.current_stream(device))
-                launch(*args, **consts)
-        except Exception as e:     # as in prepare: torch's ops, or the kernel of one member, do the same work
-            _failed.add(key)
-            log.warning("tiermem: the fused dequantization does not run for %s into %s here (%s: %s); torch's ops "
-                        "dequantize instead (NOTE [one dequantization kernel])", p0.fmt, o0.dtype,
-                        type(e).__name__, e)
-            return False
-        return True
-    return run
+    def go() -> None:
+        with torch.cuda.device(device) if on_gpu else contextlib.nullcontext():
+            if sent:
+                meta.copy_(sent.pop(), non_blocking=True)
+                if on_gpu:      # made on another stream: kept until this one's kernels are done
+                    meta.record_stream(torch.cuda.current_stream(device))
+            launch(*args, **consts)
+    return _guarded(key, go)

@@ -257,22 +257,24 @@ def prepare_many(items: list[tuple[Any, Any, Packing, Any]], scratch: Any = None
     layout and slot dtype dequantize in one launch (NOTE [one launch a chunk] in
     inference/dequant_kernel.py), each member on its own ("auto") where that launch cannot run."""
     from . import dequant_kernel
-    each = [prepare(q, s, p, out, scratch) for q, s, p, out in items]
-    kinds: dict[tuple[Any, ...], list[int]] = {}
-    for k, (q, _, p, out) in enumerate(items):
-        kinds.setdefault((p.fmt, p.groups == 1, out.dtype), []).append(k)
-    plans = []
-    for idx in kinds.values():
-        views = [(items[k][0], items[k][1], items[k][2], items[k][3].view(items[k][0].shape[0], items[k][2].cols))
-                 for k in idx]
-        fused = dequant_kernel.prepare_many(views) if dequant_kernel.available(views[0][3]) else None
-        plans.append((fused, [each[k] for k in idx]))
+    kinds: dict[tuple[Any, ...], list[Any]] = {}
+    for q, s, p, out in items:
+        kinds.setdefault((p.fmt, p.groups == 1, out.dtype), []).append((q, s, p, out.view(q.shape[0], p.cols)))
+    # [one launch or None, each member's own (made where the launch cannot run), the members]
+    plans: list[list[Any]] = []
+    for members in kinds.values():
+        fused = dequant_kernel.prepare_many(members, INT4_GROUP) if dequant_kernel.available(members[0][3]) else None
+        plans.append([fused, None, members])
 
     def run() -> None:
-        for fused, singles in plans:
-            if fused is None or not fused():
-                for one in singles:
-                    one()
+        for plan in plans:
+            fused, singles, members = plan
+            if fused is not None and fused():
+                continue
+            if singles is None:
+                singles = plan[1] = [prepare(q, s, p, out, scratch) for q, s, p, out in members]
+            for one in singles:
+                one()
     return run
 
 

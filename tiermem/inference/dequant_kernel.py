@@ -25,10 +25,9 @@ NOTE [one launch a chunk]
     kernel of one member has, which finds its member in a small table on the device (each
     member's first program, its values', scales' and slot's offsets from two bases, its columns
     and grouping). Each value is the same product rounded once as in the kernel of one member.
-    A first version walked a row's columns in a loop, a program a row, and divided each column
-    by a group size read from the table (a 64-bit division): int4's dequantization took 3.5x
-    the device time of the kernel of one member; the group is a constant (int4's grouped
-    scales are of quant.INT4_GROUP columns), so the division is a shift.
+    The group is a constant (int4's grouped scales are of quant.INT4_GROUP columns), so a
+    column's group is a shift: read from the table, it cost a 64-bit division a column, and
+    int4's dequantization 3.5x the device time of the kernel of one member.
 """
 from __future__ import annotations
 

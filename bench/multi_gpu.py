@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import datetime
 import gc
 import os
 import statistics
@@ -43,18 +44,25 @@ GiB = 1 << 30
 TOKENS = (4, 1024)
 
 
-def llama_config():
+# The training model (~0.85B), and for inference also a wider one (~2.4B, 4.8 GB in bf16) whose
+# forward at a third of its weights resident is bound by the link, not by compute or the host.
+SIZES = {"0.85B": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=16, num_attention_heads=16,
+                       num_key_value_heads=4),
+         "2.4B": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=12, num_attention_heads=32,
+                      num_key_value_heads=8)}
+
+
+def llama_config(size: str = "0.85B"):
     import transformers
-    return transformers.LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,
-                                    num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=4096,
-                                    tie_word_embeddings=False, use_cache=False)
+    return transformers.LlamaConfig(vocab_size=32000, max_position_embeddings=4096, tie_word_embeddings=False,
+                                    use_cache=False, **SIZES[size])
 
 
-def build(torch, device: str = "cuda", dtype=None):
+def build(torch, device: str = "cuda", dtype=None, size: str = "0.85B"):
     import transformers
     torch.manual_seed(0)
     with torch.device(device):
-        m = transformers.LlamaForCausalLM(llama_config())
+        m = transformers.LlamaForCausalLM(llama_config(size))
     return m if dtype is None else m.to(dtype)
 
 
@@ -109,9 +117,10 @@ def dp(torch, tiermem, tier, rank: int, world: int, budget: str, warm: int, time
 
 
 # -- FSDP2 ---------------------------------------------------------------------------------------------
-def fsdp_run(torch, tiermem, tier, rank: int, world: int, how: str, steps: int, warm: int) -> dict:
+def fsdp_run(torch, tiermem, tier, rank: int, world: int, how: str, steps: int, warm: int,
+             budget: int | None = None) -> dict:
     """``how``: "plain" (FSDP2 on the device, AdamW after backward), "offload" (CPUOffloadPolicy,
-    AdamW on the CPU), "tiermem" (wrap_fsdp)."""
+    AdamW on the CPU), "tiermem" (wrap_fsdp, within ``budget`` bytes of torch's allocator)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
     model = build(torch)
     kw = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}
@@ -122,7 +131,7 @@ def fsdp_run(torch, tiermem, tier, rank: int, world: int, how: str, steps: int, 
     fully_shard(model, **kw)
     sb = state_bytes(model) // world
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=how != "offload")
-    handle = tier.wrap_fsdp(model, opt) if how == "tiermem" else None
+    handle = tier.wrap_fsdp(model, opt, budget) if how == "tiermem" else None
     _free(torch)
     torch.cuda.reset_peak_memory_stats()
     losses, times = [], []
@@ -143,7 +152,7 @@ def fsdp_run(torch, tiermem, tier, rank: int, world: int, how: str, steps: int, 
             times.append(t)
         if rank == 0:
             progress(f"  fsdp {how} step {step}: {t * 1e3:.0f} ms, loss {losses[-1]:.6f}")
-    out = {"step_s": statistics.median(times) if times else None, "losses": losses,
+    out = {"step_s": statistics.median(times) if times else None, "losses": losses, "budget": budget,
            "peak_reserved": torch.cuda.max_memory_reserved(), "state_share": sb,
            "pinned": handle.pinned_bytes if handle is not None else 0}
     if handle is not None:
@@ -163,9 +172,12 @@ def rank_main(rank: int, world: int, init: str, outdir: str, a: argparse.Namespa
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))     # CPUOffloadPolicy's AdamW runs here
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=init, rank=rank, world_size=world)
+    # A rank that fails mid-collective must not leave the other waiting for ever.
+    dist.init_process_group("nccl", init_method=init, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=180), device_id=torch.device("cuda", rank))
     tier = tiermem.Tier(rank)
     res: dict = {}
+    keep = os.path.join(outdir, f"rank{rank}.pt")
     try:
         if rank == 0:
             progress("data parallel, one GPU (the other waits)")
@@ -174,15 +186,21 @@ def rank_main(rank: int, world: int, init: str, outdir: str, a: argparse.Namespa
         if rank == 0:
             progress("data parallel, two GPUs")
         res["dp2"] = dp(torch, tiermem, tier, rank, world, a.dp_budget, a.dp_warm, a.dp_steps)
+        torch.save(res, keep)
         dist.barrier()
+        # tiermem_capped: wrap_fsdp's budget set to the device memory CPU offload reserved on this
+        # rank, the issue's "at no more device memory per rank".
         for how, steps, warm in (("plain", a.fsdp_steps, 1), ("plain_again", a.fsdp_steps, 1),
-                                 ("tiermem", a.fsdp_steps, 1), ("offload", a.offload_steps, 1)):
+                                 ("offload", a.offload_steps, 1), ("tiermem", a.fsdp_steps, 1),
+                                 ("tiermem_capped", a.fsdp_steps, 1)):
             if rank == 0:
                 progress(f"FSDP2 {how}")
-            res[how] = fsdp_run(torch, tiermem, tier, rank, world, how.split("_")[0], steps, warm)
+            budget = res["offload"]["peak_reserved"] if how == "tiermem_capped" else None
+            res[how] = fsdp_run(torch, tiermem, tier, rank, world, how.split("_")[0], steps, warm, budget)
+            torch.save(res, keep)          # what ran is kept if a later run fails
             dist.barrier()
     finally:
-        torch.save(res, os.path.join(outdir, f"rank{rank}.pt"))
+        torch.save(res, keep)
         tier.close()
         dist.destroy_process_group()
 
@@ -241,8 +259,8 @@ def infer_times(torch, model, prompt, decode_ids, new: int) -> dict:
             "decode_tok_s": new / statistics.median(gen), "tokens": tokens.cpu()}
 
 
-def inference(torch, tiermem, a) -> dict:
-    ref = build(torch, "cuda:0", torch.bfloat16).eval()
+def inference(torch, tiermem, a, size: str, replicas: bool) -> dict:
+    ref = build(torch, "cuda:0", torch.bfloat16, size).eval()
     w = weight_bytes(ref)
     budget = int(w * a.infer_share)
     g = torch.Generator(device="cuda").manual_seed(7)
@@ -257,7 +275,7 @@ def inference(torch, tiermem, a) -> dict:
     tiers = [tiermem.Tier(0), tiermem.Tier(1)]
     out: dict = {"weight_bytes": w, "budget_per_gpu": budget}
 
-    progress(f"inference, one GPU, {budget / 1e9:.2f} of {w / 1e9:.2f} GB resident")
+    progress(f"inference, {size}, one GPU, {budget / 1e9:.2f} of {w / 1e9:.2f} GB resident")
     one = copy.deepcopy(cpu)
     h = tiers[0].wrap_module(one, budget)
     out["one"] = infer_times(torch, one, prompt, decode_ids, a.decode)
@@ -266,7 +284,7 @@ def inference(torch, tiermem, a) -> dict:
     del h, one
     _free(torch)
 
-    progress("inference, layers over two GPUs")
+    progress(f"inference, {size}, layers over two GPUs")
     two = copy.deepcopy(cpu)
     h = tiermem.wrap_module(two, budget, devices=[0, 1], tiers=tiers)
     out["two"] = infer_times(torch, two, prompt, decode_ids, a.decode)
@@ -277,7 +295,12 @@ def inference(torch, tiermem, a) -> dict:
     del h, two
     _free(torch)
 
-    progress("inference, two replicas sharing one home")
+    out["want"] = want
+    if not replicas:
+        for t in tiers:
+            t.close()
+        return out
+    progress(f"inference, {size}, two replicas sharing one home")
     ra, rb = copy.deepcopy(cpu), copy.deepcopy(cpu)
     ha = tiers[0].wrap_module(ra, budget)
     hb = tiers[1].wrap_module(rb, budget, share_home=ha)
@@ -290,7 +313,6 @@ def inference(torch, tiermem, a) -> dict:
                                                                                  and torch.equal(tb, want))}
     hb.unwrap("cpu")
     ha.unwrap("cpu")
-    out["want"] = want
     for t in tiers:
         t.close()
     return out
@@ -306,73 +328,103 @@ def main() -> None:
     ap.add_argument("--infer-share", type=float, default=1 / 3, help="weights resident per GPU, a share")
     ap.add_argument("--prefill", type=int, default=2048)
     ap.add_argument("--decode", type=int, default=32)
+    ap.add_argument("--infer-sizes", default="0.85B,2.4B", help=f"models for inference, of {sorted(SIZES)}; "
+                    "the first also runs the shared home; the last gives infer_scaling_2gpu")
     a = ap.parse_args()
     import torch
     import torch.multiprocessing as mp
     world = 2
     if torch.cuda.device_count() < world:
         raise SystemExit(f"needs {world} GPUs, found {torch.cuda.device_count()}")
+    failed = None
     with tempfile.TemporaryDirectory() as d:
         progress("training on two ranks (spawned)")
-        mp.spawn(rank_main, args=(world, f"file://{d}/rendezvous", d, a), nprocs=world, join=True)
+        try:
+            mp.spawn(rank_main, args=(world, f"file://{d}/rendezvous", d, a), nprocs=world, join=True)
+        except Exception as e:           # what ran before the failure is kept and reported
+            failed = repr(e)[-2000:]
+            progress(f"a rank failed: {failed}")
         ranks = [torch.load(os.path.join(d, f"rank{r}.pt")) for r in range(world)]
     import tiermem
     progress("the links: both ways on one GPU, then on both at once")
     alone = link_rates(torch, [0])
     together = link_rates(torch, [0, 1])
-    inf = inference(torch, tiermem, a)
+    sizes = a.infer_sizes.split(",")
+    infs = {size: inference(torch, tiermem, a, size, replicas=k == 0) for k, size in enumerate(sizes)}
+    inf = infs[sizes[0]]
 
     r0 = ranks[0]
-    dp_scaling = (world * TOKENS[0] * TOKENS[1] / max(r["dp2"]["step_s"] for r in ranks)) / (
-        TOKENS[0] * TOKENS[1] / r0["dp1"]["step_s"])
-    plain_repeats = all(r["plain"]["losses"] == r["plain_again"]["losses"] for r in ranks)
-    if plain_repeats:
-        losses_match = all(r["tiermem"]["losses"] == r["plain"]["losses"] for r in ranks)
-    else:
-        losses_match = all(abs(x - y) <= 1e-3 * abs(y) for r in ranks
-                           for x, y in zip(r["tiermem"]["losses"], r["plain"]["losses"]))
-    offload_over = max(r["offload"]["step_s"] for r in ranks) / max(r["tiermem"]["step_s"] for r in ranks)
-    host_over_state = sum(r["tiermem"]["pinned"] for r in ranks) / sum(r["tiermem"]["state_share"] for r in ranks)
-    prefill_x = inf["two"]["prefill_tok_s"] / inf["one"]["prefill_tok_s"]
-    decode_x = inf["two"]["decode_tok_s"] / inf["one"]["decode_tok_s"]
+
+    def have(key):
+        return all(key in r and r[key].get("step_s") for r in ranks)
+
+    def worst(key, field="step_s"):
+        return max(r[key][field] for r in ranks)
+    dp_scaling = (world * TOKENS[0] * TOKENS[1] / worst("dp2")) / (TOKENS[0] * TOKENS[1] / r0["dp1"]["step_s"]) \
+        if have("dp2") else None
+    plain_repeats = have("plain_again") and all(r["plain"]["losses"] == r["plain_again"]["losses"] for r in ranks)
+    tiered = [k for k in ("tiermem", "tiermem_capped") if have(k)]
+
+    def matches(k):
+        if plain_repeats:
+            return all(r[k]["losses"] == r["plain"]["losses"] for r in ranks)
+        return all(abs(x - y) <= 1e-3 * abs(y) for r in ranks for x, y in zip(r[k]["losses"], r["plain"]["losses"]))
+    losses_match = bool(tiered) and all(matches(k) for k in tiered)
+    # The issue's ratio is at no more device memory per rank than CPU offload: the capped run's,
+    # where it ran within offload's reserve; the uncapped run's figures stay in raw.
+    fair = "tiermem_capped" if "tiermem_capped" in tiered and worst("tiermem_capped", "peak_reserved") <= worst(
+        "offload", "peak_reserved") else None
+    offload_over = worst("offload") / worst(fair) if fair and have("offload") else None
+    host_over_state = sum(r[tiered[0]]["pinned"] for r in ranks) / sum(r[tiered[0]]["state_share"] for r in ranks) \
+        if tiered else None
+    scal = {}
+    for size, x in infs.items():
+        scal[size] = {"prefill": x["two"]["prefill_tok_s"] / x["one"]["prefill_tok_s"],
+                      "decode": x["two"]["decode_tok_s"] / x["one"]["decode_tok_s"]}
     streamed_one = inf["replicas"]["one_home"]
+
+    def r3(v):
+        return None if v is None else round(v, 3)
     metrics = {
         "gpus": world,
-        "dp_scaling_2gpu": round(dp_scaling, 3),
-        "dp_scaling_link_bound": round(sum(together.values()) / alone[0], 3),
-        "fsdp2_offload_over_tiermem": round(offload_over, 3),
-        "host_mem_over_state": round(host_over_state, 3),
-        "infer_scaling_2gpu": round(min(prefill_x, decode_x), 3),
-        "host_mem_ratio_shared_home": round(inf["replicas"]["pinned"] / streamed_one, 3) if streamed_one else None,
+        "dp_scaling_2gpu": r3(dp_scaling),
+        "dp_scaling_link_bound": r3(sum(together.values()) / alone[0]),
+        "fsdp2_offload_over_tiermem": r3(offload_over),
+        "fsdp2_tiermem_peak_over_offload_peak": r3(worst(fair or tiered[0], "peak_reserved") / worst(
+            "offload", "peak_reserved")) if tiered and have("offload") else None,
+        "host_mem_over_state": r3(host_over_state),
+        "infer_scaling_2gpu": r3(min(scal[sizes[-1]].values())),
+        **{f"infer_scaling_2gpu_{size}": r3(min(v.values())) for size, v in scal.items()},
+        "host_mem_ratio_shared_home": r3(inf["replicas"]["pinned"] / streamed_one) if streamed_one else None,
     }
-    tokens_equal = bool(torch.equal(inf["two"]["tokens"], inf["want"]) and torch.equal(inf["one"]["tokens"], inf["want"])
-                        and inf["replicas"]["tokens_equal"])
-    within = all(r["dp2"]["peak"] <= r["dp2"]["budget"] for r in ranks) and r0["dp1"]["peak"] <= r0["dp1"]["budget"] \
-        and inf["one"]["peak_ok"] and inf["two"]["peak_ok"]
-    checks = {"losses_match": bool(losses_match), "tokens_equal": tokens_equal,
-              "resident_within_budget_all_ranks": bool(within)}
+    tokens_equal = all(torch.equal(x["two"]["tokens"], x["want"]) and torch.equal(x["one"]["tokens"], x["want"])
+                       for x in infs.values()) and inf["replicas"]["tokens_equal"]
+    within = have("dp2") and all(r["dp2"]["peak"] <= r["dp2"]["budget"] for r in ranks) \
+        and r0["dp1"]["peak"] <= r0["dp1"]["budget"] and all(x[k]["peak_ok"] for x in infs.values() for k in ("one", "two"))
+    checks = {"losses_match": bool(losses_match), "tokens_equal": bool(tokens_equal),
+              "resident_within_budget_all_ranks": bool(within), "all_runs_finished": failed is None}
+    hows = ("plain", "plain_again", "offload", "tiermem", "tiermem_capped")
     raw = {
         "model": "LlamaForCausalLM hidden 2048, 16 layers, ffn 5632, 16 heads / 4 kv, vocab 32000 (~0.85B)",
-        "tokens_per_rank": list(TOKENS), "args": vars(a),
+        "infer_models": {size: SIZES[size] for size in sizes},
+        "tokens_per_rank": list(TOKENS), "args": vars(a), "failed": failed,
         "link_duplex_GBps": {"one_gpu_alone": alone[0], "each_of_two_at_once": together},
         "dp": {"one_gpu_step_s": r0["dp1"]["step_s"], "two_gpu_step_s": [r["dp2"]["step_s"] for r in ranks],
                "peaks": [r["dp2"]["peak"] for r in ranks], "budget": r0["dp2"]["budget"],
-               "plans": [r["dp2"]["plan"] for r in ranks], "one_gpu_plan": r0["dp1"]["plan"]},
+               "plans": [r["dp2"]["plan"] for r in ranks], "one_gpu_plan": r0["dp1"]["plan"]} if have("dp2") else None,
         "fsdp": {how: {"step_s": [r[how]["step_s"] for r in ranks], "losses": [r[how]["losses"] for r in ranks],
                        "peak_reserved": [r[how]["peak_reserved"] for r in ranks],
-                       "pinned": [r[how]["pinned"] for r in ranks]}
-                 for how in ("plain", "plain_again", "tiermem", "offload")},
+                       "pinned": [r[how]["pinned"] for r in ranks], "budget": [r[how].get("budget") for r in ranks]}
+                 for how in hows if all(how in r for r in ranks)},
         "fsdp_plain_repeats_bitwise": plain_repeats,
-        "fsdp_tiermem_peak_over_offload_peak": max(r["tiermem"]["peak_reserved"] for r in ranks)
-        / max(r["offload"]["peak_reserved"] for r in ranks),
-        "infer": {"weight_bytes": inf["weight_bytes"], "budget_per_gpu": inf["budget_per_gpu"],
-                  "one": {k: v for k, v in inf["one"].items() if k != "tokens"},
-                  "two": {k: v for k, v in inf["two"].items() if k != "tokens"},
-                  "prefill_scaling": prefill_x, "decode_scaling": decode_x,
-                  # link-bound, one forward runs the GPUs in turn: (W - B) / (W - 2B)
-                  "ideal_link_bound_scaling": (1 - a.infer_share) / max(1 - 2 * a.infer_share, 1e-9),
-                  "split_pinned_over_weights": inf["two"]["pinned"] / inf["weight_bytes"],
-                  "replicas": inf["replicas"]},
+        "infer": {size: {"weight_bytes": x["weight_bytes"], "budget_per_gpu": x["budget_per_gpu"],
+                         "one": {k: v for k, v in x["one"].items() if k != "tokens"},
+                         "two": {k: v for k, v in x["two"].items() if k != "tokens"},
+                         "prefill_scaling": scal[size]["prefill"], "decode_scaling": scal[size]["decode"],
+                         "split_pinned_over_weights": x["two"]["pinned"] / x["weight_bytes"],
+                         "replicas": x.get("replicas")} for size, x in infs.items()},
+        # link-bound, one forward runs the GPUs in turn: (W - B) / (W - 2B), slots not counted
+        "infer_ideal_link_bound_scaling": (1 - a.infer_share) / max(1 - 2 * a.infer_share, 1e-9),
     }
     progress(f"metrics {metrics}")
     progress(f"checks {checks}")

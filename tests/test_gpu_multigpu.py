@@ -75,7 +75,7 @@ def _fsdp_rank(rank: int, world: int, init: str, out: str, mp: bool) -> None:
             res["tiered"].append(float(la.detach()))
             res["plain"].append(float(lb.detach()))
         res["pinned"] = fsdp.pinned_bytes
-        res["homes"] = [fsdp.home_of(p).clone() for p in a.parameters()]
+        res["homes"] = [fsdp.home_of(p).cpu().clone() for p in a.parameters()]   # a device view of pinned memory on a GPU
         fsdp.unwrap()
         res["params_tiered"] = [p.to_local().detach().cpu() for p in a.parameters()]
         res["params_plain"] = [p.to_local().detach().cpu() for p in b.parameters()]

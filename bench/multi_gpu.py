@@ -192,7 +192,7 @@ def rank_main(rank: int, world: int, init: str, outdir: str, a: argparse.Namespa
         # rank, the "at no more device memory per rank".
         for how, steps, warm in (("plain", a.fsdp_steps, 1), ("plain_again", a.fsdp_steps, 1),
                                  ("offload", a.offload_steps, 1), ("tiermem", a.fsdp_steps, 1),
-                                 ("tiermem_capped", a.fsdp_steps, 1)):
+                                 *([("tiermem_capped", a.fsdp_steps, 1)] if a.fsdp_capped else [])):
             if rank == 0:
                 progress(f"FSDP2 {how}")
             budget = res["offload"]["peak_reserved"] if how == "tiermem_capped" else None
@@ -284,16 +284,23 @@ def inference(torch, tiermem, a, size: str, replicas: bool) -> dict:
     del h, one
     _free(torch)
 
-    progress(f"inference, {size}, layers over two GPUs")
-    two = copy.deepcopy(cpu)
-    h = tiermem.wrap_module(two, budget, devices=[0, 1], tiers=tiers)
-    out["two"] = infer_times(torch, two, prompt, decode_ids, a.decode)
-    out["two"]["peak_ok"] = all(t.stats()["resident_bytes.all.peak"] <= p.budget for t, p in zip(tiers, h.parts))
-    out["two"]["pinned"] = h.stats()["pinned_bytes.home"]
-    out["two"]["plans"] = [p.plan.table(limit=0) for p in h.parts]
-    h.unwrap("cpu")
-    del h, two
-    _free(torch)
+    # "two": each GPU's layers over both links (the relay, NOTE [two links into one GPU]);
+    # "two_own_link": each over its own link alone.
+    for key, relay in (("two", True), ("two_own_link", False)):
+        progress(f"inference, {size}, layers over two GPUs, relay={relay}")
+        moved0 = sum(t.stats()["moved_bytes.all.h2d"] for t in tiers)
+        two = copy.deepcopy(cpu)
+        h = tiermem.wrap_module(two, budget, devices=[0, 1], tiers=tiers, relay=relay)
+        out[key] = infer_times(torch, two, prompt, decode_ids, a.decode)
+        out[key]["peak_ok"] = all(t.stats()["resident_bytes.all.peak"] <= budget for t in tiers)
+        st = h.stats()
+        out[key]["pinned"] = st["pinned_bytes.home"]
+        out[key]["relayed_share"] = st["relayed_bytes"] / max(1, sum(t.stats()["moved_bytes.all.h2d"]
+                                                                      for t in tiers) - moved0)
+        out[key]["plans"] = [p.plan.table(limit=0) for p in h.parts]
+        h.unwrap("cpu")
+        del h, two
+        _free(torch)
 
     out["want"] = want
     if not replicas:
@@ -325,6 +332,8 @@ def main() -> None:
     ap.add_argument("--dp-steps", type=int, default=4)
     ap.add_argument("--fsdp-steps", type=int, default=4)
     ap.add_argument("--offload-steps", type=int, default=3)
+    ap.add_argument("--fsdp-capped", action="store_true",
+                    help="also run wrap_fsdp with its budget at CPU offload's reserve (it hung under NCCL on two H200s)")
     ap.add_argument("--infer-share", type=float, default=1 / 3, help="weights resident per GPU, a share")
     ap.add_argument("--prefill", type=int, default=2048)
     ap.add_argument("--decode", type=int, default=32)
@@ -397,10 +406,10 @@ def main() -> None:
         **{f"infer_scaling_2gpu_{size}": r3(min(v.values())) for size, v in scal.items()},
         "host_mem_ratio_shared_home": r3(inf["replicas"]["pinned"] / streamed_one) if streamed_one else None,
     }
-    tokens_equal = all(torch.equal(x["two"]["tokens"], x["want"]) and torch.equal(x["one"]["tokens"], x["want"])
-                       for x in infs.values()) and inf["replicas"]["tokens_equal"]
+    tokens_equal = all(torch.equal(x[k]["tokens"], x["want"]) for x in infs.values()
+                       for k in ("one", "two", "two_own_link")) and inf["replicas"]["tokens_equal"]
     within = have("dp2") and all(r["dp2"]["peak"] <= r["dp2"]["budget"] for r in ranks) \
-        and r0["dp1"]["peak"] <= r0["dp1"]["budget"] and all(x[k]["peak_ok"] for x in infs.values() for k in ("one", "two"))
+        and r0["dp1"]["peak"] <= r0["dp1"]["budget"] and all(x[k]["peak_ok"] for x in infs.values() for k in ("one", "two", "two_own_link"))
     checks = {"losses_match": bool(losses_match), "tokens_equal": bool(tokens_equal),
               "resident_within_budget_all_ranks": bool(within), "all_runs_finished": failed is None}
     hows = ("plain", "plain_again", "offload", "tiermem", "tiermem_capped")
@@ -420,6 +429,10 @@ def main() -> None:
         "infer": {size: {"weight_bytes": x["weight_bytes"], "budget_per_gpu": x["budget_per_gpu"],
                          "one": {k: v for k, v in x["one"].items() if k != "tokens"},
                          "two": {k: v for k, v in x["two"].items() if k != "tokens"},
+                         "two_own_link": {k: v for k, v in x["two_own_link"].items() if k != "tokens"},
+                         "scaling_own_link": {
+                             "prefill": x["two_own_link"]["prefill_tok_s"] / x["one"]["prefill_tok_s"],
+                             "decode": x["two_own_link"]["decode_tok_s"] / x["one"]["decode_tok_s"]},
                          "prefill_scaling": scal[size]["prefill"], "decode_scaling": scal[size]["decode"],
                          "split_pinned_over_weights": x["two"]["pinned"] / x["weight_bytes"],
                          "replicas": x.get("replicas")} for size, x in infs.items()},

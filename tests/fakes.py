@@ -265,6 +265,12 @@ class FakeBackend:
             self._find(src)
         ctypes.memmove(dst, src, nbytes)
 
+    def enable_peer(self, peer: int) -> bool:
+        """Every fake's memory is the host's: a peer's is reachable where ``foreign_host`` lets
+        the fake copy memory it did not allocate."""
+        self.calls.append(("enable_peer", peer))
+        return self.foreign_host and peer != self.device
+
     def range_info(self, ptr: int, nbytes: int) -> RangeInfo:
         sts = self._blocks_in(ptr, nbytes)
         st = sts[0]

@@ -177,3 +177,48 @@ def test_replicas_on_two_devices_share_one_home():
     assert fakes[0].live()["pinned"] == 0
     with torch.no_grad():
         assert torch.equal(a(ids), want) and torch.equal(b(ids), want)
+
+
+def test_each_part_also_streams_over_the_next_devices_link():
+    """NOTE [two links into one GPU]: with the relay (the default, where the devices reach each
+    other's memory) half of each streamed piece crosses the other device's link, into its
+    staging ring and on into the part's slot, on that device's own two streams; the outputs are
+    the plain model's, each device's peak stays within the budget the caller gave, the relays
+    carry about half the bytes streamed, and unwrap gives their rings back. Without peer
+    access, or with relay=False, nothing is relayed."""
+    fakes, tiers = two_tiers(foreign=True)
+    m = gpt()
+    ref = copy.deepcopy(m)
+    budget = weight_bytes(m) // 6
+    h = tiermem.wrap_module(m, budget, devices=[0, 1], tiers=tiers, max_group_bytes=256 << 10)
+    assert [c for c in fakes[1].calls if c[0] == "enable_peer"] == [("enable_peer", 0)]
+    assert [c for c in fakes[0].calls if c[0] == "enable_peer"] == [("enable_peer", 1)]
+    assert all(p.budget == budget - 2 * (budget // 32 // 4096 * 4096) for p in h.parts)
+    ids = torch.randint(0, 512, (2, 64))
+    with torch.no_grad():
+        for _ in range(3):
+            assert torch.equal(m(ids), ref(ids))
+    streamed = sum(t.stats()["moved_bytes.all.h2d"] for t in tiers)
+    assert 0.4 * streamed <= h.stats()["relayed_bytes"] <= 0.6 * streamed
+    for i, (t, f) in enumerate(zip(tiers, fakes)):
+        assert t.stats()["resident_bytes.all.peak"] <= budget
+        relay_in, relay_out = t.side_stream("relay-in"), t.side_stream("relay-out")
+        # the other part's bytes land in this device's ring and go on from it, on its own streams
+        ins = [c for c in f.calls if c[0] == "copy" and c[4] == relay_in]
+        outs = [c for c in f.calls if c[0] == "copy" and c[4] == relay_out]
+        assert ins and len(ins) == len(outs)
+        assert all(f._foreign(c[1], c[3]) is not None for c in outs)      # into the other device's slot
+    h.unwrap()
+    assert all(f.live()["device"] == 0 for f in fakes)
+    with torch.no_grad():
+        assert torch.equal(m(ids), ref(ids))
+
+    for foreign, relay in ((False, True), (True, False)):
+        fakes, tiers = two_tiers(foreign=foreign)
+        m = gpt()
+        h = tiermem.wrap_module(m, budget, devices=[0, 1], tiers=tiers, max_group_bytes=256 << 10, relay=relay)
+        with torch.no_grad():
+            m(ids)
+        assert h.stats()["relayed_bytes"] == 0
+        assert all(p.budget == budget for p in h.parts)              # no ring taken from it
+        h.unwrap()

@@ -31,7 +31,7 @@ import dataclasses
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-__all__ = ["Now", "now", "Lane", "Slot", "SlotRing", "PinnedArena"]
+__all__ = ["Now", "now", "Lane", "Slot", "SlotRing", "Relay", "PinnedArena"]
 
 ALIGN = 512              # a piece of the arena starts on this boundary
 CHUNK_MIN = 256 << 20    # the arena grows by whole multiples of this
@@ -65,16 +65,20 @@ class Lane:
     def after(self, events: Iterable[Any], stream: int | None = None) -> None:
         """Make the lane's stream (or ``stream``) wait for each of ``events``: an event, a
         :class:`Now`, or None (nothing to wait for)."""
-        be = self.backend
         side = self.stream if stream is None else stream
         for ev in events:
-            if ev is None:
-                continue
-            if isinstance(ev, Now):
-                dep = be.new_event()
-                be.record(dep, be.current_stream() if ev.stream is None else ev.stream)
-                ev = dep
-            be.wait(side, ev)
+            if ev is not None:
+                self.backend.wait(side, self.resolve(ev))
+
+    def resolve(self, ev: Any) -> Any:
+        """``ev`` as an event: a :class:`Now` is recorded on its stream of this lane's device now
+        (an event another device's stream can wait for); anything else is returned as it is."""
+        if not isinstance(ev, Now):
+            return ev
+        be = self.backend
+        dep = be.new_event()
+        be.record(dep, be.current_stream() if ev.stream is None else ev.stream)
+        return dep
 
     def mark(self, timing: bool = False) -> Any:
         """Record a new event on the lane now."""
@@ -148,11 +152,22 @@ class SlotRing:
         return min(free, key=lambda s: (s.occupant is not None, s.last), default=None)
 
     def fill(self, lane: Lane, slot: Slot, parts: Iterable[tuple[int, int, int]], *,
-             after: Iterable[Any] = (), timed: bool = False) -> tuple[Any, Any]:
+             after: Iterable[Any] = (), timed: bool = False, relay: Relay | None = None,
+             relayed: Iterable[tuple[int, int, int]] = ()) -> tuple[Any, Any]:
         """Copy ``parts`` ((offset in the slot, src, nbytes) each) into ``slot`` on ``lane``, after
-        its last user and after ``after``; the slot's ``ready`` becomes the end event."""
+        its last user and after ``after``; the slot's ``ready`` becomes the end event. ``relayed``
+        parts (the same form) go through ``relay``, another device's link, beside them, and the
+        end event is after both (NOTE [two links into one GPU] in inference/multidevice.py)."""
         first = slot.free if slot.free is not None else Now()
-        start, end = lane.run([(slot.ptr + o, src, n) for o, src, n in parts], after=(first, *after), timed=timed)
+        relayed = [(slot.ptr + o, src, n) for o, src, n in relayed]
+        if relay is None or not relayed:
+            start, end = lane.run([(slot.ptr + o, src, n) for o, src, n in parts], after=(first, *after),
+                                  timed=timed)
+        else:
+            deps = [lane.resolve(e) for e in (first, *after) if e is not None]   # events both devices wait for
+            start, _ = lane.run([(slot.ptr + o, src, n) for o, src, n in parts], after=deps, timed=timed)
+            lane.after([relay.run(relayed, after=deps)])
+            end = lane.mark(timing=timed)
         slot.ready = end
         return start, end
 
@@ -204,6 +219,39 @@ class SlotRing:
         ev = backend.new_event()
         backend.record(ev, backend.current_stream() if stream is None else stream)
         slot.free = ev
+
+
+class Relay:
+    """Copies from pinned host memory to another device's memory over this device's link: each
+    piece of at most a staging slot crosses into one of ``ring``'s slots (on this device) on the
+    ``inbound`` lane, then on to its destination over the devices' peer link on the ``onward``
+    lane, the two lanes overlapping piece by piece (NOTE [two links into one GPU] in
+    inference/multidevice.py). The lanes and the ring are this device's; the events it is given
+    and returns may be of any device."""
+
+    def __init__(self, inbound: Lane, onward: Lane, ring: SlotRing):
+        if len(ring) < 2:
+            raise ValueError("a relay overlaps its two lanes through at least two staging slots")
+        self.inbound, self.onward, self.ring = inbound, onward, ring
+        self._turn = 0
+        self.moved = 0
+
+    def run(self, parts: Iterable[tuple[int, int, int]], *, after: Iterable[Any] = ()) -> Any:
+        """Queue the copies ``parts`` ((dst on the other device, pinned src, nbytes) each); the
+        onward copies wait for ``after`` (events: the destination's last user). Returns the end
+        event of the last onward copy."""
+        after, end, size = list(after), None, self.ring.slot_bytes
+        for dst, src, n in parts:
+            for at in range(0, n, size):
+                k = min(size, n - at)
+                st = self.ring[self._turn]
+                self._turn = (self._turn + 1) % len(self.ring)
+                _, st.ready = self.inbound.run([(st.ptr, src + at, k)], after=(st.free,))   # after its last onward copy
+                _, end = self.onward.run([(dst + at, st.ptr, k)], after=(st.ready, *after))
+                after = []                   # the onward lane's order covers the later pieces
+                st.free = end
+                self.moved += k
+        return end
 
 
 class PinnedArena:

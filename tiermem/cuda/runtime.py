@@ -422,6 +422,22 @@ def memcpy_async(dst: int, src: int, nbytes: int, stream: int) -> None:
     _check("cudaMemcpyAsync", rt.cudaMemcpyAsync(dst, src, nbytes, rt.cudaMemcpyKind.cudaMemcpyDefault, stream))
 
 
+def enable_peer_access(device: int, peer: int) -> bool:
+    """Let copies and kernels on ``device`` reach ``peer``'s memory directly (NVLink or PCIe peer
+    to peer); False where the pair cannot. Without it a copy between the two still works, staged
+    by the driver through host memory, at a fraction of the rate."""
+    rt = _runtime()
+    if device == peer or not _check("cudaDeviceCanAccessPeer", rt.cudaDeviceCanAccessPeer(device, peer)):
+        return False
+    with on_device(device):
+        err = rt.cudaDeviceEnablePeerAccess(peer, 0)[0]
+        if err == rt.cudaError_t.cudaErrorPeerAccessAlreadyEnabled:
+            rt.cudaGetLastError()            # not sticky, but it stays the last error until read
+            return True
+        _check("cudaDeviceEnablePeerAccess", (err,))
+    return True
+
+
 def stream_create(device: int, priority: int = 0) -> int:
     """A non-blocking stream (it does not synchronise with the legacy default stream)."""
     rt = _runtime()

@@ -637,6 +637,17 @@ class TieredModule:
     def _leave(self, p: Piece) -> None:
         self._stream.release(p)
 
+    def attach_relay(self, relay: Any, share: float) -> bool:
+        """Copy the last ``share`` of each streamed piece through ``relay`` (another GPU's link,
+        core/stream.py's :class:`Relay`) beside this GPU's own copy; False (nothing attached)
+        where this module streams nothing over its link (NOTE [two links into one GPU] in
+        inference/multidevice.py). None detaches."""
+        st = self._stream
+        if st is None or not st.nslots:
+            return False
+        st.relay, st.relay_share = relay, (share if relay is not None else 0.0)
+        return True
+
     # -- lifecycle ------------------------------------------------------------------------------------
     def drain(self) -> None:
         """Wait until every move this module queued is done."""

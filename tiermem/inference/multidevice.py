@@ -34,6 +34,21 @@ NOTE [layers across GPUs]
     the tensor, so the last hidden state crosses back to the first device for the head. A
     module that owns a group of its own and uses a tensor another run holds is refused: it
     would be read by a device that does not hold it.
+
+NOTE [two links into one GPU]
+    The devices compute in turn, so while one GPU streams its layers the others' links are idle.
+    With ``relay`` (the default) each part's copies into its slots also use the next GPU's link:
+    the last half of each streamed piece crosses into a staging ring of two slots on that
+    GPU (its side stream "relay-in") and goes on into the slot over the GPUs' peer link (its
+    side stream "relay-out"), beside the first half on the part's own link; the slot is ready
+    once both are in (core/stream.py's :class:`Relay` and ``SlotRing.fill``). Two H200s of one
+    host (NV18) landed 1 GiB on one GPU at 101 GB/s this way against 55 over its own link, both
+    links one way at once at 51.5 GB/s each and the peer copy at 390
+    (bench/probes/probe_stripe.py, docs/facts.md). Each ring takes two slots of 32 MiB, or of a
+    32nd of the budget where that is less, from the part's own budget; a budget whose 32nd is
+    under 16 KiB gets no relay. Where the GPUs cannot reach each other's memory directly (no
+    peer access) no relay is made: the driver would stage the peer copy through the host.
+    Pieces read from disk or packed (quantized streaming) cross one link as before.
 """
 from __future__ import annotations
 
@@ -44,7 +59,9 @@ from typing import TYPE_CHECKING, Any
 from ..base.limits import parse_bytes
 from ..errors import ConfigError, WrapError
 from ..pytorch.devmem import device_memory
+from ..core.stream import Lane, Relay, SlotRing
 from ..pytorch.held import CopyGuard
+from ..roles import Role
 from .groups import MAX_GROUP, fit_cap, module_groups, span_of
 from .module import Part, TieredModule, check_module, check_module_options
 from .options import ModuleOptions
@@ -54,6 +71,10 @@ if TYPE_CHECKING:
     from ..core.engine import Engine as Tier
 
 __all__ = ["SplitModule", "split_runs"]
+
+RELAY_SLOT = 32 << 20      # NOTE [two links into one GPU]: two of them on each GPU, at most
+MIN_RELAY_SLOT = 16 << 10  # no relay for a budget whose sixteenth is less than two of these
+RELAY_SHARE = 0.5          # of a piece through the relay: the links are alike
 
 
 def split_runs(sizes: list[tuple[str, int]], n: int) -> list[list[str]]:
@@ -104,12 +125,21 @@ class SplitModule:
         found = module_groups(module, cap)
         if not found:
             raise WrapError("this module has no parameters or buffers to tier")
-        if opts.max_group_bytes is None and budget is not None:
+        per_gpu = None if budget is None else parse_bytes(
+            budget, total=min(t.backend.capabilities().total_memory for t in tiers), what="module budget",
+            max_percent=100)
+        # NOTE [two links into one GPU]: a relay's ring takes at most a sixteenth of the budget
+        slot = RELAY_SLOT if per_gpu is None else min(RELAY_SLOT, per_gpu // 32 // 4096 * 4096)
+        n = len(tiers)
+        self._relay_slot = slot if opts.relay and slot >= MIN_RELAY_SLOT and all(
+            tiers[(i + 1) % n].backend.enable_peer(tiers[i].device) for i in range(n)) else 0
+        relay_bytes = 2 * self._relay_slot
+        part_budget = budget if per_gpu is None else per_gpu - relay_bytes   # NOTE [two links into one GPU]
+        self.per_gpu = per_gpu
+        if opts.max_group_bytes is None and per_gpu is not None:
             # the groups cut for the per-GPU budget as one device's are (groups.fit_groups),
             # before they are spread: a part makes its groups at the same size and finds its run's
-            per_gpu = parse_bytes(budget, total=min(t.backend.capabilities().total_memory for t in tiers),
-                                  what="module budget", max_percent=100)
-            cap = fit_cap(found, per_gpu, opts.lookahead) or cap
+            cap = fit_cap(found, part_budget, opts.lookahead) or cap
             found = module_groups(module, cap)
         sizes = [(name, sum(span_of(t) for _, t in own)) for name, _, own in found]
         runs = split_runs(sizes, len(tiers))
@@ -121,9 +151,13 @@ class SplitModule:
         self._hooks: list[Any] = []
         self._moved: dict[tuple[int, Any], tuple[Any, Any]] = {}
         self._home_device: Any = None
+        self._relays: list[tuple[Any, Any, Relay]] = []     # (helper tier, its ring's block, relay)
         try:
             for tier, run in zip(tiers, runs):
-                self.parts.append(TieredModule(tier, module, budget, options=part_opts, part=Part(frozenset(run), cap, made)))
+                self.parts.append(TieredModule(tier, module, part_budget, options=part_opts,
+                                               part=Part(frozenset(run), cap, made)))
+            if relay_bytes:
+                self._make_relays()
             self.targets = [device_memory(torch, t.backend, t.device).device for t in tiers]
             ref = weakref.ref(self)
             for m, run in [(m, self.run_of[name]) for name, m, _ in found] + users:
@@ -137,12 +171,51 @@ class SplitModule:
         except BaseException:
             for h in self._hooks:
                 h.remove()
+            self._drop_relays()
             for p in reversed(self.parts):
                 p.unwrap()
             for owner, name, old, _ in reversed(swaps):
                 owner[name] = old
             raise
         module._tiermem_handle = weakref.ref(self)
+
+    # -- relays (NOTE [two links into one GPU]) -------------------------------------------------------
+    def _make_relays(self) -> None:
+        n = len(self.tiers)
+        for i, part in enumerate(self.parts):
+            helper = self.tiers[(i + 1) % n]
+            hbe = helper.backend
+            size = 2 * self._relay_slot
+            helper.reserve(size, Role.FROZEN_WEIGHT)
+            try:
+                block = hbe.device_alloc(size, pooled=False)
+            except BaseException:
+                helper.unreserve(size, Role.FROZEN_WEIGHT)
+                raise
+            relay = Relay(Lane(hbe, lambda h=helper: h.side_stream("relay-in")),
+                          Lane(hbe, lambda h=helper: h.side_stream("relay-out")),
+                          SlotRing(block.ptr, self._relay_slot, 2))
+            self._relays.append((helper, block, relay))
+            if not part.attach_relay(relay, RELAY_SHARE):   # this part streams nothing: no use for it
+                self._drop_relays(self._relays.pop())
+
+    def _drop_relays(self, only: tuple[Any, Any, Relay] | None = None) -> None:
+        """Detach and free the relays (or ``only`` that one), once their copies are done."""
+        if only is None:
+            for part in self.parts:
+                part.attach_relay(None, 0.0)
+        for helper, block, relay in [only] if only is not None else self._relays:
+            hbe = helper.backend
+            hbe.synchronize(relay.onward.mark())
+            block.release()
+            helper.unreserve(relay.ring.slot_bytes * len(relay.ring), Role.FROZEN_WEIGHT)
+        if only is None:
+            self._relays = []
+
+    @property
+    def relayed_bytes(self) -> int:
+        """Bytes the relays have carried so far (NOTE [two links into one GPU])."""
+        return sum(r.moved for *_, r in self._relays)
 
     # -- forward hooks -------------------------------------------------------------------------------
     def _begin(self, args: tuple, kwargs: dict) -> None:
@@ -203,6 +276,7 @@ class SplitModule:
                 else:
                     out.setdefault(k, v)
         out["devices"] = list(self.devices)
+        out["relayed_bytes"] = self.relayed_bytes
         return out
 
     def drain(self) -> None:
@@ -219,6 +293,7 @@ class SplitModule:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        self._drop_relays()
         for p in reversed(self.parts):
             p.unwrap(device)
         self.parts = []

@@ -53,6 +53,11 @@ def _or_none(check: Callable[[str, Any], None]) -> Callable[[str, Any], None]:
     return inner
 
 
+def _flag(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ConfigTypeError(f"{name} must be True or False, got {value!r}")
+
+
 def _host_bytes(name: str, value: Any) -> None:
     """None, or a number of bytes ("64GiB"); not a share: the host's memory is not the device's."""
     if value is not None:
@@ -193,6 +198,11 @@ class ModuleOptions:
         "CUDA devices (at least two) to spread the module's layers over, in contiguous runs of about equal "
         "bytes, each within the budget on its own GPU and streaming over its own link (tiermem.wrap_module "
         "then returns a SplitModule; NOTE [layers across GPUs] in inference/multidevice.py). None: one device")
+    relay: bool = _option(
+        True, _flag,
+        "with devices: each GPU's streamed layers also cross the next GPU's link, half of each copy, and go on "
+        "over the GPUs' peer link (NOTE [two links into one GPU] in inference/multidevice.py); 64 MiB of each GPU's "
+        "budget; only where the GPUs reach each other's memory directly")
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

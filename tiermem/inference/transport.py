@@ -170,6 +170,22 @@ def _merged(parts: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
     return out
 
 
+def split_parts(parts: list[tuple[int, int, int]], keep: int,
+                align: int = 4096) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]:
+    """``parts`` ((offset, src, nbytes)) cut after about ``keep`` bytes, on an ``align`` boundary
+    of the parts' running total: (the first ``keep``, the rest)."""
+    keep = -(-keep // align) * align
+    head, tail, at = [], [], 0
+    for o, src, n in parts:
+        k = min(max(keep - at, 0), n)
+        if k:
+            head.append((o, src, k))
+        if n - k:
+            tail.append((o + k, src + k, n - k))
+        at += n
+    return head, tail
+
+
 def packed_layout(tensors: list[Any], packing: list[Any]) -> tuple[list[int], int]:
     """(offset of each member, bytes) of a packed group's home: members back to back, a packed
     one as its quant.Packing lays it out, the others as they are, each 256-byte aligned."""
@@ -493,6 +509,8 @@ class PinnedTransport:
         self._turn = 0                 # the staging buffer the next packed copy takes
         self.last_dq: Any = None       # the end of the last dequantization queued
         self.slot_of: dict[int, int] = {}
+        self.relay: Any = None         # NOTE [two links into one GPU] in inference/multidevice.py
+        self.relay_share = 0.0         # of each whole piece's bytes, the last, through the relay
         self.in_use: dict[int, tuple[int, ...]] = {}    # group -> versions when bound to its slot
         self.count = 0                 # streamed group uses so far: use c runs in slot c % nslots
 
@@ -726,6 +744,9 @@ class PinnedTransport:
         if stage is None:
             base = self.home.ptr + p.group.offset
             parts = [(so, base + ho, n) for so, ho, n in p.ranges]
+            if self.relay is not None:      # NOTE [two links into one GPU] in inference/multidevice.py
+                mine, theirs = split_parts(parts, p.nbytes - int(p.nbytes * self.relay_share))
+                return self.ring.fill(self.lane, s, mine, timed=True, relay=self.relay, relayed=theirs)
         else:
             parts = [(0, self.disk.stages[stage].ptr, p.nbytes)]
         return self.ring.fill(self.lane, s, parts, timed=True)

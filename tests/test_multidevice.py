@@ -202,6 +202,8 @@ def test_each_part_also_streams_over_the_next_devices_link():
     assert 0.4 * streamed <= h.stats()["relayed_bytes"] <= 0.6 * streamed
     for i, (t, f) in enumerate(zip(tiers, fakes)):
         assert t.stats()["resident_bytes.all.peak"] <= budget
+        # the ring's own lease beside its part's, so a part that fills its budget leaves it room
+        assert sorted(x.nbytes for x in t.leases) == sorted([h.parts[i].budget, budget - h.parts[i].budget])
         relay_in, relay_out = t.side_stream("relay-in"), t.side_stream("relay-out")
         # the other part's bytes land in this device's ring and go on from it, on its own streams
         ins = [c for c in f.calls if c[0] == "copy" and c[4] == relay_in]
@@ -209,7 +211,7 @@ def test_each_part_also_streams_over_the_next_devices_link():
         assert ins and len(ins) == len(outs)
         assert all(f._foreign(c[1], c[3]) is not None for c in outs)      # into the other device's slot
     h.unwrap()
-    assert all(f.live()["device"] == 0 for f in fakes)
+    assert all(f.live()["device"] == 0 for f in fakes) and not any(t.leases for t in tiers)
     with torch.no_grad():
         assert torch.equal(m(ids), ref(ids))
 

@@ -151,7 +151,7 @@ class SplitModule:
         self._hooks: list[Any] = []
         self._moved: dict[tuple[int, Any], tuple[Any, Any]] = {}
         self._home_device: Any = None
-        self._relays: list[tuple[Any, Any, Relay]] = []     # (helper tier, its ring's block, relay)
+        self._relays: list[tuple[Any, Any, Relay, Any]] = []    # (helper tier, its ring's block, relay, lease)
         try:
             for tier, run in zip(tiers, runs):
                 self.parts.append(TieredModule(tier, module, part_budget, options=part_opts,
@@ -186,36 +186,44 @@ class SplitModule:
             helper = self.tiers[(i + 1) % n]
             hbe = helper.backend
             size = 2 * self._relay_slot
-            helper.reserve(size, Role.FROZEN_WEIGHT)
+            # Its own lease beside the part's (NOTE [budget leases]): the part's budget was cut by it.
+            lease = helper.lease(size, owner=f"relay for {type(self.module).__name__} on device {self.devices[i]}")
+            try:
+                helper.reserve(size, Role.FROZEN_WEIGHT)
+            except BaseException:
+                lease.release()
+                raise
             try:
                 block = hbe.device_alloc(size, pooled=False)
             except BaseException:
                 helper.unreserve(size, Role.FROZEN_WEIGHT)
+                lease.release()
                 raise
             relay = Relay(Lane(hbe, lambda h=helper: h.side_stream("relay-in")),
                           Lane(hbe, lambda h=helper: h.side_stream("relay-out")),
                           SlotRing(block.ptr, self._relay_slot, 2))
-            self._relays.append((helper, block, relay))
+            self._relays.append((helper, block, relay, lease))
             if not part.attach_relay(relay, RELAY_SHARE):   # this part streams nothing: no use for it
                 self._drop_relays(self._relays.pop())
 
-    def _drop_relays(self, only: tuple[Any, Any, Relay] | None = None) -> None:
+    def _drop_relays(self, only: tuple[Any, Any, Relay, Any] | None = None) -> None:
         """Detach and free the relays (or ``only`` that one), once their copies are done."""
         if only is None:
             for part in self.parts:
                 part.attach_relay(None, 0.0)
-        for helper, block, relay in [only] if only is not None else self._relays:
+        for helper, block, relay, lease in [only] if only is not None else self._relays:
             hbe = helper.backend
             hbe.synchronize(relay.onward.mark())
             block.release()
             helper.unreserve(relay.ring.slot_bytes * len(relay.ring), Role.FROZEN_WEIGHT)
+            lease.release()
         if only is None:
             self._relays = []
 
     @property
     def relayed_bytes(self) -> int:
         """Bytes the relays have carried so far (NOTE [two links into one GPU])."""
-        return sum(r.moved for *_, r in self._relays)
+        return sum(r.moved for _, _, r, _ in self._relays)
 
     # -- forward hooks -------------------------------------------------------------------------------
     def _begin(self, args: tuple, kwargs: dict) -> None:

@@ -139,7 +139,9 @@ class SplitModule:
         if opts.max_group_bytes is None and per_gpu is not None:
             # the groups cut for the per-GPU budget as one device's are (groups.fit_groups),
             # before they are spread: a part makes its groups at the same size and finds its run's
-            cap = fit_cap(found, part_budget, opts.lookahead) or cap
+            # (the per-GPU budget, not the part's: a cap a little finer can cut a layer between two
+            # runs, and a layer's own forward adds its residual on the device it began on)
+            cap = fit_cap(found, per_gpu, opts.lookahead) or cap
             found = module_groups(module, cap)
         sizes = [(name, sum(span_of(t) for _, t in own)) for name, _, own in found]
         runs = split_runs(sizes, len(tiers))

@@ -224,3 +224,29 @@ def test_each_part_also_streams_over_the_next_devices_link():
         assert h.stats()["relayed_bytes"] == 0
         assert all(p.budget == budget for p in h.parts)              # no ring taken from it
         h.unwrap()
+
+
+def test_no_run_boundary_falls_inside_a_layer():
+    """A budget small enough to cut each block into several groups: the runs still end at
+    whole blocks (an element of the model's ModuleList), whose forward adds its residual on
+    the device it began on, and the outputs are the plain model's."""
+    from tiermem.inference.multidevice import split_units, unit_of
+    m = gpt()
+    assert unit_of(m, "blocks.2.attn") == "blocks.2" and unit_of(m, "wte") == "wte"
+    sizes = [("wte", 10), ("blocks.0.attn", 10), ("blocks.0.mlp", 10), ("blocks.1.attn", 10), ("blocks.1.mlp", 10),
+             ("head", 1)]
+    units = {n: unit_of(m, n) for n, _ in sizes}
+    assert split_units(sizes, units, 2) == [["wte", "blocks.0.attn", "blocks.0.mlp"],
+                                            ["blocks.1.attn", "blocks.1.mlp", "head"]]
+    ref = copy.deepcopy(m)
+    _, tiers = two_tiers()
+    h = tiermem.wrap_module(m, weight_bytes(m) // 6, devices=[0, 1], tiers=tiers, max_group_bytes=32 << 10)
+    inner = [n for n in h.run_of if n.count(".") >= 2]
+    assert inner                                                  # the blocks were cut into groups
+    for name in inner:
+        u = unit_of(m, name)
+        assert len({h.run_of[g] for g in h.run_of if unit_of(m, g) == u}) == 1
+    ids = torch.randint(0, 512, (2, 64))
+    with torch.no_grad():
+        assert torch.equal(m(ids), ref(ids))
+    h.unwrap()

@@ -70,11 +70,44 @@ from .sources import stand_ins
 if TYPE_CHECKING:
     from ..core.engine import Engine as Tier
 
-__all__ = ["SplitModule", "split_runs"]
+__all__ = ["SplitModule", "split_runs", "split_units", "unit_of"]
 
 RELAY_SLOT = 32 << 20      # NOTE [two links into one GPU]: two of them on each GPU, at most
 MIN_RELAY_SLOT = 16 << 10  # no relay for a budget whose sixteenth is less than two of these
 RELAY_SHARE = 0.5          # of a piece through the relay: the links are alike
+
+
+def unit_of(module: Any, name: str) -> str:
+    """The part of ``module`` that group ``name`` must not be cut from: the first enclosing
+    module that is an element of a ModuleList or Sequential (a layer, whose own forward adds
+    its residual on the device it began on), else the group itself."""
+    import torch
+    parts = name.split(".") if name else []
+    m = module
+    for k, p in enumerate(parts):
+        if isinstance(m, (torch.nn.ModuleList, torch.nn.Sequential)):
+            return ".".join(parts[:k + 1])
+        m = getattr(m, p, None)
+        if m is None:
+            break
+    return name
+
+
+def split_units(sizes: list[tuple[str, int]], units: dict[str, str], n: int) -> list[list[str]]:
+    """:func:`split_runs` over the groups' units (consecutive groups of one unit go together, so
+    no run boundary falls inside a layer), the runs then given back as groups."""
+    merged: list[tuple[str, int]] = []
+    members: dict[str, list[str]] = {}
+    for name, b in sizes:
+        u = units.get(name, name)
+        if merged and merged[-1][0] == u:
+            merged[-1] = (u, merged[-1][1] + b)
+            members[u].append(name)
+        else:
+            key = u if u not in members else f"{u}#{len(merged)}"     # a unit met again later
+            merged.append((key, b))
+            members[key] = [name]
+    return [[g for key in run for g in members[key]] for run in split_runs(merged, n)]
 
 
 def split_runs(sizes: list[tuple[str, int]], n: int) -> list[list[str]]:
@@ -144,7 +177,7 @@ class SplitModule:
             cap = fit_cap(found, per_gpu, opts.lookahead) or cap
             found = module_groups(module, cap)
         sizes = [(name, sum(span_of(t) for _, t in own)) for name, _, own in found]
-        runs = split_runs(sizes, len(tiers))
+        runs = split_units(sizes, {name: unit_of(module, name) for name, _ in sizes}, len(tiers))
         self.run_of = {g: i for i, r in enumerate(runs) for g in r}
         users = _tied_users(module, found, self.run_of)
         swaps = stand_ins(module) if opts.weights is not None else []

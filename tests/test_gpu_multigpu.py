@@ -125,12 +125,13 @@ def _bytes(m) -> int:
     return sum(t.numel() * t.element_size() for t in list(m.parameters()) + list(m.buffers()))
 
 
-@pytest.mark.parametrize("relay", [True, False])
-def test_layers_over_two_gpus_give_the_resident_tokens(relay):
+@pytest.mark.parametrize("relay,group_cap", [(True, 8 * MiB), (False, 8 * MiB), (True, 2 * MiB)])
+def test_layers_over_two_gpus_give_the_resident_tokens(relay, group_cap):
     """A Llama's layers over two GPUs, a sixth of its weights resident on each: each GPU streams
     its own half, over its own link and (relay) the other GPU's too (NOTE [two links into one
     GPU]), and prefill logits and greedy tokens (with the KV cache, each layer's on its GPU) are
-    those of the resident model on one GPU; each GPU's peak stays within the budget given."""
+    those of the resident model on one GPU; each GPU's peak stays within the budget given. At a
+    2 MiB cap each layer is cut into several groups, and the layer still runs on one GPU."""
     _need_two()
     import torch
 
@@ -141,7 +142,7 @@ def test_layers_over_two_gpus_give_the_resident_tokens(relay):
     m = _llama("cpu")
     tiers = [tiermem.Tier(d, cap="1GiB") for d in range(WORLD)]
     budget = _bytes(m) // 6
-    h = tiermem.wrap_module(m, budget, devices=[0, 1], tiers=tiers, max_group_bytes=8 * MiB, relay=relay)
+    h = tiermem.wrap_module(m, budget, devices=[0, 1], tiers=tiers, max_group_bytes=group_cap, relay=relay)
     assert torch.cuda.current_device() == 0           # the second device's Tier left it alone
     runs = {h.run_of[n] for n in h.run_of if n.startswith("model.layers.")}
     assert runs == {0, 1} and all(p.plan.streamed_bytes > 0 for p in h.parts)

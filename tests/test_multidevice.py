@@ -246,7 +246,10 @@ def test_no_run_boundary_falls_inside_a_layer():
     for name in inner:
         u = unit_of(m, name)
         assert len({h.run_of[g] for g in h.run_of if unit_of(m, g) == u}) == 1
+    # each cut block moves its own inputs too: its forward keeps the residual it was given
+    assert all(len(m.get_submodule(unit_of(m, n))._forward_pre_hooks) == 1 for n in inner)
     ids = torch.randint(0, 512, (2, 64))
     with torch.no_grad():
         assert torch.equal(m(ids), ref(ids))
     h.unwrap()
+    assert all(not b._forward_pre_hooks for b in m.blocks)

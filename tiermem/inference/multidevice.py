@@ -177,7 +177,8 @@ class SplitModule:
             cap = fit_cap(found, per_gpu, opts.lookahead) or cap
             found = module_groups(module, cap)
         sizes = [(name, sum(span_of(t) for _, t in own)) for name, _, own in found]
-        runs = split_units(sizes, {name: unit_of(module, name) for name, _ in sizes}, len(tiers))
+        units = {name: unit_of(module, name) for name, _ in sizes}
+        runs = split_units(sizes, units, len(tiers))
         self.run_of = {g: i for i, r in enumerate(runs) for g in r}
         users = _tied_users(module, found, self.run_of)
         swaps = stand_ins(module) if opts.weights is not None else []
@@ -195,7 +196,11 @@ class SplitModule:
                 self._make_relays()
             self.targets = [device_memory(torch, t.backend, t.device).device for t in tiers]
             ref = weakref.ref(self)
-            for m, run in [(m, self.run_of[name]) for name, m, _ in found] + users:
+            # A layer cut into groups also gets the hook: its own forward keeps its input (the
+            # residual) and must find it on the layer's device, not where the layer before ran.
+            layers = {u: self.run_of[name] for name, u in units.items() if u != name}
+            for m, run in ([(m, self.run_of[name]) for name, m, _ in found] + users
+                           + [(module.get_submodule(u), run) for u, run in layers.items()]):
                 dev = self.targets[run]
                 self._hooks.append(m.register_forward_pre_hook(
                     lambda mod, args, kw, dev=dev: _call(ref, "_inputs", dev, args, kw), with_kwargs=True))

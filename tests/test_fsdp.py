@@ -191,6 +191,24 @@ def test_options_are_checked_before_the_gpu():
     assert FSDPOptions.of(FSDPOptions(lookahead=0), lookahead=3).lookahead == 3
 
 
+def test_a_budget_with_more_than_one_rank_is_refused(one_rank):
+    """A budget caps torch's allocator, which hung FSDP2's collectives under NCCL on two H200s:
+    refused with more than one rank, before anything is adopted; one rank keeps it."""
+    from fakes import FakeBackend
+
+    import tiermem
+    from tiermem.training.fsdp import refuse_budget_across_ranks
+    refuse_budget_across_ranks(None, 2)
+    refuse_budget_across_ranks(1 << 30, 1)
+    with pytest.raises(tiermem.ConfigError, match="budget with 2 ranks is not supported"):
+        refuse_budget_across_ranks(1 << 30, 2)
+    tier = tiermem.Tier(backend=FakeBackend(total=1 << 30, foreign_host=True))
+    m, opt = build()
+    fsdp = tier.wrap_fsdp(m, opt, "512MiB")           # world size 1: the budget is taken
+    assert fsdp.budget == 512 << 20
+    fsdp.unwrap()
+
+
 def test_a_torch_without_what_it_builds_on_is_refused(one_rank, monkeypatch):
     from fakes import FakeBackend
     from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup

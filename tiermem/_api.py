@@ -89,7 +89,8 @@ def wrap_fsdp(model: Any, optimizer: Any, budget: int | str | None = None, optio
     states in pinned host memory, one copy per host across the ranks, on the device only while
     FSDP all-gathers them or the optimizer steps them; each parameter steps inside backward,
     right after its reduce-scatter (NOTE [FSDP2 composition] in training/fsdp.py). ``budget``
-    caps torch's allocator on the rank's device (None: no cap). ``options``: a
+    caps torch's allocator on the rank's device (None: no cap; refused with more than one rank,
+    where it hung FSDP2's collectives under NCCL). ``options``: a
     :class:`tiermem.handles.FSDPOptions`, or its fields as keywords (``lookahead=``), checked
     before a GPU is looked for. ``tier``: default, the default tier, on the current device.
     Returns a :class:`tiermem.handles.TieredFSDP` (``materialized()`` for checkpoints,

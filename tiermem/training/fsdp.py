@@ -86,7 +86,7 @@ from .options import FSDPOptions, check_fsdp_options
 if TYPE_CHECKING:
     from ..core.engine import Engine as Tier
 
-__all__ = ["TieredFSDP", "wrap_fsdp"]
+__all__ = ["TieredFSDP", "refuse_budget_across_ranks", "wrap_fsdp"]
 
 log = logging.getLogger("tiermem")
 
@@ -134,7 +134,7 @@ class TieredFSDP:
 
     ``budget``: bytes (or "40GiB", "50%" of the device) torch's caching allocator may hold on
     this rank's device (None: no cap): the unsharded parameters FSDP gathers, the activations,
-    and the shards and states in flight. ``options``: an :class:`FSDPOptions` (training/options.py,
+    and the shards and states in flight; one rank only (:func:`refuse_budget_across_ranks`). ``options``: an :class:`FSDPOptions` (training/options.py,
     which documents each: ``lookahead``), or its fields as keywords.
     The handle steps the optimizer itself, each parameter inside backward: drop
     ``optimizer.step()`` from the loop (it is refused) and keep ``zero_grad()`` or not."""
@@ -154,6 +154,9 @@ class TieredFSDP:
         total = be.capabilities().total_memory
         self.budget = None if budget is None else parse_bytes(budget, total=total, what="FSDP budget",
                                                                max_percent=100)
+        dist = torch.distributed
+        refuse_budget_across_ranks(self.budget, dist.get_world_size() if dist.is_available()
+                                   and dist.is_initialized() else 1)
         views = fi.groups_of(model)         # forces FSDP's lazy init: it pads from the shards
         in_opt = {id(p): i for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
         self.groups: list[ShardGroup] = []
@@ -568,6 +571,18 @@ def _call(ref: Any, name: str, *args: Any) -> Any:
 def _bound(handle: TieredFSDP, name: str) -> Any:
     ref = weakref.ref(handle)
     return lambda: _call(ref, name)
+
+
+def refuse_budget_across_ranks(budget: int | None, world: int) -> None:
+    """ConfigError for a ``budget`` with more than one rank: on two H200s under NCCL, FSDP2 under
+    wrap_fsdp with torch's allocator capped at CPU offload's reserve hung at its second step (a
+    rank waited in an all-gather until the timeout; bench/multi_gpu.py --fsdp-capped), and the
+    cause is not known. A hang is worse than a refusal; one rank is not affected."""
+    if budget is not None and world > 1:
+        raise ConfigError(f"wrap_fsdp's budget with {world} ranks is not supported: capping torch's allocator "
+                          "hung FSDP2's collectives under NCCL on two GPUs (docs/training.md, FSDP2); "
+                          "leave budget out (each rank's memory is then what FSDP2 needs, less the shards "
+                          "and states, which tiermem keeps in pinned memory)")
 
 
 def wrap_fsdp(tier: Tier, model: Any, optimizer: Any, budget: int | str | None = None, *,

@@ -253,3 +253,23 @@ def test_no_run_boundary_falls_inside_a_layer():
         assert torch.equal(m(ids), ref(ids))
     h.unwrap()
     assert all(not b._forward_pre_hooks for b in m.blocks)
+
+
+
+def test_no_relay_where_every_streamed_group_is_packed():
+    """Packed (quantized) groups cross their own link through the staging buffers, which the
+    relay does not serve: a stack of Linears streamed as int8 declines its relays, and no ring
+    or lease of one stays."""
+    fakes, tiers = two_tiers(foreign=True)
+    torch.manual_seed(0)
+    m = nn.Sequential(*[nn.Linear(512, 512) for _ in range(8)]).eval()
+    ref = copy.deepcopy(m)
+    h = tiermem.wrap_module(m, weight_bytes(m) // 6, devices=[0, 1], tiers=tiers, max_group_bytes=1100 << 10,
+                            stream_dtype="int8")
+    assert h._relay_slot and [c for c in fakes[1].calls if c[0] == "enable_peer"]      # a relay was on offer
+    assert all(p.plan.streamed_bytes > 0 for p in h.parts)
+    x = torch.randn(4, 512)
+    with torch.no_grad():
+        assert torch.allclose(m(x), ref(x), atol=0.1)
+    assert h.stats()["relayed_bytes"] == 0 and not any("relay" in x.owner for t in tiers for x in t.leases)
+    h.unwrap()

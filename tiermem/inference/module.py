@@ -640,10 +640,14 @@ class TieredModule:
     def attach_relay(self, relay: Any, share: float) -> bool:
         """Copy the last ``share`` of each streamed piece through ``relay`` (another GPU's link,
         core/stream.py's :class:`Relay`) beside this GPU's own copy; False (nothing attached)
-        where this module streams nothing over its link (NOTE [two links into one GPU] in
-        inference/multidevice.py). None detaches."""
+        where this module streams nothing a relay carries: only whole copies from the pinned
+        home go through one, not packed groups or the disk tier's (NOTE [two links into one GPU]
+        in inference/multidevice.py). None detaches."""
         st = self._stream
-        if st is None or not st.nslots:
+        if relay is not None and (st is None or not st.nslots
+                                  or all(g.packed or g.on_disk for g in st.groups)):
+            return False
+        if st is None:
             return False
         st.relay, st.relay_share = relay, (share if relay is not None else 0.0)
         return True

@@ -57,9 +57,9 @@ import weakref
 from typing import TYPE_CHECKING, Any
 
 from ..base.limits import parse_bytes
+from ..core.stream import Lane, Relay, SlotRing
 from ..errors import ConfigError, WrapError
 from ..pytorch.devmem import device_memory
-from ..core.stream import Lane, Relay, SlotRing
 from ..pytorch.held import CopyGuard
 from ..roles import Role
 from .groups import MAX_GROUP, fit_cap, module_groups, span_of
@@ -243,7 +243,7 @@ class SplitModule:
                           Lane(hbe, lambda h=helper: h.side_stream("relay-out")),
                           SlotRing(block.ptr, self._relay_slot, 2))
             self._relays.append((helper, block, relay, lease))
-            if not part.attach_relay(relay, RELAY_SHARE):   # this part streams nothing: no use for it
+            if not part.attach_relay(relay, RELAY_SHARE):   # nothing it streams can use it
                 self._drop_relays(self._relays.pop())
 
     def _drop_relays(self, only: tuple[Any, Any, Relay, Any] | None = None) -> None:

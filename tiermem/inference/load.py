@@ -32,10 +32,11 @@ from typing import Any
 from ..base import dtypes as _dtypes
 from ..errors import CheckpointError, ConfigError, ConfigTypeError, TierMemError
 from .configs import check_causal, read_config, reason
+from .prequant import QuantizedCheckpoint, scheme_of
 from .weights import check_weights
 
 __all__ = ["FileTensor", "Checkpoint", "Reader", "load_pretrained", "empty_weights", "model_weights", "build_model",
-           "checkpoint_weights", "weights_dtype", "check_dtype"]
+           "checkpoint_weights", "weights_dtype", "weights_source", "check_dtype"]
 
 # safetensors' dtype names -> tiermem's canonical names
 _ST_DTYPES = {"F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64", "I64": "int64",
@@ -592,6 +593,15 @@ def build_model(config: Any, dtype: Any, model_class: Any = None) -> Any:
     return model
 
 
+def weights_source(ckpt: Checkpoint, config: Any, dtype: Any) -> Mapping[str, Any]:
+    """``ckpt``, or where its config says it is saved quantized one scale per row, its tensors
+    with each weight and its scale as one source that reads as ``dtype`` (NOTE [checkpoints
+    already quantized] in inference/prequant.py); another quantization scheme raises
+    :class:`CheckpointError`."""
+    fmt = scheme_of(config, ckpt.path)
+    return ckpt if fmt is None else QuantizedCheckpoint(ckpt, fmt, _dtypes.canonical(dtype))
+
+
 def checkpoint_weights(ckpt: Checkpoint, model: Any, cast: str | None = None,
                        defaulted: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
     """The checkpoint's tensors under ``model``'s names (:func:`model_weights`), floating ones of
@@ -651,9 +661,10 @@ def load_pretrained(path: str | os.PathLike, budget: int | str | None = None, ho
     if model_class is None:
         check_causal(config, os.path.join(path, "config.json"))
     want = weights_dtype(dtype, config, ckpt, fallback="float32")
+    source = weights_source(ckpt, config, want)
     model = build_model(config, want, model_class)
     model.eval()
-    weights = checkpoint_weights(ckpt, model, _dtypes.canonical(want) if dtype is not None else None, unset)
+    weights = checkpoint_weights(source, model, _dtypes.canonical(want) if dtype is not None else None, unset)
     gen = os.path.join(path, "generation_config.json")
     if os.path.exists(gen):
         model.generation_config = transformers.GenerationConfig.from_pretrained(path, local_files_only=True)

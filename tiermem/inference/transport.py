@@ -20,6 +20,7 @@ from .groups import home_layout
 from .load import FileTensor, Reader, host_bytes
 from .plan import Plan
 from .sources import materialize, origin
+from .prequant import copy_packed
 from .split import ALIGN, ROW_ALIGN, rows_per_part
 
 if TYPE_CHECKING:
@@ -601,7 +602,9 @@ class PinnedTransport:
         for t, p, v, h in zip(g.tensors, g.packing, self._packed_views(g), plain):
             src = h if from_home else self.sources.get(id(t), t)
             if p is not None:
-                quant.pack_into(materialize(src), p, v[0], v[1], dev)
+                # NOTE [checkpoints already quantized] in inference/prequant.py: copied as it is
+                if not copy_packed(src, p, v[0], v[1]):
+                    quant.pack_into(materialize(src), p, v[0], v[1], dev)
             elif not isinstance(src, FileTensor):        # a file's bytes were read in before pinning
                 v.copy_(materialize(src))
 

@@ -148,3 +148,33 @@ def test_plan_reads_a_quantized_checkpoint_as_load_pretrained_does(tmp_path):
     _save(tmp_path, ref, sd, _ct("int", strategy="group"))
     with pytest.raises(CheckpointError, match="not one scale per row"):
         plan_model(tmp_path, budget=1 << 20)
+
+
+def test_quantized_experts_saved_one_by_one_are_refused(tier, fake, tmp_path):
+    """transformers stacks a mixture's experts from one tensor per expert, read in place as one
+    range (NOTE [merged tensors]); quantized, each expert has a scale of its own, so they are not:
+    refused by name, nothing allocated."""
+    import glob
+
+    from safetensors.torch import load_file
+    from test_load import _moe
+    ref = _moe("mixtral")
+    ref.save_pretrained(tmp_path)
+    sd = {}
+    for f in glob.glob(str(tmp_path / "*.safetensors")):
+        sd.update(load_file(f))
+        os.remove(f)
+    for p in glob.glob(str(tmp_path / "*.index.json")):
+        os.remove(p)
+    out = {}
+    for name, t in sd.items():
+        if ".experts." in name and name.endswith(".weight") and t.dim() == 2:
+            s = t.float().abs().amax(dim=1, keepdim=True) / 127
+            out[name] = (t.float() / s).round().clamp(-127, 127).to(torch.int8)
+            out[name[:-len("weight")] + "weight_scale"] = s
+        else:
+            out[name] = t
+    _save(tmp_path, ref, out, _ct("int"))
+    with pytest.raises(CheckpointError, match="saved quantized, each with its own scale"):
+        load_pretrained(tmp_path, budget=1 << 20, tier=tier)
+    assert not fake._arrays

@@ -502,6 +502,9 @@ def _merged(name: str, conv: Any, sources: dict[int, dict[int | None, FileTensor
         raise refuse("its bytes are not the sources' end to end")
     if set(sources) != set(range(nsrc)):
         raise refuse(f"the checkpoint has {len(sources)} of its {nsrc} sources")
+    if any(not isinstance(v, FileTensor) for s in sources.values() for v in s.values()):
+        # NOTE [checkpoints already quantized]: a weight and its scale per expert are not one range
+        raise refuse("its sources are saved quantized, each with its own scale")
     stacked = kinds[0][0] == "MergeModulelist"
     index = sorted(sources[0], key=lambda i: -1 if i is None else i)
     if stacked and (None in index or index != list(range(len(index)))):

@@ -21,7 +21,10 @@ NOTE [checkpoints already quantized]
     transformers can build its architecture, with no quantization package. Activation scales
     (``input_scale``, ``input_scale_ub``) are not used: the weights are dequantized and the
     activations stay in the model's dtype. Other schemes (block scales, groups of columns, zero
-    points, 4-bit packings) are refused with the scheme named.
+    points, 4-bit packings) are refused with the scheme named, and so are a mixture's experts
+    saved one tensor per expert, each with its own scale: transformers stacks them, and a stack
+    is read in place only where its sources' bytes lie end to end (NOTE [merged tensors] in
+    inference/load.py).
 """
 from __future__ import annotations
 

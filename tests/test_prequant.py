@@ -144,7 +144,7 @@ def test_plan_reads_a_quantized_checkpoint_as_load_pretrained_does(tmp_path):
     ref, sd = _quantized("int8")
     _save(tmp_path, ref, sd, _ct("int"))
     mp = plan_model(tmp_path, budget=1 << 20)
-    assert mp.dtype == "bfloat16" and mp.plan.streamed_bytes > 0
+    assert mp.dtype == "bfloat16" and mp.plan.streamed_bytes > 0 and mp.source == str(tmp_path)
     _save(tmp_path, ref, sd, _ct("int", strategy="group"))
     with pytest.raises(CheckpointError, match="not one scale per row"):
         plan_model(tmp_path, budget=1 << 20)

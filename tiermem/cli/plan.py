@@ -179,13 +179,13 @@ def plan_model(model: str | os.PathLike | Any, budget: int | str, host_budget: i
     from ..inference.load import build_model, checkpoint_weights, weights_dtype, weights_source
 
     want = weights_dtype(dtype, cfg, ckpt, fallback="float16")
-    source = weights_source(ckpt, cfg, want) if ckpt is not None else None
+    tensors = weights_source(ckpt, cfg, want) if ckpt is not None else None
     m = build_model(cfg, want)
     found = module_groups(m, MAX_GROUP if max_group_bytes is None else max_group_bytes)
     if max_group_bytes is None:        # as adoption groups it (groups.fit_groups)
         found = fit_groups(m, found, budget_bytes, lookahead)
-    weights = checkpoint_weights(source, m, str(want).replace("torch.", "") if dtype is not None else None, unset) \
-        if source is not None else None
+    weights = checkpoint_weights(tensors, m, str(want).replace("torch.", "") if dtype is not None else None, unset) \
+        if tensors is not None else None
     warnings = []
     if ckpt is None and unset:        # with a checkpoint, a wrong default is refused above
         warnings.append(f"{source} does not set {', '.join(unset)}: planned with transformers' defaults for "

@@ -325,41 +325,12 @@ def inference(torch, tiermem, a, size: str, replicas: bool) -> dict:
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--dp-budget", default="6GiB", help="wrap_training's budget per rank")
-    ap.add_argument("--dp-warm", type=int, default=10, help="steps before timing (the plan's trace, probe, check)")
-    ap.add_argument("--dp-steps", type=int, default=4)
-    ap.add_argument("--fsdp-steps", type=int, default=4)
-    ap.add_argument("--offload-steps", type=int, default=3)
-    ap.add_argument("--infer-share", type=float, default=1 / 3, help="weights resident per GPU, a share")
-    ap.add_argument("--prefill", type=int, default=2048)
-    ap.add_argument("--decode", type=int, default=32)
-    ap.add_argument("--infer-sizes", default="0.85B,2.4B", help=f"models for inference, of {sorted(SIZES)}; "
-                    "the first also runs the shared home; the last gives infer_scaling_2gpu")
-    a = ap.parse_args()
-    import torch
-    import torch.multiprocessing as mp
-    world = 2
-    if torch.cuda.device_count() < world:
-        raise SystemExit(f"needs {world} GPUs, found {torch.cuda.device_count()}")
-    failed = None
-    with tempfile.TemporaryDirectory() as d:
-        progress("training on two ranks (spawned)")
-        try:
-            mp.spawn(rank_main, args=(world, f"file://{d}/rendezvous", d, a), nprocs=world, join=True)
-        except Exception as e:           # what ran before the failure is kept and reported
-            failed = repr(e)[-2000:]
-            progress(f"a rank failed: {failed}")
-        ranks = [torch.load(os.path.join(d, f"rank{r}.pt")) for r in range(world)]
-    import tiermem
-    progress("the links: both ways on one GPU, then on both at once")
-    alone = link_rates(torch, [0])
-    together = link_rates(torch, [0, 1])
-    sizes = a.infer_sizes.split(",")
-    infs = {size: inference(torch, tiermem, a, size, replicas=k == 0) for k, size in enumerate(sizes)}
-    inf = infs[sizes[0]]
-
+def summary(torch, ranks: list[dict], infs: dict, alone: dict, together: dict, a: argparse.Namespace,
+            failed: str | None, parts: set, world: int) -> tuple[dict, dict, dict]:
+    """(metrics, checks, raw) from the ranks' training results (empty dicts where training did
+    not run), the inference results by model size, and the link rates."""
+    sizes = list(infs)
+    inf = infs[sizes[0]] if sizes else {"replicas": {"one_home": 0, "pinned": 0, "tokens_equal": True}}
     r0 = ranks[0]
 
     def have(key):
@@ -399,16 +370,20 @@ def main() -> None:
         "fsdp2_tiermem_peak_over_offload_peak": r3(worst(fair, "peak_reserved") / worst(
             "offload", "peak_reserved")) if fair and have("offload") else None,
         "host_mem_over_state": r3(host_over_state),
-        "infer_scaling_2gpu": r3(min(scal[sizes[-1]].values())),
+        "infer_scaling_2gpu": r3(min(scal[sizes[-1]].values())) if sizes else None,
         **{f"infer_scaling_2gpu_{size}": r3(min(v.values())) for size, v in scal.items()},
         "host_mem_ratio_shared_home": r3(inf["replicas"]["pinned"] / streamed_one) if streamed_one else None,
     }
     tokens_equal = all(torch.equal(x[k]["tokens"], x["want"]) for x in infs.values()
                        for k in ("one", "two", "two_own_link")) and inf["replicas"]["tokens_equal"]
-    within = have("dp2") and all(r["dp2"]["peak"] <= r["dp2"]["budget"] for r in ranks) \
-        and r0["dp1"]["peak"] <= r0["dp1"]["budget"] and all(x[k]["peak_ok"] for x in infs.values() for k in ("one", "two", "two_own_link"))
-    checks = {"losses_match": bool(losses_match), "tokens_equal": bool(tokens_equal),
-              "resident_within_budget_all_ranks": bool(within), "all_runs_finished": failed is None}
+    within = ("train" not in parts or have("dp2") and all(r["dp2"]["peak"] <= r["dp2"]["budget"] for r in ranks)
+              and r0["dp1"]["peak"] <= r0["dp1"]["budget"]) \
+        and all(x[k]["peak_ok"] for x in infs.values() for k in ("one", "two", "two_own_link"))
+    checks = {"resident_within_budget_all_ranks": bool(within), "all_runs_finished": failed is None}
+    if "train" in parts:
+        checks["losses_match"] = bool(losses_match)
+    if "infer" in parts:
+        checks["tokens_equal"] = bool(tokens_equal)
     hows = ("plain", "plain_again", "offload", "tiermem")
     raw = {
         "model": "LlamaForCausalLM hidden 2048, 16 layers, ffn 5632, 16 heads / 4 kv, vocab 32000 (~0.85B)",
@@ -436,9 +411,54 @@ def main() -> None:
         # link-bound, one forward runs the GPUs in turn: (W - B) / (W - 2B), slots not counted
         "infer_ideal_link_bound_scaling": (1 - a.infer_share) / max(1 - 2 * a.infer_share, 1e-9),
     }
+    return metrics, checks, raw
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dp-budget", default="6GiB", help="wrap_training's budget per rank")
+    ap.add_argument("--dp-warm", type=int, default=10, help="steps before timing (the plan's trace, probe, check)")
+    ap.add_argument("--dp-steps", type=int, default=4)
+    ap.add_argument("--fsdp-steps", type=int, default=4)
+    ap.add_argument("--offload-steps", type=int, default=3)
+    ap.add_argument("--infer-share", type=float, default=1 / 3, help="weights resident per GPU, a share")
+    ap.add_argument("--prefill", type=int, default=2048)
+    ap.add_argument("--decode", type=int, default=32)
+    ap.add_argument("--parts", default="train,infer", help="train (data parallel, FSDP2), infer, or both; a run "
+                    "of one part writes multi_gpu-<device>-<date>-<part>.json")
+    ap.add_argument("--infer-sizes", default="0.85B,2.4B", help=f"models for inference, of {sorted(SIZES)}; "
+                    "the first also runs the shared home; the last gives infer_scaling_2gpu")
+    a = ap.parse_args()
+    import torch
+    import torch.multiprocessing as mp
+    world = 2
+    if torch.cuda.device_count() < world:
+        raise SystemExit(f"needs {world} GPUs, found {torch.cuda.device_count()}")
+    parts = set(a.parts.split(","))
+    if not parts or parts - {"train", "infer"}:
+        raise SystemExit(f"--parts takes train, infer or both, got {a.parts!r}")
+    failed = None
+    ranks: list[dict] = [{} for _ in range(world)]
+    if "train" in parts:
+        with tempfile.TemporaryDirectory() as d:
+            progress("training on two ranks (spawned)")
+            try:
+                mp.spawn(rank_main, args=(world, f"file://{d}/rendezvous", d, a), nprocs=world, join=True)
+            except Exception as e:           # what ran before the failure is kept and reported
+                failed = repr(e)[-2000:]
+                progress(f"a rank failed: {failed}")
+            ranks = [torch.load(os.path.join(d, f"rank{r}.pt")) for r in range(world)]
+    import tiermem
+    progress("the links: both ways on one GPU, then on both at once")
+    alone = link_rates(torch, [0])
+    together = link_rates(torch, [0, 1])
+    sizes = a.infer_sizes.split(",") if "infer" in parts else []
+    infs = {size: inference(torch, tiermem, a, size, replicas=k == 0) for k, size in enumerate(sizes)}
+
+    metrics, checks, raw = summary(torch, ranks, infs, alone, together, a, failed, parts, world)
     progress(f"metrics {metrics}")
     progress(f"checks {checks}")
-    write_results("multi_gpu", metrics, checks, raw)
+    write_results("multi_gpu", metrics, checks, raw, tag="" if parts == {"train", "infer"} else a.parts)
 
 
 if __name__ == "__main__":

@@ -168,13 +168,10 @@ class SplitModule:
             tiers[(i + 1) % n].backend.enable_peer(tiers[i].device) for i in range(n)) else 0
         relay_bytes = 2 * self._relay_slot
         part_budget = budget if per_gpu is None else per_gpu - relay_bytes   # NOTE [two links into one GPU]
-        self.per_gpu = per_gpu
         if opts.max_group_bytes is None and per_gpu is not None:
-            # the groups cut for the per-GPU budget as one device's are (groups.fit_groups),
+            # the groups cut for the part's budget as one device's are (groups.fit_groups),
             # before they are spread: a part makes its groups at the same size and finds its run's
-            # (the per-GPU budget, not the part's: a cap a little finer can cut a layer between two
-            # runs, and a layer's own forward adds its residual on the device it began on)
-            cap = fit_cap(found, per_gpu, opts.lookahead) or cap
+            cap = fit_cap(found, part_budget, opts.lookahead) or cap
             found = module_groups(module, cap)
         sizes = [(name, sum(span_of(t) for _, t in own)) for name, _, own in found]
         units = {name: unit_of(module, name) for name, _ in sizes}

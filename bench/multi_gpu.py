@@ -250,10 +250,11 @@ def weight_bytes(m) -> int:
 def infer_times(torch, model, prompt, decode_ids, new: int) -> dict:
     with torch.no_grad():
         model(prompt)                                # learns the order
-        prefill = [_timed(torch, lambda: model(prompt)) for _ in range(3)]
+        prefill = [_timed(torch, lambda: model(prompt)) for _ in range(5)]
         kw = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0, use_cache=True)
-        model.generate(decode_ids, **kw)
-        gen = [_timed(torch, lambda: model.generate(decode_ids, **kw)) for _ in range(2)]
+        for _ in range(2):                           # a decode's first forwards learn its order
+            model.generate(decode_ids, **kw)
+        gen = [_timed(torch, lambda: model.generate(decode_ids, **kw)) for _ in range(5)]
         tokens = model.generate(decode_ids, **kw)
     return {"prefill_tok_s": prompt.numel() / statistics.median(prefill),
             "decode_tok_s": new / statistics.median(gen), "tokens": tokens.cpu()}

@@ -226,6 +226,46 @@ def test_each_part_also_streams_over_the_next_devices_link():
         h.unwrap()
 
 
+def test_the_relays_ring_does_not_cut_the_groups_finer():
+    """NOTE [two links into one GPU]: the ring's bytes come out of a part's budget, but the groups
+    are cut for the GPU's whole budget: at a budget just above a layer's cliff (groups.fit_cap)
+    the relay keeps the groups relay=False has, where cutting for the part's budget made each
+    layer several groups (the 0.85B Llama's 9 groups a part became 33)."""
+    from tiermem.inference.groups import MAX_GROUP, fit_cap, module_groups
+    from tiermem.inference.options import ModuleOptions
+    la = ModuleOptions().lookahead
+
+    def stack():
+        torch.manual_seed(0)
+        return nn.Sequential(*[nn.Sequential(nn.Linear(128, 128), nn.Linear(128, 128)) for _ in range(16)]).eval()
+    m0 = stack()
+    found = module_groups(m0, MAX_GROUP)
+
+    def count(b):
+        return len(module_groups(m0, fit_cap(found, b, la) or MAX_GROUP))
+
+    def ring(b):
+        return 2 * (b // 32 // 4096 * 4096)
+    budget = next(b for b in range(4096, 4 * weight_bytes(m0), 4096) if ring(b) and count(b) < count(b - ring(b)))   # the ring's cut crosses the cliff
+    x = torch.randn(4, 128)
+    names = {}
+    for relay in (True, False):
+        fakes, tiers = two_tiers(foreign=True)
+        m = stack()
+        ref = copy.deepcopy(m)
+        h = tiermem.wrap_module(m, budget, devices=[0, 1], tiers=tiers, relay=relay)
+        assert bool(h._relay_slot) == relay
+        names[relay] = [sorted(p._groups) for p in h.parts]
+        with torch.no_grad():
+            for _ in range(2):
+                assert torch.equal(m(x), ref(x))
+        assert all(t.stats()["resident_bytes.all.peak"] <= budget for t in tiers)
+        assert (h.stats()["relayed_bytes"] > 0) == relay
+        h.unwrap()
+    assert names[True] == names[False]
+    assert sum(map(len, names[True])) == count(budget) < count(budget - ring(budget))
+
+
 def test_no_run_boundary_falls_inside_a_layer():
     """A budget small enough to cut each block into several groups: the runs still end at
     whole blocks (an element of the model's ModuleList), whose forward adds its residual on

@@ -60,6 +60,7 @@ class Part:
     groups: frozenset[str]
     group_bytes: int
     stand_ins: frozenset[int] = frozenset()
+    fit_budget: int | None = None   # the GPU's whole budget, the groups' fit (a relay's ring aside)
 
 
 class TieredModule:
@@ -132,7 +133,11 @@ class TieredModule:
                                                          what="module budget", max_percent=100)
         self.budget = self._within_device(asked, [t for _, _, own in found for _, t in own])
         if max_group_bytes is None:
-            fitted = fit_groups(module, found, self.budget, lookahead)
+            fit_for = self.budget
+            if self.part is not None and self.part.fit_budget is not None and self.budget >= asked:
+                # NOTE [two links into one GPU]: a relay's ring must not cut the groups finer
+                fit_for = max(self.budget, self.part.fit_budget)
+            fitted = fit_groups(module, found, fit_for, lookahead)
             found = _within(fitted, found) if self.part is not None and fitted is not found else fitted
             sizes = [(mname, sum(span_of(t) for _, t in own)) for mname, _, own in found]
         cuts = find_cuts(module, found)            # NOTE [split groups] in inference/split.py

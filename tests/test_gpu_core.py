@@ -387,3 +387,33 @@ def test_a_large_unpooled_host_block_is_registered_pinned_memory_the_gpu_reads_i
     b.release()
     gc.collect()
     assert _cuda.pointer_kind(ptr) == "unregistered"
+
+
+def test_a_pooled_events_new_record_leaves_earlier_waits_alone():
+    """NOTE [pooled events]: a stream that waits on an event keeps waiting for that record after
+    the event is dropped and its handle, taken again from the pool, is recorded elsewhere."""
+    import torch
+
+    from tiermem.cuda import runtime as rt
+    a, b, c = (rt.stream_create(0) for _ in range(3))
+    try:
+        with torch.cuda.stream(torch.cuda.ExternalStream(a)):
+            torch.cuda._sleep(400_000_000)          # a fifth of a second or so on stream a
+        e = rt.event_create(False, 0)
+        h = e.handle
+        rt.event_record(e, a)
+        rt.stream_wait_event(b, e)
+        del e
+        f = rt.event_create(False, 0)
+        assert f.handle == h                         # the pooled handle
+        rt.event_record(f, c)                        # c is idle: this record is done at once
+        g = rt.event_create(False, 0)
+        rt.event_record(g, b)                        # behind b's wait for a's sleep
+        rt.event_synchronize(f)
+        assert rt.event_query(f) and not rt.event_query(g)
+        rt.event_synchronize(g)
+        assert rt.event_query(g)
+    finally:
+        rt.device_synchronize()
+        for s in (a, b, c):
+            rt.stream_destroy(s)

@@ -361,13 +361,17 @@ def test_host_stepped_fine_tune_at_a_quarter_of_its_state_on_a_really_small_gpu(
                 sched.step()
             if train.plan is not None and i >= 2:
                 streamed = [b for b in train.blocks if not b.resident]
-                assert streamed and all(b.host for b in streamed)
+                # NOTE [host stepping]: the host takes the blocks whose steps fit in the traced
+                # backward at this host's measured rate (on a host shared with another GPU's
+                # tests, not the embedding); the others step on the device, their states crossing
+                assert streamed and any(b.host for b in streamed)
                 p_bytes = sum(b.p_bytes for b in streamed)
+                s_bytes = sum(b.s_bytes for b in streamed if not b.host)
                 sw = train.plan.swapped_bytes
                 # NOTE [accumulation]: a window's gradients go home and come back once more
                 extra = p_bytes if accumulate > 1 else 0
-                assert train.moved["h2d"] <= 2 * p_bytes + sw + extra, (train.moved, p_bytes, sw)
-                assert train.moved["d2h"] <= p_bytes + sw, (train.moved, p_bytes, sw)
+                assert train.moved["h2d"] <= 2 * p_bytes + sw + extra + s_bytes, (train.moved, p_bytes, sw, s_bytes)
+                assert train.moved["d2h"] <= p_bytes + sw + s_bytes, (train.moved, p_bytes, sw, s_bytes)
         print(train.plan.table())
         assert all(abs(a - b) <= 1e-2 * abs(b) for a, b in zip(got, want)), (got, want)
         assert max(peaks) <= budget, (max(peaks), budget)

@@ -268,3 +268,43 @@ def test_steps_loads_and_unwrap(one_rank):
     opt_b.step()
     for p, q in zip(a.parameters(), b.parameters()):
         assert torch.equal(p.to_local(), q.to_local())
+
+
+@pytest.mark.parametrize("lookahead", [0, 2, 4])
+def test_the_host_runs_a_bounded_number_of_groups_ahead(one_rank, lookahead):
+    """NOTE [groups in flight]: before a group's restore the host waits for the device to reach
+    the group max(IN_FLIGHT, lookahead + 1) back: in forward the compute stream's mark at that
+    group's unshard, in backward that group's write-backs home on the D2H stream. The losses stay
+    plain FSDP2's (the other tests of this file run with the waits in place)."""
+    from fakes import FakeBackend
+
+    import tiermem
+    from tiermem.training.fsdp import IN_FLIGHT
+
+    class Spy(FakeBackend):
+        def synchronize(self, event):
+            waited.append(event.stream)
+            super().synchronize(event)
+    waited: list = []
+    tier = tiermem.Tier(backend=Spy(total=1 << 30, foreign_host=True))
+    a, opt_a = build()
+    b, opt_b = build()
+    fsdp = tier.wrap_fsdp(a, opt_a, lookahead=lookahead)
+    groups = len(fsdp.groups)
+    back = max(IN_FLIGHT, lookahead + 1)
+    d2h = tier.side_stream("d2h")
+    for i, ids in enumerate(batches(2)):
+        waited.clear()
+        loss = loss_of(a, ids)
+        fwd = list(waited)
+        loss.backward()
+        bwd = waited[len(fwd):]
+        want = loss_of(b, ids)
+        want.backward()
+        opt_b.step()
+        opt_b.zero_grad(set_to_none=True)
+        assert float(loss.detach()) == float(want.detach())
+        assert fwd == [tier.backend.current_stream()] * max(0, groups - back)
+        if i:        # the write-backs of the groups that many back (a first backward has none yet)
+            assert set(bwd) <= {d2h} and (len(bwd) > 0) == (groups > back), (bwd, groups, back)
+    fsdp.unwrap()

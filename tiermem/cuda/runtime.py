@@ -468,17 +468,16 @@ def device_synchronize() -> None:
 # NOTE [pooled events]
 #     A streamed forward makes an event for every copy it orders and every wait it hands across
 #     streams: about 45 a decode token of a 0.85B Llama on one H200 and 150 over two with the
-#     relay, at about 18 us each through cuda-bindings (the current-device switch, the create,
-#     and later the destroy): 0.8 and 2.7 ms of host time a token, where the host is what bounds
-#     a small model's decode. So the handle of a plain event (no timing, never recorded in a
-#     graph capture) goes back to its device's pool when its Event is dropped, and the next
-#     event_create of that device takes it again, as torch's CUDA caching allocator keeps its
-#     events. Reuse is safe whatever the handle's record is
-#     doing: a stream's wait, or a query, concerns the record before it, and a record made
-#     later does not change it (cudaStreamWaitEvent: "subsequent calls will not have any effect
-#     on stream"); an Event is dropped only when nothing holds it to wait on or query. A captured
-#     event is destroyed instead (NOTE [events across a capture]: the driver refuses its use
-#     after a capture), and a pool keeps at most EVENT_POOL handles.
+#     relay, at about 18 us each through cuda-bindings (the current-device switch, the create, and
+#     later the destroy): 0.8 and 2.7 ms of host time a token, where the host is what bounds a
+#     small model's decode. So the handle of a plain event (no timing, never recorded in a graph
+#     capture) goes back to its device's pool when its Event is dropped, and the next event_create
+#     of that device takes it again, as torch's CUDA caching allocator keeps its events. Reuse is
+#     safe whatever the handle's record is doing: a stream's wait, or a query, concerns the record
+#     before it, and a record made later does not change it (cudaStreamWaitEvent: "subsequent calls
+#     will not have any effect on stream"); an Event is dropped only when nothing holds it to wait
+#     on or query. A captured event is destroyed instead (NOTE [events across a capture]: the
+#     driver refuses its use after a capture), and a pool keeps at most EVENT_POOL handles.
 EVENT_POOL = 1024
 _event_pools: dict[int, list[Any]] = {}
 

@@ -38,20 +38,19 @@ NOTE [layers across GPUs]
 NOTE [two links into one GPU]
     The devices compute in turn, so while one GPU streams its layers the others' links are idle.
     With ``relay`` (the default) each part's copies into its slots also use the next GPU's link:
-    the last half of each streamed piece crosses into a staging ring of two slots on that
-    GPU (its side stream "relay-in") and goes on into the slot over the GPUs' peer link (its
-    side stream "relay-out"), beside the first half on the part's own link; the slot is ready
-    once both are in (core/stream.py's :class:`Relay` and ``SlotRing.fill``). Two H200s of one
-    host (NV18) landed 1 GiB on one GPU at 101 GB/s this way against 55 over its own link, both
-    links one way at once at 51.5 GB/s each and the peer copy at 390
-    (bench/probes/probe_stripe.py, docs/facts.md). Each ring takes two slots of 32 MiB, or of a
-    32nd of the budget where that is less, from the part's own budget; a budget whose 32nd is
-    under 16 KiB gets no relay. The groups are cut for the whole budget all the same
-    (groups.fit_groups): a ring that cut them finer multiplied a small model's groups (the 0.85B
-    Llama's 9 a part became 33 at a third of its weights, and each group costs the host its
-    hooks and copies), for 6% of the budget. Where the GPUs cannot reach each other's memory directly (no
-    peer access) no relay is made: the driver would stage the peer copy through the host.
-    Pieces read from disk or packed (quantized streaming) cross one link as before.
+    the last half of each streamed piece crosses into a staging ring of two slots on that GPU (its
+    side stream "relay-in") and goes on into the slot over the GPUs' peer link (its side stream
+    "relay-out"), beside the first half on the part's own link; the slot is ready once both are in
+    (core/stream.py's :class:`Relay` and ``SlotRing.fill``). Two H200s of one host (NV18) landed 1
+    GiB on one GPU at 101 GB/s this way against 55 over its own link, both links one way at once at
+    51.5 GB/s each and the peer copy at 390 (bench/probes/probe_stripe.py, docs/facts.md). Each
+    ring takes two slots of 32 MiB, or of a 32nd of the budget where that is less, from the part's
+    own budget; a budget whose 32nd is under 16 KiB gets no relay. The groups are cut for the whole
+    budget all the same (groups.fit_groups): a ring that cut them finer multiplied a small model's
+    groups (the 0.85B Llama's 9 a part became 33 at a third of its weights, and each group costs
+    the host its hooks and copies), for 6% of the budget. Where the GPUs cannot reach each other's
+    memory directly (no peer access) no relay is made: the driver would stage the peer copy through
+    the host. Pieces read from disk or packed (quantized streaming) cross one link as before.
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Two GPUs of one host: data parallel, FSDP2 with tiermem holding the shards, and inference across
-GPUs. One command, about 3 minutes on two H200s:
+GPUs. One command, about 4 minutes on two H200s:
 
     python bench/multi_gpu.py            (TIERMEM_COMMIT=<sha> names the commit of a copied tree)
 
@@ -9,6 +9,9 @@ Writes bench/results/multi_gpu-<device>-<date>.json:
     dp_scaling_2gpu               tokens/s of wrap_training(process_group=True) on two GPUs over one
                                   GPU (a ~0.85B Llama-style transformers model, bf16 autocast over
                                   fp32 masters, fused AdamW, 4x1024 tokens per rank, --dp-budget per rank)
+    dp_scaling_2gpu_host_step     the same with host_step=True (NOTE [host stepping]: the gradients
+                                  averaged, then stepped on the host), and dp_host_step_speedup_2gpu
+                                  the two-GPU step time without it over with it
     dp_scaling_link_bound         the most a step that keeps both directions of its link busy can
                                   scale: two GPUs' pinned copies both ways at once over one GPU's
                                   alone (the host's memory is shared by the two links)
@@ -95,10 +98,11 @@ def _timed(torch, fn) -> float:
 
 
 # -- data parallel -------------------------------------------------------------------------------------
-def dp(torch, tiermem, tier, rank: int, world: int, budget: str, warm: int, timed: int) -> dict:
+def dp(torch, tiermem, tier, rank: int, world: int, budget: str, warm: int, timed: int,
+       host_step: bool = False) -> dict:
     model = build(torch)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
-    train = tier.wrap_training(model, opt, budget, process_group=True if world > 1 else None)
+    train = tier.wrap_training(model, opt, budget, process_group=True if world > 1 else None, host_step=host_step)
     times, peaks = [], []
     for step in range(warm + timed):
         ids = batch(torch, step, rank)
@@ -112,7 +116,7 @@ def dp(torch, tiermem, tier, rank: int, world: int, budget: str, warm: int, time
         if step >= warm:
             times.append(t)
         if rank == 0:
-            progress(f"  dp world={world} step {step}: {t * 1e3:.0f} ms")
+            progress(f"  dp world={world}{' host-stepped' if host_step else ''} step {step}: {t * 1e3:.0f} ms")
     out = {"step_s": statistics.median(times), "peak": max(peaks), "budget": train.budget,
            "plan": str(train.plan), "pinned": train.pinned_bytes}
     train.unwrap()
@@ -190,6 +194,16 @@ def rank_main(rank: int, world: int, init: str, outdir: str, a: argparse.Namespa
         if rank == 0:
             progress("data parallel, two GPUs")
         res["dp2"] = dp(torch, tiermem, tier, rank, world, a.dp_budget, a.dp_warm, a.dp_steps)
+        torch.save(res, keep)
+        dist.barrier()
+        # the same with the optimizer steps on the host (NOTE [host stepping]): fewer bytes a step
+        if rank == 0:
+            progress("data parallel, one GPU, host-stepped")
+            res["dp1_host"] = dp(torch, tiermem, tier, 0, 1, a.dp_budget, a.dp_warm, a.dp_steps, host_step=True)
+        dist.barrier()
+        if rank == 0:
+            progress("data parallel, two GPUs, host-stepped")
+        res["dp2_host"] = dp(torch, tiermem, tier, rank, world, a.dp_budget, a.dp_warm, a.dp_steps, host_step=True)
         torch.save(res, keep)
         dist.barrier()
         for how, steps, warm in (("plain", a.fsdp_steps, 1), ("plain_again", a.fsdp_steps, 1),
@@ -339,8 +353,9 @@ def summary(torch, ranks: list[dict], infs: dict, alone: dict, together: dict, a
 
     def worst(key, field="step_s"):
         return max(r[key][field] for r in ranks)
-    dp_scaling = (world * TOKENS[0] * TOKENS[1] / worst("dp2")) / (TOKENS[0] * TOKENS[1] / r0["dp1"]["step_s"]) \
-        if have("dp2") else None
+    def scaling(two, one):
+        return r0[one]["step_s"] * world / worst(two) if have(two) and one in r0 else None
+    dp_scaling = scaling("dp2", "dp1")
     plain_repeats = have("plain_again") and all(r["plain"]["losses"] == r["plain_again"]["losses"] for r in ranks)
     tiered = [k for k in ("tiermem",) if have(k)]
 
@@ -366,6 +381,8 @@ def summary(torch, ranks: list[dict], infs: dict, alone: dict, together: dict, a
     metrics = {
         "gpus": world,
         "dp_scaling_2gpu": r3(dp_scaling),
+        "dp_scaling_2gpu_host_step": r3(scaling("dp2_host", "dp1_host")),
+        "dp_host_step_speedup_2gpu": r3(worst("dp2") / worst("dp2_host")) if have("dp2") and have("dp2_host") else None,
         "dp_scaling_link_bound": r3(sum(together.values()) / alone[0]),
         "fsdp2_offload_over_tiermem": r3(offload_over),
         "fsdp2_tiermem_peak_over_offload_peak": r3(worst(fair, "peak_reserved") / worst(
@@ -377,8 +394,9 @@ def summary(torch, ranks: list[dict], infs: dict, alone: dict, together: dict, a
     }
     tokens_equal = all(torch.equal(x[k]["tokens"], x["want"]) for x in infs.values()
                        for k in ("one", "two", "two_own_link")) and inf["replicas"]["tokens_equal"]
-    within = ("train" not in parts or have("dp2") and all(r["dp2"]["peak"] <= r["dp2"]["budget"] for r in ranks)
-              and r0["dp1"]["peak"] <= r0["dp1"]["budget"]) \
+    within = ("train" not in parts or have("dp2") and all(r[k]["peak"] <= r[k]["budget"] for r in ranks
+                                                          for k in ("dp2", "dp2_host") if k in r)
+              and all(r0[k]["peak"] <= r0[k]["budget"] for k in ("dp1", "dp1_host") if k in r0)) \
         and all(x[k]["peak_ok"] for x in infs.values() for k in ("one", "two", "two_own_link"))
     checks = {"resident_within_budget_all_ranks": bool(within), "all_runs_finished": failed is None}
     if "train" in parts:
@@ -394,6 +412,11 @@ def summary(torch, ranks: list[dict], infs: dict, alone: dict, together: dict, a
         "dp": {"one_gpu_step_s": r0["dp1"]["step_s"], "two_gpu_step_s": [r["dp2"]["step_s"] for r in ranks],
                "peaks": [r["dp2"]["peak"] for r in ranks], "budget": r0["dp2"]["budget"],
                "plans": [r["dp2"]["plan"] for r in ranks], "one_gpu_plan": r0["dp1"]["plan"]} if have("dp2") else None,
+        "dp_host_step": {"one_gpu_step_s": r0["dp1_host"]["step_s"], "two_gpu_step_s": [r["dp2_host"]["step_s"]
+                                                                                       for r in ranks],
+                         "peaks": [r["dp2_host"]["peak"] for r in ranks],
+                         "plans": [r["dp2_host"]["plan"] for r in ranks], "one_gpu_plan": r0["dp1_host"]["plan"]}
+        if have("dp2_host") and "dp1_host" in r0 else None,
         "fsdp": {how: {"step_s": [r[how]["step_s"] for r in ranks], "losses": [r[how]["losses"] for r in ranks],
                        "peak_reserved": [r[how]["peak_reserved"] for r in ranks],
                        "pinned": [r[how]["pinned"] for r in ranks]}

@@ -18,9 +18,11 @@ A = argparse.Namespace(infer_share=1 / 3, prefill=2048, decode=32, dp_budget="6G
 def _ranks(fsdp: bool = True) -> list[dict]:
     out = []
     for r in range(2):
-        res = {"dp2": {"step_s": 0.40 + 0.01 * r, "peak": 5e9, "budget": 6e9, "plan": "p", "pinned": 1}}
+        res = {"dp2": {"step_s": 0.40 + 0.01 * r, "peak": 5e9, "budget": 6e9, "plan": "p", "pinned": 1},
+               "dp2_host": {"step_s": 0.30 + 0.01 * r, "peak": 5e9, "budget": 6e9, "plan": "p", "pinned": 1}}
         if r == 0:
             res["dp1"] = {"step_s": 0.33, "peak": 5e9, "budget": 6e9, "plan": "p", "pinned": 1}
+            res["dp1_host"] = {"step_s": 0.30, "peak": 5e9, "budget": 6e9, "plan": "p", "pinned": 1}
         if fsdp:
             for how, t, peak in (("plain", 0.18, 15e9), ("plain_again", 0.18, 15e9), ("offload", 0.9 + 0.1 * r, 9e9),
                                  ("tiermem", 0.36, 12e9)):
@@ -50,6 +52,9 @@ def test_a_whole_run():
     metrics, checks, raw = multi_gpu.summary(torch, _ranks(), _infs(), {0: 100.0}, {0: 73.0, 1: 74.0}, A, None,
                                              {"train", "infer"}, 2)
     assert metrics["dp_scaling_2gpu"] == round(2 / 0.41 / (1 / 0.33), 3)
+    assert metrics["dp_scaling_2gpu_host_step"] == round(2 * 0.30 / 0.31, 3)
+    assert metrics["dp_host_step_speedup_2gpu"] == round(0.41 / 0.31, 3)
+    assert raw["dp_host_step"]["two_gpu_step_s"] == [0.30, 0.31]
     assert metrics["dp_scaling_link_bound"] == 1.47
     assert metrics["fsdp2_offload_over_tiermem"] == round(1.0 / 0.36, 3)
     assert metrics["fsdp2_tiermem_peak_over_offload_peak"] == round(12 / 9, 3)
@@ -66,6 +71,7 @@ def test_one_part_and_a_failed_one():
     metrics, checks, raw = multi_gpu.summary(torch, [{}, {}], _infs(), {0: 100.0}, {0: 73.0, 1: 74.0}, A, None,
                                              {"infer"}, 2)
     assert metrics["dp_scaling_2gpu"] is None and metrics["fsdp2_offload_over_tiermem"] is None
+    assert metrics["dp_scaling_2gpu_host_step"] is None and raw["dp_host_step"] is None
     assert set(checks) == {"resident_within_budget_all_ranks", "all_runs_finished", "tokens_equal"}
     bad = _infs()
     bad["2.4B"]["two"] = _run(95.0, 19.0, tokens_ok=False)

@@ -19,7 +19,8 @@ TOL = dict(rtol=0, atol=1e-4)
 
 
 def _rank(rank: int, world: int, init: str, out: str, accumulate: int, clip: float | None,
-          wider: int = 0, capacity: bool = False) -> None:
+          wider: int = 0, capacity: bool = False, host: bool = False, drop: bool = False,
+          shorter: bool = False) -> None:
     import sys
     sys.path.insert(0, os.path.dirname(__file__))
     from fakes import FakeBackend
@@ -28,38 +29,69 @@ def _rank(rank: int, world: int, init: str, out: str, accumulate: int, clip: flo
     import tiermem
     torch.use_deterministic_algorithms(True)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-    reduces, blocking = [], []
+    reduces, blocking, agreed = [], [], []
     all_reduce = dist.all_reduce
 
     def counted(t, *a, **kw):
+        if not t.is_floating_point():
+            agreed.append(t.numel())        # NOTE [host stepping]: the ranks' agreement, not a gradient
+            return all_reduce(t, *a, **kw)
         reduces.append(t.numel())
         if not kw.get("async_op", False):
             blocking.append(t.numel())
         return all_reduce(t, *a, **kw)
     dist.all_reduce = counted
+    dropped: list[int] = []
+    from tiermem.training.hoststep import HostSteps
+    agree, agreements = HostSteps.agree, []
+
+    def counting(self, *a):
+        agreements.append(1)
+        return agree(self, *a)
+    HostSteps.agree = counting
+    if drop and rank:          # this rank's host cannot step the first block it chose: no rank may
+        from tiermem.training.hoststep import HostSteps
+        choose = HostSteps.choose
+
+        def fewer(self, blocks, *a):
+            choose(self, blocks, *a)
+            first = next(b for b in blocks if b.host)
+            first.host = False
+            dropped.append(first.index)
+        HostSteps.choose = fewer
     try:
         model, opt = gpt()
+        if host:                            # the host's twin is fused: so is the reference's
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
         tier = tiermem.Tier(backend=FakeBackend(total=1 << 30, foreign_host=True))
         # ``wider``: this rank's budget is that many more times the state, so its plan differs;
         # ``capacity``: the second rank's budget holds everything, and it plans no recompute
         budget = state_bytes(model) * (100 if capacity and rank else 1 + wider * rank)
         train = tier.wrap_training(model, opt, budget, block_bytes=16 << 10, min_swap=4096,
                                    recompute="never" if capacity and rank else "auto",
-                                   process_group=True, accumulate=accumulate, max_grad_norm=clip)
+                                   process_group=True, accumulate=accumulate, max_grad_norm=clip,
+                                   host_step=host)
         losses = []
-        for ids in batches(STEPS):
+        for step, ids in enumerate(batches(STEPS)):
             for micro in ids.chunk(world)[rank].chunk(accumulate):     # NOTE [accumulation]
+                if shorter and rank and step == 1:
+                    micro = micro[:, :-8]    # another shape on this rank alone: it traces again alone
                 with train.step():
                     loss = loss_of(model, micro)
                     (loss / accumulate).backward()
                 losses.append(float(loss.detach()))
         plan = str(train.plan)
         streamed = len(train.plan.streamed_blocks)
+        hosted = train.host.blocks_stepped if train.host is not None else 0
+        on_host = [b.index for b in train.blocks if b.host]
         in_capacity = not streamed and not train.plan.swapped_bytes and not train.plan.recompute
         train.unwrap()
         torch.save({"params": [p.detach().clone() for p in model.parameters()], "losses": losses, "plan": plan,
                     "streamed": streamed, "in_capacity": in_capacity,
-                    "reduced": sum(reduces), "blocking": len(blocking)}, os.path.join(out, f"rank{rank}.pt"))
+                    "reduced": sum(reduces), "blocking": len(blocking), "agreed": agreed, "hosted": hosted,
+                    "on_host": on_host, "blocks": len(train.blocks), "dropped": dropped,
+                    "agreements": len(agreements)},
+                   os.path.join(out, f"rank{rank}.pt"))
     finally:
         dist.all_reduce = all_reduce
         dist.destroy_process_group()
@@ -130,6 +162,66 @@ def test_two_ranks_train_as_one_process_averaging_their_gradients(tmp_path, accu
     for a, p, q in zip(ranks[0]["params"], model.parameters(), whole.parameters()):
         assert torch.equal(a, p.detach())
         assert torch.allclose(a, q.detach(), **TOL)
+
+
+@pytest.mark.parametrize("accumulate, clip, wider, drop, shorter", [
+    (1, None, 0, False, False), (2, 0.05, 0, False, False), (1, None, 3, False, False), (1, None, 0, True, False),
+    (1, None, 0, False, True)])
+@pytest.mark.long
+def test_two_ranks_step_on_the_host_after_averaging(tmp_path, accumulate, clip, wider, drop, shorter):
+    """NOTE [host stepping] with a process group: each block's gradients are averaged, then go
+    home, and the host steps them there; the ranks agree once on the blocks the host steps (one
+    all-reduce of a flag per block: with ``drop`` rank 1 chose one block fewer, and rank 0 steps
+    it on its device too), and the replicas are bitwise one process's run with a fused AdamW (the
+    host's twin is fused too), with clipping and accumulation as without the host. With
+    ``shorter`` rank 1's second batch is shorter, so it traces and plans again alone: that plan
+    keeps the blocks agreed at the first, with no collective the other rank would not join."""
+    import torch.multiprocessing as mp
+    from test_train import batches, gpt, loss_of
+    world = 2
+    mp.spawn(_rank, args=(world, f"file://{tmp_path / 'rendezvous'}", str(tmp_path), accumulate, clip, wider,
+                          False, True, drop, shorter),
+             nprocs=world, join=True)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+    for a, b in zip(ranks[0]["params"], ranks[1]["params"]):
+        assert torch.equal(a, b)
+    for r in ranks:
+        assert r["agreed"] == [r["blocks"]]          # one all-reduce, of a flag per block
+    assert ranks[0]["hosted"] > 0 and ranks[0]["on_host"], ranks[0]["plan"]
+    if wider:        # rank 1's budget holds more: what its plan keeps resident steps on its device
+        assert set(ranks[1]["on_host"]) < set(ranks[0]["on_host"])
+    else:
+        assert ranks[0]["on_host"] == ranks[1]["on_host"] and ranks[1]["hosted"] > 0
+    if drop:
+        assert ranks[1]["dropped"] and ranks[1]["dropped"][0] not in ranks[0]["on_host"]
+    assert [r["agreements"] for r in ranks] == ([1, 2] if shorter else [1, 1])
+    n = sum(p.numel() for p in gpt()[0].parameters())
+    assert ranks[0]["reduced"] == ranks[1]["reduced"] == STEPS * n
+    assert ranks[0]["blocking"] == ranks[1]["blocking"] == 0
+    torch.use_deterministic_algorithms(True)
+    model, _ = gpt()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    for step, ids in enumerate(batches(STEPS)):
+        grads, losses = [], []
+        for r, part in enumerate(ids.chunk(world)):
+            for micro in part.chunk(accumulate):
+                if shorter and r and step == 1:
+                    micro = micro[:, :-8]
+                loss = loss_of(model, micro)
+                (loss / accumulate).backward()
+                losses.append(float(loss.detach()))
+            grads.append([p.grad.clone() for p in model.parameters()])
+            opt.zero_grad(set_to_none=True)
+        for p, *gs in zip(model.parameters(), *grads):
+            p.grad = (gs[0] + gs[1]).div_(world)
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        k = accumulate
+        assert [x for r in range(world) for x in ranks[r]["losses"][step * k:(step + 1) * k]] == losses
+    for a, p in zip(ranks[0]["params"], model.parameters()):
+        assert torch.equal(a, p.detach())
 
 
 def test_process_group_needs_torch_distributed_initialised():

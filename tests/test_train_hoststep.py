@@ -190,7 +190,6 @@ def test_adam_with_amsgrad_steps_on_the_host_bitwise():
 @pytest.mark.parametrize("kw, words", [
     ({"state_dtype": torch.bfloat16}, "state_dtype"),
     ({"max_grad_norm": 1.0, "speculate": True}, "speculate"),
-    ({"process_group": True}, "process_group"),
 ])
 def test_host_step_refuses_what_it_does_not_take(kw, words):
     model, o = gpt()

@@ -36,8 +36,16 @@ NOTE [host stepping]
     What it costs: the CPU's fused AdamW rounds as the CUDA one does not always (fused kernels
     of two devices), so the losses are close to a device-stepped run's, not bitwise; against a
     plain loop with a fused CPU AdamW they are bitwise (tests/test_train_hoststep.py). Not with
-    ``state_dtype`` (moments that never cross the link need no narrowing), a process group or
-    ``speculate``; with clipping, the host steps wait for the total norm at the step's end.
+    ``state_dtype`` (moments that never cross the link need no narrowing) or ``speculate``;
+    with clipping, the host steps wait for the total norm at the step's end.
+
+    With a process group (NOTE [data parallel] in training/handle.py) a block's gradients are
+    averaged on the reduce stream as without the option, and go home after the average. The
+    ranks agree on which blocks the host steps (:meth:`HostSteps.agree`: a block steps there
+    only where every rank chose it), since the two devices' AdamW may round apart and the
+    replicas must not. A block one rank's plan keeps resident steps on that rank's device
+    whatever the others do: with equal budgets the ranks' plans keep the same blocks (they did
+    on two H200s), with unequal ones such a block's replicas may part by that rounding.
     Whole-step graphs are off (the host's steps are not CUDA work). Off by default: on the
     H200's host it was within a run's spread of device stepping at 1/2.5 of a 1.1B model's
     state and slower at 1/4 (docs/training.md, "Host stepping"); a slower link or a faster host
@@ -114,6 +122,8 @@ class HostSteps:
         self._futures: list[tuple[concurrent.futures.Future[None], list[Any]]] = []
         self.blocks_stepped = 0
         self.seconds_per_param: float | None = None   # the host's AdamW; None: measured when first needed
+        self.agreed: frozenset[int] | None = None       # with a process group, the blocks every rank chose
+        self.chosen: frozenset[int] = frozenset()       # the blocks the host steps, as last chosen
 
     # -- which blocks ------------------------------------------------------------------------------
     def eligible(self, b: Block) -> bool:
@@ -144,6 +154,30 @@ class HostSteps:
             else:
                 run = run and i in big
                 self._forget(b)
+        self.chosen = frozenset(b.index for b in blocks if b.host)
+
+    def takes(self, b: Block) -> bool:
+        """Whether the host steps ``b`` once its states are adopted again (after a load started
+        them afresh): where it was chosen, and can."""
+        return b.index in self.chosen and self.eligible(b)
+
+    def agree(self, blocks: list[Block], group: Any, device: Any) -> None:
+        """With a process group, after :meth:`choose`: a block steps on the host only where every
+        rank chose it (NOTE [host stepping]). At the first plan, which every rank makes after
+        its first step, one all-reduce of a flag per block, on ``device`` (the group's
+        backend's: NCCL's a GPU, gloo's the CPU). A later trace is one rank's own (its batch
+        changed shape) and must not wait for ranks that do not trace: the blocks agreed then
+        stay the host's, where they still can."""
+        if self.agreed is None:
+            import torch.distributed as dist
+            flags = self.torch.tensor([int(bool(b.host)) for b in blocks], dtype=self.torch.int32, device=device)
+            dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=group)
+            self.agreed = frozenset(b.index for b, ok in zip(blocks, flags.tolist()) if ok)
+        for b in blocks:
+            was, b.host = b.host, b.index in self.agreed and self.eligible(b)
+            if was and not b.host:
+                self._forget(b)
+        self.chosen = frozenset(b.index for b in blocks if b.host)
 
     def _forget(self, b: Block) -> None:
         tw = self._twins.pop(b.index, None)

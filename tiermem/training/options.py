@@ -63,7 +63,8 @@ class TrainingOptions:
         budget; never with clipping or a process group.
     host_step: streamed blocks' Adam or AdamW steps run on the host in their pinned homes,
         beside backward, so their optimizer states never cross the link (NOTE [host stepping]
-        in training/hoststep.py); not with ``state_dtype``, ``process_group`` or ``speculate``.
+        in training/hoststep.py); not with ``state_dtype`` or ``speculate``. With a
+        ``process_group`` the gradients are averaged before they go home.
     """
 
     lookahead: int = 2
@@ -104,7 +105,6 @@ class TrainingOptions:
                               "process group do not allow: leave it None or False")
         if self.host_step:
             for name, why in (("state_dtype", "its states never cross the link, so nothing is narrowed"),
-                              ("process_group", "averaging before a host step is not built"),
                               ("speculate", "its host steps wait for the total norm; nothing to speculate on")):
                 if getattr(self, name) not in (None, False):
                     raise ConfigError(f"host_step=True does not take {name}: {why} (NOTE [host stepping])")

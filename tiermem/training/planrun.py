@@ -62,6 +62,8 @@ class PlanRunner:
         st.floor = floor
         if self.host is not None:           # NOTE [host stepping]: before the slots are sized for the plan
             self.host.choose(self.blocks, list(st.order), bwd)
+            if self.group is not None:
+                self.host.agree(self.blocks, self.group, self.mem.device)
         self.stream.least_slot = 0           # NOTE [the floor]: the trace's slots were sized for states it made
         new_slot = aligned(self.stream.needed_slot_bytes())
         held = self.stream.nslots * self.stream.slot_bytes

@@ -331,7 +331,7 @@ class StepRunner:
         b.grads_home = False
         if not b.states and b.trainable:
             self.states.adopt(b)
-            b.host = self.host is not None and self.host.eligible(b)
+            b.host = self.host is not None and self.host.takes(b)     # NOTE [host stepping]: as chosen
         self.stream.write_back(b)
         for p in b.trainable:
             p.grad = None

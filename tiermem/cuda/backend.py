@@ -433,6 +433,7 @@ class CudaBackend:
             if s != into and _cuda.stream_is_capturing(s):
                 ev = _cuda.event_create(False, self.device)
                 _cuda.event_record(ev, s)
+                self.epochs.stamp(ev)               # recorded in the capture: never pooled (NOTE [pooled events])
                 _cuda.stream_wait_event(into, ev)
 
     def replayed(self, stream: int) -> None:

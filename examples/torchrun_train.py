@@ -2,13 +2,16 @@
 
     torchrun --nproc-per-node 2 examples/torchrun_train.py              # FSDP2, shards in pinned memory
     torchrun --nproc-per-node 2 examples/torchrun_train.py --mode dp    # a replica per GPU, in a budget
+    torchrun --nproc-per-node 2 examples/torchrun_train.py --mode dp --host-step   # AdamW on the host
 
 ``--mode fsdp`` shards the model with FSDP2's fully_shard and lets tiermem hold each rank's shards
 and AdamW states in pinned host memory (one copy of the training state per host, across the
 ranks), bringing them in ahead of FSDP's all-gathers and stepping each parameter inside backward
 (tiermem.wrap_fsdp). ``--mode dp`` gives each rank a whole replica trained within ``--budget`` of
 its GPU, each block's gradients averaged over the ranks just before its step (wrap_training with
-process_group=True). Both print rank 0's loss and what the host holds.
+process_group=True); with ``--host-step`` the streamed blocks' AdamW steps run on the host after the
+average, so their moments never cross the link (NOTE [host stepping]). Both print rank 0's loss
+and what the host holds.
 """
 import argparse
 import os
@@ -29,6 +32,7 @@ ap = argparse.ArgumentParser()
 ap.add_argument("--mode", choices=("fsdp", "dp"), default="fsdp")
 ap.add_argument("--steps", type=int, default=10)
 ap.add_argument("--budget", default="4GiB", help="--mode dp: device memory per rank")
+ap.add_argument("--host-step", action="store_true", help="--mode dp: step streamed blocks' AdamW on the host")
 args = ap.parse_args()
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")      # NVLink multicast off (docs/facts.md)
@@ -54,8 +58,8 @@ if args.mode == "fsdp":
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     handle = tiermem.wrap_fsdp(model, opt, tier=tier)
 else:
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    handle = tiermem.wrap_training(model, opt, args.budget, process_group=True, tier=tier)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    handle = tiermem.wrap_training(model, opt, args.budget, process_group=True, tier=tier, host_step=args.host_step)
 
 g = torch.Generator(device="cuda").manual_seed(1000 + rank)      # each rank its own batches
 for step in range(args.steps):

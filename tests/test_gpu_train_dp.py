@@ -16,7 +16,7 @@ WORLD = 2
 WATCHDOG_S = 180
 
 
-def _rank(rank: int, world: int, init: str, out: str) -> None:
+def _rank(rank: int, world: int, init: str, out: str, host: bool = False) -> None:
     import faulthandler
     import sys
     sys.path.insert(0, os.path.dirname(__file__))
@@ -32,10 +32,10 @@ def _rank(rank: int, world: int, init: str, out: str) -> None:
     dist.init_process_group("nccl", init_method=init, rank=rank, world_size=world)
     try:
         model, c = _gpt()                                  # on this rank's GPU
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=host or None)
         tier = tiermem.Tier(rank, cap="1GiB")
         train = tier.wrap_training(model, opt, BUDGET, block_bytes=1 << 20, min_swap=256 << 10,
-                                   process_group=True)
+                                   process_group=True, host_step=host)
         losses, peaks = [], []
         for ids in _batches(c, STEPS):                     # the same batches on every rank (same seed)
             with train.step():
@@ -44,9 +44,13 @@ def _rank(rank: int, world: int, init: str, out: str) -> None:
             losses.append(float(loss.detach()))
             peaks.append(train.resident_peak())
         plan, streamed = str(train.plan), len(train.plan.streamed_blocks)
+        on_host = [b.index for b in train.blocks if b.host]
+        resident = [b.index for b in train.blocks if b.resident]
+        hosted = train.host.blocks_stepped if train.host is not None else 0
         train.unwrap()
         torch.save({"params": [p.detach().cpu() for p in model.parameters()], "losses": losses,
-                    "peaks": peaks, "plan": plan, "streamed": streamed, "device": torch.cuda.current_device()},
+                    "peaks": peaks, "plan": plan, "streamed": streamed, "device": torch.cuda.current_device(),
+                    "on_host": on_host, "resident": resident, "hosted": hosted},
                    os.path.join(out, f"rank{rank}.pt"))
         del train
         tier.close()
@@ -87,3 +91,42 @@ def test_two_gpus_train_as_one_process_averaging_their_gradients(tmp_path):
         assert [r["losses"][step] for r in ranks] == losses, step
     for a, p in zip(ranks[0]["params"], model.parameters()):
         assert torch.equal(a, p.detach().cpu())
+
+
+def test_two_gpus_step_on_their_hosts_after_averaging(tmp_path):
+    """host_step=True with a process group (NOTE [host stepping]): each block's gradients are
+    averaged over NCCL, then go home and the host's fused AdamW steps them there; the ranks step
+    the same blocks on their hosts. Where their plans keep the same blocks resident the replicas
+    are bitwise equal; the losses stay within 1e-2 of one process stepping on its GPU (the CPU's
+    and the GPU's fused AdamW round apart)."""
+    import torch
+    if torch.cuda.device_count() < WORLD:
+        pytest.skip(f"needs {WORLD} GPUs, this host has {torch.cuda.device_count()}")
+    import torch.multiprocessing as mp
+    from test_gpu_train import BUDGET, _batches, _gpt, _loss, _setup
+    mp.spawn(_rank, args=(WORLD, f"file://{tmp_path / 'rendezvous'}", str(tmp_path), True), nprocs=WORLD,
+             join=True)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
+    assert all(r["hosted"] > 0 and r["on_host"] for r in ranks), [r["plan"] for r in ranks]
+    assert max(max(r["peaks"]) for r in ranks) <= BUDGET
+    if ranks[0]["resident"] == ranks[1]["resident"]:
+        assert ranks[0]["on_host"] == ranks[1]["on_host"]
+        for a, b in zip(ranks[0]["params"], ranks[1]["params"]):
+            assert torch.equal(a, b)
+    _setup()
+    model, c = _gpt()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    for step, ids in enumerate(_batches(c, STEPS)):
+        grads, losses = [], []
+        for part in ids.chunk(WORLD):
+            loss = _loss(model, part)
+            loss.backward()
+            losses.append(float(loss.detach()))
+            grads.append([p.grad.clone() for p in model.parameters()])
+            opt.zero_grad(set_to_none=True)
+        for p, g0, g1 in zip(model.parameters(), *grads):
+            p.grad = (g0 + g1).div_(WORLD)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        got = [r["losses"][step] for r in ranks]
+        assert all(abs(a - b) <= 1e-2 * abs(b) for a, b in zip(got, losses)), (step, got, losses)

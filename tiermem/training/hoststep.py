@@ -44,8 +44,9 @@ NOTE [host stepping]
     ranks agree on which blocks the host steps (:meth:`HostSteps.agree`: a block steps there
     only where every rank chose it), since the two devices' AdamW may round apart and the
     replicas must not. A block one rank's plan keeps resident steps on that rank's device
-    whatever the others do: with equal budgets the ranks' plans keep the same blocks (they did
-    on two H200s), with unequal ones such a block's replicas may part by that rounding.
+    whatever the others do, and each rank plans from its own budget and measured times: where
+    two ranks' plans keep different blocks resident, such a block's replicas may part by that
+    rounding (bench/multi_gpu.py's two ranks, at equal budgets, kept the same blocks).
     Whole-step graphs are off (the host's steps are not CUDA work). Off by default: on the
     H200's host it was within a run's spread of device stepping at 1/2.5 of a 1.1B model's
     state and slower at 1/4 (docs/training.md, "Host stepping"); a slower link or a faster host

@@ -58,25 +58,17 @@ def _rank(rank: int, world: int, init: str, out: str, host: bool = False) -> Non
         dist.destroy_process_group()
 
 
-def test_two_gpus_train_as_one_process_averaging_their_gradients(tmp_path):
+def _one_process(fused):
+    """One process on one GPU doing what the ranks do: each half's gradients, summed once and
+    halved as NCCL's all-reduce of two ranks does, then AdamW (``fused`` as given). Returns the
+    model and each step's two losses."""
     import torch
-    if torch.cuda.device_count() < WORLD:
-        pytest.skip(f"needs {WORLD} GPUs, this host has {torch.cuda.device_count()}")
-    import torch.multiprocessing as mp
-    from test_gpu_train import BUDGET, _batches, _gpt, _loss, _setup
-    mp.spawn(_rank, args=(WORLD, f"file://{tmp_path / 'rendezvous'}", str(tmp_path)), nprocs=WORLD, join=True)
-    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
-    assert [r["device"] for r in ranks] == list(range(WORLD))
-    for a, b in zip(ranks[0]["params"], ranks[1]["params"]):
-        assert torch.equal(a, b)                          # the replicas stepped the same averages
-    # each rank plans from its own measured times, so the plans may differ (on two H200s they
-    # did): the all-reduces pair up all the same (NOTE [data parallel])
-    assert all(r["streamed"] > 0 for r in ranks), [r["plan"] for r in ranks]
-    assert max(max(r["peaks"]) for r in ranks) <= BUDGET
+    from test_gpu_train import _batches, _gpt, _loss, _setup
     _setup()
     model, c = _gpt()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    for step, ids in enumerate(_batches(c, STEPS)):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=fused)
+    steps = []
+    for ids in _batches(c, STEPS):
         grads, losses = [], []
         for part in ids.chunk(WORLD):
             loss = _loss(model, part)
@@ -88,6 +80,27 @@ def test_two_gpus_train_as_one_process_averaging_their_gradients(tmp_path):
             p.grad = (g0 + g1).div_(WORLD)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        steps.append(losses)
+    return model, steps
+
+
+def test_two_gpus_train_as_one_process_averaging_their_gradients(tmp_path):
+    import torch
+    if torch.cuda.device_count() < WORLD:
+        pytest.skip(f"needs {WORLD} GPUs, this host has {torch.cuda.device_count()}")
+    import torch.multiprocessing as mp
+    from test_gpu_train import BUDGET
+    mp.spawn(_rank, args=(WORLD, f"file://{tmp_path / 'rendezvous'}", str(tmp_path)), nprocs=WORLD, join=True)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
+    assert [r["device"] for r in ranks] == list(range(WORLD))
+    for a, b in zip(ranks[0]["params"], ranks[1]["params"]):
+        assert torch.equal(a, b)                          # the replicas stepped the same averages
+    # each rank plans from its own measured times, so the plans may differ (on two H200s they
+    # did): the all-reduces pair up all the same (NOTE [data parallel])
+    assert all(r["streamed"] > 0 for r in ranks), [r["plan"] for r in ranks]
+    assert max(max(r["peaks"]) for r in ranks) <= BUDGET
+    model, steps = _one_process(fused=None)
+    for step, losses in enumerate(steps):
         assert [r["losses"][step] for r in ranks] == losses, step
     for a, p in zip(ranks[0]["params"], model.parameters()):
         assert torch.equal(a, p.detach().cpu())
@@ -103,7 +116,7 @@ def test_two_gpus_step_on_their_hosts_after_averaging(tmp_path):
     if torch.cuda.device_count() < WORLD:
         pytest.skip(f"needs {WORLD} GPUs, this host has {torch.cuda.device_count()}")
     import torch.multiprocessing as mp
-    from test_gpu_train import BUDGET, _batches, _gpt, _loss, _setup
+    from test_gpu_train import BUDGET
     mp.spawn(_rank, args=(WORLD, f"file://{tmp_path / 'rendezvous'}", str(tmp_path), True), nprocs=WORLD,
              join=True)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
@@ -113,20 +126,7 @@ def test_two_gpus_step_on_their_hosts_after_averaging(tmp_path):
         assert ranks[0]["on_host"] == ranks[1]["on_host"]
         for a, b in zip(ranks[0]["params"], ranks[1]["params"]):
             assert torch.equal(a, b)
-    _setup()
-    model, c = _gpt()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
-    for step, ids in enumerate(_batches(c, STEPS)):
-        grads, losses = [], []
-        for part in ids.chunk(WORLD):
-            loss = _loss(model, part)
-            loss.backward()
-            losses.append(float(loss.detach()))
-            grads.append([p.grad.clone() for p in model.parameters()])
-            opt.zero_grad(set_to_none=True)
-        for p, g0, g1 in zip(model.parameters(), *grads):
-            p.grad = (g0 + g1).div_(WORLD)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+    _, steps = _one_process(fused=True)
+    for step, losses in enumerate(steps):
         got = [r["losses"][step] for r in ranks]
         assert all(abs(a - b) <= 1e-2 * abs(b) for a, b in zip(got, losses)), (step, got, losses)

@@ -97,6 +97,31 @@ def _rank(rank: int, world: int, init: str, out: str, accumulate: int, clip: flo
         dist.destroy_process_group()
 
 
+def _averaged_step(model, opt, ids, world: int, accumulate: int, clip: float | None, shorter: bool = False):
+    """One process doing what the ranks do in one step: each rank's half of ``ids`` in
+    ``accumulate`` micro-batches (the second rank's shortened by 8 tokens with ``shorter``), the
+    halves' gradients summed and halved as the all-reduce of two ranks does, clipped, stepped.
+    Returns the micro-batches' losses in rank order."""
+    from test_train import loss_of
+    grads, losses = [], []
+    for r, part in enumerate(ids.chunk(world)):
+        for micro in part.chunk(accumulate):
+            if shorter and r:
+                micro = micro[:, :-8]
+            loss = loss_of(model, micro)
+            (loss / accumulate).backward()
+            losses.append(float(loss.detach()))
+        grads.append([p.grad.clone() for p in model.parameters()])
+        opt.zero_grad(set_to_none=True)
+    for p, *gs in zip(model.parameters(), *grads):
+        p.grad = (gs[0] + gs[1]).div_(world)
+    if clip is not None:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return losses
+
+
 @pytest.mark.parametrize("accumulate, clip, wider, capacity", [(1, None, 0, False), (2, None, 0, False),
                                                                (2, 0.05, 0, False), (1, None, 3, False),
                                                                (2, 0.05, 3, False), (2, None, 0, True)])
@@ -138,20 +163,7 @@ def test_two_ranks_train_as_one_process_averaging_their_gradients(tmp_path, accu
     whole, _ = gpt()
     whole_opt = torch.optim.AdamW(whole.parameters(), lr=1e-3)
     for step, ids in enumerate(batches(STEPS)):
-        grads, losses = [], []
-        for part in ids.chunk(world):
-            for micro in part.chunk(accumulate):
-                loss = loss_of(model, micro)
-                (loss / accumulate).backward()
-                losses.append(float(loss.detach()))
-            grads.append([p.grad.clone() for p in model.parameters()])
-            opt.zero_grad(set_to_none=True)
-        for p, *gs in zip(model.parameters(), *grads):
-            p.grad = (gs[0] + gs[1]).div_(world)
-        if clip is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        losses = _averaged_step(model, opt, ids, world, accumulate, clip)
         k = accumulate
         assert [x for r in range(world) for x in ranks[r]["losses"][step * k:(step + 1) * k]] == losses
         loss_of(whole, ids).backward()       # the whole batch at once: the same, to rounding
@@ -177,7 +189,7 @@ def test_two_ranks_step_on_the_host_after_averaging(tmp_path, accumulate, clip, 
     ``shorter`` rank 1's second batch is shorter, so it traces and plans again alone: that plan
     keeps the blocks agreed at the first, with no collective the other rank would not join."""
     import torch.multiprocessing as mp
-    from test_train import batches, gpt, loss_of
+    from test_train import batches, gpt
     world = 2
     mp.spawn(_rank, args=(world, f"file://{tmp_path / 'rendezvous'}", str(tmp_path), accumulate, clip, wider,
                           False, True, drop, shorter),
@@ -202,22 +214,7 @@ def test_two_ranks_step_on_the_host_after_averaging(tmp_path, accumulate, clip, 
     model, _ = gpt()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     for step, ids in enumerate(batches(STEPS)):
-        grads, losses = [], []
-        for r, part in enumerate(ids.chunk(world)):
-            for micro in part.chunk(accumulate):
-                if shorter and r and step == 1:
-                    micro = micro[:, :-8]
-                loss = loss_of(model, micro)
-                (loss / accumulate).backward()
-                losses.append(float(loss.detach()))
-            grads.append([p.grad.clone() for p in model.parameters()])
-            opt.zero_grad(set_to_none=True)
-        for p, *gs in zip(model.parameters(), *grads):
-            p.grad = (gs[0] + gs[1]).div_(world)
-        if clip is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        losses = _averaged_step(model, opt, ids, world, accumulate, clip, shorter=shorter and step == 1)
         k = accumulate
         assert [x for r in range(world) for x in ranks[r]["losses"][step * k:(step + 1) * k]] == losses
     for a, p in zip(ranks[0]["params"], model.parameters()):

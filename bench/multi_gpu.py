@@ -126,19 +126,26 @@ def dp(torch, tiermem, tier, rank: int, world: int, budget: str, warm: int, time
 
 
 # -- FSDP2 ---------------------------------------------------------------------------------------------
-def fsdp_run(torch, tiermem, tier, rank: int, world: int, how: str, steps: int, warm: int) -> dict:
-    """``how``: "plain" (FSDP2 on the device, AdamW after backward), "offload" (CPUOffloadPolicy,
-    AdamW on the CPU), "tiermem" (wrap_fsdp)."""
+def fsdp_model(torch, offload: bool):
+    """The bench's model under FSDP2 (each layer, then the whole; bf16 all-gathers, fp32
+    reductions; ``offload``: CPUOffloadPolicy) and its AdamW (fused on the device, not with
+    CPU offload, whose step runs on the CPU)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
     model = build(torch)
     kw = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}
-    if how == "offload":
+    if offload:
         kw["offload_policy"] = CPUOffloadPolicy(pin_memory=True)
     for layer in model.model.layers:
         fully_shard(layer, **kw)
     fully_shard(model, **kw)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-5, fused=not offload)
+
+
+def fsdp_run(torch, tiermem, tier, rank: int, world: int, how: str, steps: int, warm: int) -> dict:
+    """``how``: "plain" (FSDP2 on the device, AdamW after backward), "offload" (CPUOffloadPolicy,
+    AdamW on the CPU), "tiermem" (wrap_fsdp)."""
+    model, opt = fsdp_model(torch, how == "offload")
     sb = state_bytes(model) // world
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=how != "offload")
     handle = tier.wrap_fsdp(model, opt) if how == "tiermem" else None
     _free(torch)
     torch.cuda.reset_peak_memory_stats()

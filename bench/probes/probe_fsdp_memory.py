@@ -20,17 +20,8 @@ VARIANTS = ("plain", "offload", "lookahead0", "lookahead2")
 
 
 def run(torch, tier, rank: int, how: str, steps: int) -> dict:
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-
     import multi_gpu as mg
-    model = mg.build(torch)
-    kw = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}
-    if how == "offload":
-        kw["offload_policy"] = CPUOffloadPolicy(pin_memory=True)
-    for layer in model.model.layers:
-        fully_shard(layer, **kw)
-    fully_shard(model, **kw)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=how != "offload")
+    model, opt = mg.fsdp_model(torch, how == "offload")
     handle = tier.wrap_fsdp(model, opt, lookahead=int(how[-1])) if how.startswith("lookahead") else None
     mg._free(torch)
     torch.cuda.reset_peak_memory_stats()
@@ -87,7 +78,6 @@ def main() -> None:
     steps = int(sys.argv[1]) if len(sys.argv) > 1 else 5
     if torch.cuda.device_count() < 2:
         raise SystemExit("needs two GPUs")
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     with tempfile.TemporaryDirectory() as d:
         mp.spawn(rank_main, args=(2, f"file://{d}/rendezvous", d, steps), nprocs=2, join=True)
         ranks = [torch.load(os.path.join(d, f"rank{r}.pt")) for r in range(2)]

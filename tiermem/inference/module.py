@@ -136,7 +136,7 @@ class TieredModule:
             fit_for = self.budget
             if self.part is not None and self.part.fit_budget is not None and self.budget >= asked:
                 # NOTE [two links into one GPU]: a relay's ring must not cut the groups finer
-                fit_for = max(self.budget, self.part.fit_budget)
+                fit_for = self.part.fit_budget
             fitted = fit_groups(module, found, fit_for, lookahead)
             found = _within(fitted, found) if self.part is not None and fitted is not found else fitted
             sizes = [(mname, sum(span_of(t) for _, t in own)) for mname, _, own in found]

@@ -9,6 +9,9 @@ Writes bench/results/multi_gpu-<device>-<date>.json:
     dp_scaling_2gpu               tokens/s of wrap_training(process_group=True) on two GPUs over one
                                   GPU (a ~0.85B Llama-style transformers model, bf16 autocast over
                                   fp32 masters, fused AdamW, 4x1024 tokens per rank, --dp-budget per rank)
+    dp_scaling_2gpu_sharded       the same with shard_steps=True (NOTE [sharded steps]: each streamed
+                                  block stepped on one rank, its parameters broadcast), over the
+                                  same one-GPU run
     dp_scaling_2gpu_host_step     the same with host_step=True (NOTE [host stepping]: the gradients
                                   averaged, then stepped on the host), and dp_host_step_speedup_2gpu
                                   the two-GPU step time without it over with it
@@ -33,6 +36,8 @@ Writes bench/results/multi_gpu-<device>-<date>.json:
                                   repeats itself bitwise, else within 1e-3 relative: raw says which)
     tokens_equal                  greedy tokens across two GPUs equal the resident model's on one
     resident_within_budget_all_ranks   every rank's (and device's) tiermem peak within its budget
+    dp_replicas_equal             the two ranks' parameters after data parallel, with and without
+                                  shard_steps, sum to the same value on both
     all_runs_finished             no rank failed (what ran before a failure is kept in raw)
 """
 from __future__ import annotations
@@ -99,10 +104,12 @@ def _timed(torch, fn) -> float:
 
 # -- data parallel -------------------------------------------------------------------------------------
 def dp(torch, tiermem, tier, rank: int, world: int, budget: str, warm: int, timed: int,
-       host_step: bool = False) -> dict:
+       host_step: bool = False, shard: bool = False) -> dict:
     model = build(torch)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
-    train = tier.wrap_training(model, opt, budget, process_group=True if world > 1 else None, host_step=host_step)
+    train = tier.wrap_training(model, opt, budget, process_group=True if world > 1 else None, host_step=host_step,
+                               shard_steps=shard and world > 1)
+    how = " host-stepped" if host_step else " sharded steps" if shard else ""
     times, peaks = [], []
     for step in range(warm + timed):
         ids = batch(torch, step, rank)
@@ -116,10 +123,12 @@ def dp(torch, tiermem, tier, rank: int, world: int, budget: str, warm: int, time
         if step >= warm:
             times.append(t)
         if rank == 0:
-            progress(f"  dp world={world}{' host-stepped' if host_step else ''} step {step}: {t * 1e3:.0f} ms")
+            progress(f"  dp world={world}{how} step {step}: {t * 1e3:.0f} ms")
     out = {"step_s": statistics.median(times), "peak": max(peaks), "budget": train.budget,
-           "plan": str(train.plan), "pinned": train.pinned_bytes}
+           "plan": str(train.plan), "pinned": train.pinned_bytes, "report": train.report()}
     train.unwrap()
+    # the replica's parameters, summed: equal on every rank where the replicas are bitwise equal
+    out["checksum"] = float(sum(p.detach().double().sum() for p in model.parameters()))
     del train, model, opt
     _free(torch)
     return out
@@ -201,6 +210,12 @@ def rank_main(rank: int, world: int, init: str, outdir: str, a: argparse.Namespa
         if rank == 0:
             progress("data parallel, two GPUs")
         res["dp2"] = dp(torch, tiermem, tier, rank, world, a.dp_budget, a.dp_warm, a.dp_steps)
+        torch.save(res, keep)
+        dist.barrier()
+        # each streamed block stepped on one rank (NOTE [sharded steps]): a rank's link carries half the states
+        if rank == 0:
+            progress("data parallel, two GPUs, sharded steps")
+        res["dp2_shard"] = dp(torch, tiermem, tier, rank, world, a.dp_budget, a.dp_warm, a.dp_steps, shard=True)
         torch.save(res, keep)
         dist.barrier()
         # the same with the optimizer steps on the host (NOTE [host stepping]): fewer bytes a step
@@ -388,6 +403,7 @@ def summary(torch, ranks: list[dict], infs: dict, alone: dict, together: dict, a
     metrics = {
         "gpus": world,
         "dp_scaling_2gpu": r3(dp_scaling),
+        "dp_scaling_2gpu_sharded": r3(scaling("dp2_shard", "dp1")),
         "dp_scaling_2gpu_host_step": r3(scaling("dp2_host", "dp1_host")),
         "dp_host_step_speedup_2gpu": r3(worst("dp2") / worst("dp2_host")) if have("dp2") and have("dp2_host") else None,
         "dp_scaling_link_bound": r3(sum(together.values()) / alone[0]),
@@ -402,12 +418,14 @@ def summary(torch, ranks: list[dict], infs: dict, alone: dict, together: dict, a
     tokens_equal = all(torch.equal(x[k]["tokens"], x["want"]) for x in infs.values()
                        for k in ("one", "two", "two_own_link")) and inf["replicas"]["tokens_equal"]
     within = ("train" not in parts or have("dp2") and all(r[k]["peak"] <= r[k]["budget"] for r in ranks
-                                                          for k in ("dp2", "dp2_host") if k in r)
+                                                          for k in ("dp2", "dp2_shard", "dp2_host") if k in r)
               and all(r0[k]["peak"] <= r0[k]["budget"] for k in ("dp1", "dp1_host") if k in r0)) \
         and all(x[k]["peak_ok"] for x in infs.values() for k in ("one", "two", "two_own_link"))
     checks = {"resident_within_budget_all_ranks": bool(within), "all_runs_finished": failed is None}
     if "train" in parts:
         checks["losses_match"] = bool(losses_match)
+        checks["dp_replicas_equal"] = all(have(k) and len({r[k]["checksum"] for r in ranks}) == 1
+                                          for k in ("dp2", "dp2_shard"))
     if "infer" in parts:
         checks["tokens_equal"] = bool(tokens_equal)
     hows = ("plain", "plain_again", "offload", "tiermem")
@@ -424,6 +442,13 @@ def summary(torch, ranks: list[dict], infs: dict, alone: dict, together: dict, a
                          "peaks": [r["dp2_host"]["peak"] for r in ranks],
                          "plans": [r["dp2_host"]["plan"] for r in ranks], "one_gpu_plan": r0["dp1_host"]["plan"]}
         if have("dp2_host") and "dp1_host" in r0 else None,
+        "dp_sharded": {"two_gpu_step_s": [r["dp2_shard"]["step_s"] for r in ranks],
+                       "peaks": [r["dp2_shard"]["peak"] for r in ranks],
+                       "moved_h2d_d2h": [(r["dp2_shard"]["report"]["moved_h2d_bytes"],
+                                          r["dp2_shard"]["report"]["moved_d2h_bytes"]) for r in ranks],
+                       "unsharded_moved_h2d_d2h": [(r["dp2"]["report"]["moved_h2d_bytes"],
+                                                    r["dp2"]["report"]["moved_d2h_bytes"]) for r in ranks],
+                       "plans": [r["dp2_shard"]["plan"] for r in ranks]} if have("dp2_shard") else None,
         "fsdp": {how: {"step_s": [r[how]["step_s"] for r in ranks], "losses": [r[how]["losses"] for r in ranks],
                        "peak_reserved": [r[how]["peak_reserved"] for r in ranks],
                        "pinned": [r[how]["pinned"] for r in ranks]}

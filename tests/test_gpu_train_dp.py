@@ -16,7 +16,7 @@ WORLD = 2
 WATCHDOG_S = 180
 
 
-def _rank(rank: int, world: int, init: str, out: str, host: bool = False) -> None:
+def _rank(rank: int, world: int, init: str, out: str, host: bool = False, shard: bool = False) -> None:
     import faulthandler
     import sys
     sys.path.insert(0, os.path.dirname(__file__))
@@ -35,7 +35,7 @@ def _rank(rank: int, world: int, init: str, out: str, host: bool = False) -> Non
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=host or None)
         tier = tiermem.Tier(rank, cap="1GiB")
         train = tier.wrap_training(model, opt, BUDGET, block_bytes=1 << 20, min_swap=256 << 10,
-                                   process_group=True, host_step=host)
+                                   process_group=True, host_step=host, shard_steps=shard)
         losses, peaks = [], []
         for ids in _batches(c, STEPS):                     # the same batches on every rank (same seed)
             with train.step():
@@ -47,10 +47,14 @@ def _rank(rank: int, world: int, init: str, out: str, host: bool = False) -> Non
         on_host = [b.index for b in train.blocks if b.host]
         resident = [b.index for b in train.blocks if b.resident]
         hosted = train.host.blocks_stepped if train.host is not None else 0
-        train.unwrap()
+        shared = {i: train.blocks[i].peer for i in train.shards.owner} if shard else {}
+        train.unwrap()                  # with shard_steps, every rank's states gathered first
+        states = {k: {n: v.cpu() for n, v in st.items() if torch.is_tensor(v)}
+                  for k, st in opt.state_dict()["state"].items()}
         torch.save({"params": [p.detach().cpu() for p in model.parameters()], "losses": losses,
                     "peaks": peaks, "plan": plan, "streamed": streamed, "device": torch.cuda.current_device(),
-                    "on_host": on_host, "resident": resident, "hosted": hosted},
+                    "on_host": on_host, "resident": resident, "hosted": hosted, "shared": shared,
+                    "states": states},
                    os.path.join(out, f"rank{rank}.pt"))
         del train
         tier.close()
@@ -81,7 +85,7 @@ def _one_process(fused):
         opt.step()
         opt.zero_grad(set_to_none=True)
         steps.append(losses)
-    return model, steps
+    return model, steps, opt
 
 
 def test_two_gpus_train_as_one_process_averaging_their_gradients(tmp_path):
@@ -99,7 +103,7 @@ def test_two_gpus_train_as_one_process_averaging_their_gradients(tmp_path):
     # did): the all-reduces pair up all the same (NOTE [data parallel])
     assert all(r["streamed"] > 0 for r in ranks), [r["plan"] for r in ranks]
     assert max(max(r["peaks"]) for r in ranks) <= BUDGET
-    model, steps = _one_process(fused=None)
+    model, steps, _ = _one_process(fused=None)
     for step, losses in enumerate(steps):
         assert [r["losses"][step] for r in ranks] == losses, step
     for a, p in zip(ranks[0]["params"], model.parameters()):
@@ -126,7 +130,39 @@ def test_two_gpus_step_on_their_hosts_after_averaging(tmp_path):
         assert ranks[0]["on_host"] == ranks[1]["on_host"]
         for a, b in zip(ranks[0]["params"], ranks[1]["params"]):
             assert torch.equal(a, b)
-    _, steps = _one_process(fused=True)
+    _, steps, _ = _one_process(fused=True)
     for step, losses in enumerate(steps):
         got = [r["losses"][step] for r in ranks]
         assert all(abs(a - b) <= 1e-2 * abs(b) for a, b in zip(got, losses)), (step, got, losses)
+
+
+def test_two_gpus_share_the_streamed_blocks_steps(tmp_path):
+    """shard_steps=True (NOTE [sharded steps]): each streamed block steps on one GPU, which
+    broadcasts its parameters over NCCL; the replicas, the losses and, after unwrap's gather,
+    every rank's optimizer states are bitwise one process's."""
+    import torch
+    if torch.cuda.device_count() < WORLD:
+        pytest.skip(f"needs {WORLD} GPUs, this host has {torch.cuda.device_count()}")
+    import torch.multiprocessing as mp
+    from test_gpu_train import BUDGET
+    mp.spawn(_rank, args=(WORLD, f"file://{tmp_path / 'rendezvous'}", str(tmp_path), False, True), nprocs=WORLD,
+             join=True)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
+    shared = ranks[0]["shared"]
+    assert shared and set(shared) == set(ranks[1]["shared"]), [r["plan"] for r in ranks]
+    assert all(shared[i] != ranks[1]["shared"][i] for i in shared)       # one owner each
+    assert any(shared.values()) and not all(shared.values())
+    assert max(max(r["peaks"]) for r in ranks) <= BUDGET
+    for a, b in zip(ranks[0]["params"], ranks[1]["params"]):
+        assert torch.equal(a, b)
+    model, steps, opt = _one_process(fused=None)
+    for step, losses in enumerate(steps):
+        assert [r["losses"][step] for r in ranks] == losses, step
+    for a, p in zip(ranks[0]["params"], model.parameters()):
+        assert torch.equal(a, p.detach().cpu())
+    want = opt.state_dict()["state"]
+    for r in ranks:
+        for k, st in want.items():
+            for name, v in st.items():
+                if torch.is_tensor(v):
+                    assert torch.equal(r["states"][k][name], v.cpu()), (k, name)

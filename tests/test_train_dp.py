@@ -20,7 +20,7 @@ TOL = dict(rtol=0, atol=1e-4)
 
 def _rank(rank: int, world: int, init: str, out: str, accumulate: int, clip: float | None,
           wider: int = 0, capacity: bool = False, host: bool = False, drop: bool = False,
-          shorter: bool = False) -> None:
+          shorter: bool = False, shard: bool = False, speculate: bool = False) -> None:
     import sys
     sys.path.insert(0, os.path.dirname(__file__))
     from fakes import FakeBackend
@@ -70,7 +70,13 @@ def _rank(rank: int, world: int, init: str, out: str, accumulate: int, clip: flo
         train = tier.wrap_training(model, opt, budget, block_bytes=16 << 10, min_swap=4096,
                                    recompute="never" if capacity and rank else "auto",
                                    process_group=True, accumulate=accumulate, max_grad_norm=clip,
-                                   host_step=host)
+                                   host_step=host, shard_steps=shard, speculate=speculate)
+        broadcast, broadcasts = dist.broadcast, []
+
+        def counted_broadcast(t, *a, **kw):
+            broadcasts.append(t.numel())
+            return broadcast(t, *a, **kw)
+        dist.broadcast = counted_broadcast
         losses = []
         for step, ids in enumerate(batches(STEPS)):
             for micro in ids.chunk(world)[rank].chunk(accumulate):     # NOTE [accumulation]
@@ -85,12 +91,25 @@ def _rank(rank: int, world: int, init: str, out: str, accumulate: int, clip: flo
         hosted = train.host.blocks_stepped if train.host is not None else 0
         on_host = [b.index for b in train.blocks if b.host]
         in_capacity = not streamed and not train.plan.swapped_bytes and not train.plan.recompute
-        train.unwrap()
+        report = train.report()
+        speculation = dict(train.clipping.speculation) if clip is not None else {}
+        refused = ""
+        if shard:                   # NOTE [sharded steps]: stale copies are not saved
+            try:
+                opt.state_dict()
+            except tiermem.TierMemError as e:
+                refused = str(e)
+        shared = {b.index: b.peer for b in train.blocks if b.index in train.shards.owner} if shard else {}
+        train.unwrap()          # with shard_steps, gathers first
+        dist.broadcast = broadcast
+        states = {k: {n: v.clone() for n, v in st.items() if torch.is_tensor(v)}
+                  for k, st in opt.state_dict()["state"].items()}
         torch.save({"params": [p.detach().clone() for p in model.parameters()], "losses": losses, "plan": plan,
                     "streamed": streamed, "in_capacity": in_capacity,
                     "reduced": sum(reduces), "blocking": len(blocking), "agreed": agreed, "hosted": hosted,
                     "on_host": on_host, "blocks": len(train.blocks), "dropped": dropped,
-                    "agreements": len(agreements)},
+                    "agreements": len(agreements), "states": states, "refused": refused, "shared": shared,
+                    "broadcasts": broadcasts, "report": report, "speculation": speculation},
                    os.path.join(out, f"rank{rank}.pt"))
     finally:
         dist.all_reduce = all_reduce
@@ -219,6 +238,67 @@ def test_two_ranks_step_on_the_host_after_averaging(tmp_path, accumulate, clip, 
         assert [x for r in range(world) for x in ranks[r]["losses"][step * k:(step + 1) * k]] == losses
     for a, p in zip(ranks[0]["params"], model.parameters()):
         assert torch.equal(a, p.detach())
+
+
+@pytest.mark.parametrize("accumulate, clip, wider, shorter, speculate", [
+    (1, None, 0, False, False), (2, 0.05, 0, False, False), (1, 10.0, 0, False, True), (1, 0.87, 0, False, True),
+    (1, None, 0.5, False, False), (1, None, 0, True, False)])
+@pytest.mark.long
+def test_two_ranks_share_the_streamed_blocks_steps(tmp_path, accumulate, clip, wider, shorter, speculate):
+    """NOTE [sharded steps]: each streamed block steps on one rank, which broadcasts its stepped
+    parameters; the replicas are bitwise one process's run, as without the option, with
+    accumulation, clipping (speculations that stand with ``clip`` 10; with 0.87 the second step's
+    clip bites, undoing its speculation, and the fourth's stands),
+    unequal budgets (``wider``: only the blocks both ranks stream are shared) and a rank that
+    traces again alone (``shorter``). ``opt.state_dict()`` refuses this rank's stale copies;
+    unwrap() gathers, and then every rank's optimizer states are the one process's, bitwise."""
+    import torch.multiprocessing as mp
+    from test_train import batches, gpt
+    world = 2
+    mp.spawn(_rank, args=(world, f"file://{tmp_path / 'rendezvous'}", str(tmp_path), accumulate, clip, wider,
+                          False, False, False, shorter, True, speculate),
+             nprocs=world, join=True)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+    for a, b in zip(ranks[0]["params"], ranks[1]["params"]):
+        assert torch.equal(a, b)
+    shared = ranks[0]["shared"]
+    assert shared and set(shared) == set(ranks[1]["shared"]), ranks[0]["plan"]
+    # each shared block steps on exactly one rank, and both ranks own some
+    assert all(shared[i] != ranks[1]["shared"][i] for i in shared)
+    assert any(shared.values()) and not all(shared.values())
+    for r in ranks:
+        assert "gather_states" in r["refused"]
+        assert r["report"]["shared_blocks"] == len(shared)
+        assert r["report"]["blocks_stepped_elsewhere"] == sum(r["shared"].values())
+    if wider:       # the blocks rank 1 keeps resident are not shared
+        assert len(shared) < ranks[0]["streamed"], (ranks[0]["plan"], ranks[1]["plan"])
+    # one broadcast a shared block an update after the traced first, then the gather's: a state
+    # chunk and the steps each. A speculation the clip undoes broadcasts again in the pass after
+    # it, and the steps after it do not speculate while the clip bites: one more update's worth.
+    undone = clip is not None and speculate and clip < 1
+    if speculate:
+        assert ranks[0]["speculation"] == ranks[1]["speculation"] == (
+            {"committed": 1, "redone": 1} if undone else {"committed": STEPS - 1, "redone": 0})
+    assert len(ranks[0]["broadcasts"]) == (STEPS - 1 + undone + 2) * len(shared)
+    assert ranks[0]["broadcasts"] == ranks[1]["broadcasts"]
+    n = sum(p.numel() for p in gpt()[0].parameters())
+    assert ranks[0]["reduced"] == ranks[1]["reduced"] == STEPS * n
+    assert ranks[0]["blocking"] == ranks[1]["blocking"] == 0
+    torch.use_deterministic_algorithms(True)
+    model, opt = gpt()
+    for step, ids in enumerate(batches(STEPS)):
+        losses = _averaged_step(model, opt, ids, world, accumulate, clip, shorter=shorter and step == 1)
+        k = accumulate
+        assert [x for r in range(world) for x in ranks[r]["losses"][step * k:(step + 1) * k]] == losses
+    for a, p in zip(ranks[0]["params"], model.parameters()):
+        assert torch.equal(a, p.detach())
+    want = opt.state_dict()["state"]
+    for r in ranks:
+        assert set(r["states"]) == set(want)
+        for k, st in want.items():
+            for name, v in st.items():
+                if torch.is_tensor(v):
+                    assert torch.equal(r["states"][k][name].cpu(), v), (k, name)
 
 
 def test_process_group_needs_torch_distributed_initialised():

@@ -60,6 +60,9 @@ def test_an_unknown_keyword_is_a_type_error_that_lists_the_options_before_any_gp
     (dict(norm_type="inf"), ConfigTypeError, "norm_type must be a number"),
     (dict(speculate=True), ConfigError, "needs max_grad_norm"),
     (dict(graphs="yes"), ConfigTypeError, "graphs must be True or False"),
+    (dict(shard_steps=True), ConfigError, "give process_group"),
+    (dict(shard_steps=True, process_group=True, state_dtype="bfloat16"), ConfigError, "does not take state_dtype"),
+    (dict(shard_steps="yes", process_group=True), ConfigTypeError, "shard_steps must be True or False"),
 ])
 def test_each_bad_option_is_refused_when_the_options_are_made_and_by_wrap_training(kw, error, match):
     with pytest.raises(error, match=match):

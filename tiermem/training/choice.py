@@ -93,6 +93,7 @@ class PlanChoice:
         self.plan: TrainPlan | None = None
         self.trace: StepTrace | None = None
         self.floor: Any = None                 # NOTE [the floor]: the training's Floor, once known
+        self.streamed_only: frozenset[int] = frozenset()   # blocks no plan may keep resident (NOTE [sharded steps])
         self.no_recompute = False              # recompute moved other segments' saves: plan without it
         self.refine = 0                        # steps left under the probe's plan (NOTE [measured choice])
         self._calibrating = False              # ... measured only for its times (NOTE [calibrated compute])
@@ -117,8 +118,8 @@ class PlanChoice:
         """The plan for ``trace`` (mode as plan_training's ``recompute``; None: the handle's own),
         with the graphs' pool held; no side effect (see plan_for)."""
         mode = mode or ("never" if self.no_recompute else self.mode)
-        return plan_training(trace, self.budget, margin=self.margin, recompute=mode, link_GBps=self.link_GBps,
-                             clip=self.clip, graph_pool=self.replays.reserve)
+        return plan_training(trace, self.budget, margin=self.margin, can_reside=self._can_reside(), recompute=mode,
+                             link_GBps=self.link_GBps, clip=self.clip, graph_pool=self.replays.reserve)
 
     def plan_for(self, trace: StepTrace, mode: str | None = None) -> TrainPlan:
         mode = mode or ("never" if self.no_recompute else self.mode)
@@ -126,9 +127,27 @@ class PlanChoice:
         if plan.graph_pool and plan.predicted_peak > self.budget - self.margin:
             # NOTE [replayed recompute]: the floor and the pool together pass the budget
             self.replays.give_up("the budget leaves no room for the graphs' pool beside the step's floor")
-            plan = plan_training(trace, self.budget, margin=self.margin, recompute=mode, link_GBps=self.link_GBps,
-                                 clip=self.clip)
+            plan = plan_training(trace, self.budget, margin=self.margin, can_reside=self._can_reside(),
+                                 recompute=mode, link_GBps=self.link_GBps, clip=self.clip)
         return plan
+
+    def _can_reside(self) -> list[bool] | None:
+        if not self.streamed_only:
+            return None
+        return [i not in self.streamed_only for i in range(len(self.blocks))]
+
+    def stream_only(self, blocks: frozenset[int], state_moved: tuple[int, ...]) -> None:
+        """NOTE [sharded steps]: ``blocks`` stay streamed in every plan from now on, and each
+        block moves ``state_moved`` bytes of optimizer states a step; the plan taken is predicted
+        again with them."""
+        self.streamed_only = frozenset(blocks)
+        if self.trace is None:
+            return
+        self.trace = dataclasses.replace(self.trace, block_state_moved_bytes=state_moved)
+        if self.plan is not None:
+            plan = evaluate(self.trace, self.plan)
+            plan.measured.update(self.plan.measured)
+            self.plan = self._linked(self._floored(plan))
 
     def _floored(self, plan: TrainPlan) -> TrainPlan:
         """``plan`` with the training's floor, for its table (NOTE [the floor])."""

@@ -71,6 +71,7 @@ class Clipping:
         self._saved: dict[int, dict[str, Any]] = {}
         self._rng: Any = None
         self.on_host: Callable[[Block, tuple[float, Any]], None] | None = None   # NOTE [host stepping]
+        self.shards: Any = None               # ShardedSteps with shard_steps=True (NOTE [sharded steps])
 
     def begin(self, updating: bool, tracing: bool) -> None:
         """A step begins: it speculates if it updates, is planned, and the last clip did not bite."""
@@ -82,11 +83,16 @@ class Clipping:
         norms are taken and they go home; speculating, the block steps into its second home."""
         self.norms.add(got)
         self.stream.write_grads(b)
-        if self.speculating and b.states and b.slot.has_states:
+        if self.speculating and b.states and (b.slot.has_states or b.peer):
             self._speculate(b, got)
 
     def _speculate(self, b: Block, got: list[Any]) -> None:
-        """Step ``b`` in its slot into its second home (NOTE [speculative clipping])."""
+        """Step ``b`` in its slot into its second home (NOTE [speculative clipping]); where another
+        rank steps it, take its stepped parameters from there (NOTE [sharded steps])."""
+        if b.peer:
+            self.shards.broadcast(b)
+            self.stream.write_back_alt(b)
+            return
         torch = self.torch
         rounding = self.states.rounding
         if self._rng is None and rounding is not None:
@@ -99,6 +105,8 @@ class Clipping:
         for p, g in zip(b.trainable, self.stream.slot_views(b.slot, b)[1]):
             p.grad = g if id(p) in ids else None
         self.states.step_block(b, b.slot)
+        if self.shards is not None and self.shards.shares(b):
+            self.shards.broadcast(b)
         self.stream.write_back_alt(b)
 
     def undo(self, blocks: Sequence[Block]) -> None:

@@ -154,6 +154,7 @@ from .recompute import Recompute
 from .replay import Replays
 from .slots import Block, BlockSlots
 from .hoststep import HostSteps
+from .shards import ShardedSteps
 from .states import OptimizerStates
 from .stepping import StepRunner
 from .stepstate import StepState
@@ -255,6 +256,12 @@ class TieredTraining:
         self.runner.host = self.planner.host = self.host
         if self.host is not None and self.clipping is not None:
             self.clipping.on_host = self.runner.step_on_host
+        # NOTE [sharded steps]: with one rank (no group) there is nothing to share
+        self.shards = (ShardedSteps(torch, self.group, self.stream, self.dev)
+                       if o.shard_steps and self.group is not None else None)
+        self.runner.shards = self.planner.shards = self.shards
+        if self.clipping is not None:
+            self.clipping.shards = self.shards
         self.runner.step_block = lambda b: self._step_block(b)     # the handle's, so a test can watch it
         self.runner.replan = self.planner.replan
         self.runner.set_cap = self.planner.set_cap = self.cap.set
@@ -335,8 +342,33 @@ class TieredTraining:
                             if id(b.module) not in containers and not getattr(b.module, "gradient_checkpointing",
                                                                               False))
         self.hooks.register()
-        self.hooks.guard(self.model, self.opt, self.states.hooks())
+        self.hooks.guard(self.model, self.opt, self.states.hooks() + self._shard_hooks())
         self.model._tiermem_handle = weakref.ref(self)
+
+    def _shard_hooks(self) -> list[Any]:
+        """NOTE [sharded steps]: ``opt.state_dict()`` refuses while this rank's copies of the
+        others' states are stale. The hook holds the sharing weakly."""
+        if self.shards is None:
+            return []
+        ref = weakref.ref(self.shards)
+
+        def before(opt: Any) -> None:
+            me = ref()
+            if me is not None:
+                me.check_state_dict()
+        return [self.opt.register_state_dict_pre_hook(before)]
+
+    def gather_states(self) -> None:
+        """With ``shard_steps=True``: bring every streamed block's optimizer states (and its
+        parameters' ``step``) from the rank that steps it into this rank's homes, so that
+        ``opt.state_dict()`` is whole (NOTE [sharded steps]). Collective: every rank of the group
+        calls it, between steps. Without the option it does nothing."""
+        if self.shards is None:
+            return
+        if self.state.in_step:
+            raise ConfigError("gather_states() runs between steps, not inside train.step()")
+        self.mem.synchronize()          # the last step's write-backs are home
+        self.shards.gather(self.blocks, self.opt)
 
     def _rollback(self, originals: list[tuple[Any, Any]]) -> None:
         """Undo a failed adoption (NOTE [all or nothing] in inference/module.py): the parameters get their
@@ -636,7 +668,9 @@ class TieredTraining:
                 "slots": len(self.stream.slots), "slot_bytes": self.slot_bytes,
                 "accumulate": self.accumulate, "updates": self.updates,
                 "graphs": len(self.replays.graphs), "replayed_backwards": self.replays.replayed,
-                "eager_recomputed_blocks": len(self.replays.eager), "graphs_off": self.replays.off}
+                "eager_recomputed_blocks": len(self.replays.eager), "graphs_off": self.replays.off,
+                "shared_blocks": len(self.shards.owner) if self.shards is not None else 0,
+                "blocks_stepped_elsewhere": sum(b.peer for b in self.blocks)}
 
     @property
     def pinned_bytes(self) -> int:
@@ -665,6 +699,8 @@ class TieredTraining:
             if device != self.dev and device.type != "cpu":
                 raise ConfigError(f"unwrap(device={str(device)!r}): the plain copies go to {self.dev} or the host")
         where = {i: (device or d) for i, d in self._origin.items()}
+        if self.shards is not None and self.shards.stale:
+            self.gather_states()         # NOTE [sharded steps]: every rank unwraps
         check_room(torch, self.tier.backend, self.blocks, self.opt, where, self.dev)
         cap = self.mem.fraction()
         self.mem.set_fraction(self.cap.old_fraction)    # the plain copies are outside the budget

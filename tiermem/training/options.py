@@ -65,6 +65,11 @@ class TrainingOptions:
         beside backward, so their optimizer states never cross the link (NOTE [host stepping]
         in training/hoststep.py); not with ``state_dtype`` or ``speculate``. With a
         ``process_group`` the gradients are averaged before they go home.
+    shard_steps: with a ``process_group``, each streamed block's optimizer step runs on one rank,
+        which broadcasts the stepped parameters to the others, so a rank's link carries only its
+        own blocks' optimizer states (NOTE [sharded steps] in training/shards.py). The caller's
+        ``opt.state_dict()`` then needs ``train.gather_states()`` on every rank first, and
+        ``unwrap()`` is collective. Not with ``state_dtype``.
     """
 
     lookahead: int = 2
@@ -84,6 +89,7 @@ class TrainingOptions:
     graphs: bool = False
     wide_blocks: bool | None = None
     host_step: bool = False
+    shard_steps: bool = False
 
     def __post_init__(self) -> None:
         _int("lookahead", self.lookahead, least=1, unit="blocks ahead")
@@ -95,7 +101,7 @@ class TrainingOptions:
         if self.margin is not None:
             _int("margin", self.margin, least=0, unit="bytes")
         _int("accumulate", self.accumulate, least=1, unit="micro-batches per optimizer step")
-        for name in ("swap", "speculate", "graphs", "host_step"):
+        for name in ("swap", "speculate", "graphs", "host_step", "shard_steps"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigTypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.wide_blocks is not None and not isinstance(self.wide_blocks, bool):
@@ -108,6 +114,12 @@ class TrainingOptions:
                               ("speculate", "its host steps wait for the total norm; nothing to speculate on")):
                 if getattr(self, name) not in (None, False):
                     raise ConfigError(f"host_step=True does not take {name}: {why} (NOTE [host stepping])")
+        if self.shard_steps and self.process_group is None:
+            raise ConfigError("shard_steps=True shares the streamed blocks' optimizer steps over the ranks of a "
+                              "process_group: give process_group=True or a group (NOTE [sharded steps])")
+        if self.shard_steps and self.state_dtype is not None:
+            raise ConfigError("shard_steps=True does not take state_dtype: its rounding would advance on the "
+                              "owners only (NOTE [sharded steps])")
         if self.speculate and self.max_grad_norm is None:
             raise ConfigError("speculate=True speculates that clipping leaves the gradients alone: it needs "
                               "max_grad_norm")

@@ -32,6 +32,7 @@ class PlanRunner:
         self.swap: Any = None
         self.hooks: Any = None
         self.host: Any = None                # HostSteps with host_step=True (NOTE [host stepping])
+        self.shards: Any = None              # ShardedSteps with shard_steps=True (NOTE [sharded steps])
         self.configured = stream.nslots      # the slots the options ask for (the trace may stream through fewer)
         self.least = 2                       # the fewest a step streams through (NOTE [the floor])
         self.set_cap: Callable[[], None] = lambda: None
@@ -86,7 +87,7 @@ class PlanRunner:
                           block_fwd_ms=tuple(max(x, 0.0) for x in per), recomputable=recomputable,
                           boundary_bytes=tuple(st.boundary.get(b.index, (0, 0))[0] for b in self.blocks),
                           fwd_ms=fwd, bwd_ms=bwd, block_names=tuple(b.name for b in self.blocks),
-                          block_state_moved_bytes=tuple(0 if b.host else b.s_bytes for b in self.blocks),
+                          block_state_moved_bytes=tuple(0 if b.host or b.peer else b.s_bytes for b in self.blocks),
                           part_block=tuple(b.index for b, _ in self.hooks.parts),
                           part_input_bytes=tuple(st.part_inputs.get(k, 0) for k in range(len(self.hooks.parts))),
                           wide_blocks=frozenset(b.index for b in self.blocks if b.wide))
@@ -128,6 +129,10 @@ class PlanRunner:
         for i in sorted(plan.resident_blocks):
             if not self.blocks[i].resident:
                 self.make_resident(self.blocks[i])
+        if self.shards is not None and not self.shards.agreed:
+            # NOTE [sharded steps]: at the first plan, which every rank takes after its traced step
+            shared = self.shards.agree(self.blocks)
+            self.choice.stream_only(shared, tuple(0 if b.host or b.peer else b.s_bytes for b in self.blocks))
         self.stream.alloc()
         self.set_cap()
         self.mem.empty_cache()
@@ -138,7 +143,7 @@ class PlanRunner:
             # torch's slower call path. Steps are then plain steps on managed memory. (With a
             # process group the hooks stay: NOTE [data parallel].)
             self.hooks.remove(guards=False)
-        log.info("tiermem: %s", plan.table())
+        log.info("tiermem: %s", (self.choice.plan or plan).table())
 
     def make_resident(self, b: Block) -> None:
         """Move ``b`` into managed memory kept on the device (NOTE [training transport])."""

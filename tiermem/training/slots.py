@@ -55,6 +55,7 @@ class Block:
     alt_views: list[Any] = dataclasses.field(default_factory=list)
     alt_state_views: list[Any] = dataclasses.field(default_factory=list)
     speculated: bool = False      # stepped this step into its second home
+    alt_has_states: bool = False  # ... with its states (not where another rank stepped it)
     home_views: list[Any] = dataclasses.field(default_factory=list)
     home_state_views: list[Any] = dataclasses.field(default_factory=list)
     resident_state_views: list[Any] = dataclasses.field(default_factory=list)   # a resident block's states
@@ -63,6 +64,8 @@ class Block:
     wide: bool = False            # steps at the step's end across the whole ring (NOTE [wide blocks])
     host: bool = False            # its optimizer steps on the host, its states never in a slot
                                   # (NOTE [host stepping] in training/hoststep.py)
+    peer: bool = False            # another rank steps it, its states never in a slot here
+                                  # (NOTE [sharded steps] in training/shards.py)
     need_before: int = 0          # slot bytes its states will need, before the optimizer has made them
     deferred: bool = False        # its gradients went home for that this step
     tiered: list[Any] = dataclasses.field(default_factory=list)
@@ -79,8 +82,8 @@ class Block:
     @property
     def slot_need(self) -> int:
         """Bytes of slot the block needs in backward: parameters, gradients, optimizer states
-        (none where they step on the host)."""
-        return self.p_bytes + self.g_bytes + (0 if self.host else self.s_bytes)
+        (none where they step on the host or on another rank)."""
+        return self.p_bytes + self.g_bytes + (0 if self.host or self.peer else self.s_bytes)
 
 
 def ring_slot(needs: dict[int, int], fwd: dict[int, int], least: int, wide: bool) -> tuple[int, frozenset[int]]:
@@ -212,6 +215,10 @@ class BlockSlots:
         """The slot's whole states region of ``b``, as one tensor of ``dtype``."""
         return self.tier.backend.torch_view(s.ptr + b.p_bytes + b.g_bytes, b.s_bytes, self.slot_mem).view(dtype)
 
+    def param_region(self, s: TrainSlot, b: Block) -> Any:
+        """The slot's parameter bytes of ``b``, as one uint8 tensor."""
+        return self.slot_mem[s.ptr - self.slot_mem.data_ptr():][: b.p_bytes]
+
     def grad_region(self, s: TrainSlot, b: Block) -> Any:
         """The slot's gradient bytes of ``b``, as one uint8 tensor."""
         return self.slot_mem[s.ptr - self.slot_mem.data_ptr() + b.p_bytes:][: b.g_bytes]
@@ -305,7 +312,7 @@ class BlockSlots:
         (``states``) its optimizer states when the step updates and the gradients accumulated so
         far (NOTE [accumulation] in training/handle.py). Returns False when no slot is free."""
         s = b.slot
-        want_states = states and self.updating and bool(b.states) and not b.wide and not b.host
+        want_states = states and self.updating and bool(b.states) and not b.wide and not b.host and not b.peer
         want_grads = states and b.grads_home
         if (s is not None and s.has_params and (s.has_states or not want_states)
                 and (s.has_grads or not want_grads)):
@@ -351,7 +358,7 @@ class BlockSlots:
         if b.params[0].data.data_ptr() != pv[0].data_ptr():
             for p, v in zip(b.params, pv):
                 self.bind(p, v)
-        if states and self.updating and b.states and not b.wide and not b.host:
+        if states and self.updating and b.states and not b.wide and not b.host and not b.peer:
             self.bind_states(b, sv)
         return s
 
@@ -475,28 +482,29 @@ class BlockSlots:
         if b.alt_p is None:
             b.alt_p = be.host_alloc(b.p_bytes, pooled=False)
             b.alt_views = self.views(b.alt_p.ptr, b, b.alt_p, "p")
-        if b.states and (b.alt_s is None or b.alt_s_bytes != b.s_bytes):
+        s = b.slot
+        states = bool(b.states) and s.has_states     # not a block another rank stepped (NOTE [sharded steps])
+        if states and (b.alt_s is None or b.alt_s_bytes != b.s_bytes):
             if b.alt_s is not None:
                 b.alt_s.release()
             b.alt_s, b.alt_s_bytes = be.host_alloc(b.s_bytes, pooled=False), b.s_bytes
             b.alt_state_views = self.views(b.alt_s.ptr, b, b.alt_s, "s")
-        s = b.slot
         parts = [(b.alt_p.ptr, 0, b.p_bytes)]
-        if b.states:
+        if states:
             parts.append((b.alt_s.ptr, b.p_bytes + b.g_bytes, b.s_bytes))
         b.home_ready = self.slots.drain(self.d2h, s, parts)
         self.count("d2h", Role.WEIGHT, b.p_bytes)
-        if b.states:
+        if states:
             self.count("d2h", Role.OPTIMIZER_STATE, b.s_bytes)
         self.written.append(b)
-        b.speculated = True
+        b.speculated, b.alt_has_states = True, states
         s.busy = False
 
     def commit(self, b: Block) -> None:
         """The speculative step of ``b`` stands: its second home becomes its home."""
         b.home_p, b.alt_p = b.alt_p, b.home_p
         b.home_views, b.alt_views = b.alt_views, b.home_views
-        if b.states:
+        if b.states and b.alt_has_states:
             b.home_s, b.alt_s = b.alt_s, b.home_s
             b.home_state_views, b.alt_state_views = b.alt_state_views, b.home_state_views
             b.alt_s_bytes = b.s_bytes

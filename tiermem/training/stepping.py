@@ -56,6 +56,7 @@ class StepRunner:
         self.swap: Any = None
         self.hooks: Any = None
         self.host: Any = None        # HostSteps with host_step=True (NOTE [host stepping])
+        self.shards: Any = None      # ShardedSteps with shard_steps=True (NOTE [sharded steps])
         self.reduce = Lane(tier.backend, lambda: tier.side_stream("reduce"))    # NOTE [data parallel]
         self.step_block: Callable[[Block], None] = self.step_streamed
         self.replan: Callable[[int], None] = lambda peak: None
@@ -326,12 +327,15 @@ class StepRunner:
         if b.host and self.host is not None:
             self.step_on_host(b)
             return
-        self.states.step_block(b, b.slot)
+        if not (b.peer and b.states):       # NOTE [sharded steps]: another rank steps it, where it has states
+            self.states.step_block(b, b.slot)
         b.stepped = True
         b.grads_home = False
         if not b.states and b.trainable:
             self.states.adopt(b)
             b.host = self.host is not None and self.host.takes(b)     # NOTE [host stepping]: as chosen
+        if self.shards is not None and self.shards.shares(b):
+            self.shards.broadcast(b)        # the owner's stepped parameters, to every rank's slot
         self.stream.write_back(b)
         for p in b.trainable:
             p.grad = None

@@ -102,7 +102,8 @@ ROWS: tuple[Row, ...] = (
         "**{decode_vs_bound_512k:.2f}x** the bound; fp8 in transit {fp8_speedup_128k:.2f}x faster at 128k, "
         "logits cosine >= {fp8_logits_cosine_min:.4f}", optional=True),
     Row("two GPUs: data parallel; FSDP2 with its shards in tiers; layers over both GPUs", "multi_gpu",
-        "**{dp_scaling_2gpu:.2f}x** one GPU (link bound {dp_scaling_link_bound:.2f}x); FSDP2 CPU offload "
+        "**{dp_scaling_2gpu_sharded:.2f}x** one GPU with `shard_steps=True`, {dp_scaling_2gpu:.2f}x without (link "
+        "bound {dp_scaling_link_bound:.2f}x); FSDP2 CPU offload "
         "**{fsdp2_offload_over_tiermem:.2f}x** slower; inference {infer_scaling_2gpu:.2f}x; losses match: "
         "{ok=losses_match}", optional=True),
     Row("CuPy: 3 GiB of arrays under a 1 GiB budget, one pass", "cupy_budget",

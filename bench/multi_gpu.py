@@ -12,6 +12,8 @@ Writes bench/results/multi_gpu-<device>-<date>.json:
     dp_scaling_2gpu_sharded       the same with shard_steps=True (NOTE [sharded steps]: each streamed
                                   block stepped on one rank, its parameters broadcast), over the
                                   same one-GPU run
+    dp_host_mem_sharded_over_plain   the two ranks' pinned bytes with shard_steps over without (a
+                                  rank keeps the states of the blocks it steps only)
     dp_scaling_2gpu_host_step     the same with host_step=True (NOTE [host stepping]: the gradients
                                   averaged, then stepped on the host), and dp_host_step_speedup_2gpu
                                   the two-GPU step time without it over with it
@@ -404,6 +406,9 @@ def summary(torch, ranks: list[dict], infs: dict, alone: dict, together: dict, a
         "gpus": world,
         "dp_scaling_2gpu": r3(dp_scaling),
         "dp_scaling_2gpu_sharded": r3(scaling("dp2_shard", "dp1")),
+        "dp_host_mem_sharded_over_plain": r3(sum(r["dp2_shard"]["pinned"] for r in ranks)
+                                             / sum(r["dp2"]["pinned"] for r in ranks))
+        if have("dp2") and have("dp2_shard") else None,
         "dp_scaling_2gpu_host_step": r3(scaling("dp2_host", "dp1_host")),
         "dp_host_step_speedup_2gpu": r3(worst("dp2") / worst("dp2_host")) if have("dp2") and have("dp2_host") else None,
         "dp_scaling_link_bound": r3(sum(together.values()) / alone[0]),

@@ -48,13 +48,14 @@ def _rank(rank: int, world: int, init: str, out: str, host: bool = False, shard:
         resident = [b.index for b in train.blocks if b.resident]
         hosted = train.host.blocks_stepped if train.host is not None else 0
         shared = {i: train.blocks[i].peer for i in train.shards.owner} if shard else {}
+        released = all(b.home_s is None for b in train.blocks if b.peer)
         train.unwrap()                  # with shard_steps, every rank's states gathered first
         states = {k: {n: v.cpu() for n, v in st.items() if torch.is_tensor(v)}
                   for k, st in opt.state_dict()["state"].items()}
         torch.save({"params": [p.detach().cpu() for p in model.parameters()], "losses": losses,
                     "peaks": peaks, "plan": plan, "streamed": streamed, "device": torch.cuda.current_device(),
                     "on_host": on_host, "resident": resident, "hosted": hosted, "shared": shared,
-                    "states": states},
+                    "states": states, "released": released},
                    os.path.join(out, f"rank{rank}.pt"))
         del train
         tier.close()
@@ -138,8 +139,9 @@ def test_two_gpus_step_on_their_hosts_after_averaging(tmp_path):
 
 def test_two_gpus_share_the_streamed_blocks_steps(tmp_path):
     """shard_steps=True (NOTE [sharded steps]): each streamed block steps on one GPU, which
-    broadcasts its parameters over NCCL; the replicas, the losses and, after unwrap's gather,
-    every rank's optimizer states are bitwise one process's."""
+    broadcasts its parameters over NCCL, and each GPU's host memory keeps the states of its own
+    blocks only; the replicas, the losses and, after unwrap's gather, every rank's optimizer
+    states are bitwise one process's."""
     import torch
     if torch.cuda.device_count() < WORLD:
         pytest.skip(f"needs {WORLD} GPUs, this host has {torch.cuda.device_count()}")
@@ -152,6 +154,7 @@ def test_two_gpus_share_the_streamed_blocks_steps(tmp_path):
     assert shared and set(shared) == set(ranks[1]["shared"]), [r["plan"] for r in ranks]
     assert all(shared[i] != ranks[1]["shared"][i] for i in shared)       # one owner each
     assert any(shared.values()) and not all(shared.values())
+    assert all(r["released"] for r in ranks)        # the other's blocks' state homes given back
     assert max(max(r["peaks"]) for r in ranks) <= BUDGET
     for a, b in zip(ranks[0]["params"], ranks[1]["params"]):
         assert torch.equal(a, b)

@@ -94,11 +94,25 @@ def _rank(rank: int, world: int, init: str, out: str, accumulate: int, clip: flo
         report = train.report()
         speculation = dict(train.clipping.speculation) if clip is not None else {}
         refused = ""
-        if shard:                   # NOTE [sharded steps]: stale copies are not saved
+        released = []
+        if shard:                   # NOTE [sharded steps]: what another rank steps is not saved from here
             try:
                 opt.state_dict()
             except tiermem.TierMemError as e:
                 refused = str(e)
+            peers = [b for b in train.blocks if b.peer]
+            released.append(all(b.home_s is None for b in peers))
+            train.gather_states()
+            released.append(any(b.home_s is None for b in peers))
+            opt.load_state_dict(opt.state_dict())     # whole now; loaded back, then one more step
+            for micro in batches(STEPS + 1)[STEPS].chunk(world)[rank].chunk(accumulate):
+                with train.step():
+                    loss = loss_of(model, micro)
+                    (loss / accumulate).backward()
+                losses.append(float(loss.detach()))
+            released.append(all(b.home_s is None for b in peers))
+            report = train.report()
+            speculation = dict(train.clipping.speculation) if clip is not None else {}
         shared = {b.index: b.peer for b in train.blocks if b.index in train.shards.owner} if shard else {}
         train.unwrap()          # with shard_steps, gathers first
         dist.broadcast = broadcast
@@ -109,7 +123,7 @@ def _rank(rank: int, world: int, init: str, out: str, accumulate: int, clip: flo
                     "reduced": sum(reduces), "blocking": len(blocking), "agreed": agreed, "hosted": hosted,
                     "on_host": on_host, "blocks": len(train.blocks), "dropped": dropped,
                     "agreements": len(agreements), "states": states, "refused": refused, "shared": shared,
-                    "broadcasts": broadcasts, "report": report, "speculation": speculation},
+                    "broadcasts": broadcasts, "report": report, "speculation": speculation, "released": released},
                    os.path.join(out, f"rank{rank}.pt"))
     finally:
         dist.all_reduce = all_reduce
@@ -250,8 +264,10 @@ def test_two_ranks_share_the_streamed_blocks_steps(tmp_path, accumulate, clip, w
     accumulation, clipping (speculations that stand with ``clip`` 10; with 0.87 the second step's
     clip bites, undoing its speculation, and the fourth's stands),
     unequal budgets (``wider``: only the blocks both ranks stream are shared) and a rank that
-    traces again alone (``shorter``). ``opt.state_dict()`` refuses this rank's stale copies;
-    unwrap() gathers, and then every rank's optimizer states are the one process's, bitwise."""
+    traces again alone (``shorter``). A rank gives back the state homes of the blocks the other
+    steps, so ``opt.state_dict()`` refuses until ``gather_states()``; the whole dict loads back,
+    the step after it gives those homes back again, and after unwrap's gather every rank's
+    optimizer states are the one process's, bitwise."""
     import torch.multiprocessing as mp
     from test_train import batches, gpt
     world = 2
@@ -272,21 +288,23 @@ def test_two_ranks_share_the_streamed_blocks_steps(tmp_path, accumulate, clip, w
         assert r["report"]["blocks_stepped_elsewhere"] == sum(r["shared"].values())
     if wider:       # the blocks rank 1 keeps resident are not shared
         assert len(shared) < ranks[0]["streamed"], (ranks[0]["plan"], ranks[1]["plan"])
-    # one broadcast a shared block an update after the traced first, then the gather's: a state
-    # chunk and the steps each. A speculation the clip undoes broadcasts again in the pass after
-    # it, and the steps after it do not speculate while the clip bites: one more update's worth.
+    for r in ranks:
+        assert r["released"] == [True, False, True]
+    # one broadcast a shared block an update after the traced first (STEPS + 1 updates), then two
+    # gathers': a state chunk and the steps each. A speculation the clip undoes broadcasts again in
+    # the pass after it, and the step after it does not speculate while the clip bites.
     undone = clip is not None and speculate and clip < 1
     if speculate:
         assert ranks[0]["speculation"] == ranks[1]["speculation"] == (
-            {"committed": 1, "redone": 1} if undone else {"committed": STEPS - 1, "redone": 0})
-    assert len(ranks[0]["broadcasts"]) == (STEPS - 1 + undone + 2) * len(shared)
+            {"committed": 2, "redone": 1} if undone else {"committed": STEPS, "redone": 0})
+    assert len(ranks[0]["broadcasts"]) == (STEPS + undone + 4) * len(shared)
     assert ranks[0]["broadcasts"] == ranks[1]["broadcasts"]
     n = sum(p.numel() for p in gpt()[0].parameters())
-    assert ranks[0]["reduced"] == ranks[1]["reduced"] == STEPS * n
+    assert ranks[0]["reduced"] == ranks[1]["reduced"] == (STEPS + 1) * n
     assert ranks[0]["blocking"] == ranks[1]["blocking"] == 0
     torch.use_deterministic_algorithms(True)
     model, opt = gpt()
-    for step, ids in enumerate(batches(STEPS)):
+    for step, ids in enumerate(batches(STEPS + 1)):
         losses = _averaged_step(model, opt, ids, world, accumulate, clip, shorter=shorter and step == 1)
         k = accumulate
         assert [x for r in range(world) for x in ranks[r]["losses"][step * k:(step + 1) * k]] == losses

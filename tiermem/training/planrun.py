@@ -132,6 +132,7 @@ class PlanRunner:
         if self.shards is not None and not self.shards.agreed:
             # NOTE [sharded steps]: at the first plan, which every rank takes after its traced step
             shared = self.shards.agree(self.blocks)
+            self.shards.drop(self.blocks, self.opt)
             self.choice.stream_only(shared, tuple(0 if b.host or b.peer else b.s_bytes for b in self.blocks))
         self.stream.alloc()
         self.set_cap()

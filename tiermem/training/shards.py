@@ -13,9 +13,10 @@ NOTE [sharded steps]
     the group (NVLink between the GPUs of one host). Every other rank takes them into its slot in
     place of a step and writes them home. So a rank moves a block's states only where it owns
     the block, about 1/world of them; the parameters still come in twice and go home once on
-    every rank. As ZeRO stage 1 does, this shares out the optimizer's work and its traffic. It
-    does not share host memory: each rank keeps every block's state homes, stale where another
-    rank owns the block.
+    every rank. As ZeRO stage 1 does, this shares out the optimizer's work, its traffic and its
+    states' host memory: a rank gives back the state homes of the blocks it does not own
+    (:meth:`ShardedSteps.drop`), so a host of N ranks holds N copies of the parameters and one of
+    the states, not N of both.
 
     Which blocks: those every rank streams, agreed once, at the first plan, with one all-reduce of
     a flag per block (MIN), as host stepping agrees (NOTE [host stepping]). Host-stepped blocks
@@ -31,10 +32,12 @@ NOTE [sharded steps]
       (tests/test_train_dp.py).
     - With clipping, the pass after backward (NOTE [clipping]) broadcasts in its own order, and a
       speculative step (NOTE [speculative clipping]) writes the broadcast to the second home.
-    - The caller's ``opt.state`` is stale for the blocks another rank steps. So ``opt.state_dict()``
-      refuses until ``train.gather_states()`` has brought every block's states from its owner.
-      The gather is collective: every rank calls it. ``unwrap()`` gathers first, so it is
-      collective too.
+    - The caller's ``opt.state`` lacks the states of the blocks another rank steps. So
+      ``opt.state_dict()`` refuses until ``train.gather_states()`` has brought every block's
+      states from its owner into a home again, until the next step gives them back. The gather
+      is collective: every rank calls it. ``unwrap()`` gathers first, so it is collective too.
+      A load (``opt.load_state_dict``) takes the dict as it is; the next step gives back what it
+      placed for the blocks this rank does not own.
     - A load that starts a block's states afresh leaves the block without states on every rank.
       Its next step then runs on every rank, which makes them, and the broadcast follows as before.
 
@@ -102,6 +105,24 @@ class ShardedSteps:
         if b.peer:
             self.stale = True
 
+    def drop(self, blocks: list[Block], opt: Any) -> None:
+        """Give back the state homes of the blocks another rank steps (NOTE [sharded steps]): the
+        optimizer's tensors of them go too ("step" stays), the layout stays for a gather."""
+        be = self.stream.tier.backend
+        for b in blocks:
+            if not b.peer:
+                continue
+            had = b.home_s is not None
+            for p, key, _ in b.states:          # bound to the home, or placed by a load
+                had = opt.state[p].pop(key, None) is not None or had
+            if b.home_s is not None:
+                if b.home_ready is not None:
+                    be.synchronize(b.home_ready)      # no copy home is still writing there
+                self.stream.forget_views(b)
+                b.home_s.release()
+                b.home_s, b.home_state_views = None, []
+            self.stale = self.stale or had
+
     def check_state_dict(self) -> None:
         if self.stale:
             raise TierMemError(
@@ -131,6 +152,9 @@ class ShardedSteps:
         for b in shared:
             src = dist.get_global_rank(self.group, self.owner[b.index])
             mine = not b.peer
+            if not mine and b.home_s is None:       # given back by drop(): a home again until the next step
+                b.home_s = be.host_alloc(b.s_bytes, pooled=False)
+                b.home_state_views = self.stream.views(b.home_s.ptr, b, b.home_s, "s")
             for off in range(0, b.s_bytes, buf.numel()):
                 n = min(buf.numel(), b.s_bytes - off)
                 home = be.host_view(b.home_s.ptr + off, n, b.home_s)
@@ -144,6 +168,7 @@ class ShardedSteps:
             if not mine:
                 for p, v in zip(b.trainable, steps.tolist()):
                     _set_step(torch, opt, p, v)
+                self.stream.bind_states(b, b.home_state_views)
         self.stale = False
 
 

@@ -78,6 +78,8 @@ class StepRunner:
         self.choice.read_times()
         if self.host is not None:
             self.host.begin()
+        if self.shards is not None and self.shards.agreed:
+            self.shards.drop(self.blocks, self.states.opt)     # NOTE [sharded steps]: a gather's homes
         st.got = set()
         st.resident_got, st.averaged = {}, set()              # NOTE [data parallel]
         st.grads_at_begin = self.hooks.resident_grads()       # NOTE [zero_grad]

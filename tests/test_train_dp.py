@@ -95,6 +95,9 @@ def _rank(rank: int, world: int, init: str, out: str, accumulate: int, clip: flo
         speculation = dict(train.clipping.speculation) if clip is not None else {}
         refused = ""
         released = []
+        if shard and shorter:
+            import tiermem.training.shards as shards
+            shards.GATHER_CHUNK = 4096          # the gathers' states cross in many pieces
         if shard:                   # NOTE [sharded steps]: what another rank steps is not saved from here
             try:
                 opt.state_dict()
@@ -114,6 +117,7 @@ def _rank(rank: int, world: int, init: str, out: str, accumulate: int, clip: flo
             report = train.report()
             speculation = dict(train.clipping.speculation) if clip is not None else {}
         shared = {b.index: b.peer for b in train.blocks if b.index in train.shards.owner} if shard else {}
+        state_bytes_of = {b.index: b.s_bytes for b in train.blocks if b.index in shared}
         train.unwrap()          # with shard_steps, gathers first
         dist.broadcast = broadcast
         states = {k: {n: v.clone() for n, v in st.items() if torch.is_tensor(v)}
@@ -123,7 +127,8 @@ def _rank(rank: int, world: int, init: str, out: str, accumulate: int, clip: flo
                     "reduced": sum(reduces), "blocking": len(blocking), "agreed": agreed, "hosted": hosted,
                     "on_host": on_host, "blocks": len(train.blocks), "dropped": dropped,
                     "agreements": len(agreements), "states": states, "refused": refused, "shared": shared,
-                    "broadcasts": broadcasts, "report": report, "speculation": speculation, "released": released},
+                    "broadcasts": broadcasts, "report": report, "speculation": speculation, "released": released,
+                    "state_bytes": state_bytes_of},
                    os.path.join(out, f"rank{rank}.pt"))
     finally:
         dist.all_reduce = all_reduce
@@ -291,13 +296,16 @@ def test_two_ranks_share_the_streamed_blocks_steps(tmp_path, accumulate, clip, w
     for r in ranks:
         assert r["released"] == [True, False, True]
     # one broadcast a shared block an update after the traced first (STEPS + 1 updates), then two
-    # gathers': a state chunk and the steps each. A speculation the clip undoes broadcasts again in
-    # the pass after it, and the step after it does not speculate while the clip bites.
+    # gathers': the states' pieces and the steps each (``shorter``: pieces of 4 KiB). A speculation
+    # the clip undoes broadcasts again in the pass after it, and the step after it does not
+    # speculate while the clip bites.
     undone = clip is not None and speculate and clip < 1
     if speculate:
         assert ranks[0]["speculation"] == ranks[1]["speculation"] == (
             {"committed": 2, "redone": 1} if undone else {"committed": STEPS, "redone": 0})
-    assert len(ranks[0]["broadcasts"]) == (STEPS + undone + 4) * len(shared)
+    pieces = sum(-(-n // 4096) if shorter else 1 for n in ranks[0]["state_bytes"].values())
+    assert not shorter or pieces > 2 * len(shared)
+    assert len(ranks[0]["broadcasts"]) == (STEPS + undone + 2) * len(shared) + 2 * pieces
     assert ranks[0]["broadcasts"] == ranks[1]["broadcasts"]
     n = sum(p.numel() for p in gpt()[0].parameters())
     assert ranks[0]["reduced"] == ranks[1]["reduced"] == (STEPS + 1) * n

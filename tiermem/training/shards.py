@@ -53,7 +53,7 @@ from .slots import Block, BlockSlots
 
 __all__ = ["ShardedSteps", "GATHER_CHUNK"]
 
-GATHER_CHUNK = 16 << 20      # bytes of states a gather broadcasts at once, through one device buffer
+GATHER_CHUNK = 64 << 20      # bytes of states a gather broadcasts at once, at most
 
 
 class ShardedSteps:
@@ -138,17 +138,24 @@ class ShardedSteps:
         shared = [blocks[i] for i in sorted(self.owner)]
         if not shared:
             return
-        sizes = torch.tensor([b.s_bytes for b in shared], dtype=torch.int64, device=self.device)
+        # The states pass through the slots' memory, idle between steps: no allocation under the
+        # budget's cap. Every rank cuts them alike, at the smallest ring's size.
+        ring = self.stream.slot_mem
+        sizes = torch.tensor([b.s_bytes for b in shared] + [0 if ring is None else ring.numel()],
+                             dtype=torch.int64, device=self.device)
         lo, hi = sizes.clone(), sizes.clone()
         dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=self.group)
         dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=self.group)
-        if not torch.equal(lo, hi):
+        if not torch.equal(lo[:-1], hi[:-1]):
             bad = [b.name for b, a, z in zip(shared, lo.tolist(), hi.tolist()) if a != z]
             raise TierMemError(f"the ranks hold optimizer states of different sizes for {', '.join(bad[:3])}: "
                                "did they load different state dicts? (NOTE [sharded steps])")
+        chunk = min(GATHER_CHUNK, int(lo[-1]))
+        if chunk <= 0:
+            raise TierMemError("a rank has no slots to gather through, though it streams the shared blocks: a "
+                               "tiermem bug, please report it")
         be = self.stream.tier.backend
-        buf = torch.empty(min(GATHER_CHUNK, max(b.s_bytes for b in shared) or 1), dtype=torch.uint8,
-                          device=self.device)
+        buf = ring[:chunk]
         for b in shared:
             src = dist.get_global_rank(self.group, self.owner[b.index])
             mine = not b.peer

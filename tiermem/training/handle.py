@@ -346,8 +346,8 @@ class TieredTraining:
         self.model._tiermem_handle = weakref.ref(self)
 
     def _shard_hooks(self) -> list[Any]:
-        """NOTE [sharded steps]: ``opt.state_dict()`` refuses while this rank's copies of the
-        others' states are stale. The hook holds the sharing weakly."""
+        """NOTE [sharded steps]: ``opt.state_dict()`` refuses while this rank lacks the states of
+        the blocks the others step. The hook holds the sharing weakly."""
         if self.shards is None:
             return []
         ref = weakref.ref(self.shards)

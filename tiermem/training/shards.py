@@ -5,8 +5,8 @@ NOTE [sharded steps]
     Under data parallel (NOTE [data parallel] in training/handle.py) every rank steps every
     block. A streamed block's fp32 masters and both AdamW moments then cross each rank's link in
     and out every step: 16 bytes a parameter in, 12 out. The ranks of one host share its memory,
-    and two H200s copying both ways at once got 76 GB/s each against 99 for one alone
-    (bench/multi_gpu.py), so two ranks scaled about as far as their links (1.5x).
+    and two H200s copying both ways at once got 64-76 GB/s each against 86-99 for one alone
+    (docs/facts.md), so two ranks scaled about as far as their links (1.3-1.6x).
 
     With ``shard_steps=True`` each shared block steps on one rank, its owner. After the average,
     the owner steps the block in its slot as before and broadcasts the stepped parameters over
@@ -67,7 +67,7 @@ class ShardedSteps:
         self.world = dist.get_world_size(group)
         self.owner: dict[int, int] = {}     # shared block's index -> the group rank that steps it
         self.agreed = False
-        self.stale = False                  # some home's states were not stepped here since the last gather
+        self.stale = False                  # this rank lacks states another steps, or holds them stale
         self.broadcasts = 0
 
     def agree(self, blocks: list[Block]) -> frozenset[int]:
@@ -127,7 +127,7 @@ class ShardedSteps:
         if self.stale:
             raise TierMemError(
                 "the optimizer's states of the streamed blocks are stepped on one rank each (shard_steps=True, "
-                "NOTE [sharded steps]): this rank's copies of the others' are stale. Call train.gather_states() "
+                "NOTE [sharded steps]), and this rank lacks those the others step. Call train.gather_states() "
                 "on every rank first, then opt.state_dict()")
 
     def gather(self, blocks: list[Block], opt: Any) -> None:

@@ -429,8 +429,9 @@ def summary(torch, ranks: list[dict], infs: dict, alone: dict, together: dict, a
     checks = {"resident_within_budget_all_ranks": bool(within), "all_runs_finished": failed is None}
     if "train" in parts:
         checks["losses_match"] = bool(losses_match)
-        checks["dp_replicas_equal"] = all(have(k) and len({r[k]["checksum"] for r in ranks}) == 1
-                                          for k in ("dp2", "dp2_shard"))
+        ran = [k for k in ("dp2", "dp2_shard") if have(k)]
+        checks["dp_replicas_equal"] = bool(ran) and all(
+            all("checksum" in r[k] for r in ranks) and len({r[k]["checksum"] for r in ranks}) == 1 for k in ran)
     if "infer" in parts:
         checks["tokens_equal"] = bool(tokens_equal)
     hows = ("plain", "plain_again", "offload", "tiermem")

@@ -18,7 +18,11 @@ A = argparse.Namespace(infer_share=1 / 3, prefill=2048, decode=32, dp_budget="6G
 def _ranks(fsdp: bool = True) -> list[dict]:
     out = []
     for r in range(2):
-        res = {"dp2": {"step_s": 0.40 + 0.01 * r, "peak": 5e9, "budget": 6e9, "plan": "p", "pinned": 1},
+        moved = {"moved_h2d_bytes": 14, "moved_d2h_bytes": 11}
+        res = {"dp2": {"step_s": 0.40 + 0.01 * r, "peak": 5e9, "budget": 6e9, "plan": "p", "pinned": 9,
+                       "checksum": 1.5, "report": moved},
+               "dp2_shard": {"step_s": 0.36 + 0.01 * r, "peak": 5e9, "budget": 6e9, "plan": "p", "pinned": 6,
+                             "checksum": 2.5, "report": {"moved_h2d_bytes": 10, "moved_d2h_bytes": 7}},
                "dp2_host": {"step_s": 0.30 + 0.01 * r, "peak": 5e9, "budget": 6e9, "plan": "p", "pinned": 1}}
         if r == 0:
             res["dp1"] = {"step_s": 0.33, "peak": 5e9, "budget": 6e9, "plan": "p", "pinned": 1}
@@ -52,6 +56,9 @@ def test_a_whole_run():
     metrics, checks, raw = multi_gpu.summary(torch, _ranks(), _infs(), {0: 100.0}, {0: 73.0, 1: 74.0}, A, None,
                                              {"train", "infer"}, 2)
     assert metrics["dp_scaling_2gpu"] == round(2 / 0.41 / (1 / 0.33), 3)
+    assert metrics["dp_scaling_2gpu_sharded"] == round(2 * 0.33 / 0.37, 3)
+    assert metrics["dp_host_mem_sharded_over_plain"] == round(6 / 9, 3)
+    assert raw["dp_sharded"]["moved_h2d_d2h"] == [(10, 7), (10, 7)]
     assert metrics["dp_scaling_2gpu_host_step"] == round(2 * 0.30 / 0.31, 3)
     assert metrics["dp_host_step_speedup_2gpu"] == round(0.41 / 0.31, 3)
     assert raw["dp_host_step"]["two_gpu_step_s"] == [0.30, 0.31]
@@ -62,7 +69,11 @@ def test_a_whole_run():
     assert metrics["infer_scaling_2gpu"] == metrics["infer_scaling_2gpu_2.4B"] == 1.9     # the lower of the two
     assert metrics["infer_scaling_2gpu_0.85B"] == 0.95 and metrics["host_mem_ratio_shared_home"] == 1.0
     assert checks == {"resident_within_budget_all_ranks": True, "all_runs_finished": True, "losses_match": True,
-                      "tokens_equal": True}
+                      "dp_replicas_equal": True, "tokens_equal": True}
+    parted = _ranks()
+    parted[1]["dp2_shard"]["checksum"] = 2.75          # the replicas parted
+    assert not multi_gpu.summary(torch, parted, _infs(), {0: 100.0}, {0: 73.0, 1: 74.0}, A, None,
+                                 {"train", "infer"}, 2)[1]["dp_replicas_equal"]
     assert raw["infer"]["2.4B"]["scaling_own_link"] == {"prefill": 1.2, "decode": 1.2}
     json.dumps({"metrics": metrics, "checks": checks, "raw": raw}, default=str)
 
@@ -83,3 +94,11 @@ def test_one_part_and_a_failed_one():
     assert metrics["dp_scaling_2gpu"] > 1 and metrics["fsdp2_offload_over_tiermem"] is None
     assert metrics["infer_scaling_2gpu"] is None
     assert checks["all_runs_finished"] is False and checks["losses_match"] is False
+    assert checks["dp_replicas_equal"] is True             # what data parallel ran is checked
+    short = _ranks(fsdp=False)
+    for r in short:
+        del r["dp2_shard"]                                 # failed before its sharded run
+    metrics, checks, raw = multi_gpu.summary(torch, short, {}, {0: 100.0}, {0: 73.0, 1: 74.0}, A,
+                                             "ProcessExitedException", {"train"}, 2)
+    assert metrics["dp_scaling_2gpu_sharded"] is None and raw["dp_sharded"] is None
+    assert checks["dp_replicas_equal"] is True

@@ -5,7 +5,7 @@ NOTE [sharded steps]
     Under data parallel (NOTE [data parallel] in training/handle.py) every rank steps every
     block. A streamed block's fp32 masters and both AdamW moments then cross each rank's link in
     and out every step: 16 bytes a parameter in, 12 out. The ranks of one host share its memory,
-    and two H200s copying both ways at once got 64-76 GB/s each against 86-99 for one alone
+    and two H200s copying both ways at once got 64-76 GB/s each against 86-101 for one alone
     (docs/facts.md), so two ranks scaled about as far as their links (1.3-1.6x).
 
     With ``shard_steps=True`` each shared block steps on one rank, its owner. After the average,

@@ -205,31 +205,18 @@ def rank_main(rank: int, world: int, init: str, outdir: str, a: argparse.Namespa
     res: dict = {}
     keep = os.path.join(outdir, f"rank{rank}.pt")
     try:
-        if rank == 0:
-            progress("data parallel, one GPU (the other waits)")
-            res["dp1"] = dp(torch, tiermem, tier, 0, 1, a.dp_budget, a.dp_warm, a.dp_steps)
-        dist.barrier()
-        if rank == 0:
-            progress("data parallel, two GPUs")
-        res["dp2"] = dp(torch, tiermem, tier, rank, world, a.dp_budget, a.dp_warm, a.dp_steps)
-        torch.save(res, keep)
-        dist.barrier()
-        # each streamed block stepped on one rank (NOTE [sharded steps]): a rank's link carries half the states
-        if rank == 0:
-            progress("data parallel, two GPUs, sharded steps")
-        res["dp2_shard"] = dp(torch, tiermem, tier, rank, world, a.dp_budget, a.dp_warm, a.dp_steps, shard=True)
-        torch.save(res, keep)
-        dist.barrier()
-        # the same with the optimizer steps on the host (NOTE [host stepping]): fewer bytes a step
-        if rank == 0:
-            progress("data parallel, one GPU, host-stepped")
-            res["dp1_host"] = dp(torch, tiermem, tier, 0, 1, a.dp_budget, a.dp_warm, a.dp_steps, host_step=True)
-        dist.barrier()
-        if rank == 0:
-            progress("data parallel, two GPUs, host-stepped")
-        res["dp2_host"] = dp(torch, tiermem, tier, rank, world, a.dp_budget, a.dp_warm, a.dp_steps, host_step=True)
-        torch.save(res, keep)
-        dist.barrier()
+        # one GPU (the other waits), then two; sharded steps (NOTE [sharded steps]): a rank's link
+        # carries its own blocks' states only; steps on the host (NOTE [host stepping]): fewer bytes
+        for key, what, ranks, kw in (("dp1", "one GPU (the other waits)", 1, {}), ("dp2", "two GPUs", world, {}),
+                                     ("dp2_shard", "two GPUs, sharded steps", world, {"shard": True}),
+                                     ("dp1_host", "one GPU, host-stepped", 1, {"host_step": True}),
+                                     ("dp2_host", "two GPUs, host-stepped", world, {"host_step": True})):
+            if rank == 0:
+                progress(f"data parallel, {what}")
+            if rank < ranks:
+                res[key] = dp(torch, tiermem, tier, rank, ranks, a.dp_budget, a.dp_warm, a.dp_steps, **kw)
+            torch.save(res, keep)
+            dist.barrier()
         for how, steps, warm in (("plain", a.fsdp_steps, 1), ("plain_again", a.fsdp_steps, 1),
                                  ("offload", a.offload_steps, 1), ("tiermem", a.fsdp_steps, 1)):
             if rank == 0:

@@ -59,6 +59,7 @@ import dataclasses
 from typing import Any
 
 from ..errors import ConfigError
+from .options import on_every_rank
 from .slots import Block, BlockSlots
 
 __all__ = ["HostSteps", "host_step_refusal", "host_seconds_per_param", "HOST_STATE_KEYS"]
@@ -170,10 +171,8 @@ class HostSteps:
         changed shape) and must not wait for ranks that do not trace: the blocks agreed then
         stay the host's, where they still can."""
         if self.agreed is None:
-            import torch.distributed as dist
-            flags = self.torch.tensor([int(bool(b.host)) for b in blocks], dtype=self.torch.int32, device=device)
-            dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=group)
-            self.agreed = frozenset(b.index for b, ok in zip(blocks, flags.tolist()) if ok)
+            ok = on_every_rank(self.torch, [bool(b.host) for b in blocks], group, device)
+            self.agreed = frozenset(b.index for b, yes in zip(blocks, ok) if yes)
         for b in blocks:
             was, b.host = b.host, b.index in self.agreed and self.eligible(b)
             if was and not b.host:

@@ -14,7 +14,7 @@ from ..errors import ConfigError, ConfigTypeError
 from .plan import RECOMPUTE_MODES
 
 __all__ = ["TrainingOptions", "FSDPOptions", "BLOCK_BYTES", "check_options", "check_fsdp_options", "check_subjects",
-           "states_dtype", "averaging_group"]
+           "states_dtype", "averaging_group", "on_every_rank"]
 
 BLOCK_BYTES = 64 << 20    # the least parameter bytes per block (NOTE [block size]); a slot holds ~4x that
 
@@ -246,3 +246,13 @@ def averaging_group(arg: Any) -> Any:
         raise ConfigError("process_group needs torch.distributed initialised first (init_process_group)")
     group = dist.group.WORLD if arg is True else arg
     return group if dist.get_world_size(group) > 1 else None
+
+
+def on_every_rank(torch: Any, flags: list[bool], group: Any, device: Any) -> list[bool]:
+    """Each flag, set where it is set on every rank of ``group``: one MIN all-reduce on ``device``
+    (the group's backend's: NCCL's a GPU, gloo's the CPU)."""
+    import torch.distributed as dist
+    t = torch.tensor([int(f) for f in flags], dtype=torch.int32, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+    return [bool(x) for x in t.tolist()]
+

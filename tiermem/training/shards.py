@@ -49,6 +49,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import TierMemError
+from .options import on_every_rank
 from .slots import Block, BlockSlots
 
 __all__ = ["ShardedSteps", "GATHER_CHUNK"]
@@ -68,19 +69,15 @@ class ShardedSteps:
         self.owner: dict[int, int] = {}     # shared block's index -> the group rank that steps it
         self.agreed = False
         self.stale = False                  # this rank lacks states another steps, or holds them stale
-        self.broadcasts = 0
 
     def agree(self, blocks: list[Block]) -> frozenset[int]:
         """Once, at the first plan: the blocks every rank streams (not on the host) are shared,
         and dealt out. Returns their indices."""
         if self.agreed:
             return frozenset(self.owner)
-        import torch.distributed as dist
-        torch = self.torch
-        flags = torch.tensor([int(not b.resident and not b.host and bool(b.trainable)) for b in blocks],
-                             dtype=torch.int32, device=self.device)
-        dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=self.group)
-        shared = [b for b, ok in zip(blocks, flags.tolist()) if ok]
+        ok = on_every_rank(self.torch, [not b.resident and not b.host and bool(b.trainable) for b in blocks],
+                           self.group, self.device)
+        shared = [b for b, yes in zip(blocks, ok) if yes]
         load = [0] * self.world
         for b in sorted(shared, key=lambda b: (-b.g_bytes, b.index)):
             r = min(range(self.world), key=lambda r: (load[r], r))
@@ -101,9 +98,6 @@ class ShardedSteps:
         region = self.stream.param_region(b.slot, b)
         src = dist.get_global_rank(self.group, self.owner[b.index])
         dist.broadcast(region, src=src, group=self.group, async_op=True).wait()
-        self.broadcasts += 1
-        if b.peer:
-            self.stale = True
 
     def drop(self, blocks: list[Block], opt: Any) -> None:
         """Give back the state homes of the blocks another rank steps (NOTE [sharded steps]): the

@@ -11,14 +11,12 @@ from test_train import batches, loss_of, plain_run, tiered
 import tiermem
 from tiermem.cuda.capture import CaptureEpochs
 from tiermem.roles import Role
+from tiermem.pytorch.unwind import first_cause, release_graph, unroute
 from tiermem.training.stepgraph import (
     SETTLED_STEPS,
     _capturable,
     _count_delta,
-    _first_cause,
     _hyperparameters,
-    _release,
-    _unroute,
     capture_now,
     why_invalid,
 )
@@ -168,11 +166,11 @@ def test_the_first_error_of_a_failed_capture_is_the_one_reported():
         finally:
             raise OSError("capturing stream has unjoined work")
     except OSError as e:
-        assert _first_cause(e) == "RuntimeError: operation not permitted when stream is capturing"
+        assert first_cause(e) == "RuntimeError: operation not permitted when stream is capturing"
 
 
 class _Graph:
-    """torch.cuda.CUDAGraph's calls _release and _unroute make: ``pool()`` refuses a graph whose
+    """torch.cuda.CUDAGraph's calls release_graph and unroute make: ``pool()`` refuses a graph whose
     capture did not end, as torch's does."""
     def __init__(self, ended):
         self.ended, self.resets = ended, 0
@@ -206,15 +204,15 @@ def test_a_capture_that_did_not_end_gives_its_own_pool_back(ended):
     import types
     t, g, pool = _Torch(), _Graph(ended), (0, 7)
     prev = types.SimpleNamespace(device=types.SimpleNamespace(index=0))
-    _unroute(t, g, pool, prev)
-    _release(t, g, pool)
+    unroute(t, g, pool, prev)
+    release_graph(t, g, pool)
     assert g.resets == 1
     mine = [c for c in t.calls if c[0] in ("end", "release", "cublas")]
     assert t.calls[0] == ("stream", prev) and t.calls[-1] == ("empty",)
     # the capture stream's cuBLAS workspace came from the pool: let go after any failed capture
     assert mine == ([("cublas",)] if ended else [("end", 0, pool), ("release", 0, pool), ("cublas",)])
     t.calls.clear()
-    _release(t, _Graph(False))          # a dropped graph (no pool of its own to give): reset only
+    release_graph(t, _Graph(False))          # a dropped graph (no pool of its own to give): reset only
     assert [c for c in t.calls if c[0] != "empty"] == []
 
 
@@ -317,7 +315,7 @@ def test_a_capture_lets_cublas_workspaces_go_before_and_after_it_even_when_it_fa
     none outlives it there, or the pool keeps its segments after the graph is gone."""
     import types
 
-    from tiermem.training.workspaces import own_workspaces
+    from tiermem.pytorch.workspaces import own_workspaces
     calls = []
     t = types.SimpleNamespace(_C=types.SimpleNamespace(_cuda_clearCublasWorkspaces=lambda: calls.append("clear")))
     with own_workspaces(t):
@@ -337,7 +335,7 @@ def test_a_failed_captures_exception_lets_go_of_its_frames_and_their_tensors():
     failed forward's activations) are cleared, down the chain of exceptions it came with."""
     import weakref
 
-    from tiermem.training.stepgraph import _clear_frames
+    from tiermem.pytorch.unwind import clear_frames
 
     class Big:
         pass
@@ -356,7 +354,7 @@ def test_a_failed_captures_exception_lets_go_of_its_frames_and_their_tensors():
     except RuntimeError as e:
         kept = e                                   # as a caller that keeps the exception would
     assert refs[0]() is not None
-    _clear_frames(kept)
+    clear_frames(kept)
     assert refs[0]() is None                       # gone without a collection
     assert kept.__context__ is not None            # the exceptions themselves stay readable
 

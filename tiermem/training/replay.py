@@ -21,8 +21,8 @@ from contextlib import nullcontext
 from typing import Any
 
 from ..pytorch.savedhooks import as_saved
-from .unwind import ended, give_pool_back, unroute
-from .workspaces import own_workspaces
+from ..pytorch.unwind import ended, give_pool_back, unroute
+from ..pytorch.workspaces import own_workspaces
 
 __all__ = ["Replays", "MAX_GRAPHS_PER_BLOCK"]
 

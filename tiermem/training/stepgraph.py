@@ -52,8 +52,8 @@ from typing import Any
 
 from ..errors import ConfigError, TierMemError
 from .graphchoice import REPLAYS_TIMED
-from .unwind import ended, give_pool_back, unroute
-from .workspaces import let_go, own_workspaces
+from ..pytorch.unwind import clear_frames, first_cause, free_cache, release_graph, unroute
+from ..pytorch.workspaces import own_workspaces
 
 __all__ = ["GraphedStep", "PLAN_CHANGED", "RELEASED", "capture_now", "why_invalid"]
 
@@ -110,7 +110,7 @@ class GraphedStep:
         """Drop the graph and the hooks; the handle trains eagerly as before."""
         if self.graph is not None:
             g, self.graph, self._loss, self._static = self.graph, None, None, []
-            _release(self.torch, g)
+            release_graph(self.torch, g)
         for h in self._hooks:
             h.remove()
         self._hooks = []
@@ -154,7 +154,7 @@ class GraphedStep:
         # The graph's pool takes the place of the eager steps' cache under the same cap: give
         # that back first, or the pool finds only what the cache left (a capture ran out of
         # memory at 352 MiB beside 134 MiB of cached blocks, tests/test_gpu_stepgraph.py).
-        _free_cache(torch)
+        free_cache(torch)
         g = torch.cuda.CUDAGraph()
         pool = torch.cuda.graph_pool_handle()      # NOTE [failed capture's pool]
         before = t.tier.accounting.snapshot()
@@ -162,13 +162,13 @@ class GraphedStep:
         try:
             self._loss, self._moved = self._record(g, pool)
         except Exception as e:    # noqa: BLE001 - any refusal: the step runs eagerly, graphs off
-            why = _first_cause(e)
-            _clear_frames(e)
+            why = first_cause(e)
+            clear_frames(e)
         if why:
             # Outside the handler, so the failed step's frames (and the tensors they held in the
             # graph's pool) are gone before the pool is given back.
             self._static, self._loss = [], None
-            _release(torch, g, pool)
+            release_graph(torch, g, pool)
             self.off = f"the capture failed: {why}"
             log.warning("tiermem: the training step could not be captured as a CUDA graph; the steps stay "
                         "eager: %s", self.off)
@@ -199,7 +199,7 @@ class GraphedStep:
                     # capture then ends cleanly and leaves torch nothing to undo.
                     t.join_streams()
         except BaseException:
-            _unroute(torch, g, pool, prev)
+            unroute(torch, g, pool, prev)
             raise
         return loss.detach(), dict(t.moved)
 
@@ -257,34 +257,15 @@ class GraphedStep:
         log.info("tiermem: the captured training step is dropped (%s); the steps run eagerly until the "
                  "plan has settled again", why)
         g, self.graph, self._loss, self._static = self.graph, None, None, []
-        _release(self.torch, g)
+        release_graph(self.torch, g)
         self._settled = 0
 
     def _loading(self, *_: Any) -> None:
         self._stale = True
 
 
-def _first_cause(e: BaseException) -> str:
-    """The error that began a failure: when a step raises inside a capture, ending the capture
-    raises too (its streams were left unjoined), and that second error hides the first."""
-    while e.__context__ is not None and e.__context__ is not e:
-        e = e.__context__
-    msg = str(e).splitlines()[0] if str(e) else ""
-    return f"{type(e).__name__}: {msg}"
 
 
-def _clear_frames(e: BaseException) -> None:
-    """NOTE [kept exceptions] in training/stepping.py: a failure's traceback frames hold the failed step's
-    tensors (its forward's activations, in the graph's pool) for as long as the exception lives.
-    A failed capture's exception is tiermem's own, handled and never raised, so tiermem lets go
-    of its frames itself, or a failed capture's activations stay in its pool through the eager
-    steps that follow (docs/history.md, "Measurements behind the code's notes")."""
-    import traceback
-    seen: set[int] = set()
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        traceback.clear_frames(e.__traceback__)   # frames still running (this one) are skipped
-        e = e.__context__ or e.__cause__
 
 
 def capture_now(off: str, settled: bool, settled_steps: int) -> bool:
@@ -309,34 +290,10 @@ def why_invalid(*, stale: bool, settled: bool, layout: Any, captured_layout: Any
     return ""
 
 
-def _unroute(torch: Any, g: Any, pool: Any, prev: Any) -> None:
-    """NOTE [invalidated capture] in training/unwind.py."""
-    unroute(torch, g, pool, prev)
 
 
-def _free_cache(torch: Any) -> None:
-    import gc
-    gc.collect()
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
 
 
-def _release(torch: Any, g: Any, failed_pool: Any = None) -> None:
-    """A dropped or failed capture's graph gives its pool back to torch's allocator, and the
-    allocator its cached memory to the device (the eager steps' cache takes its place).
-    ``failed_pool``: the pool handle of a capture that failed (NOTE [failed capture's pool] in
-    training/unwind.py)."""
-    give_back = failed_pool is not None and not ended(g)    # asked before the reset, which forgets it
-    try:
-        g.reset()
-    except Exception:  # noqa: BLE001 - a capture that never began has nothing to reset
-        pass
-    del g
-    if give_back:
-        give_pool_back(torch, failed_pool)
-    elif failed_pool is not None:
-        let_go(torch)
-    _free_cache(torch)
 
 
 def _hyperparameters(opt: Any) -> list[dict[str, Any]]:

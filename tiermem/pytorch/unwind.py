@@ -1,7 +1,8 @@
 """What a CUDA graph capture that failed leaves in torch, undone: the allocator's routing to the
 capture's pool and the pool itself, the current stream, and the CUDA generator (NOTE
-[failed capture's generator] in training/generators.py). Both kinds of capture use it: a whole
-step's (training/stepgraph.py) and a recomputed block's backward (training/replay.py).
+[failed capture's generator] in pytorch/generators.py); and a dropped graph's memory given back.
+Every capture uses it: a whole training step's (training/stepgraph.py), a recomputed block's
+backward (training/replay.py) and an offloaded forward's (inference/graphed.py).
 
 NOTE [invalidated capture]
     A capture that an operation invalidated (a host sync inside the step, a call CUDA forbids
@@ -25,7 +26,7 @@ NOTE [failed capture's pool]
     and the recomputed blocks' graphs share one, whose other graphs give theirs back when they
     are dropped. cuBLAS keeps a workspace per stream, and the capture's stream took its
     workspace from the pool: those are let go too (NOTE [capture's cuBLAS workspace] in
-    training/workspaces.py).
+    pytorch/workspaces.py).
 """
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ from typing import Any
 from .generators import end_generator_capture
 from .workspaces import let_go
 
-__all__ = ["ended", "give_pool_back", "unroute"]
+__all__ = ["clear_frames", "ended", "first_cause", "free_cache", "give_pool_back", "release_graph", "unroute"]
 
 
 def ended(g: Any) -> bool:
@@ -73,3 +74,51 @@ def give_pool_back(torch: Any, pool: Any) -> None:
     if release is not None:
         release(torch.cuda.current_device(), pool)
     let_go(torch)
+
+
+def first_cause(e: BaseException) -> str:
+    """The error that began a failure: when a step raises inside a capture, ending the capture
+    raises too (its streams were left unjoined), and that second error hides the first."""
+    while e.__context__ is not None and e.__context__ is not e:
+        e = e.__context__
+    msg = str(e).splitlines()[0] if str(e) else ""
+    return f"{type(e).__name__}: {msg}"
+
+
+def clear_frames(e: BaseException) -> None:
+    """NOTE [kept exceptions] in training/stepping.py: a failure's traceback frames hold the failed
+    capture's tensors (its activations, in the graph's pool) for as long as the exception lives.
+    A failed capture's exception is tiermem's own, handled and never raised, so tiermem lets go
+    of its frames itself, or a failed capture's activations stay in its pool through the eager
+    work that follows (docs/history.md, "Measurements behind the code's notes")."""
+    import traceback
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        traceback.clear_frames(e.__traceback__)   # frames still running (this one) are skipped
+        e = e.__context__ or e.__cause__
+
+
+def free_cache(torch: Any) -> None:
+    """torch's cached blocks back to the device, after the work queued so far."""
+    import gc
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+
+
+def release_graph(torch: Any, g: Any, failed_pool: Any = None) -> None:
+    """A dropped or failed capture's graph gives its pool back to torch's allocator, and the
+    allocator its cached memory to the device (eager work's cache takes its place).
+    ``failed_pool``: the pool handle of a capture that failed (NOTE [failed capture's pool])."""
+    give_back = failed_pool is not None and not ended(g)    # asked before the reset, which forgets it
+    try:
+        g.reset()
+    except Exception:  # noqa: BLE001 - a capture that never began has nothing to reset
+        pass
+    del g
+    if give_back:
+        give_pool_back(torch, failed_pool)
+    elif failed_pool is not None:
+        let_go(torch)
+    free_cache(torch)

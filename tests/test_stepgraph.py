@@ -11,11 +11,11 @@ from test_train import batches, loss_of, plain_run, tiered
 import tiermem
 from tiermem.cuda.capture import CaptureEpochs
 from tiermem.roles import Role
+from tiermem.core.stats import count_delta
 from tiermem.pytorch.unwind import first_cause, release_graph, unroute
 from tiermem.training.stepgraph import (
     SETTLED_STEPS,
     _capturable,
-    _count_delta,
     _hyperparameters,
     capture_now,
     why_invalid,
@@ -154,7 +154,7 @@ def test_the_capture_counts_moves_once_per_replay():
     acc.on_move(Role.WEIGHT, "h2d", 100)
     acc.on_move(Role.ACTIVATION, "d2h", 7)
     acc.count(Role.ACTIVATION, "evict_ops")
-    delta = _count_delta(before, acc.snapshot())
+    delta = count_delta(before, acc.snapshot())
     assert delta == {(Role.WEIGHT, "moved_h2d_bytes"): 100, (Role.ACTIVATION, "moved_d2h_bytes"): 7,
                      (Role.ACTIVATION, "evict_ops"): 1}
 

@@ -68,7 +68,7 @@ from typing import Any
 
 from ..roles import Role
 
-__all__ = ["RoleStats", "Accounting", "EXTRA_KEYS"]
+__all__ = ["RoleStats", "Accounting", "EXTRA_KEYS", "count_delta"]
 
 log = logging.getLogger("tiermem")
 
@@ -245,3 +245,19 @@ class Accounting:
         with self._lock:
             out.update(self.extra)
         return out
+
+
+def count_delta(before: tuple[dict[Role, RoleStats], RoleStats],
+                after: tuple[dict[Role, RoleStats], RoleStats]) -> dict[tuple[Role, str], int]:
+    """{(role, field): n} of the move counters (bytes and operations) that grew between two
+    :meth:`Accounting.snapshot` s: what a captured graph's replay adds with ``count_many``."""
+    out: dict[tuple[Role, str], int] = {}
+    for role, s in after[0].items():
+        b = before[0][role]
+        for f in dataclasses.fields(s):
+            if not (f.name.startswith("moved_") and f.name.endswith("_bytes")) and not f.name.endswith("_ops"):
+                continue
+            x, y = getattr(b, f.name), getattr(s, f.name)
+            if isinstance(y, int) and y != x:
+                out[(role, f.name)] = y - x
+    return out

@@ -50,10 +50,11 @@ import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from ..core.stats import count_delta
 from ..errors import ConfigError, TierMemError
-from .graphchoice import REPLAYS_TIMED
 from ..pytorch.unwind import clear_frames, first_cause, free_cache, release_graph, unroute
 from ..pytorch.workspaces import own_workspaces
+from .graphchoice import REPLAYS_TIMED
 
 __all__ = ["GraphedStep", "PLAN_CHANGED", "RELEASED", "capture_now", "why_invalid"]
 
@@ -177,7 +178,7 @@ class GraphedStep:
         self.last_replays = 0
         self._timed, self._judged = [], False
         self.graph = g
-        self._counts = _count_delta(before, t.tier.accounting.snapshot())
+        self._counts = count_delta(before, t.tier.accounting.snapshot())
         t.tier.accounting.count_many({k: -n for k, n in self._counts.items()})   # nothing ran yet
         self._hyper = _hyperparameters(t.opt)
         self._stale = False
@@ -303,21 +304,6 @@ def _hyperparameters(opt: Any) -> list[dict[str, Any]]:
     return [{k: ("tensor", id(v), v.data_ptr()) if torch.is_tensor(v) else v for k, v in g.items() if k != "params"}
             for g in opt.param_groups]
 
-
-def _count_delta(before: Any, after: Any) -> dict[Any, int]:
-    """{(role, field): n} of the move counters (bytes and operations) that grew between two
-    accounting snapshots."""
-    import dataclasses
-    out: dict[Any, int] = {}
-    for role, s in after[0].items():
-        b = before[0][role]
-        for f in dataclasses.fields(s):
-            if not (f.name.startswith("moved_") and f.name.endswith("_bytes")) and not f.name.endswith("_ops"):
-                continue
-            x, y = getattr(b, f.name), getattr(s, f.name)
-            if isinstance(y, int) and y != x:
-                out[(role, f.name)] = y - x
-    return out
 
 
 @contextlib.contextmanager

@@ -26,6 +26,10 @@ Metrics it adds (offload_infer's JSON keeps its own keys beside them):
   logits_top1_min_<fmt>, linear_cosine_min_<fmt>, prefill_vs_floor_worst_<fmt>,
   prefill_vs_bound.<arch>.<fmt>, decode_vs_bound.<arch>.<fmt>, linear_cosine_min.<arch>.<fmt>,
   prefill_vs_floor.<arch>.<fmt>; checks quant_goal_<fmt>, logits_goal_<fmt>, linear_goal_<fmt>.
+With graphed prefills (offload_infer's default; --no-graphed skips them):
+  prefill_vs_bound_graphed.<arch>.<fmt>, prefill_vs_bound_worst_graphed_<fmt>; checks
+  quant_goal_graphed_<fmt> (the graphed prefill and the eager decode against the goals),
+  graphed_logits_equal_eager, graphed_captured_all.
 """
 from __future__ import annotations
 
@@ -49,9 +53,11 @@ def _restore(saved) -> None:
         t.data = d
 
 
-def run_quantized(model, ids, args, budget: int, ref_logits, bound_s: float, link: float, measure, watch) -> dict:
+def run_quantized(model, ids, args, budget: int, ref_logits, bound_s: float, link: float, measure, watch,
+                  measure_graphed=None) -> dict:
     """Each of ``args.stream_dtypes`` on ``model`` (on the host, under offload_infer's
-    reservation), timed by offload_infer's ``measure``: {fmt: figures}."""
+    reservation), timed by offload_infer's ``measure`` (and its prefill as a graphed forward by
+    ``measure_graphed``, where given): {fmt: figures}."""
     import torch
 
     import tiermem
@@ -80,6 +86,8 @@ def run_quantized(model, ids, args, budget: int, ref_logits, bound_s: float, lin
                                lambda: model(ids, use_cache=False), "a prefill")
             with torch.no_grad(), linear_agreement(model, weights) as lin:
                 logits = model(ids, use_cache=False).logits
+            graphed = None if measure_graphed is None else measure_graphed(model, hd, ids, args.forwards, args.reps,
+                                                                           logits)
             hd.drain()
             s = tier.stats()
             agree = logits_agreement(ref_logits, logits)
@@ -92,11 +100,15 @@ def run_quantized(model, ids, args, budget: int, ref_logits, bound_s: float, lin
                         "dequant_kernel": _kernel_ran(fmt),
                         "resident_peak_GB": s["resident_bytes.all.peak"] / 1e9,
                         "within": s["resident_bytes.all.peak"] <= hd.budget, "min_free_GB": watch.min_free / 1e9,
-                        "tokens": tokens[0].tolist()[-args.decode_tokens:]}
+                        "tokens": tokens[0].tolist()[-args.decode_tokens:], "graphed": graphed}
             progress(f"  {fmt}: prefill {pre * 1e3:.1f} ms ({pre / bound_s:.2f} of the fp16 bound), decode "
                      f"{dec * 1e3:.1f} ms/token ({dec / bound_s:.2f}), logits cosine min {agree['cosine_min']:.5f}, "
                      f"top-1 {agree['top1']:.3f}, each Linear's cosine min {lin['cosine_min']:.5f} ({lin['worst']}), "
                      f"{hd.moved_bytes / 1e9:.2f} GB a forward")
+            if graphed is not None:
+                progress(f"  {fmt}: graphed prefill {graphed['prefill_ms']:.1f} ms "
+                         f"({graphed['prefill_ms'] / 1e3 / bound_s:.2f} of the fp16 bound), logits equal eager "
+                         f"{graphed['logits_equal_eager']}{', eager: ' + graphed['off'] if graphed['off'] else ''}")
         finally:
             hd.unwrap()
             tier.close()
@@ -122,7 +134,7 @@ def add_metrics(archs: dict, metrics: dict, checks: dict, notes: list) -> list[l
     rows = []
     fmts = sorted({f for r in archs.values() for f in r.get("quant", {})})
     for fmt in fmts:
-        pv, dv, cos, top, lin, floor = {}, {}, {}, {}, {}, {}
+        pv, dv, cos, top, lin, floor, gv = {}, {}, {}, {}, {}, {}, {}
         for arch, r in archs.items():
             q = r.get("quant", {}).get(fmt)
             if q is None or "error" in q:
@@ -147,13 +159,19 @@ def add_metrics(archs: dict, metrics: dict, checks: dict, notes: list) -> list[l
                 if g is not None and resident > g[0] * q["fp16_bound_ms"]:
                     notes.append(f"{arch}: resident, its prefill takes {resident / q['fp16_bound_ms']:.2f} of the "
                                  f"fp16 bound, above the {fmt} goal of {g[0]}: no {fmt} stream can meet that goal here")
+            gr = q.get("graphed")
+            if gr:                    # NOTE [graphed forwards]: the prefill as one launch
+                gv[arch] = metrics[f"prefill_vs_bound_graphed.{arch}.{fmt}"] = bounds.ratio(gr["prefill_ms"],
+                                                                                          q["fp16_bound_ms"])
+                graphed_checks(checks, gr)
             note = bounds.below_bound_note(f"prefill_vs_plan_bytes.{arch}.{fmt}",
                                            metrics[f"prefill_vs_plan_bytes.{arch}.{fmt}"])
             if note:
                 notes.append(note)
             rows.append([arch, fmt, round(q["prefill_ms"], 1), round(q["fp16_bound_ms"], 1), pv[arch],
                          round(q["decode_ms_per_token"], 2), dv[arch], round(cos[arch], 5), round(top[arch], 3),
-                         round(q["moved_GB_per_forward"], 3)])
+                         round(q["moved_GB_per_forward"], 3), round(gr["prefill_ms"], 1) if gr else "-",
+                         gv.get(arch, "-")])
         if not pv:
             continue
         metrics[f"prefill_vs_bound_worst_{fmt}"] = max(pv.values())
@@ -164,6 +182,8 @@ def add_metrics(archs: dict, metrics: dict, checks: dict, notes: list) -> list[l
             metrics[f"linear_cosine_min_{fmt}"] = min(lin.values())
         if floor:
             metrics[f"prefill_vs_floor_worst_{fmt}"] = max(floor.values())
+        if gv:
+            metrics[f"prefill_vs_bound_worst_graphed_{fmt}"] = max(gv.values())
         g = GOALS.get(fmt)
         if g is not None:
             checks[f"quant_goal_{fmt}"] = (metrics[f"prefill_vs_bound_worst_{fmt}"] <= g[0]
@@ -171,5 +191,15 @@ def add_metrics(archs: dict, metrics: dict, checks: dict, notes: list) -> list[l
             checks[f"logits_goal_{fmt}"] = metrics[f"logits_cosine_min_{fmt}"] >= g[2]
             if lin:
                 checks[f"linear_goal_{fmt}"] = metrics[f"linear_cosine_min_{fmt}"] >= g[2]
+            if gv:            # the prefill graphed, the decode as it is (graphs are prefills' only)
+                checks[f"quant_goal_graphed_{fmt}"] = (metrics[f"prefill_vs_bound_worst_graphed_{fmt}"] <= g[0]
+                                                       and metrics[f"decode_vs_bound_worst_{fmt}"] <= g[1])
     return rows
+
+
+def graphed_checks(checks: dict, gr: dict) -> None:
+    """A graphed prefill's checks, over every run that had one: its logits those of the eager
+    forward bit for bit, and a graph captured (not left eager)."""
+    checks["graphed_logits_equal_eager"] = checks.get("graphed_logits_equal_eager", True) and gr["logits_equal_eager"]
+    checks["graphed_captured_all"] = checks.get("graphed_captured_all", True) and gr["captures"] > 0 and not gr["off"]
 

@@ -241,6 +241,21 @@ def measure_loop(model, ids, forwards: int, spans: int, decode_tokens: int):
     return pre, t / decode_tokens
 
 
+def measure_graphed(model, hd, ids, forwards: int, spans: int, eager_logits) -> dict:
+    """The prefill as a graphed forward (NOTE [graphed forwards] in tiermem/inference/graphed.py),
+    timed in the same steady state after its capture: its ms, whether its logits are the eager
+    forward's bit for bit, and why it stayed eager if it did."""
+    import torch
+    fwd = hd.graphed(lambda x: model(x, use_cache=False).logits)
+    try:
+        pre = median(steady_times(lambda: fwd(ids), forwards, spans, warmup=3))
+        equal = bool(torch.equal(fwd(ids), eager_logits))
+        return {"prefill_ms": pre * 1e3, "logits_equal_eager": equal, "captures": fwd.captures,
+                "replays": fwd.replays, "off": fwd.off}
+    finally:
+        fwd.close()
+
+
 def adoption_atomic(model, tier_cls, budget: int) -> bool:
     """A wrap_module made to fail midway (after its resident groups took managed memory) leaves
     the model's tensors, the tier's stats and the driver's free memory as they were."""
@@ -312,6 +327,8 @@ def main() -> None:
     ap.add_argument("--ckpt-dir", default=None, help="where those checkpoints are written (default: a temporary folder)")
     ap.add_argument("--lookahead", type=int, default=None, help="tiermem's streamed groups in flight (wrap_module's "
                     "lookahead; default: its own): fewer slots leave more of the budget to resident groups")
+    ap.add_argument("--no-graphed", action="store_true", help="skip the prefills as graphed forwards "
+                    "(handle.graphed: NOTE [graphed forwards])")
     ap.add_argument("--tag", default="", help="appended to the JSON's name: runs of parts of the matrix on one day")
     args = ap.parse_args()
     if args.quick:
@@ -413,7 +430,10 @@ def run_arch(arch, args, link, watch, raw, atomic):
     routing = Routing(model)
     pre, dec, tokens = measure(model, ids, args.forwards, args.reps, args.decode_tokens, 3)
     with torch.no_grad():
-        logits_eq = bool(torch.equal(model(ids, use_cache=False).logits, ref_logits))
+        eager_logits = model(ids, use_cache=False).logits
+    logits_eq = bool(torch.equal(eager_logits, ref_logits))
+    graphed = None if args.no_graphed else measure_graphed(model, hd, ids, args.forwards, args.reps, eager_logits)
+    del eager_logits
     hd.drain()
     s = tier.stats()
     bound = bounds.forward_seconds(W, budget, E, link)
@@ -429,7 +449,7 @@ def run_arch(arch, args, link, watch, raw, atomic):
                     "resident_peak_GB": s["resident_bytes.all.peak"] / 1e9,
                     "managed_reserved_GB": tier.backend.guard.reserved / 1e9, "cap_GB": tier.backend.guard.limit / 1e9,
                     "tokens_equal_resident": eq, "prefill_logits_equal_resident": logits_eq,
-                    "min_free_GB": watch.min_free / 1e9}
+                    "min_free_GB": watch.min_free / 1e9, "graphed": graphed}
     r["within"] = s["resident_bytes.all.peak"] <= hd.budget and tier.backend.guard.reserved <= tier.backend.guard.limit
     r["tiermem"]["plan"] = plan_shape(hd.plan, budget)
     if routing.sets:
@@ -444,12 +464,16 @@ def run_arch(arch, args, link, watch, raw, atomic):
     progress(f"{arch}: tiermem prefill {pre * 1e3:.1f} ms (bound {bound * 1e3:.1f}, the plan's bytes "
              f"{plan_s * 1e3:.1f}), decode {dec * 1e3:.1f} ms/token, tokens equal {eq}, "
              f"min free {watch.min_free / 1e9:.2f} GB")
+    if graphed is not None:
+        progress(f"{arch}: graphed prefill {graphed['prefill_ms']:.1f} ms, logits equal eager "
+                 f"{graphed['logits_equal_eager']}{', eager: ' + graphed['off'] if graphed['off'] else ''}")
     hd.unwrap()
     tier.close()
     del hd, tier
     gc.collect()
     if args.stream_dtypes:
-        r["quant"] = infer_quant.run_quantized(model, ids, args, budget, ref_logits, bound, link, measure, watch)
+        r["quant"] = infer_quant.run_quantized(model, ids, args, budget, ref_logits, bound, link, measure, watch,
+                                               None if args.no_graphed else measure_graphed)
     if args.moe_cache and "moe" in r["tiermem"]:
         r["moe_cache"] = infer_moe.run_moe_cache(model, ids, args, budget, bound, timed_generate)
     tied = model.get_output_embeddings() is not None and (model.get_output_embeddings().weight
@@ -553,11 +577,15 @@ def run_accelerate(model, ids, args, arch) -> dict:
 def finish(args, metrics, checks, raw, equal_all, small_all, within_all, min_free, atomic, watch):
     watch.stop()
     rows = []
-    pv, dv, ao = {}, {}, {}
+    pv, dv, ao, gv = {}, {}, {}, {}
     notes: list[str] = []
     for arch, r in raw["archs"].items():
         t = r["tiermem"]
         pv[arch] = bounds.ratio(t["prefill_ms"], t["bound_ms"])
+        gr = t.get("graphed")
+        if gr:                   # NOTE [graphed forwards] in tiermem/inference/graphed.py
+            gv[arch] = metrics[f"prefill_vs_bound_graphed.{arch}"] = bounds.ratio(gr["prefill_ms"], t["bound_ms"])
+            infer_quant.graphed_checks(checks, gr)
         # A mixture of experts' decode step reads only the experts its router picked: the dense
         # bound is no lower bound there, the routed one is.
         dv[arch] = bounds.ratio(t["decode_ms_per_token"], t["moe"]["routed_bound_ms"] if "moe" in t else t["bound_ms"])
@@ -585,10 +613,12 @@ def finish(args, metrics, checks, raw, equal_all, small_all, within_all, min_fre
                      round(t["bound_ms"], 1), pv[arch], round(t["plan_bytes_ms"], 1),
                      round(r["resident"]["decode_ms_per_token"], 2), round(t["decode_ms_per_token"], 2), dv[arch],
                      round(r["accelerate"]["prefill_ms"]) if "accelerate" in r else "-", ao.get(arch, "-"),
-                     t["tokens_equal_resident"]])
+                     t["tokens_equal_resident"], round(gr["prefill_ms"], 1) if gr else "-", gv.get(arch, "-")])
     metrics["architectures"] = len(raw["archs"])
     metrics["prefill_vs_bound_worst"] = max(pv.values())
     metrics["prefill_vs_bound_best"] = min(pv.values())
+    if gv:
+        metrics["prefill_vs_bound_worst_graphed"] = max(gv.values())
     metrics["decode_vs_bound_worst"] = max(dv.values())
     metrics["prefill_vs_plan_bytes_worst"] = max(v for k, v in metrics.items() if k.startswith("prefill_vs_plan_bytes."))
     if ao:
@@ -640,10 +670,10 @@ def finish(args, metrics, checks, raw, equal_all, small_all, within_all, min_fre
 
     print()
     print(table(rows, ["arch", "GB", "res pre ms", "tm pre ms", "bound ms", "pre/bound", "plan ms", "res dec ms",
-                       "tm dec ms", "dec/bound", "acc pre ms", "acc/tm", "tokens eq"]))
+                       "tm dec ms", "dec/bound", "acc pre ms", "acc/tm", "tokens eq", "graphed ms", "graphed/bound"]))
     if qrows:
         print(table(qrows, ["arch", "stream", "pre ms", "fp16 bound", "pre/bound", "dec ms", "dec/bound", "cos min",
-                            "top-1", "GB/fwd"]))
+                            "top-1", "GB/fwd", "graphed ms", "graphed/bound"]))
     if mrows:
         print(table(mrows, ["arch", "routing", "dec ms", "dense bound", "dec/bound", "hit rate", "moved/token", "slots",
                             "equal"]))

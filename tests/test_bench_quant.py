@@ -46,3 +46,25 @@ def test_each_linear_and_the_floor_of_the_resident_prefill_are_reported():
     # phi resident takes 0.4 of the fp16 bound: above int4's goal (0.32), not int8's (0.55)
     assert any("phi" in n and "int4" in n and "resident" in n for n in notes)
     assert not any("int8" in n and "resident" in n for n in notes)
+
+
+def test_graphed_prefills_have_their_own_worst_figure_and_goal():
+    """NOTE [graphed forwards]: a graphed prefill is its own figure beside the eager one, the
+    goal's check takes it with the eager decode, and a run that stayed eager or whose logits
+    differ from the eager forward's fails the graphed checks."""
+    def q(pre, graphed, equal=True, off=""):
+        return {**_q(pre, 50, 100, 0.9995), "graphed": {"prefill_ms": graphed, "logits_equal_eager": equal,
+                                                          "captures": 0 if off else 1, "replays": 9, "off": off}}
+    archs = {"llama": {"quant": {"int8": q(70, 40)}}, "phi": {"quant": {"int8": q(80, 52)}}}
+    metrics, checks, notes = {}, {}, []
+    rows = infer_quant.add_metrics(archs, metrics, checks, notes)
+    assert metrics["prefill_vs_bound_graphed.phi.int8"] == 0.52 and metrics["prefill_vs_bound_worst_graphed_int8"] == 0.52
+    assert checks["quant_goal_int8"] is False and checks["quant_goal_graphed_int8"] is True
+    assert checks["graphed_logits_equal_eager"] is True and checks["graphed_captured_all"] is True
+    assert rows[0][-2:] == [40, 0.4]
+    archs["phi"]["quant"]["int8"] = q(80, 80, off="the capture failed: RuntimeError: x")
+    archs["llama"]["quant"]["int8"] = q(70, 40, equal=False)
+    metrics, checks = {}, {}
+    infer_quant.add_metrics(archs, metrics, checks, notes)
+    assert checks["graphed_logits_equal_eager"] is False and checks["graphed_captured_all"] is False
+    assert checks["quant_goal_graphed_int8"] is False

@@ -13,10 +13,11 @@ the adoption (all or nothing), the hooks that bring groups in around each forwar
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from ..base.limits import check_bytes, parse_bytes
@@ -231,6 +232,9 @@ class TieredModule:
         self._seqs: dict[str, tuple[list[Piece], list[int]]] = {}
         self._uses: dict[int, list[tuple[Group, str]]] = {}
         self._fwd_mode = "stream"
+        self._graph_mode = False      # NOTE [graphed forwards] in inference/graphed.py
+        self._graphs: weakref.WeakSet = weakref.WeakSet()   # its GraphedForwards, dropped at unwrap
+        self.order_epoch = 0          # orders learned again so far: a graph captured under one is stale
         self._lease: Any = None       # its share of the tier's budget (NOTE [budget leases])
         # NOTE [all or nothing]
         #     Adoption, like unwrap, either completes or leaves the module exactly as it was, with
@@ -557,6 +561,8 @@ class TieredModule:
             mode = "decode" if few and all(by_expert(n, k, e, per, c) for k, e, per, c in self._moe) else "stream"
         self._fwd_mode = mode
         self._pos = -1
+        if self._graph_mode and self._stream is not None and self._stream.nslots:
+            self._stream.forget_slots()       # NOTE [graphed forwards]: every piece brought in by this forward
 
     def _root_post(self, module: Any, args: tuple, out: Any) -> None:
         if self._recording and self._trace:
@@ -566,7 +572,7 @@ class TieredModule:
                 # What a forward reads from disk, in order: the same in every mode that streams
                 # (a group on disk always takes a slot).
                 self._stream.disk.set_sequence([p for p in self._sequence("stream")[0] if p.group.on_disk])
-        if self._fwd_mode != "zero_copy" and not self._recording and self._stream is not None:
+        if self._fwd_mode != "zero_copy" and not self._recording and self._stream is not None and not self._graph_mode:
             self._cur = -1
             self._stream.ahead(self._upcoming())   # the first streamed pieces of the next forward
 
@@ -609,6 +615,7 @@ class TieredModule:
             if self._pos >= len(self._trace) or self._trace[self._pos] != i:
                 # Another order than the one learned: learn it again on the next forward.
                 self._recording, self._trace, self._seqs = True, [], {}
+                self.order_epoch += 1
         ahead = self._fwd_mode != "zero_copy" and not self._recording and self._stream is not None
         if ahead:
             self._cur = self._sequence(self._fwd_mode)[1][self._pos] - 1
@@ -657,6 +664,74 @@ class TieredModule:
         st.relay, st.relay_share = relay, (share if relay is not None else 0.0)
         return True
 
+    # -- graphed forwards (NOTE [graphed forwards] in inference/graphed.py) ---------------------------
+    def graphed(self, fn: Callable[..., Any]) -> Any:
+        """``fn(*tensors)`` (a forward of the module; it returns a tensor or a tuple, list or dict
+        of them) run under ``torch.no_grad()``: eagerly until the module's order is learned and
+        one forward of the same shapes has run, then captured once as a CUDA graph and replayed,
+        the host's work a single launch. Returns a :class:`~tiermem.inference.graphed.GraphedForward`;
+        its ``off`` says why its forwards stay eager, where they do."""
+        from .graphed import GraphedForward
+        g = GraphedForward(self, fn)
+        self._graphs.add(g)
+        return g
+
+    def graph_blockers(self) -> str:
+        """Why this module's forwards cannot be captured ("" when they can)."""
+        if not self._groups:
+            return "the module was unwrapped"
+        if self.tier.backend.kind != "cuda":
+            return f"the {self.tier.backend.kind!r} backend does not capture CUDA graphs"
+        if self.part is not None:
+            return "its layers are spread over several GPUs (NOTE [layers across GPUs])"
+        st = self._stream
+        if st is not None and st.disk is not None:
+            return "it reads weights from disk on host threads (NOTE [disk tier])"
+        if st is not None and st.relay is not None:
+            return "a relay brings part of its weights over another GPU's link"
+        if self._cache is not None:
+            return "its expert cache chooses the experts to move on the host, token by token"
+        return ""
+
+    @property
+    def order_learned(self) -> bool:
+        """Whether the module's order of use is known (the hooks then bring pieces in ahead)."""
+        return not self._recording and bool(self._trace)
+
+    @contextlib.contextmanager
+    def graph_mode(self) -> Iterator[None]:
+        """Forwards inside start with the slots forgotten and queue nothing past their end
+        (NOTE [graphed forwards])."""
+        before, self._graph_mode = self._graph_mode, True
+        try:
+            yield
+        finally:
+            self._graph_mode = before
+
+    @contextlib.contextmanager
+    def capturing(self) -> Iterator[None]:
+        """A forward inside is being captured (NOTE [events across a capture] in cuda/capture.py):
+        in graph mode, its copies untimed; the slots are forgotten after it."""
+        st = self._stream
+        with self.graph_mode(), self.tier.backend.capturing():
+            if st is not None:
+                st.capturing = True
+            try:
+                yield
+            finally:
+                if st is not None:
+                    st.capturing = False
+                    if st.nslots:
+                        st.forget_slots()
+
+    def before_replay(self, stream: int) -> None:
+        """A graph of a forward is launched on ``stream`` next: it waits for the copies queued
+        so far, and the host forgets the slots the graph rewrites."""
+        st = self._stream
+        if st is not None and st.nslots:
+            st.settle_into(stream)
+            st.forget_slots()
+
     # -- lifecycle ------------------------------------------------------------------------------------
     def drain(self) -> None:
         """Wait until every move this module queued is done."""
@@ -698,6 +773,8 @@ class TieredModule:
             origin.update(self._stream.origin)
         dev_of = lambda t: device if device is not None else (origin.get(id(t)) or t.device)  # noqa: E731
         self._check_room(dev_of)
+        for g in list(self._graphs):          # they replay into the window given back below
+            g.close("the module was unwrapped")
         if self._stream is not None:
             self._stream.drain()
         plain = list(self._stream.restored(dev_of)) if self._stream is not None else []

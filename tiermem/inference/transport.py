@@ -514,6 +514,25 @@ class PinnedTransport:
         self.relay_share = 0.0         # of each whole piece's bytes, the last, through the relay
         self.in_use: dict[int, tuple[int, ...]] = {}    # group -> versions when bound to its slot
         self.count = 0                 # streamed group uses so far: use c runs in slot c % nslots
+        self.capturing = False         # NOTE [graphed forwards] in inference/graphed.py: copies untimed, untracked
+
+    def forget_slots(self) -> None:
+        """Forget what the slots and staging buffers hold: the next forward brings every piece in
+        itself, its first into slot 0 and the first staging buffer (NOTE [graphed forwards] in
+        inference/graphed.py). The slots' events stay: a fill still waits for the last reader."""
+        for s in self.ring:
+            self.ring.vacate(s)
+        self.slot_of.clear()
+        self.count = 0
+        self._turn = 0
+
+    def settle_into(self, stream: int) -> None:
+        """Make ``stream`` wait for every copy and dequantization queued so far: a graph launched
+        on it next rewrites the slots and staging buffers those may still be writing."""
+        be = self.tier.backend
+        be.wait(stream, self.lane.mark())
+        if self.stage_bytes:
+            be.wait(stream, self.dq.mark())
 
     def bind_home(self) -> None:
         """Point every streamed tensor at its home (the adoption's last step: cannot fail)."""
@@ -657,8 +676,9 @@ class PinnedTransport:
                 if key is not None:
                     self._plans[(key, c, st.index)] = made
             parts, n, jobs = made
-            start, end = self.stages.fill(self.lane, st, parts, timed=True)
-            tier.track(Transfer(tier, "h2d", self.lane.stream, start, end, [], n, {self.role: n}))
+            start, end = self.stages.fill(self.lane, st, parts, timed=not self.capturing)
+            if not self.capturing:      # a captured copy's events have no times (NOTE [events across a capture])
+                tier.track(Transfer(tier, "h2d", self.lane.stream, start, end, [], n, {self.role: n}))
             tier.accounting.on_move(self.role, "h2d", n)
             moved += n
             self.last_dq = ring.transform(self.dq, slot, lambda jobs=jobs: self._unpack(g, jobs), reads=[st])
@@ -752,7 +772,7 @@ class PinnedTransport:
                 return self.ring.fill(self.lane, s, mine, timed=True, relay=self.relay, relayed=theirs)
         else:
             parts = [(0, self.disk.stages[stage].ptr, p.nbytes)]
-        return self.ring.fill(self.lane, s, parts, timed=True)
+        return self.ring.fill(self.lane, s, parts, timed=not self.capturing)
 
     def _load(self, p: Piece, slot: int, wait: bool = True) -> bool:
         """Queue ``p``'s copy into ``slot``; False (nothing queued) when ``p`` is on disk, not read
@@ -777,7 +797,8 @@ class PinnedTransport:
         start, end = self._copy_in(p, s, stage)
         if stage is not None:
             self.disk.give_back(stage, end)
-        tier.track(Transfer(tier, "h2d", self.lane.stream, start, end, [], p.nbytes, {self.role: p.nbytes}))
+        if not self.capturing:
+            tier.track(Transfer(tier, "h2d", self.lane.stream, start, end, [], p.nbytes, {self.role: p.nbytes}))
         tier.accounting.on_move(self.role, "h2d", p.nbytes)
         tier.accounting.count(self.role, "prefetch_ops")
         s.occupant, s.held = p, _versions(p.group)

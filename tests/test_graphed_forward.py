@@ -1,0 +1,158 @@
+"""Graphed offloaded forwards on the fake backend (NOTE [graphed forwards] in
+tiermem/inference/graphed.py): the forwards' graph mode, when a capture is tried, and what
+keeps a forward eager. The captures themselves are CUDA's: tests/test_gpu_graphed_forward.py."""
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import share
+
+from tiermem.errors import ConfigError, TierMemError
+from tiermem.inference.graphed import SETTLED_FORWARDS, GraphedForward
+
+GROUP = 512 << 10        # max_group_bytes: the tiny Llama's sublayers are groups of their own
+
+
+def _llama(dtype=torch.float32):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=1024, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg).to(dtype).eval(), cfg
+
+
+def _wrap(tier, fmt=None, lookahead=3):
+    model, cfg = _llama()
+    h = tier.wrap_module(model, budget=share(model, 40), stream_dtype=fmt, mode="stream", max_group_bytes=GROUP,
+                         lookahead=lookahead)
+    ids = torch.randint(0, cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
+    return model, h, ids
+
+
+@pytest.mark.parametrize("fmt", [None, "int8", "int4"])
+def test_forwards_in_graph_mode_start_at_slot_zero_move_the_same_bytes_and_give_the_same_logits(tier, fake, fmt):
+    """Graph mode: each forward starts from forgotten slots, so every forward uses the same slots
+    in the same order and moves every streamed byte itself (none left to the next forward), and
+    its logits are the plain forwards' bit for bit."""
+    model, h, ids = _wrap(tier, fmt, lookahead=4)
+    st = h._stream
+    n_slotted = sum(len(g.pieces) for g in h._groups.values() if not g.pinned and g.slot_in("stream"))
+    assert st.nslots and n_slotted % st.nslots, "a forward that ends where it began proves nothing"
+    fills: list[list[int]] = []
+    real = st._load
+
+    def load(p, slot, wait=True):
+        fills[-1].append(slot)
+        return real(p, slot, wait)
+    st._load = load
+    with torch.no_grad():
+        fills.append([])
+        want = model(ids).logits                 # learns the order
+        plain = []
+        for _ in range(2):
+            fills.append([])
+            plain.append(model(ids).logits)
+        assert fills[1] != fills[2]               # eager forwards go on around the ring
+        got, moved = [], []
+        with h.graph_mode():
+            for _ in range(3):
+                h.drain()
+                before = tier.stats()["moved_bytes.all.h2d"]
+                fills.append([])
+                got.append(model(ids).logits)
+                h.drain()
+                moved.append(tier.stats()["moved_bytes.all.h2d"] - before)
+        fills.append([])
+        after = model(ids).logits                  # out of graph mode: as before
+    assert fills[3] == fills[4] == fills[5] and fills[3][0] == 0
+    assert len(fills[3]) == n_slotted              # every piece brought in by its own forward
+    assert moved[0] == moved[1] == moved[2] == h.moved_bytes
+    for x in (*plain, *got, after):
+        assert torch.equal(x, want)
+    h.unwrap()
+
+
+def test_graphed_on_a_backend_without_graphs_runs_eagerly_and_says_why(tier):
+    model, h, ids = _wrap(tier)
+    fwd = h.graphed(lambda x: model(x, use_cache=False).logits)
+    assert "does not capture" in fwd.off
+    with torch.no_grad():
+        want = model(ids, use_cache=False).logits
+    for _ in range(4):
+        got = fwd(ids)
+        assert torch.equal(got, want) and not got.requires_grad
+    assert fwd.captures == 0 and fwd.graph is None and "eager" in repr(fwd)
+    with pytest.raises(ConfigError, match="tensors only"):
+        fwd(ids, 3)
+    h.unwrap()
+    with pytest.raises(TierMemError, match="unwrapped"):
+        fwd(ids)
+
+
+def _capturing(monkeypatch, h):
+    """A GraphedForward whose capture is recorded instead of made: the policy of when to try."""
+    monkeypatch.setattr(h, "graph_blockers", lambda: "")
+    tried: list[tuple] = []
+
+    def capture(self, inputs):
+        tried.append(tuple(inputs[0].shape))
+        return None                                # as a failed capture would: the forward runs eagerly
+    monkeypatch.setattr(GraphedForward, "_capture", capture)
+    return tried
+
+
+def test_a_capture_is_tried_once_the_order_is_known_and_a_forward_of_the_same_shapes_ran(tier, monkeypatch):
+    model, h, ids = _wrap(tier)
+    tried = _capturing(monkeypatch, h)
+    fwd = h.graphed(lambda x: model(x, use_cache=False).logits)
+    assert fwd.off == ""
+    fwd(ids)                                       # learns the order
+    assert tried == [] and h.order_learned
+    for _ in range(SETTLED_FORWARDS):
+        fwd(ids)
+    assert tried == []
+    fwd(ids)                                       # settled: tried
+    assert tried == [tuple(ids.shape)]
+    short = ids[:, :8]
+    fwd(short)                                     # other shapes: they settle first
+    assert len(tried) == 1
+    for _ in range(SETTLED_FORWARDS):
+        fwd(short)
+    assert tried[-1] == tuple(short.shape)
+    h.unwrap()
+
+
+def test_an_order_learned_again_settles_again_before_a_capture(tier, monkeypatch):
+    model, h, ids = _wrap(tier)
+    tried = _capturing(monkeypatch, h)
+    fwd = h.graphed(lambda x: model(x, use_cache=False).logits)
+    for _ in range(1 + SETTLED_FORWARDS):
+        fwd(ids)
+    epoch = h.order_epoch
+    # A forward that runs the modules in another order (a layer skipped) starts learning again.
+    layers = model.model.layers
+    model.model.layers = layers[:-1]
+    model.config.num_hidden_layers -= 1
+    with torch.no_grad():
+        model(ids, use_cache=False)
+    model.model.layers = layers
+    model.config.num_hidden_layers += 1
+    assert h.order_epoch == epoch + 1
+    n = len(tried)
+    fwd(ids)                                       # learns again (the epoch moved): not tried
+    assert len(tried) == n
+    h.unwrap()
+
+
+@pytest.mark.parametrize("why", ["expert_cache", "disk"])
+def test_forwards_whose_host_chooses_their_moves_stay_eager(tier, monkeypatch, why):
+    model, h, ids = _wrap(tier)
+    monkeypatch.setattr(type(tier.backend), "kind", "cuda", raising=False)
+    if why == "expert_cache":
+        monkeypatch.setattr(h, "_cache", object())
+        assert "expert cache" in h.graph_blockers()
+    else:
+        monkeypatch.setattr(h._stream, "disk", object())
+        assert "disk" in h.graph_blockers()
+    monkeypatch.undo()
+    h.unwrap()

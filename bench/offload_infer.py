@@ -246,12 +246,17 @@ def measure_graphed(model, hd, ids, forwards: int, spans: int, eager_logits) -> 
     timed in the same steady state after its capture: its ms, whether its logits are the eager
     forward's bit for bit, and why it stayed eager if it did."""
     import torch
+
+    from tiermem.testing import logits_agreement
     fwd = hd.graphed(lambda x: model(x, use_cache=False).logits)
     try:
         pre = median(steady_times(lambda: fwd(ids), forwards, spans, warmup=3))
-        equal = bool(torch.equal(fwd(ids), eager_logits))
-        return {"prefill_ms": pre * 1e3, "logits_equal_eager": equal, "captures": fwd.captures,
-                "replays": fwd.replays, "off": fwd.off}
+        got = fwd(ids)
+        agree = logits_agreement(eager_logits, got)
+        return {"prefill_ms": pre * 1e3, "logits_equal_eager": bool(torch.equal(got, eager_logits)),
+                "logits_max_abs_diff_eager": float((got.float() - eager_logits.float()).abs().max()),
+                "logits_cosine_min_eager": agree["cosine_min"], "top1_eager": agree["top1"],
+                "captures": fwd.captures, "replays": fwd.replays, "off": fwd.off}
     finally:
         fwd.close()
 

@@ -241,7 +241,7 @@ def measure_loop(model, ids, forwards: int, spans: int, decode_tokens: int):
     return pre, t / decode_tokens
 
 
-def measure_graphed(model, hd, ids, forwards: int, spans: int, eager_logits) -> dict:
+def measure_graphed(model, hd, ids, forwards: int, spans: int, eager_logits, decode_tokens: int = 0) -> dict:
     """The prefill as a graphed forward (NOTE [graphed forwards] in tiermem/inference/graphed.py),
     timed in the same steady state after its capture: its ms, whether its logits are the eager
     forward's bit for bit, and why it stayed eager if it did."""
@@ -256,9 +256,60 @@ def measure_graphed(model, hd, ids, forwards: int, spans: int, eager_logits) -> 
         return {"prefill_ms": pre * 1e3, "logits_equal_eager": bool(torch.equal(got, eager_logits)),
                 "logits_max_abs_diff_eager": float((got.float() - eager_logits.float()).abs().max()),
                 "logits_cosine_min_eager": agree["cosine_min"], "top1_eager": agree["top1"],
-                "captures": fwd.captures, "replays": fwd.replays, "off": fwd.off}
+                "captures": fwd.captures, "replays": fwd.replays, "off": fwd.off,
+                "decode": measure_graphed_decode(model, hd, ids, decode_tokens) if decode_tokens > 3 else None}
     finally:
         fwd.close()
+
+
+def measure_graphed_decode(model, hd, ids, decode_tokens: int) -> dict:
+    """Greedy decode steps over a transformers StaticCache (fixed addresses, so a step can be
+    captured), eagerly and as a graphed forward (NOTE [graphed forwards]): ms per token of each
+    (CUDA events around each step, the median of the steps after the first three, which learn,
+    settle and capture), whether their tokens agree, and why the graphed steps stayed eager if
+    they did. The positions are passed in as tensors: reading the cache's length would wait for
+    the device."""
+    import inspect
+
+    import torch
+    from transformers import StaticCache
+    takes_cache_position = "cache_position" in inspect.signature(model.base_model.forward).parameters
+    n = ids.shape[1]
+
+    def run(graphed: bool):
+        cache = StaticCache(config=model.config, max_cache_len=n + decode_tokens + 1)
+
+        def step(tok, pos):
+            extra = {"cache_position": pos} if takes_cache_position else {}
+            return model(tok, position_ids=pos[None], past_key_values=cache, use_cache=True, **extra).logits
+        fn = hd.graphed(step) if graphed else step
+        with torch.no_grad():
+            logits = step(ids, torch.arange(n, device=ids.device))
+            tok = logits[:, -1:].argmax(-1)
+            pos = torch.tensor([n], device=ids.device)
+            marks = [torch.cuda.Event(enable_timing=True) for _ in range(decode_tokens + 1)]
+            toks = []
+            marks[0].record()
+            for i in range(decode_tokens):
+                tok = fn(tok, pos)[:, -1:].argmax(-1)
+                pos = pos + 1
+                toks.append(tok)
+                marks[i + 1].record()
+            marks[-1].synchronize()
+        ms = sorted(marks[i].elapsed_time(marks[i + 1]) for i in range(3, decode_tokens))
+        out = {"decode_ms_per_token": ms[len(ms) // 2], "tokens": torch.cat(toks, 1)[0].tolist()}
+        if graphed:
+            out.update(captures=fn.captures, replays=fn.replays, off=fn.off)
+            fn.close()
+        return out
+    try:
+        eager, graphed = run(False), run(True)
+    except Exception as e:   # reported: a model whose static cache does not run here
+        return {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+    same = sum(a == b for a, b in zip(eager["tokens"], graphed["tokens"]))
+    return {"eager_static_ms": eager["decode_ms_per_token"], "graphed_ms": graphed["decode_ms_per_token"],
+            "tokens_equal": eager["tokens"] == graphed["tokens"], "tokens_agree": same / len(eager["tokens"]),
+            "captures": graphed["captures"], "replays": graphed["replays"], "off": graphed["off"]}
 
 
 def adoption_atomic(model, tier_cls, budget: int) -> bool:
@@ -437,7 +488,8 @@ def run_arch(arch, args, link, watch, raw, atomic):
     with torch.no_grad():
         eager_logits = model(ids, use_cache=False).logits
     logits_eq = bool(torch.equal(eager_logits, ref_logits))
-    graphed = None if args.no_graphed else measure_graphed(model, hd, ids, args.forwards, args.reps, eager_logits)
+    graphed = None if args.no_graphed else measure_graphed(model, hd, ids, args.forwards, args.reps, eager_logits,
+                                                           args.decode_tokens)
     del eager_logits
     hd.drain()
     s = tier.stats()
@@ -471,7 +523,8 @@ def run_arch(arch, args, link, watch, raw, atomic):
              f"min free {watch.min_free / 1e9:.2f} GB")
     if graphed is not None:
         progress(f"{arch}: graphed prefill {graphed['prefill_ms']:.1f} ms, logits equal eager "
-                 f"{graphed['logits_equal_eager']}{', eager: ' + graphed['off'] if graphed['off'] else ''}")
+                 f"{graphed['logits_equal_eager']}{', eager: ' + graphed['off'] if graphed['off'] else ''}; "
+                 f"decode over a static cache {graphed['decode']}")
     hd.unwrap()
     tier.close()
     del hd, tier
@@ -582,7 +635,7 @@ def run_accelerate(model, ids, args, arch) -> dict:
 def finish(args, metrics, checks, raw, equal_all, small_all, within_all, min_free, atomic, watch):
     watch.stop()
     rows = []
-    pv, dv, ao, gv = {}, {}, {}, {}
+    pv, dv, ao, gv, gd = {}, {}, {}, {}, {}
     notes: list[str] = []
     for arch, r in raw["archs"].items():
         t = r["tiermem"]
@@ -591,6 +644,10 @@ def finish(args, metrics, checks, raw, equal_all, small_all, within_all, min_fre
         if gr:                   # NOTE [graphed forwards] in tiermem/inference/graphed.py
             gv[arch] = metrics[f"prefill_vs_bound_graphed.{arch}"] = bounds.ratio(gr["prefill_ms"], t["bound_ms"])
             infer_quant.graphed_checks(checks, gr)
+            d = infer_quant.graphed_decode_ms(gr)
+            if d is not None:      # against the eager decode's bound (the routed one for experts)
+                gd[arch] = metrics[f"decode_vs_bound_graphed.{arch}"] = bounds.ratio(
+                    d, t["moe"]["routed_bound_ms"] if "moe" in t else t["bound_ms"])
         # A mixture of experts' decode step reads only the experts its router picked: the dense
         # bound is no lower bound there, the routed one is.
         dv[arch] = bounds.ratio(t["decode_ms_per_token"], t["moe"]["routed_bound_ms"] if "moe" in t else t["bound_ms"])
@@ -618,12 +675,15 @@ def finish(args, metrics, checks, raw, equal_all, small_all, within_all, min_fre
                      round(t["bound_ms"], 1), pv[arch], round(t["plan_bytes_ms"], 1),
                      round(r["resident"]["decode_ms_per_token"], 2), round(t["decode_ms_per_token"], 2), dv[arch],
                      round(r["accelerate"]["prefill_ms"]) if "accelerate" in r else "-", ao.get(arch, "-"),
-                     t["tokens_equal_resident"], round(gr["prefill_ms"], 1) if gr else "-", gv.get(arch, "-")])
+                     t["tokens_equal_resident"], round(gr["prefill_ms"], 1) if gr else "-", gv.get(arch, "-"),
+                     gd.get(arch, "-")])
     metrics["architectures"] = len(raw["archs"])
     metrics["prefill_vs_bound_worst"] = max(pv.values())
     metrics["prefill_vs_bound_best"] = min(pv.values())
     if gv:
         metrics["prefill_vs_bound_worst_graphed"] = max(gv.values())
+    if gd:
+        metrics["decode_vs_bound_worst_graphed"] = max(gd.values())
     metrics["decode_vs_bound_worst"] = max(dv.values())
     metrics["prefill_vs_plan_bytes_worst"] = max(v for k, v in metrics.items() if k.startswith("prefill_vs_plan_bytes."))
     if ao:
@@ -675,10 +735,10 @@ def finish(args, metrics, checks, raw, equal_all, small_all, within_all, min_fre
 
     print()
     print(table(rows, ["arch", "GB", "res pre ms", "tm pre ms", "bound ms", "pre/bound", "plan ms", "res dec ms",
-                       "tm dec ms", "dec/bound", "acc pre ms", "acc/tm", "tokens eq", "graphed ms", "graphed/bound"]))
+                       "tm dec ms", "dec/bound", "acc pre ms", "acc/tm", "tokens eq", "graphed ms", "graphed/bound", "g dec/bound"]))
     if qrows:
         print(table(qrows, ["arch", "stream", "pre ms", "fp16 bound", "pre/bound", "dec ms", "dec/bound", "cos min",
-                            "top-1", "GB/fwd", "graphed ms", "graphed/bound"]))
+                            "top-1", "GB/fwd", "graphed ms", "graphed/bound", "g dec/bound"]))
     if mrows:
         print(table(mrows, ["arch", "routing", "dec ms", "dense bound", "dec/bound", "hit rate", "moved/token", "slots",
                             "equal"]))

@@ -52,19 +52,38 @@ def test_graphed_prefills_have_their_own_worst_figure_and_goal():
     """NOTE [graphed forwards]: a graphed prefill is its own figure beside the eager one, the
     goal's check takes it with the eager decode, and a run that stayed eager or whose logits
     differ from the eager forward's fails the graphed checks."""
-    def q(pre, graphed, equal=True, off=""):
+    def q(pre, graphed, equal=True, off="", cos=1.0, top1=1.0, dec=None):
+        d = None if dec is None else {"graphed_ms": dec, "eager_static_ms": 50, "captures": 1, "replays": 5, "off": ""}
         return {**_q(pre, 50, 100, 0.9995), "graphed": {"prefill_ms": graphed, "logits_equal_eager": equal,
-                                                          "captures": 0 if off else 1, "replays": 9, "off": off}}
+                                                          "logits_cosine_min_eager": cos, "top1_eager": top1,
+                                                          "captures": 0 if off else 1, "replays": 9, "off": off,
+                                                          "decode": d}}
     archs = {"llama": {"quant": {"int8": q(70, 40)}}, "phi": {"quant": {"int8": q(80, 52)}}}
     metrics, checks, notes = {}, {}, []
     rows = infer_quant.add_metrics(archs, metrics, checks, notes)
     assert metrics["prefill_vs_bound_graphed.phi.int8"] == 0.52 and metrics["prefill_vs_bound_worst_graphed_int8"] == 0.52
     assert checks["quant_goal_int8"] is False and checks["quant_goal_graphed_int8"] is True
     assert checks["graphed_logits_equal_eager"] is True and checks["graphed_captured_all"] is True
-    assert rows[0][-2:] == [40, 0.4]
-    archs["phi"]["quant"]["int8"] = q(80, 80, off="the capture failed: RuntimeError: x")
-    archs["llama"]["quant"]["int8"] = q(70, 40, equal=False)
+    assert checks["graphed_logits_agree_eager"] is True
+    assert rows[0][-3:] == [40, 0.4, "-"]
+    # Rounding apart (torch's capture of the model's ops): agreeing, not equal.
+    archs["llama"]["quant"]["int8"] = q(70, 40, equal=False, cos=0.999994)
     metrics, checks = {}, {}
     infer_quant.add_metrics(archs, metrics, checks, notes)
-    assert checks["graphed_logits_equal_eager"] is False and checks["graphed_captured_all"] is False
+    assert checks["graphed_logits_agree_eager"] is True and checks["graphed_logits_equal_eager"] is False
+    archs["phi"]["quant"]["int8"] = q(80, 80, off="the capture failed: RuntimeError: x")
+    archs["llama"]["quant"]["int8"] = q(70, 40, equal=False, cos=0.999994, top1=0.99)
+    metrics, checks = {}, {}
+    infer_quant.add_metrics(archs, metrics, checks, notes)
+    assert checks["graphed_logits_agree_eager"] is False and checks["graphed_captured_all"] is False
     assert checks["quant_goal_graphed_int8"] is False
+    # A graphed decode (over a static cache) takes the eager one's place in the goal's check.
+    archs = {"llama": {"quant": {"int8": q(70, 50, dec=55)}}, "phi": {"quant": {"int8": q(80, 52, dec=58)}}}
+    metrics, checks = {}, {}
+    infer_quant.add_metrics(archs, metrics, checks, notes)
+    assert metrics["decode_vs_bound_worst_graphed_int8"] == 0.58 and metrics["decode_vs_bound_worst_int8"] == 0.5
+    assert checks["quant_goal_graphed_int8"] is True and checks["graphed_decode_captured_all"] is True
+    archs["phi"]["quant"]["int8"]["graphed"]["decode"] = {"error": "TypeError: no static cache"}
+    metrics, checks = {}, {}
+    infer_quant.add_metrics(archs, metrics, checks, notes)
+    assert checks["graphed_decode_captured_all"] is False and metrics["decode_vs_bound_worst_graphed_int8"] == 0.55

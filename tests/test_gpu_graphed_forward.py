@@ -120,3 +120,45 @@ def test_a_forward_a_capture_refuses_stays_eager_and_leaves_torch_usable():
     torch.nn.Linear(64, 64, device="cuda")          # a new model's init: normal_ and uniform_ on the device
     h.unwrap()
     t.close()
+
+
+@pytest.mark.parametrize("fmt", [None, "int4"])
+def test_decode_steps_over_a_static_cache_are_captured_and_give_the_eager_steps_tokens(fmt):
+    """A decode step of one token reads the streamed weights as a decode does (NOTE [experts by
+    expert]'s modes), and its cache is transformers' StaticCache, whose tensors keep their
+    addresses: the steps are captured once and replayed, their tokens the eager steps'."""
+    import inspect
+
+    import torch
+    from transformers import StaticCache
+
+    import tiermem
+    model, cfg = _model("llama")
+    t = tiermem.Tier(0, cap="2GiB")
+    h = t.wrap_module(model, budget=share(model, 25), stream_dtype=fmt, max_group_bytes=8 * MiB)
+    ids = torch.randint(0, cfg.vocab_size, (1, 32), device="cuda")
+    takes_cache_position = "cache_position" in inspect.signature(model.base_model.forward).parameters
+
+    def decode(graphed: bool, steps: int = 12):
+        cache = StaticCache(config=model.config, max_cache_len=64)
+
+        def step(tok, pos):
+            extra = {"cache_position": pos} if takes_cache_position else {}
+            return model(tok, position_ids=pos[None], past_key_values=cache, use_cache=True, **extra).logits
+        fn = h.graphed(step) if graphed else step
+        with torch.no_grad():
+            tok = step(ids, torch.arange(32, device="cuda"))[:, -1:].argmax(-1)
+            pos = torch.tensor([32], device="cuda")
+            out = []
+            for _ in range(steps):
+                tok = fn(tok, pos)[:, -1:].argmax(-1)
+                pos = pos + 1
+                out.append(tok)
+        return torch.cat(out, 1), fn
+    want, _ = decode(False)
+    got, fn = decode(True)
+    assert fn.off == "" and fn.captures == 1 and fn.replays == 12 - 2, fn
+    assert torch.equal(got, want)
+    fn.close()
+    h.unwrap()
+    t.close()

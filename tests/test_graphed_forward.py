@@ -30,14 +30,17 @@ def _wrap(tier, fmt=None, lookahead=3):
 
 
 @pytest.mark.parametrize("fmt", [None, "int8", "int4"])
-def test_forwards_in_graph_mode_start_at_slot_zero_move_the_same_bytes_and_give_the_same_logits(tier, fake, fmt):
-    """Graph mode: each forward starts from forgotten slots, so every forward uses the same slots
-    in the same order and moves every streamed byte itself (none left to the next forward), and
-    its logits are the plain forwards' bit for bit."""
+def test_forwards_in_graph_mode_use_the_same_slots_each_time_and_give_the_same_logits(tier, fake, fmt):
+    """Graph mode (NOTE [graphed forwards]): each forward starts at slot 0 and its tail brings the
+    next one's first pieces into slots 0, 1, ...: every forward in a row makes the same copies
+    into the same slots, ends as it began, and moves what a plain forward moves. Its logits are
+    the plain forwards' bit for bit. Where a plain forward ran between, ``before_replay`` brings
+    those first pieces back to their slots, and the forward after it is the same again."""
     model, h, ids = _wrap(tier, fmt, lookahead=4)
     st = h._stream
-    n_slotted = sum(len(g.pieces) for g in h._groups.values() if not g.pinned and g.slot_in("stream"))
-    assert st.nslots and n_slotted % st.nslots, "a forward that ends where it began proves nothing"
+    n = sum(len(g.pieces) for g in h._groups.values() if not g.pinned and g.slot_in("stream"))
+    ahead = min(h.lookahead, st.nslots - 1)
+    assert st.nslots and n % st.nslots, "a forward that ends where it began proves nothing"
     fills: list[list[int]] = []
     real = st._load
 
@@ -45,29 +48,35 @@ def test_forwards_in_graph_mode_start_at_slot_zero_move_the_same_bytes_and_give_
         fills[-1].append(slot)
         return real(p, slot, wait)
     st._load = load
+
+    def forward(graph: bool):
+        h.drain()
+        before = tier.stats()["moved_bytes.all.h2d"]
+        fills.append([])
+        if graph:
+            with h.graph_mode():
+                out = model(ids).logits
+        else:
+            out = model(ids).logits
+        h.drain()
+        return out, tier.stats()["moved_bytes.all.h2d"] - before
     with torch.no_grad():
+        want, _ = forward(False)                 # learns the order
+        plain = [forward(False)[0] for _ in range(2)]
+        assert fills[1] != fills[2]               # plain forwards go on around the ring
+        runs = [forward(True) for _ in range(3)]
+        steady = fills[4]
+        assert fills[5] == steady and len(steady) == n
+        assert steady[0] == ahead % st.nslots          # the first piece it brings in: the one after those
+        assert steady[-ahead:] == list(range(ahead))       # the tail: the next forward's first pieces
+        assert runs[1][1] == runs[2][1] == h.moved_bytes
+        between = forward(False)[0]                 # a plain forward: the first pieces elsewhere now
         fills.append([])
-        want = model(ids).logits                 # learns the order
-        plain = []
-        for _ in range(2):
-            fills.append([])
-            plain.append(model(ids).logits)
-        assert fills[1] != fills[2]               # eager forwards go on around the ring
-        got, moved = [], []
-        with h.graph_mode():
-            for _ in range(3):
-                h.drain()
-                before = tier.stats()["moved_bytes.all.h2d"]
-                fills.append([])
-                got.append(model(ids).logits)
-                h.drain()
-                moved.append(tier.stats()["moved_bytes.all.h2d"] - before)
-        fills.append([])
-        after = model(ids).logits                  # out of graph mode: as before
-    assert fills[3] == fills[4] == fills[5] and fills[3][0] == 0
-    assert len(fills[3]) == n_slotted              # every piece brought in by its own forward
-    assert moved[0] == moved[1] == moved[2] == h.moved_bytes
-    for x in (*plain, *got, after):
+        h.before_replay(fake.current_stream(), h.forward_mode)
+        assert sorted(fills[-1]) == list(range(ahead))
+        again = forward(True)
+        assert fills[-1] == steady
+    for x in (*plain, *(r[0] for r in runs), between, again[0]):
         assert torch.equal(x, want)
     h.unwrap()
 

@@ -17,22 +17,27 @@ NOTE [graphed forwards]
     What makes a forward replayable: the addresses are fixed (the slots and staging buffers are
     one allocation, the home pinned memory made once, torch's allocations inside come from the
     graph's own pool) and so are the host's choices, once the order is learned. One thing is not:
-    the slots a forward uses. The eager forwards run on, use after use around the ring, and each
-    starts where the last one's tail prefetch left its first pieces, so two forwards in a row
-    use different slots. So forwards in graph mode start from forgotten slots, bring every
-    piece in themselves (the first into slot 0) and queue nothing past their end: each starts
-    from the same state and ends in it, and a replay needs only that the copies queued before
-    it are done (``before_replay``: the launch stream waits for tiermem's lanes). What that
-    costs is the first piece's copy, no longer hidden behind the previous forward's end.
+    the slots a forward uses. The eager forwards run on around the ring, use after use, and each
+    starts where the last one's tail prefetch left its first pieces, so two forwards in a row use
+    different slots. In graph mode every forward starts its count at slot 0 (and the first
+    staging buffer), and its tail brings the next forward's first pieces into slots 0, 1, ...:
+    each forward starts in the state the last one ended in, the capture's and every replay's
+    alike. Where an eager forward ran since, ``before_replay`` brings those first pieces back
+    into their slots before the launch, and the launch stream waits for tiermem's lanes. What
+    that costs against the eager rotation: at a forward's end its tail waits for the last users
+    of slots 0, 1, ..., which are (pieces mod slots) pieces from the end rather than a whole
+    window. A piece brought into a slot other than the one it last held is found in the new one
+    (``PinnedTransport._vacate``).
 
     One eager forward in graph mode runs before the capture, with the same shapes: it makes what
     the capture must find made (the chunks' copies and prepared launches of each piece in its
     slot and staging buffer, NOTE [packed chunks made once] in inference/transport.py; the first
-    launch's tables, copied to the device then). The capture itself runs the forward's Python
-    with tiermem's events resolved for it (NOTE [events across a capture] in cuda/capture.py),
-    untimed and untracked, and its moves are counted once a replay (core/stats.py's
-    ``count_delta``). A forward of other shapes, an order learned again, or an unwrap drops the
-    graph; the next forwards run eagerly until the capture can be made again.
+    launch's tables, copied to the device then) and leaves the first pieces where the capture
+    reads them. The capture runs the forward's Python with tiermem's events resolved for it
+    (NOTE [events across a capture] in cuda/capture.py), untimed and untracked, and its moves are
+    counted once a replay (core/stats.py's ``count_delta``). A forward of other shapes, an order
+    learned again, or an unwrap drops the graph; the next forwards run eagerly until the capture
+    can be made again.
 
     What stays eager, with the reason in ``off``: a backend without graphs (the fake one), a
     disk tier (host threads read the files), the expert cache (its choices are the host's, token
@@ -40,8 +45,11 @@ NOTE [graphed forwards]
     code makes that a capture forbids: a host sync, say) gives graphs up for this forward, logs
     the reason and runs the forward eagerly; torch is left as it was (pytorch/unwind.py).
 
-    The outputs are the graph's, copied: each call returns new tensors, and the model's results
-    are those of an eager forward bit for bit (the same kernels on the same inputs).
+    The outputs are the graph's, copied: each call returns new tensors. They are what torch's
+    capture of the model's forward computes: the eager forward's bits on the models of
+    tests/test_gpu_graphed_forward.py, and within rounding of them where torch's own capture of
+    the model differs from its eager run (a two-layer Llama of hidden size 4096, resident, with
+    no tiermem in it, differed by up to 0.0078 in its logits: bench/probes/probe_graphed_gemm.py).
 """
 from __future__ import annotations
 
@@ -105,6 +113,7 @@ class GraphedForward:
         self._epoch = -1
         self._settled = 0
         self._counts: dict[Any, int] = {}
+        self._mode = "stream"                   # how the captured forward moved its pieces
 
     def __repr__(self) -> str:
         state = "captured" if self.graph is not None else f"eager ({self.off})" if self.off else "eager"
@@ -171,6 +180,7 @@ class GraphedForward:
             return None
         self.captures += 1
         self.graph = g
+        self._mode = hd.forward_mode
         self._counts = count_delta(before, acc.snapshot())
         acc.count_many({k: -n for k, n in self._counts.items()})    # nothing ran yet: the replay counts them
         return self._replay(inputs, first=True)
@@ -199,7 +209,7 @@ class GraphedForward:
                 s.copy_(x)
         be = hd.tier.backend
         stream = be.current_stream()
-        hd.before_replay(stream)
+        hd.before_replay(stream, self._mode)
         self.graph.replay()
         be.replayed(stream)
         hd.tier.accounting.count_many(self._counts)

@@ -562,7 +562,7 @@ class TieredModule:
         self._fwd_mode = mode
         self._pos = -1
         if self._graph_mode and self._stream is not None and self._stream.nslots:
-            self._stream.forget_slots()       # NOTE [graphed forwards]: every piece brought in by this forward
+            self._stream.restart()            # NOTE [graphed forwards]: its first piece in slot 0
 
     def _root_post(self, module: Any, args: tuple, out: Any) -> None:
         if self._recording and self._trace:
@@ -572,8 +572,10 @@ class TieredModule:
                 # What a forward reads from disk, in order: the same in every mode that streams
                 # (a group on disk always takes a slot).
                 self._stream.disk.set_sequence([p for p in self._sequence("stream")[0] if p.group.on_disk])
-        if self._fwd_mode != "zero_copy" and not self._recording and self._stream is not None and not self._graph_mode:
+        if self._fwd_mode != "zero_copy" and not self._recording and self._stream is not None:
             self._cur = -1
+            if self._graph_mode and self._stream.nslots:
+                self._stream.restart()        # NOTE [graphed forwards]: where the next one starts
             self._stream.ahead(self._upcoming())   # the first streamed pieces of the next forward
 
     def _pieces(self, m: Any, mode: str) -> tuple[list[Piece], list[Piece]]:
@@ -708,10 +710,15 @@ class TieredModule:
         finally:
             self._graph_mode = before
 
+    @property
+    def forward_mode(self) -> str:
+        """How the last forward moved its streamed groups: "stream", "decode" or "zero_copy"."""
+        return self._fwd_mode
+
     @contextlib.contextmanager
     def capturing(self) -> Iterator[None]:
         """A forward inside is being captured (NOTE [events across a capture] in cuda/capture.py):
-        in graph mode, its copies untimed; the slots are forgotten after it."""
+        in graph mode, its copies untimed and untracked."""
         st = self._stream
         with self.graph_mode(), self.tier.backend.capturing():
             if st is not None:
@@ -721,16 +728,18 @@ class TieredModule:
             finally:
                 if st is not None:
                     st.capturing = False
-                    if st.nslots:
-                        st.forget_slots()
 
-    def before_replay(self, stream: int) -> None:
-        """A graph of a forward is launched on ``stream`` next: it waits for the copies queued
-        so far, and the host forgets the slots the graph rewrites."""
+    def before_replay(self, stream: int, mode: str) -> None:
+        """A graph of a forward in ``mode`` is launched on ``stream`` next (NOTE [graphed
+        forwards]): the forward's first pieces are brought into the slots the graph reads them
+        from, where a forward since moved them, and ``stream`` waits for every copy queued."""
         st = self._stream
-        if st is not None and st.nslots:
-            st.settle_into(stream)
-            st.forget_slots()
+        if st is None or not st.nslots:
+            return
+        if mode != "zero_copy":
+            st.restart()
+            st.ahead(self._sequence(mode)[0][:self.lookahead])
+        st.settle_into(stream)
 
     # -- lifecycle ------------------------------------------------------------------------------------
     def drain(self) -> None:

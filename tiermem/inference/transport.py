@@ -516,13 +516,10 @@ class PinnedTransport:
         self.count = 0                 # streamed group uses so far: use c runs in slot c % nslots
         self.capturing = False         # NOTE [graphed forwards] in inference/graphed.py: copies untimed, untracked
 
-    def forget_slots(self) -> None:
-        """Forget what the slots and staging buffers hold: the next forward brings every piece in
-        itself, its first into slot 0 and the first staging buffer (NOTE [graphed forwards] in
-        inference/graphed.py). The slots' events stay: a fill still waits for the last reader."""
-        for s in self.ring:
-            self.ring.vacate(s)
-        self.slot_of.clear()
+    def restart(self) -> None:
+        """The next piece used goes to slot 0, the next packed copy to the first staging buffer
+        (NOTE [graphed forwards] in inference/graphed.py): every forward in graph mode, and its
+        tail's prefetch of the next, use the same slots in the same order."""
         self.count = 0
         self._turn = 0
 
@@ -791,9 +788,7 @@ class PinnedTransport:
         # The slot holds nothing from here until the copy is queued and its event recorded: a
         # failure in between must not leave the old occupant's name on new bytes (a later
         # forward would compute with them; tests/test_module_faults.py).
-        old = self.ring.vacate(s)
-        if old is not None:
-            self.slot_of.pop(id(old), None)
+        self._vacate(slot)
         start, end = self._copy_in(p, s, stage)
         if stage is not None:
             self.disk.give_back(stage, end)
@@ -804,6 +799,14 @@ class PinnedTransport:
         s.occupant, s.held = p, _versions(p.group)
         self.slot_of[id(p)] = slot
         return True
+
+    def _vacate(self, slot: int) -> None:
+        """Forget ``slot``'s occupant before its bytes change. Its record of where it lies goes
+        only if it still says this slot: a piece brought into another slot since (a forward in
+        graph mode starts at slot 0, NOTE [graphed forwards]) is found there."""
+        old = self.ring.vacate(self.ring[slot])
+        if old is not None and self.slot_of.get(id(old)) == slot:
+            del self.slot_of[id(old)]
 
     def take_stage(self) -> Any:
         """The staging buffer the next packed copy crosses into (NOTE [quantized streaming]): they
@@ -821,9 +824,7 @@ class PinnedTransport:
         ``slot`` (NOTE [quantized streaming] in inference/quant.py, NOTE [packed parts] in
         inference/plan.py)."""
         s = self.ring[slot]
-        old = self.ring.vacate(s)          # as in _load: nothing names the slot's bytes until queued
-        if old is not None:
-            self.slot_of.pop(id(old), None)
+        self._vacate(slot)                 # as in _load: nothing names the slot's bytes until queued
         key = (id(p), slot)                # NOTE [packed chunks made once]: made the first times only
         rows = self._piece_rows(p) if key not in self._plans else []
 

@@ -78,6 +78,11 @@ ROWS: tuple[Row, ...] = (
         "prefill <= **{prefill_vs_bound_worst_int8:.2f}x; {prefill_vs_bound_worst_int4:.2f}x** the fp16 bound; logits "
         "cosine >= {logits_cosine_min_int8:.3f}; {logits_cosine_min_int4:.3f} (random weights)", optional=True,
         least=(("architectures", 5),)),
+    Row("the same, each forward one CUDA graph (`handle.graphed`), where the model's code allows a capture",
+        "offload_infer",
+        "prefill <= **{prefill_vs_bound_worst_captured_int8:.2f}x; {prefill_vs_bound_worst_captured_int4:.2f}x**, "
+        "decode <= {decode_vs_bound_worst_captured_int8:.2f}x; {decode_vs_bound_worst_captured_int4:.2f}x the fp16 "
+        "bound; logits agree with eager: {ok=graphed_logits_agree_eager}", optional=True),
     Row("a mixture of experts' decode with an expert cache of half the budget, skewed routing", "offload_infer",
         "**{moe_decode_vs_dense_bound_skewed:.2f}x** the dense fp16 bound; hit rate {moe_cache_hit_rate_skewed:.0%}",
         optional=True, least=(("architectures", 5),)),

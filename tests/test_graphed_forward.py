@@ -165,3 +165,47 @@ def test_forwards_whose_host_chooses_their_moves_stay_eager(tier, monkeypatch, w
         assert "disk" in h.graph_blockers()
     monkeypatch.undo()
     h.unwrap()
+
+
+def test_a_capture_that_fails_leaves_the_transport_as_if_it_never_ran(tier, fake, monkeypatch):
+    """A failed capture ran the forward's Python, none of its copies: the books would name pieces
+    in slots that were never filled, and a later forward would read those slots. So the slots
+    are forgotten and the capture's moves uncounted: the next forward brings in every piece it
+    uses, and its logits are right."""
+    import contextlib
+    model, h, ids = _wrap(tier, "int8", lookahead=4)
+    st = h._stream
+    monkeypatch.setattr(fake, "capturing", contextlib.nullcontext, raising=False)
+    with torch.no_grad():
+        want = model(ids).logits
+        with h.graph_mode():
+            model(ids)
+        h.drain()
+        moved = tier.stats()["moved_bytes.all.h2d"]
+        fills = []
+        real = st._load
+        st._load = lambda p, slot, wait=True: (fills.append(slot), real(p, slot, wait))[1]
+        # A forward stopped halfway (a host sync the capture refuses, in layer 2, say).
+        layer = model.model.layers[2].mlp
+        boom = layer.register_forward_pre_hook(lambda *a: (_ for _ in ()).throw(RuntimeError("sync in a capture")))
+        with pytest.raises(RuntimeError, match="sync"), h.capturing():
+            model(ids)
+        boom.remove()
+        assert fills and not st.slot_of and all(s.occupant is None for s in st.ring)
+        assert tier.stats()["moved_bytes.all.h2d"] == moved
+        fills.clear()
+        got = model(ids).logits
+    n = sum(len(g.pieces) for g in h._groups.values() if not g.pinned and g.slot_in("stream"))
+    assert len(fills) >= n                          # every piece brought in again
+    assert torch.equal(got, want)
+    h.unwrap()
+
+
+def test_a_live_kv_cache_keeps_forwards_eager(tier, monkeypatch):
+    model, h, ids = _wrap(tier)
+    monkeypatch.setattr(type(tier.backend), "kind", "cuda", raising=False)
+    assert h.graph_blockers() == ""
+    monkeypatch.setattr(h, "_kv_live", object())
+    assert "KV cache" in h.graph_blockers()
+    monkeypatch.undo()
+    h.unwrap()

@@ -41,9 +41,12 @@ NOTE [graphed forwards]
 
     What stays eager, with the reason in ``off``: a backend without graphs (the fake one), a
     disk tier (host threads read the files), the expert cache (its choices are the host's, token
-    by token), a relay or layers across GPUs. A capture that fails (an operation the model's
-    code makes that a capture forbids: a host sync, say) gives graphs up for this forward, logs
-    the reason and runs the forward eagerly; torch is left as it was (pytorch/unwind.py).
+    by token), tiermem's KV cache (it grows by each forward's tokens), a relay or layers across
+    GPUs. A capture that fails (an operation the model's code makes that a capture forbids: a
+    host sync, say) gives graphs up for this forward, logs the reason and runs the forward
+    eagerly; torch is left as it was (pytorch/unwind.py), and so is the transport: the failed
+    capture ran the forward's Python, whose books say pieces were copied into slots where no
+    copy ever ran, so the slots are forgotten and its moves uncounted (``handle.capturing``).
 
     The outputs are the graph's, copied: each call returns new tensors. They are what torch's
     capture of the model's forward computes: the eager forward's bits on the models of

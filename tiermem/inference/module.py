@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from ..base.limits import check_bytes, parse_bytes
+from ..core.stats import count_delta
 from ..errors import ConfigError, ConfigTypeError, DeviceFullError, TierMemError, WrapError
 from ..pytorch.held import CopyGuard, InstancePatch
 from ..roles import Evict, Role
@@ -693,6 +694,8 @@ class TieredModule:
             return "a relay brings part of its weights over another GPU's link"
         if self._cache is not None:
             return "its expert cache chooses the experts to move on the host, token by token"
+        if self._kv_live is not None:
+            return "its KV cache (kv_cache()) grows by each forward's tokens: a replay would write the captured rows again"
         return ""
 
     @property
@@ -718,13 +721,21 @@ class TieredModule:
     @contextlib.contextmanager
     def capturing(self) -> Iterator[None]:
         """A forward inside is being captured (NOTE [events across a capture] in cuda/capture.py):
-        in graph mode, its copies untimed and untracked."""
+        in graph mode, its copies untimed and untracked. A capture that fails ran the forward's
+        Python and none of its copies: the slots are forgotten and its moves uncounted."""
         st = self._stream
+        acc = self.tier.accounting
+        before = acc.snapshot()
         with self.graph_mode(), self.tier.backend.capturing():
             if st is not None:
                 st.capturing = True
             try:
                 yield
+            except BaseException:
+                if st is not None and st.nslots:
+                    st.forget_slots()
+                acc.count_many({k: -n for k, n in count_delta(before, acc.snapshot()).items()})
+                raise
             finally:
                 if st is not None:
                     st.capturing = False

@@ -516,6 +516,14 @@ class PinnedTransport:
         self.count = 0                 # streamed group uses so far: use c runs in slot c % nslots
         self.capturing = False         # NOTE [graphed forwards] in inference/graphed.py: copies untimed, untracked
 
+    def forget_slots(self) -> None:
+        """Forget what every slot holds (after a capture that failed: its forward's Python ran,
+        so the books name pieces whose copies never did); the next forward brings in what it
+        uses. The slots' events stay: a fill still waits for the last reader."""
+        for i in range(len(self.ring)):
+            self._vacate(i)
+        self.restart()
+
     def restart(self) -> None:
         """The next piece used goes to slot 0, the next packed copy to the first staging buffer
         (NOTE [graphed forwards] in inference/graphed.py): every forward in graph mode, and its

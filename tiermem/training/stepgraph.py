@@ -39,9 +39,13 @@ NOTE [whole-step graphs]
     ``off``, and the step runs eagerly: no step is lost. Gradient clipping, accumulation and
     data parallelism keep the steps eager (``blockers``).
 
-    Losses are those of the eager steps, bit for bit: the graph replays the kernels the eager
-    step launched, with the same inputs at the same addresses; dropout draws from torch's
-    generator, which a graph advances per replay as an eager step does.
+    Losses are those of the eager steps, bit for bit, on the models the tests and benches
+    capture (tests/test_gpu_stepgraph.py): the graph replays the kernels the eager step launched,
+    with the same inputs at the same addresses; dropout draws from torch's generator, which a
+    graph advances per replay as an eager step does. That holds where torch's capture of the
+    model's own ops launches what its eager run does: a resident transformers Llama of hidden
+    size 4096, captured by torch alone, differed from its eager forward at rounding level
+    (bench/probes/probe_graphed_gemm.py; NOTE [graphed forwards] in inference/graphed.py).
 """
 from __future__ import annotations
 

@@ -695,7 +695,8 @@ class TieredModule:
         if self._cache is not None:
             return "its expert cache chooses the experts to move on the host, token by token"
         if self._kv_live is not None:
-            return "its KV cache (kv_cache()) grows by each forward's tokens: a replay would write the captured rows again"
+            return ("its KV cache (kv_cache()) grows by each forward's tokens: a replay would write the "
+                    "captured rows again")
         return ""
 
     @property
@@ -705,8 +706,8 @@ class TieredModule:
 
     @contextlib.contextmanager
     def graph_mode(self) -> Iterator[None]:
-        """Forwards inside start with the slots forgotten and queue nothing past their end
-        (NOTE [graphed forwards])."""
+        """Forwards inside start at slot 0, and each one's tail brings the next one's first pieces
+        into slots 0, 1, ... (NOTE [graphed forwards])."""
         before, self._graph_mode = self._graph_mode, True
         try:
             yield

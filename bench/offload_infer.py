@@ -241,6 +241,38 @@ def measure_loop(model, ids, forwards: int, spans: int, decode_tokens: int):
     return pre, t / decode_tokens
 
 
+def resident_graphed(model, ids, forwards: int, spans: int) -> dict:
+    """The resident model's prefill captured by torch alone (no tiermem), timed as the others:
+    the floor a graphed streamed prefill is set against. {"prefill_ms"}, or {"error"} where the
+    model's code refuses a capture (torch is then put back as it was: tiermem/pytorch/unwind.py)."""
+    import torch
+
+    from tiermem.pytorch.unwind import clear_frames, first_cause, release_graph, unroute
+    static = ids.clone()
+    g, pool, prev = torch.cuda.CUDAGraph(), torch.cuda.graph_pool_handle(), torch.cuda.current_stream()
+    why = ""
+    try:
+        with torch.no_grad():
+            side = torch.cuda.Stream()
+            side.wait_stream(prev)
+            with torch.cuda.stream(side):            # warm-up off the capture, as torch asks
+                model(static, use_cache=False)
+            prev.wait_stream(side)
+            with torch.cuda.graph(g, pool=pool):
+                model(static, use_cache=False)
+    except Exception as e:   # noqa: BLE001 - reported; the bench goes on
+        why = first_cause(e)
+        clear_frames(e)
+    if why:
+        unroute(torch, g, pool, prev)
+        release_graph(torch, g, pool)
+        return {"error": why}
+    try:
+        return {"prefill_ms": median(steady_times(g.replay, forwards, spans, warmup=2)) * 1e3}
+    finally:
+        release_graph(torch, g)
+
+
 def measure_graphed(model, hd, ids, forwards: int, spans: int, eager_logits, decode_tokens: int = 0) -> dict:
     """The prefill as a graphed forward (NOTE [graphed forwards] in tiermem/inference/graphed.py),
     timed in the same steady state after its capture: its ms, whether its logits are the eager
@@ -458,6 +490,8 @@ def run_arch(arch, args, link, watch, raw, atomic):
     progress(f"{arch}: resident")
     pre, dec, ref_tokens = measure(model, ids, args.forwards, args.reps, args.decode_tokens, 3)
     r["resident"] = {"prefill_ms": pre * 1e3, "decode_ms_per_token": dec * 1e3}
+    if not args.no_graphed:
+        r["resident"]["graphed"] = resident_graphed(model, ids, args.forwards, args.reps)
     with torch.no_grad():
         ref_logits = model(ids, use_cache=False).logits
 

@@ -94,3 +94,25 @@ def test_graphed_prefills_have_their_own_worst_figure_and_goal():
     assert metrics["prefill_vs_bound_worst_graphed_int8"] == 0.9 and metrics["prefill_vs_bound_worst_captured_int8"] == 0.5
     assert metrics["decode_vs_bound_worst_captured_int8"] == 0.55
     assert any("phi" in n and "stayed eager" in n and "sync" in n for n in notes)
+
+
+def test_a_graphed_prefill_is_set_against_the_resident_prefill_graphed():
+    """The floor of a graphed prefill: the resident model's prefill captured by torch alone, or
+    the plan's bytes, whichever is slower; the note on the goal says whether graphs could reach it."""
+    def q(pre, graphed):
+        return {**_q(pre, pre, 100, 0.9995), "graphed": {"prefill_ms": graphed, "logits_equal_eager": True,
+                                                         "captures": 1, "replays": 9, "off": ""}}
+    archs = {"qwen2": {"resident": {"prefill_ms": 45, "graphed": {"prefill_ms": 12}}, "quant": {"int4": q(90, 36)}},
+             "phi": {"resident": {"prefill_ms": 40, "graphed": {"prefill_ms": 60}}, "quant": {"int4": q(90, 70)}},
+             "gpt_neox": {"resident": {"prefill_ms": 40, "graphed": {"error": "RuntimeError: sync"}},
+                          "quant": {"int4": q(90, 36)}}}
+    metrics, checks, notes = {}, {}, []
+    infer_quant.add_metrics(archs, metrics, checks, notes)
+    # qwen2: the plan's bytes (50 ms) are slower than its graphed resident prefill (12 ms)
+    assert metrics["prefill_vs_floor_graphed.qwen2.int4"] == 0.72
+    assert metrics["prefill_vs_floor_graphed.phi.int4"] == round(70 / 60, 3)
+    assert "prefill_vs_floor_graphed.gpt_neox.int4" not in metrics
+    assert metrics["prefill_vs_floor_worst_graphed_int4"] == round(70 / 60, 3)
+    qwen2 = [n for n in notes if n.startswith("qwen2") and "resident" in n]
+    phi = [n for n in notes if n.startswith("phi") and "resident" in n]
+    assert qwen2 and "no graphed one" not in qwen2[0] and phi and "no graphed one either" in phi[0]

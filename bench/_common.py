@@ -279,5 +279,12 @@ def profile_to(path: str, fn: Callable[[], Any], what: str) -> None:
 
 
 def slots(args) -> dict:
-    """wrap_module's ``lookahead`` where --lookahead gives one, else nothing (its default)."""
-    return {} if getattr(args, "lookahead", None) is None else {"lookahead": args.lookahead}
+    """wrap_module's ``lookahead`` and ``max_group_bytes`` where --lookahead and --max-group-bytes
+    give them, else nothing (its defaults)."""
+    out = {}
+    if getattr(args, "lookahead", None) is not None:
+        out["lookahead"] = args.lookahead
+    if getattr(args, "max_group_bytes", None) is not None:
+        from tiermem.planning import parse_bytes
+        out["max_group_bytes"] = parse_bytes(args.max_group_bytes)
+    return out

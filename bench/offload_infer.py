@@ -415,6 +415,9 @@ def main() -> None:
     ap.add_argument("--ckpt-dir", default=None, help="where those checkpoints are written (default: a temporary folder)")
     ap.add_argument("--lookahead", type=int, default=None, help="tiermem's streamed groups in flight (wrap_module's "
                     "lookahead; default: its own): fewer slots leave more of the budget to resident groups")
+    ap.add_argument("--max-group-bytes", default=None, help="the largest streamed group (wrap_module's "
+                    "max_group_bytes: bytes or '64MiB'; default: its own): smaller slots leave more of the budget "
+                    "to resident groups, for more pieces a forward")
     ap.add_argument("--no-graphed", action="store_true", help="skip the prefills as graphed forwards "
                     "(handle.graphed: NOTE [graphed forwards])")
     ap.add_argument("--tag", default="", help="appended to the JSON's name: runs of parts of the matrix on one day")
@@ -429,7 +432,7 @@ def main() -> None:
     archs = [a.strip() for a in args.archs.split(",") if a.strip()]
     metrics: dict = {}
     checks: dict = {}
-    raw: dict = {"lookahead": args.lookahead, "tokens": args.tokens, "decode_tokens": args.decode_tokens, "reps": args.reps,
+    raw: dict = {"lookahead": args.lookahead, "max_group_bytes": args.max_group_bytes, "tokens": args.tokens, "decode_tokens": args.decode_tokens, "reps": args.reps,
                  "budget": args.budget, "margin_GB": args.margin_gb, "small_gpu": not args.no_small_gpu, "archs": {},
                  "prefill_timing": STEADY.format(warmup=2, spans=args.reps, forwards=args.forwards),
                  "bound": "(weights - budget - embeddings read in place) / pinned H2D measured in this run "

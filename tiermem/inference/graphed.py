@@ -9,8 +9,9 @@ NOTE [graphed forwards]
     costs the model's own Python (transformers' modules, their checks and masks) and tiermem's
     hooks (a slot to pick, copies and events to queue, a chunk's dequantization to launch), and
     the GPU waits for it. With weights packed to a quarter of their bytes (NOTE [quantized
-    streaming] in inference/quant.py) the link's share of a forward falls below the host's, and
-    a forward took up to 2.4x its floor (docs/inference.md). A CUDA graph of the whole forward
+    streaming] in inference/quant.py) the link's share of a forward falls below the host's: an
+    int4 prefill took up to 2.7x its floor, the slower of the resident prefill and the plan's bytes
+    (bench/results/offload_infer-h200-20261130-quant.json). A CUDA graph of the whole forward
     takes the host out: one launch replays every copy, dequantization, kernel and cross-stream
     wait the forward queued, so a forward costs the link's time or the GPU's, whichever is more.
 

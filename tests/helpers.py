@@ -187,3 +187,14 @@ def tiny_qwen2_moe(transformers: Any, impl: str | None = None) -> Any:
         torch.set_default_dtype(old)
     m.generation_config.pad_token_id, m.generation_config.eos_token_id = 0, None
     return m
+
+
+def tiny_llama(dtype: Any = torch.float32) -> tuple[Any, Any]:
+    """A 4-layer transformers Llama of hidden size 256 (untied, GQA 2:1), seeded, in eval mode on
+    the host, and its config: the quantized and graphed streaming tests' model."""
+    import pytest
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=1024, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg).to(dtype).eval(), cfg

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import share
+from helpers import share, tiny_llama
 
 from tiermem.errors import ConfigError, TierMemError
 from tiermem.inference.graphed import SETTLED_FORWARDS, GraphedForward
@@ -13,16 +13,8 @@ from tiermem.inference.graphed import SETTLED_FORWARDS, GraphedForward
 GROUP = 512 << 10        # max_group_bytes: the tiny Llama's sublayers are groups of their own
 
 
-def _llama(dtype=torch.float32):
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
-                                   num_key_value_heads=2, vocab_size=1024, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(cfg).to(dtype).eval(), cfg
-
-
 def _wrap(tier, fmt=None, lookahead=3):
-    model, cfg = _llama()
+    model, cfg = tiny_llama()
     h = tier.wrap_module(model, budget=share(model, 40), stream_dtype=fmt, mode="stream", max_group_bytes=GROUP,
                          lookahead=lookahead)
     ids = torch.randint(0, cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))

@@ -9,7 +9,7 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
-from helpers import share
+from helpers import share, tiny_llama
 
 import tiermem
 from tiermem.inference import quant, transport
@@ -293,14 +293,6 @@ def test_a_slot_holds_the_reference_dequantization_of_its_home(tier, fake, fmt, 
         assert g_t.dtype == dtype
 
 
-def _llama(dtype=torch.float32):
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
-                                   num_key_value_heads=2, vocab_size=1024, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(cfg).to(dtype).eval(), cfg
-
-
 # Logits against the model's own on a tiny random Llama (fp32 on the CPU). Random weights compound
 # the weights' error through the layers more than trained ones do (docs/inference.md, "What it
 # costs in accuracy"); these floors are the measured values less a margin.
@@ -312,7 +304,7 @@ GROUP = 512 << 10        # max_group_bytes: the tiny Llama's sublayers are group
 
 @pytest.mark.parametrize("fmt", quant.FORMATS)
 def test_tiny_llama_logits_stay_close_and_forwards_move_the_packed_bytes(tier, fmt):
-    model, cfg = _llama()
+    model, cfg = tiny_llama()
     ref = copy.deepcopy(model)
     plain = copy.deepcopy(model)
     ids = torch.randint(0, cfg.vocab_size, (2, 24))
@@ -358,7 +350,7 @@ def test_tiny_llama_logits_stay_close_and_forwards_move_the_packed_bytes(tier, f
 
 
 def test_streamed_windows_fit_the_budget_with_their_staging(tier, fake):
-    model, cfg = _llama(torch.float16)
+    model, cfg = tiny_llama(torch.float16)
     h = tier.wrap_module(model, budget=share(model, 40), stream_dtype="int4", max_group_bytes=GROUP)
     st = h._stream
     assert st.stage_bytes == max(min(g.packed_nbytes, quant.QSTAGE_BYTES) for g in h._groups.values() if g.packed)
@@ -378,7 +370,7 @@ def test_a_group_crosses_in_as_few_chunks_as_its_staging_allows(tier, monkeypatc
     bigger one in chunks that each fit, covering its rows once, in order."""
     if stage is not None:
         monkeypatch.setattr(quant, "QSTAGE_BYTES", stage)
-    model, cfg = _llama(torch.float16)
+    model, cfg = tiny_llama(torch.float16)
     h = tier.wrap_module(model, budget=share(model, 40), stream_dtype="int8", max_group_bytes=GROUP)
     st = h._stream
     applied = []
@@ -420,7 +412,7 @@ def test_each_chunk_is_dequantized_after_its_copy_and_its_buffer_refilled_after_
     after its copy's end; a staging buffer is filled again only after the dequantization that
     read it last; a slot is ready once its last chunk is dequantized."""
     monkeypatch.setattr(quant, "QSTAGE_BYTES", 40_000)          # several chunks a group
-    model, cfg = _llama(torch.float16)
+    model, cfg = tiny_llama(torch.float16)
     h = tier.wrap_module(model, budget=share(model, 40), stream_dtype="int4", max_group_bytes=GROUP)
     st = h._stream
     assert st.dq.stream != st.lane.stream
@@ -459,7 +451,7 @@ def test_each_chunk_is_dequantized_after_its_copy_and_its_buffer_refilled_after_
 
 
 def test_a_forward_that_records_gradients_is_refused_and_unwrap_restores_the_dequantized_weights(tier):
-    model, cfg = _llama()
+    model, cfg = tiny_llama()
     model.requires_grad_(True)
     ids = torch.randint(0, cfg.vocab_size, (1, 8))
     h = tier.wrap_module(model, budget=share(model, 40), stream_dtype="int8", max_group_bytes=GROUP)
@@ -500,7 +492,7 @@ def test_few_token_forwards_stream_packed_experts_whole(tier, fake):
 
 
 def test_load_pretrained_quantizes_the_checkpoint_as_it_reads_it(tier, fake, tmp_path):
-    model, cfg = _llama(torch.float16)
+    model, cfg = tiny_llama(torch.float16)
     model.save_pretrained(tmp_path)
     ids = torch.randint(0, cfg.vocab_size, (1, 12))
     t0 = tiermem.Tier(backend=type(fake)(total=1 << 30))
@@ -701,7 +693,7 @@ def test_a_forward_queues_few_host_calls_per_streamed_piece(tier, fake, monkeypa
     views and prepares no dequantization, and a piece that crosses in one chunk costs one copy
     (its members lie in the staging buffer as in their home), one dequantization job for
     its packed members, and four events."""
-    model, cfg = _llama(torch.float16)
+    model, cfg = tiny_llama(torch.float16)
     h = tier.wrap_module(model, budget=share(model, 40), stream_dtype=fmt, max_group_bytes=GROUP, mode="stream")
     st = h._stream
     pieces = [p for g in h._groups.values() if g.packed and not g.pinned for p in g.pieces]
